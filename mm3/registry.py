@@ -1,0 +1,77 @@
+"""A models folder sorted into the five component buckets by architecture (header reads only)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .components import ARCH_OF, ARCHITECTURES, DESCRIPTIONS, KINDS
+from .gguf.errors import ComponentError, GGUFFormatError
+from .gguf.reader import read_architecture
+
+
+@dataclass
+class Registry:
+    """Files of one or more folders: `buckets[kind]` are sorted file names; `foreign` lists every
+    other `.gguf` file with its architecture or the reason it could not be read."""
+
+    folders: list[str]
+    buckets: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    paths: dict[str, str] = field(default_factory=dict)  # file name -> full path
+    foreign: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def scan(cls, *folders: str | os.PathLike) -> "Registry":
+        reg = cls([str(f) for f in folders])
+        for folder in folders:
+            folder = Path(folder)
+            if not folder.is_dir():
+                continue
+            for p in sorted(folder.rglob("*.gguf")):
+                if not p.is_file():
+                    continue
+                name = p.relative_to(folder).as_posix()
+                if name in reg.paths:
+                    continue  # the first folder wins, as with ComfyUI's model paths
+                try:
+                    arch = read_architecture(p)
+                except (GGUFFormatError, OSError) as e:
+                    reg.foreign.append((name, f"unreadable: {e}"))
+                    continue
+                kind = ARCHITECTURES.get(arch)
+                if kind is None:
+                    reg.foreign.append((name, f"architecture {arch!r}"))
+                    continue
+                reg.buckets[kind].append(name)
+                reg.paths[name] = str(p)
+        for names in reg.buckets.values():
+            names.sort()  # native BF16/F32 sort before Q..., so "" picks the native file
+        return reg
+
+    def resolve(self, kind: str, name: str = "") -> str:
+        """Full path of `name` in the `kind` bucket; "" picks the first file of the bucket."""
+        names = self.buckets[kind]
+        where = ", ".join(self.folders) or "(no folder)"
+        if not name:
+            if not names:
+                raise ComponentError(
+                    f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {where}")
+            return self.paths[names[0]]
+        if name in names:
+            return self.paths[name]
+        for n in names:  # a bare file name also finds a file in a subfolder
+            if os.path.basename(n) == name:
+                return self.paths[n]
+        listing = ", ".join(names) if names else "none"
+        raise ComponentError(
+            f"unknown {ARCH_OF[kind]} model {name!r} in {where} (available: {listing})")
+
+    def report(self) -> str:
+        lines = []
+        for kind in KINDS:
+            names = self.buckets[kind]
+            lines.append(f"{ARCH_OF[kind]:10s} {', '.join(names) if names else '(none)'}")
+        for name, why in self.foreign:
+            lines.append(f"skipped    {name}: {why}")
+        return "\n".join(lines)
