@@ -31,6 +31,7 @@ _SCALARS = {
     GGUFValueType.FLOAT32: "<f", GGUFValueType.FLOAT64: "<d",
     GGUFValueType.BOOL: "<?",
 }
+_VALUE_TYPE_IDS = {int(v) for v in GGUFValueType}
 _NUMPY_OF = {
     GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1",
     GGUFValueType.UINT16: "<u2", GGUFValueType.INT16: "<i2",
@@ -222,9 +223,17 @@ class GGUFFile:
                 f"{self.path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata entries "
                 f"in a {self.file_size}-byte file)")
         self.metadata: dict[str, object] = {}
+        self.value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
         for i in range(n_kv):
             key = c.string(f"metadata key #{i}")
-            self.metadata[key] = c.value(c.value_type(key), key)
+            vtype = c.value_type(key)
+            etype = None
+            if vtype == GGUFValueType.ARRAY:
+                c.need(4, key)
+                raw_etype = struct.unpack_from("<I", self._map, c.pos)[0]
+                etype = GGUFValueType(raw_etype) if raw_etype in _VALUE_TYPE_IDS else None
+            self.metadata[key] = c.value(vtype, key)
+            self.value_types[key] = (vtype, etype)
         infos = []
         for i in range(n_tensors):
             name = c.string(f"tensor name #{i}")

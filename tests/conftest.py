@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random MiniMax Music 3 models, built once per test session."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # test helpers (gguf_util, ...) import as top-level modules
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+CORPUS = SHARED / "corpus" / "demo_prompts"
+
+
+def _build(tmp_path_factory, vocab):
+    from mm3.tiny import build_tiny
+
+    out = tmp_path_factory.mktemp(f"tiny_{vocab}")
+    build_tiny(out, seed=0, vocab=vocab)
+    return Tiny(out)
+
+
+class Tiny:
+    """Paths of a built tiny model: `diffusers` (reference layout), `gguf` (the five files)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.diffusers = self.root / "diffusers"
+        self.gguf = self.root / "gguf"
+
+    def file(self, arch: str) -> Path:
+        from mm3.gguf import read_architecture
+
+        for p in sorted(self.gguf.glob("*.gguf")):
+            if read_architecture(p) == arch:
+                return p
+        raise FileNotFoundError(f"no {arch} file in {self.gguf}")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Small-vocabulary tiny model (specials at 256..265, code offset 266); fast."""
+    return _build(tmp_path_factory, "small")
+
+
+@pytest.fixture(scope="session")
+def tiny_real_ids(tmp_path_factory):
+    """Tiny model whose special tokens sit at the released ids (vocab 151675 + codes)."""
+    return _build(tmp_path_factory, "real")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """Tiny model carrying the real Qwen3 vocabulary and merges."""
+    pytest.importorskip("tokenizers")
+    return _build(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    """The demo prompt requests (caption, lyrics, duration), or a skip where the folder is absent."""
+    import json
+
+    if not CORPUS.is_dir():
+        pytest.skip(f"demo prompt corpus not found at {CORPUS}")
+    return {p.stem: json.loads(p.read_text()) for p in sorted(CORPUS.glob("*.json"))}

@@ -1,0 +1,113 @@
+"""The operations seam: layers built from compressed GGUF tensors compute what the dequantized
+weights (gguf-py's dequantization) compute with plain torch layers."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gguf_util import write_gguf
+from mm3.gguf import ComponentError, GGUFFile
+from mm3.gguf import ops
+from mm3.gguf.ops import compressed_nbytes, load_tensors
+
+Q = gguf.GGMLQuantizationType
+
+
+def reference_weight(f: GGUFFile, name: str) -> torch.Tensor:
+    """The tensor as gguf-py's reader and numpy dequantizer see it, in torch order."""
+    ref = {t.name: t for t in gguf.GGUFReader(f.path).tensors}[name]
+    values = gguf.quants.dequantize(np.asarray(ref.data), ref.tensor_type)
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(f.tensors[name].shape)
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = ops.Linear(64, 8, bias=True)
+        self.table = ops.Embedding(40, 256)
+        self.conv = ops.Conv1d(6, 4, 3, padding=1)
+        self.up = ops.ConvTranspose1d(4, 2, 4, stride=2, padding=1)
+        self.scale = ops.Vector(8)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    rng = np.random.default_rng(1)
+    return write_gguf(tmp_path / "m.gguf", "mm3-test", {}, {
+        "proj.weight": (Q.Q8_0, rng.standard_normal((8, 64))),
+        "proj.bias": rng.standard_normal(8).astype(np.float32),
+        "table.weight": (Q.Q5_0, rng.standard_normal((40, 256))),
+        "conv.weight": rng.standard_normal((4, 6, 3)).astype(np.float16),
+        "conv.bias": rng.standard_normal(4).astype(np.float32),
+        "up.weight": rng.standard_normal((4, 2, 4)).astype(np.float32),
+        "up.bias": rng.standard_normal(2).astype(np.float32),
+        "scale.weight": rng.standard_normal(8).astype(np.float32),
+    })
+
+
+def test_layers_match_plain_torch(model_file):
+    f = GGUFFile(model_file)
+    m = Tiny()
+    used = load_tensors(m, f.tensors, source=f.path)
+    assert len(used) == 8
+    x = torch.randn(3, 64)
+    w = reference_weight(f, "proj.weight")
+    torch.testing.assert_close(m.proj(x), F.linear(x, w, reference_weight(f, "proj.bias")), rtol=0, atol=0)
+
+    ids = torch.tensor([[0, 39, 7], [7, 7, 1]])
+    table = reference_weight(f, "table.weight")
+    assert torch.equal(m.table.lookup(ids, torch.float32), F.embedding(ids, table))
+    assert m.table.lookup(ids, torch.bfloat16).dtype == torch.bfloat16
+
+    x = torch.randn(2, 6, 10)
+    ref = F.conv1d(x, reference_weight(f, "conv.weight"), reference_weight(f, "conv.bias"), padding=1)
+    torch.testing.assert_close(m.conv(x), ref, rtol=0, atol=0)
+    y = torch.randn(2, 4, 10)
+    ref = F.conv_transpose1d(y, reference_weight(f, "up.weight"), reference_weight(f, "up.bias"), stride=2, padding=1)
+    torch.testing.assert_close(m.up(y), ref, rtol=0, atol=0)
+    assert torch.equal(m.scale(), reference_weight(f, "scale.weight"))
+
+
+def test_weights_stay_compressed(model_file):
+    f = GGUFFile(model_file)
+    m = Tiny()
+    load_tensors(m, f.tensors, source=f.path)
+    assert m.proj.weight.dtype == torch.uint8 and m.table.weight.dtype == torch.uint8
+    expected = sum(t.nbytes for t in f.tensors.values())
+    assert compressed_nbytes(m) == expected
+    m.to(torch.bfloat16)  # a dtype move must not touch the block bytes
+    assert m.proj.weight.dtype == torch.uint8
+    assert m.proj(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_missing_misshaped_and_unexpected_tensors(tmp_path, model_file):
+    f = GGUFFile(model_file)
+    tensors = dict(f.tensors)
+    del tensors["conv.bias"]
+    with pytest.raises(ComponentError, match=r"m\.gguf: missing tensor\(s\) conv\.bias"):
+        load_tensors(Tiny(), tensors, source=f.path)
+
+    class Wrong(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.proj = ops.Linear(32, 8)
+
+    with pytest.raises(ComponentError, match=r"m\.gguf: tensor proj\.weight has shape \[8, 64\], expected \[8, 32\]"):
+        load_tensors(Wrong(), f.tensors, source=f.path)
+
+    class Fewer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = ops.Vector(8)
+
+    with pytest.raises(ComponentError, match=r"unexpected tensor\(s\) conv\.bias"):
+        load_tensors(Fewer(), f.tensors, source=f.path)
+    assert load_tensors(Fewer(), f.tensors, source=f.path, strict=False) == ["scale.weight"]
+
+
+def test_unloaded_slot_is_a_clear_error():
+    with pytest.raises(ComponentError, match="never loaded"):
+        ops.Linear(4, 4)(torch.randn(1, 4))
