@@ -1,0 +1,155 @@
+"""MM3Request: the request JSON shared with minimaxmusic.cpp (SPEC section 9).
+
+Every field has a default and omitting one equals sending its default. Validation follows the
+reference server's order and words, so a request refused there is refused here with the same
+message; checks the server leaves to the job (types, ranges) get messages that name the field,
+the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import asdict, dataclass, fields, replace
+
+FRAME_RATE = 25  # LM frames per second (24000 Hz / hop 960)
+MAX_FRAMES = 9000  # the reference's cap on planned frames
+MAX_DURATION = MAX_FRAMES / FRAME_RATE
+OUTPUT_FORMATS = ("mp3", "wav16", "wav24", "wav32")
+MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)  # MPEG-1 layer III
+MAX_LM_BATCH = 16
+MODEL_FIELDS = {"lm": "lm_model", "depth": "depth_model", "cond": "cond_model", "dit": "dit_model",
+                "vae": "vae_model"}
+SEED_MAX = 2**32 - 1  # resolved random seeds are uint32, as the reference server's
+
+
+class RequestError(ValueError):
+    """An invalid request; the message is what the reference server answers (HTTP 400)."""
+
+
+@dataclass
+class MM3Request:
+    caption: str = ""
+    lyrics: str = ""
+    duration: float = 60.0
+    steps: int = 30
+    seed: int = -1
+    lm_seed: int = -1
+    lm_cfg: float = 1.5
+    lm_top_k: int = 50
+    lm_batch_size: int = 1
+    synth_batch_size: int = 1
+    dit_cfg: float = 1.7
+    peak_clip: int = 10
+    output_format: str = "mp3"
+    mp3_bitrate: int = 128
+    audio_codes: str = ""
+    lm_model: str = ""
+    depth_model: str = ""
+    cond_model: str = ""
+    dit_model: str = ""
+    vae_model: str = ""
+
+    # -- JSON ---------------------------------------------------------------------------------
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "MM3Request":
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RequestError("Malformed JSON") from None
+        if not isinstance(data, dict):
+            raise RequestError("Malformed JSON")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MM3Request":
+        kwargs = {}
+        for f in fields(cls):
+            if f.name not in data or data[f.name] is None:
+                continue
+            v = data[f.name]
+            if f.type == "str":
+                if not isinstance(v, str):
+                    raise RequestError(f"{f.name} must be a string, got {json.dumps(v)}")
+            elif f.type == "int":
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise RequestError(f"{f.name} must be an integer, got {json.dumps(v)}")
+            elif f.type == "float":
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise RequestError(f"{f.name} must be a number, got {json.dumps(v)}")
+                v = float(v)
+            kwargs[f.name] = v
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, ensure_ascii=False)
+
+    # -- validation -----------------------------------------------------------------------------
+    def validate(self) -> "MM3Request":
+        """Check the request; returns it unchanged. The prompt-token budget and the model names
+        need the LM and the models folder, so the pipeline checks those."""
+        if not self.caption.strip() or not self.lyrics.strip():
+            raise RequestError("caption and lyrics are required")
+        if not (self.duration > 0):
+            raise RequestError("duration must be positive")
+        if self.duration > MAX_DURATION and not self.audio_codes:
+            raise RequestError(f"duration must be at most {MAX_DURATION:g} seconds ({MAX_FRAMES} frames), "
+                               f"got {self.duration:g}")
+        if self.steps < 2:
+            raise RequestError("steps must be at least 2")
+        if not 1 <= self.lm_batch_size <= MAX_LM_BATCH:
+            raise RequestError(f"lm_batch_size must be between 1 and {MAX_LM_BATCH}, got {self.lm_batch_size}")
+        if not 1 <= self.synth_batch_size <= 9:
+            raise RequestError("synth_batch_size must be between 1 and 9")
+        if self.audio_codes:
+            check_codes_syntax(self.audio_codes)
+        if self.output_format not in OUTPUT_FORMATS:
+            raise RequestError("Invalid output_format (use: mp3, wav16, wav24, wav32)")
+        if self.lm_top_k < 1:
+            raise RequestError(f"lm_top_k must be at least 1, got {self.lm_top_k}")
+        if not (self.lm_cfg == self.lm_cfg and self.dit_cfg == self.dit_cfg):  # NaN
+            raise RequestError("lm_cfg and dit_cfg must be numbers")
+        if self.output_format == "mp3" and self.mp3_bitrate not in MP3_BITRATES:
+            raise RequestError(f"mp3_bitrate must be one of {', '.join(map(str, MP3_BITRATES))}, "
+                               f"got {self.mp3_bitrate}")
+        for name in ("seed", "lm_seed"):
+            v = getattr(self, name)
+            if v < -1 or v > SEED_MAX:
+                raise RequestError(f"{name} must be -1 (random) or 0..{SEED_MAX}, got {v}")
+        return self
+
+    @property
+    def clamped_peak_clip(self) -> int:
+        return min(max(self.peak_clip, 0), 999)
+
+    def resolve_seeds(self) -> "MM3Request":
+        """A copy whose -1 seeds are replaced by random ones (written back into replay files)."""
+        return replace(
+            self,
+            seed=self.seed if self.seed >= 0 else secrets.randbelow(SEED_MAX + 1),
+            lm_seed=self.lm_seed if self.lm_seed >= 0 else secrets.randbelow(SEED_MAX + 1),
+        )
+
+    def replay(self, audio_codes: str, song: int = 0, variation: int = 0) -> "MM3Request":
+        """The request that re-renders one track: its codes, its exact seeds, batch sizes 1."""
+        return replace(self, audio_codes=audio_codes, lm_seed=self.lm_seed + song, seed=self.seed + variation,
+                       lm_batch_size=1, synth_batch_size=1)
+
+
+def check_codes_syntax(text: str) -> int:
+    """Number of frames in a flat `audio_codes` list; the reference server's two errors."""
+    allowed = set("0123456789,- \t\r\n")
+    if any(ch not in allowed for ch in text):
+        raise RequestError("Invalid audio_codes")
+    items = [s.strip() for s in text.split(",")]
+    if items and items[-1] == "":
+        items.pop()  # a trailing comma
+    for s in items:
+        if not s or not s.lstrip("-").isdigit() or s.count("-") > 1 or ("-" in s and not s.startswith("-")):
+            raise RequestError("Invalid audio_codes")
+    if len(items) % 8 or len(items) < 16:
+        raise RequestError("audio_codes needs 8 codes per frame, at least 2 frames")
+    return len(items) // 8
