@@ -27,12 +27,20 @@ def describe(path: str) -> dict:
         comp.close()
 
 
+def human_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def _print_text(d: dict):
     print(f"{d['file']}")
     print(f"  component   {d['component']} ({d['description']}), architecture {d['architecture']}")
     quants = ", ".join(f"{k} x{v}" for k, v in d["quant_types"].items())
     print(f"  tensors     {d['tensors']} ({quants}), file type {d['file_type']}")
-    print(f"  size        {d['file_bytes'] / 2**20:.1f} MiB")
+    print(f"  size        {human_size(d['file_bytes'])}")
     for k, v in d["hparams"].items():
         if k in ("architectures", "dtype", "torch_dtype", "transformers_version", "model_type"):
             continue

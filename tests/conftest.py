@@ -21,12 +21,12 @@ def _build(tmp_path_factory, vocab):
 
 
 class Tiny:
-    """Paths of a built tiny model: `diffusers` (reference layout), `gguf` (the five files)."""
+    """Paths of a built tiny model: `diffusers` (reference layout), `gguf` (the folder of the five files)."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
         self.diffusers = self.root / "diffusers"
-        self.gguf = self.root / "gguf"
+        self.gguf = self.root
 
     def file(self, arch: str) -> Path:
         from mm3.gguf import read_architecture

@@ -1,0 +1,518 @@
+"""Convert the diffusers layout of MiniMax Music 3 into the five GGUF files of SPEC section 2.
+
+`convert(src, out)` reads `src/{language_model,rvq_depth_decoder,condition_encoder,transformer,
+vocoder}/` (+ `tokenizer/` for the LM file, + an optional `dav.pth` for the vocoder encoder) and
+writes `MiniMax-Music3-<subfolder>-<TYPE>.gguf` files in the minimaxmusic.cpp contract:
+
+* LM / depth / DiT: tensors copied byte for byte in the source dtype (BF16 stays BF16);
+* condition encoder / vocoder: cast to F32; vocoder weight norm folded exactly as torch does it,
+  Snake alphas stored [C]; the `dav.pth` encoder renamed to `encoder.*` (notes/mmcpp.md 1.5).
+
+Streaming: header and tensor infos are written first, then one tensor at a time from a memory
+map, into `<name>.part`, renamed when complete. Existing outputs are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+import torch
+
+from .safetensors_raw import TensorEntry, load_entries
+
+logger = logging.getLogger(__name__)
+
+# subfolder -> (architecture, general.name). Names as minimaxmusic.cpp's convert.py writes them.
+COMPONENTS = {
+    "language_model": ("mm3-lm", "MiniMax-Music3 global LM (Qwen3 8B)"),
+    "rvq_depth_decoder": ("mm3-depth", "MiniMax-Music3 RVQ depth decoder"),
+    "condition_encoder": ("mm3-cond", "MiniMax-Music3 condition encoder"),
+    "transformer": ("mm3-dit", "MiniMax-Music3 flow matching DiT"),
+    "vocoder": ("mm3-vae", "MiniMax-Music3 Flow-VAE"),
+}
+ALIASES = {"lm": "language_model", "depth": "rvq_depth_decoder", "cond": "condition_encoder",
+           "dit": "transformer", "vae": "vocoder"}
+NATIVE = ("language_model", "rvq_depth_decoder", "transformer")  # copied byte for byte
+
+# Constructor defaults of the diffusers 0.42.1 classes, which equal the released checkpoint
+# (notes/diffusers.md section 1). As in diffusers, a key missing from config.json means its default.
+DIFFUSERS_DEFAULTS = {
+    "rvq_depth_decoder": dict(hidden_size=4096, num_layers=4, num_attention_heads=16, intermediate_size=6144,
+                              audio_vocab_size=1024, num_codebooks=8, max_position_embeddings=16),
+    "condition_encoder": dict(condition_hidden_dim=4096, num_condition_layers=8, out_dim=2048,
+                              input_sampling_rate=24000, input_hop_length=960, output_sampling_rate=44100,
+                              output_hop_length=512),
+    "transformer": dict(in_channels=128, condition_dim=2048, num_layers=36, num_attention_heads=32,
+                        attention_head_dim=64, ff_inner_dim=8192, rotary_dim=32, fourier_embedding_dim=256),
+    "vocoder": dict(latent_channels=128, decoder_input_dim=1024, decoder_hidden_dim=1536,
+                    upsampling_ratios=[8, 8, 4, 2], sampling_rate=44100),
+}
+# u32 metadata keys `<arch>.<key>` per component (SPEC section 2); the vocoder's ratios are an INT32 array.
+U32_KEYS = {
+    "rvq_depth_decoder": list(DIFFUSERS_DEFAULTS["rvq_depth_decoder"]),
+    "condition_encoder": list(DIFFUSERS_DEFAULTS["condition_encoder"]),
+    "transformer": list(DIFFUSERS_DEFAULTS["transformer"]),
+    "vocoder": ["latent_channels", "sampling_rate"],
+}
+LM_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+_GGML = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
+         "BF16": gguf.GGMLQuantizationType.BF16}
+_NP_OF = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # numpy carrier of each dtype
+
+Progress = Callable[[str, int, int], None]
+
+
+# --------------------------------------------------------------------------------------------
+# Expected tensors (names and torch shapes) of each component, from its config.
+
+
+def load_config(folder: Path, component: str) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (the {component} config)")
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if component == "language_model":
+        missing = [k for k in LM_REQUIRED if k not in cfg]
+        if missing:
+            raise KeyError(f"{path}: missing {', '.join(missing)}")
+        return cfg
+    return {**DIFFUSERS_DEFAULTS[component], **cfg}
+
+
+def expected_tensors(component: str, cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Source tensor names and torch shapes of a component, as the diffusers/transformers classes
+    hold them (vocoder: weight-normed `weight_g`/`weight_v` pairs, alphas [1, C, 1])."""
+    t: dict[str, tuple[int, ...]] = {}
+    if component == "language_model":
+        h, v, n_inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+        heads = cfg["num_attention_heads"]
+        kv = cfg.get("num_key_value_heads") or heads
+        hd = cfg.get("head_dim") or h // heads
+        bias = bool(cfg.get("attention_bias", False))
+        t["model.embed_tokens.weight"] = (v, h)
+        if not cfg.get("tie_word_embeddings", False):
+            t["lm_head.weight"] = (v, h)
+        t["model.norm.weight"] = (h,)
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            t[p + "input_layernorm.weight"] = t[p + "post_attention_layernorm.weight"] = (h,)
+            for proj, rows in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
+                t[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
+                if bias:
+                    t[p + f"self_attn.{proj}_proj.bias"] = (rows,)
+            t[p + "self_attn.o_proj.weight"] = (h, heads * hd)
+            t[p + "self_attn.q_norm.weight"] = t[p + "self_attn.k_norm.weight"] = (hd,)
+            t[p + "mlp.gate_proj.weight"] = t[p + "mlp.up_proj.weight"] = (n_inter, h)
+            t[p + "mlp.down_proj.weight"] = (h, n_inter)
+    elif component == "rvq_depth_decoder":
+        h, inter, av, nc = (cfg[k] for k in ("hidden_size", "intermediate_size", "audio_vocab_size", "num_codebooks"))
+        t["audio_embeddings.weight"] = (av * (nc - 1), h)
+        t["projection.weight"] = (h, h)
+        t["pos_embedding.weight"] = (cfg["max_position_embeddings"], h)
+        for i in range(cfg["num_layers"]):
+            p = f"layers.{i}."
+            t[p + "input_layernorm.weight"] = t[p + "post_attention_layernorm.weight"] = (h,)
+            for proj in ("to_q", "to_k", "to_v", "to_out"):
+                t[p + f"attn.{proj}.weight"] = (h, h)
+            t[p + "gate_proj.weight"] = t[p + "up_proj.weight"] = (inter, h)
+            t[p + "down_proj.weight"] = (h, inter)
+        t["norm.weight"] = (h,)
+        for j in range(nc - 1):
+            t[f"audio_heads.{j}.weight"] = (av, h)
+    elif component == "condition_encoder":
+        t["layer_weight_logits"] = (cfg["num_condition_layers"],)
+        t["layer_scale"] = (1,)
+        t["proj.weight"] = (cfg["out_dim"], cfg["condition_hidden_dim"], 3)
+        t["proj.bias"] = (cfg["out_dim"],)
+    elif component == "transformer":
+        c, fe, ff = cfg["in_channels"], cfg["fourier_embedding_dim"], cfg["ff_inner_dim"]
+        inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        cat = 2 * c + cfg["condition_dim"]  # [x, zeros, cond] channels
+        t["time_proj.weight"] = (fe // 2, 1)
+        t["time_embed.linear_1.weight"], t["time_embed.linear_1.bias"] = (inner, fe), (inner,)
+        t["time_embed.linear_2.weight"], t["time_embed.linear_2.bias"] = (inner, inner), (inner,)
+        t["preprocess_conv.weight"] = (cat, cat, 1)
+        t["proj_in.weight"] = (inner, cat)
+        for i in range(cfg["num_layers"]):
+            p = f"transformer_blocks.{i}."
+            for norm in ("norm1", "norm2"):
+                t[p + f"{norm}.weight"] = t[p + f"{norm}.bias"] = (inner,)
+            for proj in ("to_q", "to_k", "to_v", "to_out.0"):
+                t[p + f"attn.{proj}.weight"] = (inner, inner)
+            t[p + "ff_in.weight"], t[p + "ff_in.bias"] = (2 * ff, inner), (2 * ff,)
+            t[p + "ff_out.weight"], t[p + "ff_out.bias"] = (inner, ff), (inner,)
+        t["proj_out.weight"] = (c, inner)
+        t["postprocess_conv.weight"] = (c, c, 1)
+    elif component == "vocoder":
+        lc, di, dh = cfg["latent_channels"], cfg["decoder_input_dim"], cfg["decoder_hidden_dim"]
+
+        def wn(name, c_out, c_in, k, bias_ch):  # weight-normed conv: g over dim 0
+            t[name + ".weight_g"], t[name + ".weight_v"] = (c_out, 1, 1), (c_out, c_in, k)
+            t[name + ".bias"] = (bias_ch,)
+
+        t["dec_in_proj.weight"], t["dec_in_proj.bias"] = (di, lc // 2, 1), (di,)
+        wn("conv_in", dh, di, 7, dh)
+        c_out = dh
+        for b, s in enumerate(cfg["upsampling_ratios"]):
+            c_in, c_out = dh // 2 ** b, dh // 2 ** (b + 1)
+            p = f"blocks.{b}."
+            t[p + "snake1.alpha"] = (1, c_in, 1)
+            wn(p + "conv_t1", c_in, c_out, 2 * s, c_out)  # ConvTranspose1d: dim 0 is the input channel
+            for r in (1, 2, 3):
+                t[p + f"res_unit{r}.snake1.alpha"] = t[p + f"res_unit{r}.snake2.alpha"] = (1, c_out, 1)
+                wn(p + f"res_unit{r}.conv1", c_out, c_out, 7, c_out)
+                wn(p + f"res_unit{r}.conv2", c_out, c_out, 1, c_out)
+        t["snake_out.alpha"] = (1, c_out, 1)
+        wn("conv_out", 1, c_out, 7, 1)
+    else:
+        raise ValueError(f"unknown component {component!r}, expected one of {sorted(COMPONENTS)}")
+    return t
+
+
+def _check_tensors(folder: Path, component: str, cfg: dict, entries: dict[str, TensorEntry]) -> None:
+    want = expected_tensors(component, cfg)
+    missing = [n for n in want if n not in entries]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise KeyError(f"{folder}: missing tensor(s) {', '.join(missing[:5])}{more} that config.json implies")
+    for name, shape in want.items():
+        if entries[name].shape != shape:
+            raise ValueError(f"{entries[name].path}: tensor {name} has shape {list(entries[name].shape)}, "
+                             f"expected {list(shape)} from {folder / 'config.json'}")
+    extra = sorted(set(entries) - set(want))
+    if extra:
+        logger.warning("%s: %d tensor(s) not implied by config.json, copied as they are: %s", folder,
+                       len(extra), ", ".join(extra[:5]))
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer arrays for the LM file.
+
+
+def tokenizer_arrays(tokenizer_json: Path) -> tuple[list[str], list[str]]:
+    """(tokens by id, merges as "a b") of a HF tokenizer.json: base vocab plus added tokens in their
+    id slots. The ids must be contiguous from 0."""
+    if not tokenizer_json.is_file():
+        raise FileNotFoundError(f"{tokenizer_json} not found (the LM file embeds the tokenizer)")
+    tj = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    model = tj.get("model", {})
+    if model.get("type") != "BPE":
+        raise ValueError(f"{tokenizer_json}: model type {model.get('type')!r}, expected 'BPE'")
+    by_id: dict[int, str] = {}
+    for text, i in model["vocab"].items():
+        if i in by_id:
+            raise ValueError(f"{tokenizer_json}: id {i} is used by {by_id[i]!r} and {text!r}")
+        by_id[i] = text
+    for added in tj.get("added_tokens", []):
+        by_id[int(added["id"])] = added["content"]
+    n = max(by_id) + 1 if by_id else 0
+    if len(by_id) != n:
+        gap = next(i for i in range(n) if i not in by_id)
+        raise ValueError(f"{tokenizer_json}: no token for id {gap}; ids must be contiguous 0..{n - 1}")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return [by_id[i] for i in range(n)], merges
+
+
+# --------------------------------------------------------------------------------------------
+# The vocoder encoder of the dav.pth training checkpoint (DAC naming; notes/mmcpp.md 1.5).
+
+_RES_PART = {"0": "snake1", "1": "conv1", "2": "snake2", "3": "conv2"}  # inside a residual unit
+
+
+def _flatten(obj, prefix=""):
+    for k, v in obj.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        elif isinstance(v, torch.Tensor):
+            yield f"{prefix}{k}", v
+
+
+def rename_dav_key(key: str, last: int) -> str | None:
+    """DAC training name -> `encoder.*` name (None for keys outside the encoder). `last` is the
+    index of the final conv in `encoder.block` (6 for four encoder blocks)."""
+    if key.startswith("mean_proj."):
+        return "encoder." + key
+    m = re.fullmatch(r"encoder\.block\.(\d+)\.(.+)", key)
+    if m is None:
+        return None
+    k, rest = int(m[1]), m[2]
+    if k == 0:
+        return "encoder.conv_in." + rest
+    if k == last:
+        return "encoder.conv_out." + rest
+    if k == last - 1:
+        return "encoder.snake_out." + rest
+    m = re.fullmatch(r"block\.(\d+)\.(?:block\.([0-3])\.)?(.+)", rest)
+    if m is None or (m[2] is None) == (m[1] in ("0", "1", "2")):
+        raise KeyError(f"unexpected encoder tensor {key!r} (DAC EncoderBlock naming expected)")
+    if m[2] is not None:
+        tail = f"res_unit{int(m[1]) + 1}.{_RES_PART[m[2]]}.{m[3]}"
+    elif m[1] == "3":
+        tail = "snake1." + m[3]
+    elif m[1] == "4":
+        tail = "conv1." + m[3]
+    else:
+        raise KeyError(f"unexpected encoder tensor {key!r} (EncoderBlock has parts 0..4)")
+    return f"encoder.blocks.{k - 1}.{tail}"
+
+
+def dav_encoder_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The encoder tensors of a dav.pth checkpoint, renamed to `encoder.*` (weight norm not folded)."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy (non-zip) format: no mmap
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a state dict, got {type(obj).__name__}")
+    flat = dict(_flatten(obj))
+    # The state dict may sit under a wrapper key ("generator.", "state_dict." ...): find its prefix.
+    prefix = next((m[1] for k in flat if (m := re.match(r"((?:[^.]+\.)*?)encoder\.block\.0\.", k))), None)
+    if prefix is None:
+        raise KeyError(f"{path}: no encoder.block.0.* tensor (expected the DAC encoder of the training checkpoint)")
+    keys = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    tops = [int(m[1]) for k in keys if (m := re.match(r"encoder\.block\.(\d+)\.", k))]
+    out = {}
+    for key, t in keys.items():
+        name = rename_dav_key(key, max(tops))
+        if name is not None:
+            out[name] = t
+    return out
+
+
+def expected_encoder_names(n_blocks: int) -> list[str]:
+    """Renamed encoder tensors every checkpoint must hold (convs by their weight or weight_v)."""
+    convs = ["encoder.conv_in", "encoder.conv_out", "encoder.mean_proj"]
+    alphas = ["encoder.snake_out.alpha"]
+    for b in range(n_blocks):
+        p = f"encoder.blocks.{b}."
+        convs.append(p + "conv1")
+        alphas.append(p + "snake1.alpha")
+        for r in (1, 2, 3):
+            convs += [p + f"res_unit{r}.conv1", p + f"res_unit{r}.conv2"]
+            alphas += [p + f"res_unit{r}.snake1.alpha", p + f"res_unit{r}.snake2.alpha"]
+    return alphas + [c + ".weight" for c in convs]
+
+
+# --------------------------------------------------------------------------------------------
+# Writing.
+
+
+class _Writer(gguf.GGUFWriter):
+    """GGUFWriter that also writes empty typed arrays (a tokenizer without merges)."""
+
+    def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+        if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+            head = self._pack("I", vtype) if add_vtype else b""
+            return head + self._pack("I", sub_type) + self._pack("Q", 0)
+        return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+
+class _Plan:
+    """One output tensor: torch-order shape, dtype name, byte count and a function giving its data."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, data: Callable[[], np.ndarray]):
+        self.name, self.shape, self.dtype, self.data = name, tuple(shape), dtype, data
+        self.nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_NP_OF[dtype]).itemsize
+
+
+def _write(path: Path, arch: str, kv: list[tuple], plans: list[_Plan], component: str,
+           progress: Progress | None) -> None:
+    tmp = path.with_name(path.name + ".part")
+    w = _Writer(tmp, arch=arch)
+    try:
+        for key, value, vtype, sub in kv:
+            w.add_key_value(key, value, vtype, sub)
+        for p in plans:
+            w.add_tensor_info(p.name, p.shape, np.dtype(_NP_OF[p.dtype]), p.nbytes, raw_dtype=_GGML[p.dtype])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        total, done = sum(p.nbytes for p in plans), 0
+        for p in plans:
+            data = p.data()
+            if data.nbytes != p.nbytes:
+                raise AssertionError(f"{p.name}: {data.nbytes} bytes produced, {p.nbytes} planned")
+            w.write_tensor_data(data)
+            done += p.nbytes
+            if progress is not None:
+                progress(component, done, total)
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _native_plans(entries: dict[str, TensorEntry]) -> list[_Plan]:
+    plans = []
+    for name in sorted(entries):
+        e = entries[name]
+        if e.dtype not in _GGML:
+            raise ValueError(f"{e.path}: tensor {name} has dtype {e.dtype}, expected F32, F16 or BF16")
+        plans.append(_Plan(name, e.shape, e.dtype, e.raw))
+    return plans
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().to(torch.float32).numpy())
+
+
+def _vae_plans(tensors: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple[int, ...]]) -> list[_Plan]:
+    """F32 plans with weight-norm pairs folded and Snake alphas flattened to [C]."""
+    plans = []
+    for name in sorted(shapes):
+        if name.endswith(".weight_g"):
+            continue
+        if name.endswith(".weight_v"):
+            base = name[: -len("_v")]
+            if base + "_g" not in tensors:
+                raise KeyError(f"{name} has no matching {base}_g")
+            v, g = tensors[name], tensors[base + "_g"]
+            # torch._weight_norm is what torch.nn.utils.weight_norm (and so diffusers) computes.
+            plans.append(_Plan(base, shapes[name], "F32",
+                               lambda v=v, g=g: _f32(torch._weight_norm(v().float(), g().float(), 0))))
+        elif name.endswith(".alpha"):
+            n = int(np.prod(shapes[name]))
+            plans.append(_Plan(name, (n,), "F32", lambda f=tensors[name]: _f32(f()).reshape(-1)))
+        else:
+            plans.append(_Plan(name, shapes[name], "F32", lambda f=tensors[name]: _f32(f())))
+    return plans
+
+
+def _output_type(folder: Path, component: str) -> str:
+    """TYPE of the output name: the dtype holding most bytes for the byte-copied components, else F32."""
+    if component not in NATIVE:
+        return "F32"
+    by: dict[str, int] = {}
+    for e in load_entries(folder).values():
+        by[e.dtype] = by.get(e.dtype, 0) + e.nbytes
+    return max(by, key=by.get) if by else "F32"
+
+
+def _component_folder(src: Path, component: str) -> Path:
+    folder = src / component
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} not found (the {component} subfolder of the diffusers layout)")
+    return folder
+
+
+def _component_job(src: Path, component: str, dav: Path | None):
+    """(kv list, plans) for one component."""
+    folder = _component_folder(src, component)
+    arch, title = COMPONENTS[component]
+    cfg = load_config(folder, component)
+    entries = load_entries(folder)
+    _check_tensors(folder, component, cfg, entries)
+    S, U32, I32, ARR = (gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32,
+                        gguf.GGUFValueType.ARRAY)
+    kv = [("general.name", title, S, None)]
+    if component == "language_model":
+        tokens, merges = tokenizer_arrays(src / "tokenizer" / "tokenizer.json")
+        if len(tokens) > cfg["vocab_size"]:
+            raise ValueError(f"{src / 'tokenizer' / 'tokenizer.json'} has {len(tokens)} tokens, more than the LM "
+                             f"vocab_size {cfg['vocab_size']} in {folder / 'config.json'}")
+        kv += [("mm3.config_json", json.dumps(cfg, separators=(",", ":")), S, None),
+               ("tokenizer.ggml.model", "gpt2", S, None),
+               ("tokenizer.ggml.tokens", tokens, ARR, S),
+               ("tokenizer.ggml.merges", merges, ARR, S)]
+    else:
+        kv += [(f"{arch}.{k}", int(cfg[k]), U32, None) for k in U32_KEYS[component]]
+    if component == "vocoder":
+        kv.append((f"{arch}.upsampling_ratios", [int(r) for r in cfg["upsampling_ratios"]], ARR, I32))
+    if component in NATIVE:
+        return kv, _native_plans(entries)
+    tensors = {n: e.to_torch for n, e in entries.items()}
+    shapes = {n: e.shape for n, e in entries.items()}
+    if component == "vocoder" and dav is not None:
+        enc = dav_encoder_tensors(dav)
+        have = set(enc) | {n[: -len("_v")] for n in enc if n.endswith(".weight_v")}
+        missing = [n for n in expected_encoder_names(len(cfg["upsampling_ratios"])) if n not in have]
+        if missing:
+            raise KeyError(f"{dav}: missing encoder tensor(s) {', '.join(missing[:5])} (renamed names)")
+        tensors.update({n: (lambda t=t: t) for n, t in enc.items()})
+        shapes.update({n: tuple(t.shape) for n, t in enc.items()})
+    return kv, _vae_plans(tensors, shapes)
+
+
+def _resolve_components(components) -> list[str]:
+    if components is None:
+        return list(COMPONENTS)
+    out = []
+    for c in components:
+        c = ALIASES.get(c, c)
+        if c not in COMPONENTS:
+            raise ValueError(f"unknown component {c!r}, expected one of {sorted(COMPONENTS)} or {sorted(ALIASES)}")
+        out.append(c)
+    return out
+
+
+def convert(src_dir, out_dir, *, dav=None, components=None, progress: Progress | None = None) -> list[Path]:
+    """Convert `src_dir` (diffusers layout) into GGUF files in `out_dir`; returns their paths
+    (existing outputs are kept and returned). `dav`: the training checkpoint whose encoder goes
+    into the vocoder file (default `src_dir/dav.pth` when present). `components`: subfolder names
+    or aliases (lm, depth, cond, dit, vae); all five by default. `progress(component, done_bytes,
+    total_bytes)` is called after each tensor."""
+    src, out = Path(src_dir), Path(out_dir)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} not found (expected the diffusers layout of MiniMax Music 3)")
+    if dav is None and (src / "dav.pth").is_file():
+        dav = src / "dav.pth"
+    dav = Path(dav) if dav is not None else None
+    if dav is not None and not dav.is_file():
+        raise FileNotFoundError(f"{dav} not found (the dav.pth training checkpoint for the vocoder encoder)")
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for component in _resolve_components(components):
+        path = out / f"MiniMax-Music3-{component}-{_output_type(_component_folder(src, component), component)}.gguf"
+        if path.exists():
+            logger.info("skip %s: %s exists", component, path)
+        else:
+            if component == "vocoder" and dav is None:
+                logger.warning("no dav.pth: %s gets the decoder only (no encoder tensors)", path.name)
+            kv, plans = _component_job(src, component, dav)
+            _write(path, COMPONENTS[component][0], kv, plans, component, progress)
+            logger.info("wrote %s (%d tensors, %.1f MB)", path, len(plans), path.stat().st_size / 1e6)
+        written.append(path)
+    return written
+
+
+# --------------------------------------------------------------------------------------------
+# Command line.
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="diffusers-layout safetensors -> the five MM3 GGUF files",
+                              description=convert.__doc__)
+    p.add_argument("src", metavar="SRC", help="folder with language_model/, tokenizer/, ... (diffusers layout)")
+    p.add_argument("out", metavar="OUT", help="output folder for the .gguf files")
+    p.add_argument("--dav", metavar="PATH", help="dav.pth training checkpoint (default: SRC/dav.pth if present)")
+    p.add_argument("--only", nargs="+", metavar="COMPONENT",
+                   help=f"convert only these ({', '.join(COMPONENTS)} or {', '.join(ALIASES)})")
+    p.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.getLogger("gguf").setLevel(logging.WARNING)  # its per-file plan lines repeat ours
+    shown: dict[str, int] = {}
+
+    def report(component, done, total):  # one line per 10 %
+        step = 10 * done // max(total, 1)
+        if step != shown.get(component):
+            shown[component] = step
+            print(f"  {component}: {100 * done // max(total, 1)}%", flush=True)
+
+    for path in convert(args.src, args.out, dav=args.dav, components=args.only, progress=report):
+        print(path)
+    return 0
+
