@@ -104,5 +104,5 @@ def test_cli_quantize_and_info(tmp_path, lm_file, capsys):
 
     info = json.loads(capsys.readouterr().out)[0]
     assert info["architecture"] == "mm3-lm" and info["file_type"] == "Q8_0"
-    assert info["quant_types"] == {"F32": 3, "Q8_0": 5}
+    assert info["quant_types"] == {"F32": 2, "Q8_0": 6}
     assert cli_main(["quantize", str(lm_file), str(out), "--type", "Q8_0"]) == 2  # exists: clear error, no traceback
