@@ -1,0 +1,94 @@
+"""Latents <-> audio: vocoder decode per window, the stitch of SPEC section 8, and the encoder path.
+
+Decoding follows diffusers 0.42.1 `decoders.py`: each window is decoded whole, then the samples of
+the first 86 latents are dropped from every window but the first and those of the last 258 from
+every window but the last (hop = 512 samples per latent), the pieces are concatenated and clamped
+to [-1, 1]. The result is planar stereo float32 at the vocoder's rate (44100 Hz).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .progress import Cancelled, Progress
+
+CROP_LEFT_LATENTS = 86  # decoders.py _CROP_LEFT_LATENT: dropped at the start of windows 1..
+CROP_RIGHT_LATENTS = 258  # decoders.py _CROP_RIGHT_LATENT: dropped at the end of windows ..n-2
+
+
+def stitch(waves: list[torch.Tensor], hop: int) -> torch.Tensor:
+    """Per-window waveforms [B, 2, hop * L_k] -> [B, 2, T] float32 in [-1, 1]."""
+    pieces = []
+    for k, w in enumerate(waves):
+        left = 0 if k == 0 else CROP_LEFT_LATENTS * hop
+        right = 0 if k == len(waves) - 1 else CROP_RIGHT_LATENTS * hop
+        pieces.append(w[..., left:w.shape[-1] - right])
+    return torch.cat(pieces, dim=-1).float().clamp(-1.0, 1.0)
+
+
+def stitched_length(latent_lengths: list[int], hop: int) -> int:
+    """Samples per channel that `stitch` returns for windows of these latent lengths."""
+    n = len(latent_lengths)
+    keep = [L - (k > 0) * CROP_LEFT_LATENTS - (k < n - 1) * CROP_RIGHT_LATENTS for k, L in enumerate(latent_lengths)]
+    return hop * sum(keep)
+
+
+@torch.no_grad()
+def decode_windows(vocoder, windows: list[torch.Tensor], *, hop: int | None = None, max_rows: int = 2,
+                   dtype: torch.dtype | None = None, progress: Progress | None = None) -> torch.Tensor:
+    """Decode each window's latents [B, C, L_k] and stitch them: -> [B, 2, T] float32 on the latents' device.
+
+    hop: the condition encoder's output_hop_length (the reference crops in its units); it must equal
+    the vocoder's upsampling factor. max_rows: most mono streams (B x 2 sides) per vocoder call.
+    The default 2 decodes each song's two sides together, the batch the reference uses, so a
+    variation decodes to the same samples alone or in a batch (CPU convolutions pick kernels by
+    batch size, and rounding differences grow through the layers); 1 halves the peak memory.
+    """
+    if hop is not None and hop != vocoder.hop:
+        raise ValueError(f"condition encoder hop {hop} != vocoder upsampling factor {vocoder.hop}")
+    progress = progress or Progress()
+    if dtype is None:
+        dtype = next(iter(vocoder.buffers())).dtype
+        dtype = dtype if dtype.is_floating_point else torch.float32
+    waves = []
+    for k, lat in enumerate(windows):
+        if progress.should_stop():
+            raise Cancelled(f"cancelled before decoding window {k + 1}/{len(windows)}")
+        b, c, length = lat.shape
+        if c != vocoder.latent_channels:
+            raise ValueError(f"window {k} latents have {c} channels, the vocoder expects {vocoder.latent_channels}")
+        rows = lat.to(dtype).reshape(b * 2, c // 2, length)  # row 2b = left, 2b + 1 = right
+        step = max(1, int(max_rows))
+        out = torch.cat([vocoder.decode_sides(rows[r:r + step]) for r in range(0, rows.shape[0], step)])
+        waves.append(out.reshape(b, 2, -1))
+        progress.on_progress("vae", k + 1, len(windows), {"window": k, "windows": len(windows)})
+    return stitch(waves, vocoder.hop)
+
+
+@torch.no_grad()
+def encode_audio(vocoder, audio: torch.Tensor, sample_rate: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Stereo audio [2, T] or [B, 2, T] at any rate -> posterior-mean latents [B, C, ceil(T' / hop)].
+
+    The audio is resampled to the vocoder's rate with torchaudio (T' samples there) and padded with
+    silence at the end to a whole number of latents; left stays on channels 0..C/2-1.
+    """
+    if audio.dim() == 2:
+        audio = audio.unsqueeze(0)
+    if audio.dim() != 3 or audio.shape[1] != 2:
+        raise ValueError(f"audio must be stereo [2, T] or [B, 2, T], got {list(audio.shape)}")
+    if sample_rate <= 0 or audio.shape[-1] == 0:
+        raise ValueError(f"need a positive sample_rate and at least one sample, got {sample_rate} Hz, "
+                         f"{audio.shape[-1]} samples")
+    if vocoder.encoder is None:
+        return vocoder.encode(audio)  # raises: names the file without an encoder
+    x = audio.to(device=next(iter(vocoder.encoder.buffers())).device, dtype=torch.float32)
+    if int(sample_rate) != vocoder.sampling_rate:
+        import torchaudio.functional as AF  # only this path needs torchaudio
+
+        x = AF.resample(x, int(sample_rate), vocoder.sampling_rate)
+    pad = -x.shape[-1] % vocoder.hop
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    if dtype is not None:
+        x = x.to(dtype)
+    return vocoder.encode(x)

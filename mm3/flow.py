@@ -1,0 +1,175 @@
+"""The windowed flow-matching sampler: frame hiddens -> one latent per window (SPEC section 6).
+
+Frames are cut into windows of 200 with a hop of 100; each window is conditioned on its own frames,
+starts from fresh Gaussian noise and takes `steps` Euler steps from flow time 0 (noise) towards
+1 (data) with classifier-free guidance. Consecutive windows overlap by 172 latents: the new window
+reuses the previous one's condition there, and its noisy latent is pulled towards the previous
+window's result at every step, then replaced by it. Follows diffusers 0.42.1
+(`before_denoise.py`, `denoise.py`, FlowMatchEulerDiscreteScheduler with invert_sigmas) number for
+number; both CFG branches run as one batch by default (`cfg_batch=False` makes the reference's two
+calls, which reproduces it bit for bit on the CPU in float32).
+
+Noise is drawn on the CPU from one torch.Generator per variation, `torch.randn((1, C, L))` per
+window in window order, so a seed gives the same song on every device, and passing the generator
+that drove the AR stage reproduces the reference run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .progress import Cancelled, Progress
+
+WINDOW_FRAMES = 200  # before_denoise.py: 200-frame windows ...
+WINDOW_HOP = 100  # ... every 100 frames
+OVERLAP_LATENTS = 172  # denoise.py _OVERLAP_LATENT_LENGTH: latents shared with the previous window
+BLEND_SIGMA_MIN = 1e-6  # denoise.py: x[:ov] = (1 - (1 - 1e-6) t) noise + t prev
+DEFAULT_STEPS = 30
+DEFAULT_DIT_CFG = 1.7  # the reference guider's guidance_scale
+MAX_VARIATIONS = 9  # synth_batch_size limit of the request (SPEC section 9)
+
+
+class NonFiniteError(RuntimeError):
+    """The DiT produced NaN/Inf: the run fails rather than decoding noise."""
+
+
+def window_bounds(num_frames: int) -> list[tuple[int, int]]:
+    """[start, end) frames of each window: [0, F) if F <= 200, else starts 0, 100, ... below F - 100."""
+    if num_frames < 1:
+        raise ValueError(f"num_frames must be at least 1, got {num_frames}")
+    starts = [0] if num_frames <= WINDOW_FRAMES else list(range(0, num_frames - WINDOW_HOP, WINDOW_HOP))
+    return [(s, min(s + WINDOW_FRAMES, num_frames)) for s in starts]
+
+
+def flow_sigmas(steps: int) -> torch.Tensor:
+    """[steps + 1] float32 flow times: 1 - float32(linspace(1, 1/N, N)) computed in float32, then 1.0.
+
+    The DiT is fed sigma_i and the Euler step uses sigma_{i+1} - sigma_i (the reference scheduler
+    with num_train_timesteps 1, shift 1, invert_sigmas)."""
+    if int(steps) != steps or steps < 2:
+        raise ValueError(f"steps must be at least 2, got {steps}")
+    s = torch.from_numpy(np.linspace(1.0, 1.0 / steps, steps).astype(np.float32))
+    return torch.cat([1.0 - s, torch.ones(1)])
+
+
+def seed_generators(seed: int, variations: int = 1) -> list[torch.Generator]:
+    """One CPU generator per variation j, seeded seed + j."""
+    if seed < 0 or seed + variations - 1 >= 2**64:
+        raise ValueError(f"seed must be in 0..2**64-1 (for every variation), got {seed}")
+    return [torch.Generator("cpu").manual_seed(seed + j) for j in range(variations)]
+
+
+def _check_args(steps, dit_cfg, seed, generator, variations):
+    if not 1 <= variations <= MAX_VARIATIONS:
+        raise ValueError(f"synth_batch_size must be between 1 and {MAX_VARIATIONS}, got {variations}")
+    if not np.isfinite(dit_cfg):
+        raise ValueError(f"dit_cfg must be a finite number, got {dit_cfg}")
+    if (seed is None) == (generator is None):
+        raise ValueError("pass exactly one of seed (int) or generator (CPU torch.Generator, or one per variation)")
+    if seed is not None:
+        return seed_generators(int(seed), variations)
+    gens = list(generator) if isinstance(generator, (list, tuple)) else [generator]
+    if len(gens) != variations:
+        raise ValueError(f"got {len(gens)} generator(s) for {variations} variation(s): pass one per variation")
+    for g in gens:
+        if not isinstance(g, torch.Generator) or g.device.type != "cpu":
+            raise ValueError(f"noise generators must be CPU torch.Generator objects, got {g!r}")
+    return gens
+
+
+@torch.no_grad()
+def sample_latents(cond_encoder, dit, frame_hiddens: torch.Tensor, *, steps: int = DEFAULT_STEPS,
+                   dit_cfg: float = DEFAULT_DIT_CFG, seed: int | None = None, generator=None,
+                   variations: int = 1, variation_batch: int = 1, cfg_batch: bool = True, device=None,
+                   dtype: torch.dtype = torch.float32, progress: Progress | None = None) -> list[torch.Tensor]:
+    """Denoise every window; returns one latent [variations, C, L_k] per window (uncropped).
+
+    frame_hiddens: [F, layers * hidden] or [1, F, layers * hidden] from the AR stage.
+    seed: variation j draws its noise from a fresh CPU generator seeded seed + j; or `generator`:
+    a CPU generator (or a list, one per variation) consumed in window order, the reference's RNG
+    mode. variation_batch: most variations per DiT call. The default 1 keeps every variation
+    bit-identical to the same seed run alone (batched GEMMs round differently, ~1e-6 relative);
+    larger values trade that for throughput. cfg_batch: run the conditional and unconditional
+    branches as one batch (default); False makes two calls as the reference does, which on the CPU
+    in float32 reproduces the reference bit for bit (the batch of 2 rounds ~1e-6 relative apart).
+    progress: per-step callback ("dit", done, total, info) and a cancel check before every step
+    (raises `Cancelled`).
+    """
+    gens = _check_args(steps, dit_cfg, seed, generator, variations)
+    sig_cpu = flow_sigmas(steps)
+    progress = progress or Progress()
+    if device is None:
+        device = next(iter(dit.buffers())).device
+    fh = frame_hiddens if frame_hiddens.dim() == 3 else frame_hiddens.unsqueeze(0)
+    if fh.shape[0] != 1:
+        raise ValueError(f"frame_hiddens must hold one song ([F, W] or [1, F, W]), got {list(frame_hiddens.shape)}")
+    bounds = window_bounds(fh.shape[1])
+    sig = sig_cpu.to(device)
+    group = max(1, min(int(variation_batch), variations))
+    n_groups = -(-variations // group)
+    channels, total = dit.in_channels, len(bounds) * n_groups * steps
+    out, prev_lat, prev_cond = [], None, None
+    for k, (s, e) in enumerate(bounds):
+        cond = cond_encoder(fh[:, s:e].to(device=device, dtype=dtype)).to(dtype)  # [1, L, D]
+        length = cond.shape[1]
+        ov = 0
+        if prev_lat is not None:
+            ov = min(prev_lat.shape[-1], length)
+            cond[:, :ov] = prev_cond[:, :ov]
+        noise = torch.cat([torch.randn((1, channels, length), generator=g) for g in gens])  # CPU, float32
+        noise = noise.to(device=device, dtype=dtype)
+        lat = []
+        for gi in range(n_groups):
+            sl = slice(gi * group, min((gi + 1) * group, variations))
+            ctx = dict(window=k, windows=len(bounds), variations=(sl.start, sl.stop))
+            lat.append(_denoise_window(dit, noise[sl], cond, None if prev_lat is None else prev_lat[sl], ov,
+                                       sig, dit_cfg, cfg_batch, progress, ctx, (k * n_groups + gi) * steps,
+                                       total))
+        x = torch.cat(lat)
+        a = max(0, length - 2 * OVERLAP_LATENTS)
+        b = max(a, length - OVERLAP_LATENTS)
+        prev_lat, prev_cond = x[..., a:b], cond[:, a:b]  # carried to the next window
+        out.append(x)
+    return out
+
+
+def _denoise_window(dit, x, cond, prev, ov, sig, dit_cfg, cfg_batch, progress, ctx, done0, total):
+    """Euler steps of one window for a group of variations x [V, C, L] sharing `cond` [1, L, D]."""
+    v_n, steps = x.shape[0], sig.shape[0] - 1
+    noise_prompt = x[..., :ov].clone()
+    # A guidance scale of 1 is the conditional prediction alone: the reference guider then skips the
+    # unconditional call, and so do we.
+    guided = not math.isclose(dit_cfg, 1.0)
+    cond_in = cond.expand(v_n, -1, -1)
+    uncond = torch.zeros_like(cond_in)
+    pair = torch.cat([cond_in, uncond]) if guided and cfg_batch else None
+    for i in range(steps):
+        if progress.should_stop():
+            raise Cancelled(f"cancelled at window {ctx['window'] + 1}/{ctx['windows']}, step {i + 1}/{steps}")
+        t = sig[i]
+        if ov > 0:
+            tv = t.to(x.dtype)
+            x[..., :ov] = (1.0 - (1.0 - BLEND_SIGMA_MIN) * tv) * noise_prompt + tv * prev[..., :ov]
+        tt = t.expand(v_n).to(x.dtype)
+        if not guided:
+            v = dit(x, tt, cond_in)
+        else:
+            if pair is not None:  # both CFG branches in one batch: rows [cond x V, zeros x V], same latents
+                v2 = dit(torch.cat([x, x]), t.expand(2 * v_n).to(x.dtype), pair)
+                v_c, v_u = v2[:v_n], v2[v_n:]
+            else:
+                v_c, v_u = dit(x, tt, cond_in), dit(x, tt, uncond)
+            v = v_u + dit_cfg * (v_c - v_u)
+        x = (x.to(torch.float32) + (sig[i + 1] - sig[i]) * v).to(v.dtype)  # the scheduler's Euler step
+        if not bool(torch.isfinite(v).all() & torch.isfinite(x).all()):
+            what = "velocity" if not torch.isfinite(v).all() else "latent"
+            raise NonFiniteError(
+                f"non-finite DiT {what} at window {ctx['window'] + 1}/{ctx['windows']}, step {i + 1}/{steps} "
+                f"(variations {ctx['variations'][0]}..{ctx['variations'][1] - 1})")
+        progress.on_progress("dit", done0 + i + 1, total, dict(ctx, step=i + 1, steps=steps))
+    if ov > 0:
+        x[..., :ov] = prev[..., :ov]
+    return x

@@ -1,0 +1,150 @@
+"""The RVQ depth decoder: a small causal transformer that samples the 7 acoustic codes of a frame.
+
+Names and math of diffusers `MiniMaxMusic3RVQDepthDecoder` (SPEC sections 2 and 4): learned
+position embeddings (no RoPE), pre-norm layers with RMSNorm (eps 1e-6), full multi-head causal
+attention (scale 1/sqrt(head_dim)), SwiGLU MLP, final RMSNorm. The pipeline also uses its
+`projection` (into the decoder), `audio_embeddings` (one table for codebooks 1..7, row
+`(j - 1) * audio_vocab + code`) and `audio_heads[j - 1]` (logits of codebook j).
+
+Two ways to run it: `forward` over the whole sequence (what the reference does at every step), and
+`extend` with a `DepthCache`, which computes only the new positions; both give the same numbers up
+to float rounding (CPU GEMMs of different shapes round differently).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..gguf import ops as default_ops
+from ..gguf.ops import load_tensors
+from .lm import rms_norm
+
+NORM_EPS = 1e-6  # diffusers RMSNorm(eps=1e-6) in the depth decoder
+
+
+class DepthAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, ops):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.to_q = ops.Linear(dim, dim, bias=False)
+        self.to_k = ops.Linear(dim, dim, bias=False)
+        self.to_v = ops.Linear(dim, dim, bias=False)
+        self.to_out = ops.Linear(dim, dim, bias=False)
+
+    def _split(self, t):  # [B, S, dim] -> [B, heads, S, head_dim]
+        b, s, _ = t.shape
+        return t.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, cache=None, layer: int = 0):
+        b, s, _ = x.shape
+        q, k, v = self._split(self.to_q(x)), self._split(self.to_k(x)), self._split(self.to_v(x))
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            start, end = cache.length, cache.length + s
+            cache.k[layer, :, :, start:end] = k
+            cache.v[layer, :, :, start:end] = v
+            mask = None
+            if start > 0 and s > 1:
+                mask = torch.arange(end, device=x.device)[None] <= torch.arange(start, end, device=x.device)[:, None]
+            out = F.scaled_dot_product_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end],
+                                                 attn_mask=mask, is_causal=start == 0 and s > 1)
+        return self.to_out(out.transpose(1, 2).flatten(2, 3))  # [B, S, dim]
+
+
+class DepthBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, intermediate: int, ops):
+        super().__init__()
+        self.input_layernorm = ops.Vector(dim)
+        self.attn = DepthAttention(dim, heads, ops)
+        self.post_attention_layernorm = ops.Vector(dim)
+        self.gate_proj = ops.Linear(dim, intermediate, bias=False)
+        self.up_proj = ops.Linear(dim, intermediate, bias=False)
+        self.down_proj = ops.Linear(intermediate, dim, bias=False)
+
+    def forward(self, x, cache=None, layer: int = 0):
+        dt = x.dtype
+        x = x + self.attn(rms_norm(x, self.input_layernorm(dt), NORM_EPS), cache, layer)
+        n = rms_norm(x, self.post_attention_layernorm(dt), NORM_EPS)
+        return x + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+
+
+class DepthCache:
+    """Keys/values of the positions run so far, [layers, batch, heads, max_positions, head_dim]."""
+
+    def __init__(self, layers: int, batch: int, heads: int, max_len: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(layers, batch, heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def reset(self):
+        self.length = 0
+
+
+class RVQDepthDecoder(nn.Module):
+    """`forward(inputs_embeds [B, S, H]) -> normed hidden [B, S, H]` (causal; inputs already
+    projected); `extend(new [B, s, H], cache)` does the same for positions appended to `cache`."""
+
+    def __init__(self, hp: dict, ops=default_ops):
+        super().__init__()
+        self.hp = dict(hp)
+        h = int(hp["hidden_size"])
+        self.hidden_size = h
+        self.heads = int(hp["num_attention_heads"])
+        self.audio_vocab = int(hp["audio_vocab_size"])
+        self.num_codebooks = int(hp["num_codebooks"])
+        self.max_positions = int(hp["max_position_embeddings"])
+        if h % self.heads:
+            raise ValueError(f"depth decoder hidden_size {h} is not divisible by num_attention_heads {self.heads}")
+        if self.max_positions < self.num_codebooks:
+            raise ValueError(f"depth decoder max_position_embeddings {self.max_positions} < num_codebooks "
+                             f"{self.num_codebooks}: a frame needs {self.num_codebooks} positions")
+        self.audio_embeddings = ops.Embedding(self.audio_vocab * (self.num_codebooks - 1), h)
+        self.projection = ops.Linear(h, h, bias=False)
+        self.pos_embedding = ops.Embedding(self.max_positions, h)
+        self.layers = nn.ModuleList(DepthBlock(h, self.heads, int(hp["intermediate_size"]), ops)
+                                    for _ in range(int(hp["num_layers"])))
+        self.norm = ops.Vector(h)
+        self.audio_heads = nn.ModuleList(ops.Linear(h, self.audio_vocab, bias=False)
+                                         for _ in range(self.num_codebooks - 1))
+
+    @classmethod
+    def load(cls, component, ops=default_ops) -> "RVQDepthDecoder":
+        """Build from an opened `mm3-depth` component (sizes from its `mm3-depth.*` metadata)."""
+        model = cls(component.hparams, ops)
+        load_tensors(model, component.tensors, source=component.path)
+        return model.eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.projection.weight.device
+
+    def new_cache(self, batch: int, dtype: torch.dtype, device=None) -> DepthCache:
+        return DepthCache(len(self.layers), batch, self.heads, self.max_positions, self.hidden_size // self.heads,
+                          dtype, self.device if device is None else device)
+
+    def code_embedding(self, codes: torch.Tensor, codebook: int, dtype: torch.dtype) -> torch.Tensor:
+        """Embedding of acoustic codes of codebook `codebook` (1 .. num_codebooks - 1)."""
+        return self.audio_embeddings.lookup(codes + (codebook - 1) * self.audio_vocab, dtype)
+
+    def _positions(self, start: int, s: int, dtype, device) -> torch.Tensor:
+        return self.pos_embedding.lookup(torch.arange(start, start + s, device=device), dtype)[None]
+
+    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        s = inputs_embeds.shape[1]
+        x = inputs_embeds + self._positions(0, s, inputs_embeds.dtype, inputs_embeds.device)
+        for layer in self.layers:
+            x = layer(x)
+        return rms_norm(x, self.norm(x.dtype), NORM_EPS)
+
+    def extend(self, new: torch.Tensor, cache: DepthCache) -> torch.Tensor:
+        s = new.shape[1]
+        if cache.length + s > self.max_positions:
+            raise ValueError(f"depth sequence of {cache.length + s} positions exceeds {self.max_positions}")
+        x = new + self._positions(cache.length, s, new.dtype, new.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache, i)
+        cache.length += s
+        return rms_norm(x, self.norm(x.dtype), NORM_EPS)

@@ -1,0 +1,139 @@
+"""The output stage: peak normalisation and WAV / MP3 files (SPEC section 9, minimaxmusic.cpp 4.7).
+
+Audio arrives as planar stereo float [2, T] at 44100 Hz. Every format but float WAV is first
+normalised to a high percentile of |x| (`peak_clip` parts per million are allowed to clip), which
+also raises quiet audio. Files are written under a temporary name in the target folder and then
+renamed, so an interrupted write never leaves a partial file under the final name.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+OUTPUT_FORMATS = ("mp3", "wav16", "wav24", "wav32")
+SAMPLE_RATE = 44100  # the vocoder's rate; the reference output is never resampled
+DEFAULT_PEAK_CLIP = 10  # parts per million of |x| allowed above the reference level
+MAX_PEAK_CLIP = 999
+SILENCE = 1e-6  # below this reference level the audio is left as is
+# MPEG-1 Layer III bitrates (kbps); lameenc accepts these for 44.1 kHz CBR.
+MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)
+DEFAULT_MP3_BITRATE = 128
+
+
+def _as_planar(audio) -> np.ndarray:
+    """[2, T] float32 numpy (copy) from a tensor or array; a leading batch of 1 is dropped."""
+    if isinstance(audio, torch.Tensor):
+        audio = audio.detach().to("cpu", torch.float32).numpy()
+    a = np.array(audio, dtype=np.float32, copy=True)
+    if a.ndim == 3 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 2 or a.shape[0] != 2:
+        raise ValueError(f"audio must be planar stereo [2, T], got shape {list(a.shape)}")
+    return a
+
+
+def normalize_peak(audio, peak_clip: float = DEFAULT_PEAK_CLIP) -> np.ndarray:
+    """x / ref clamped to [-1, 1], ref = the (1 - peak_clip / 1e6) order statistic of |x| over both
+    channels (index floor((n - 1) * pct) of the ascending sort); unchanged when ref < 1e-6."""
+    a = _as_planar(audio)
+    np.nan_to_num(a, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+    pc = min(max(float(peak_clip), 0.0), MAX_PEAK_CLIP)
+    mag = np.abs(a).reshape(-1)
+    if mag.size == 0:
+        return a
+    idx = int((mag.size - 1) * (1.0 - pc / 1e6))
+    ref = float(np.partition(mag, idx)[idx])
+    if ref < SILENCE:
+        return a
+    return np.clip(a / np.float32(ref), -1.0, 1.0)
+
+
+def _pcm_int(a: np.ndarray, scale: int) -> np.ndarray:
+    """trunc(clamp(x, -1, 1) * scale) as int32, NaN/Inf -> 0 (the C++ writer's rounding)."""
+    a = np.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+    return np.trunc(np.clip(a, -1.0, 1.0) * np.float32(scale)).astype(np.int32)
+
+
+def wav_bytes(audio, bits: int, sample_rate: int = SAMPLE_RATE) -> bytes:
+    """A 44-byte-header RIFF WAV, 2 channels interleaved: 16/24-bit PCM or 32-bit IEEE float (raw)."""
+    a = _as_planar(audio)
+    if bits == 16:
+        data = _pcm_int(a, 32767).T.astype("<i2").tobytes()
+        tag = 1
+    elif bits == 24:
+        v = _pcm_int(a, 8388607).T.reshape(-1).astype("<i4")
+        data = v.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()  # low three bytes, little-endian
+        tag = 1
+    elif bits == 32:
+        data = np.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0).T.astype("<f4").tobytes()
+        tag = 3
+    else:
+        raise ValueError(f"WAV bits must be 16, 24 or 32, got {bits}")
+    block = 2 * bits // 8
+    header = b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE"
+    header += b"fmt " + struct.pack("<IHHIIHH", 16, tag, 2, sample_rate, sample_rate * block, block, bits)
+    header += b"data" + struct.pack("<I", len(data))
+    return header + data
+
+
+def mp3_bytes(audio, bitrate: int = DEFAULT_MP3_BITRATE, sample_rate: int = SAMPLE_RATE) -> bytes:
+    """CBR MPEG-1 Layer III at `bitrate` kbps (LAME via lameenc; joint stereo is LAME's stereo mode)."""
+    if bitrate not in MP3_BITRATES:
+        raise ValueError(f"mp3_bitrate must be one of {', '.join(map(str, MP3_BITRATES))}, got {bitrate}")
+    import lameenc  # only the MP3 path needs it
+
+    pcm = _pcm_int(_as_planar(audio), 32767).T.astype("<i2")  # interleaved L R
+    enc = lameenc.Encoder()
+    enc.set_bit_rate(int(bitrate))
+    enc.set_in_sample_rate(int(sample_rate))
+    enc.set_out_sample_rate(int(sample_rate))
+    enc.set_channels(2)
+    enc.set_quality(2)  # LAME's "high quality" preset (0 best .. 9 fastest)
+    return bytes(enc.encode(pcm.tobytes())) + bytes(enc.flush())
+
+
+def render(audio, output_format: str = "mp3", *, peak_clip: float = DEFAULT_PEAK_CLIP,
+           mp3_bitrate: int = DEFAULT_MP3_BITRATE, sample_rate: int = SAMPLE_RATE) -> bytes:
+    """The file contents for `output_format` (mp3, wav16, wav24, wav32)."""
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"Invalid output_format {output_format!r} (use: {', '.join(OUTPUT_FORMATS)})")
+    if output_format == "wav32":
+        return wav_bytes(audio, 32, sample_rate)  # float WAV keeps the raw levels
+    a = normalize_peak(audio, peak_clip)
+    if output_format == "mp3":
+        return mp3_bytes(a, mp3_bitrate, sample_rate)
+    return wav_bytes(a, 16 if output_format == "wav16" else 24, sample_rate)
+
+
+def atomic_write(path, data: bytes) -> Path:
+    """Write `data` to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, as for a plain open
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def write_audio(path, audio, output_format: str = "mp3", *, peak_clip: float = DEFAULT_PEAK_CLIP,
+                mp3_bitrate: int = DEFAULT_MP3_BITRATE, sample_rate: int = SAMPLE_RATE) -> Path:
+    """Encode planar stereo `audio` [2, T] and write it atomically to `path`; returns the path."""
+    data = render(audio, output_format, peak_clip=peak_clip, mp3_bitrate=mp3_bitrate, sample_rate=sample_rate)
+    return atomic_write(path, data)

@@ -1,0 +1,27 @@
+"""Progress reporting and cancellation shared by the long-running stages (AR, DiT, vocoder)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+def _no_progress(stage: str, done: int, total: int, info: dict) -> None:
+    pass
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass
+class Progress:
+    """`on_progress(stage, done, total, info)` after each unit of work; `should_stop()` is polled
+    between units and a True answer makes the stage raise `Cancelled`."""
+
+    on_progress: Callable[[str, int, int, dict], None] = field(default=_no_progress)
+    should_stop: Callable[[], bool] = field(default=_never)
+
+
+class Cancelled(Exception):
+    """The caller asked to stop (should_stop() returned True); no partial result is returned."""
