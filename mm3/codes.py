@@ -1,0 +1,86 @@
+"""AudioCodes: what the AR stage hands to synthesis, and its text form in the request JSON.
+
+Codes are [F + 1, 8] int64: row k = [c0 (semantic), c1 .. c7 (acoustic)] of frame k. Frame 0 is
+sampled and fed back to the LM but is not emitted: frame hidden k - 1 belongs to code row k, so F
+rows of frame hiddens [F, 8, H] go with F + 1 rows of codes. The request's `audio_codes` is the
+flat list "c0,c1,..,c7,c0,..." of all F + 1 rows (SPEC section 9; minimaxmusic.cpp writes the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .prompt import Prompt
+
+# Codes per frame in the request's flat list (SPEC section 9: c0 then c1..c7).
+REQUEST_CODES_PER_FRAME = 8
+MIN_REQUEST_FRAMES = 2  # frame 0 (fed back only) plus at least one emitted frame
+
+
+class AudioCodesError(ValueError):
+    """An `audio_codes` text that cannot be replayed; the message is the reference server's."""
+
+
+@dataclass
+class AudioCodes:
+    """One planned (or replayed) song.
+
+    codes: [F + 1, num_codebooks] int64, row 0 = frame 0; frame_hiddens: [F, num_codebooks, H]
+    float (conditional row: the LM hidden that predicted the frame, then the 7 depth states), or
+    None when only the codes are known; prompt: the Prompt it came from; lm_seed: the seed of its
+    generator (None for an explicit generator); ended_naturally: the LM chose END before the cap.
+    """
+
+    codes: torch.Tensor
+    frame_hiddens: torch.Tensor | None
+    prompt: Prompt | None
+    lm_seed: int | None = None
+    ended_naturally: bool = False
+
+    @property
+    def frames(self) -> int:
+        """Emitted frames (rows of frame hiddens): codes rows minus frame 0."""
+        return int(self.codes.shape[0]) - 1
+
+    def to_request_codes(self) -> str:
+        """The flat comma list of every code row, frame 0 included."""
+        return ",".join(str(int(c)) for c in self.codes.reshape(-1).tolist())
+
+    def with_hiddens(self, frame_hiddens: torch.Tensor) -> "AudioCodes":
+        return AudioCodes(self.codes, frame_hiddens, self.prompt, self.lm_seed, self.ended_naturally)
+
+
+def parse_audio_codes(text: str, semantic_vocab: int, audio_vocab: int,
+                      codes_per_frame: int = REQUEST_CODES_PER_FRAME) -> torch.Tensor:
+    """Flat `audio_codes` text -> codes [F + 1, codes_per_frame] int64.
+
+    Digits, commas, '-' and whitespace only, otherwise "Invalid audio_codes"; a multiple of
+    `codes_per_frame` values and at least two frames, otherwise "audio_codes needs 8 codes per frame,
+    at least 2 frames"; c0 in [0, semantic_vocab) and c1.. in [0, audio_vocab), otherwise an error that
+    names the frame, the position and the value.
+    """
+    if any(ch not in "0123456789,- \t\r\n" for ch in text):
+        raise AudioCodesError("Invalid audio_codes")
+    items = [s.strip() for s in text.split(",")]
+    if items and items[-1] == "":
+        items.pop()  # a trailing comma is tolerated
+    values = []
+    for s in items:
+        body = s[1:] if s.startswith("-") else s
+        if not body.isdigit():
+            raise AudioCodesError("Invalid audio_codes")
+        values.append(int(s))
+    n = codes_per_frame
+    if len(values) % n or len(values) < MIN_REQUEST_FRAMES * n:
+        raise AudioCodesError(f"audio_codes needs {n} codes per frame, at least {MIN_REQUEST_FRAMES} frames")
+    codes = torch.tensor(values, dtype=torch.long).view(-1, n)
+    limits = torch.tensor([semantic_vocab] + [audio_vocab] * (n - 1))
+    bad = ((codes < 0) | (codes >= limits)).nonzero()
+    if len(bad):
+        f, p = (int(v) for v in bad[0])
+        kind = "semantic code c0" if p == 0 else f"acoustic code c{p}"
+        raise AudioCodesError(f"audio_codes frame {f} position {p}: {kind} {int(codes[f, p])} is out of range "
+                              f"0..{int(limits[p]) - 1}")
+    return codes

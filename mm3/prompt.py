@@ -1,0 +1,125 @@
+"""Caption and lyrics -> the token ids the LM is prefilled with (SPEC section 3).
+
+`clean_caption` and `normalize_lyrics` reproduce diffusers 0.42.1 (`encoders._clean_caption`,
+`_normalize_lyrics`) character for character; the template has no chat wrapper, BOS or EOS:
+
+    <|im_start|><|caption_start|>{caption}<|caption_end|><|lyrics_start|>{lyrics}<|lyrics_end|><|im_end|><|audio_start|>
+
+The unconditional stream has the same length with every id but the first and the last two
+replaced by <|audio_cfg|>.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .tokenizer import CodeSpace, MM3Tokenizer
+
+# Longest assembled prompt the reference accepts (diffusers encoders._MAX_PROMPT_TOKENS).
+MAX_PROMPT_TOKENS = 5000
+
+_TAG = re.compile(r"<\|([^|]*)\|>")  # <|key C|> style tags in captions
+_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+")
+_BULLET = re.compile(r"^\s*[*+-]\s+")
+_STAR_BULLET = re.compile(r"^\s*\*\s+")
+_BOLD = re.compile(r"\*\*([^*]+)\*\*")
+_ITALIC = re.compile(r"(?<!\*)\*([^*\n]+)\*(?!\*)")
+_RULE_LINE = re.compile(r"^\s*[-*_]{3,}\s*$", flags=re.MULTILINE)
+_LEADING_TAGS = re.compile(r"^[ \t]*((?:\[[^\]]+\][ \t]*)+)")  # "[Verse][Chorus] ..." at a line start
+_BRACKETED = re.compile(r"\[([^\]]+)\]")
+
+
+class PromptError(ValueError):
+    """The caption or lyrics cannot make a prompt (empty, or over the token budget)."""
+
+
+def _tag_as_words(m: re.Match) -> str:
+    inner = m.group(1).strip()
+    head_tail = inner.split(None, 1)
+    return f"{head_tail[0]} is {head_tail[1]}" if len(head_tail) == 2 else inner
+
+
+def _unwrap_markdown(line: str) -> str:
+    line = _HEADING.sub("", line)
+    line = _BULLET.sub("", line)
+    line = _STAR_BULLET.sub("", line)
+    while "**" in line:  # nested / repeated bold, until nothing changes
+        unwrapped = _BOLD.sub(r"\1", line)
+        if unwrapped == line:
+            break
+        line = unwrapped
+    return _ITALIC.sub(r"\1", line).rstrip()
+
+
+def clean_caption(caption: str) -> str:
+    """Markdown-ish caption -> plain lines: `<|a b|>` -> "a is b", headings, bullets, bold and
+    italics unwrapped, rule lines dropped, "• " and 4-space runs deleted, blank lines collapsed."""
+    text = _TAG.sub(_tag_as_words, caption)
+    text = "\n".join(_unwrap_markdown(line) for line in text.splitlines())
+    text = _RULE_LINE.sub("", text)
+    text = text.replace("• ", "").replace("    ", "")
+    return re.sub(r"\n{2,}", "\n", text)
+
+
+def normalize_lyrics(lyrics: str) -> str:
+    """Tags on their own lines and lower-cased, " ^ " as a line break, "[start]\\n" in front. A line
+    that starts with tags keeps only the tags (the reference drops the rest of that line)."""
+    lines = []
+    for line in lyrics.split("\n"):
+        m = _LEADING_TAGS.match(line)
+        lines.append(m.group(1).strip() if m else line)
+    text = "\n".join(lines).replace("] ", "]\n").replace(" [", "\n[").replace(" ^ ", "\n")
+    text = _BRACKETED.sub(lambda m: f"[{m.group(1).lower()}]", text)
+    return "[start]\n" + text
+
+
+@dataclass
+class Prompt:
+    """An assembled prompt: `ids` [2, S] int64, row 0 conditional, row 1 unconditional."""
+
+    ids: torch.Tensor
+    caption: str  # after clean_caption
+    lyrics: str  # after normalize_lyrics
+    codes: CodeSpace  # where the LM's audio codes live (from the tokenizer that built the prompt)
+
+    @property
+    def cond(self) -> torch.Tensor:
+        return self.ids[0]
+
+    @property
+    def uncond(self) -> torch.Tensor:
+        return self.ids[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.shape[1])
+
+
+def unconditional_ids(ids: torch.Tensor, cfg_id: int) -> torch.Tensor:
+    """Copy of `ids` [..., S] with positions 1 .. S-3 set to `cfg_id` (keeps <|im_start|> and the
+    trailing <|im_end|><|audio_start|>)."""
+    out = ids.clone()
+    out[..., 1:-2] = cfg_id
+    return out
+
+
+def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
+                 max_tokens: int = MAX_PROMPT_TOKENS) -> Prompt:
+    """Clean, normalise, assemble and tokenize; raises `PromptError` for an empty caption or lyrics
+    (as the reference) or a prompt longer than `max_tokens`."""
+    missing = [name for name, v in (("caption", caption), ("lyrics", lyrics))
+               if not isinstance(v, str) or not v.strip()]
+    if missing:
+        raise PromptError(f"caption and lyrics are required ({' and '.join(missing)} empty)")
+    sp = tokenizer.special
+    cap, lyr = clean_caption(caption), normalize_lyrics(lyrics)
+    ids = ([sp.im_start, sp.caption_start] + tokenizer.encode(cap) + [sp.caption_end, sp.lyrics_start]
+           + tokenizer.encode(lyr) + [sp.lyrics_end, sp.im_end, sp.audio_start])
+    if len(ids) > max_tokens:
+        raise PromptError(f"Prompt exceeds the {max_tokens} token budget: the assembled prompt has {len(ids)} "
+                          f"tokens (caption {len(cap)} chars, lyrics {len(lyr)} chars)")
+    cond = torch.tensor([ids], dtype=torch.long)
+    return Prompt(torch.cat([cond, unconditional_ids(cond, sp.audio_cfg)]), cap, lyr, tokenizer.codes)

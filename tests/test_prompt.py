@@ -1,0 +1,152 @@
+"""Caption cleaning, lyric normalisation and prompt assembly against diffusers 0.42.1's own functions."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mm3.components import open_component
+from mm3.prompt import MAX_PROMPT_TOKENS, Prompt, PromptError, build_prompt, clean_caption, normalize_lyrics
+from mm3.tokenizer import MM3Tokenizer
+
+CAPTIONS = [
+    "## Mood\n- **dark** synth\n\n---\n<|key C|>",
+    "## Genre\n- **acoustic pop**, *warm*\n* BPM: 96\n---\n<|genre folk|> and <|mood|>\n•  tail    spaces",
+    "   ### deep heading\n#no space heading\n####### seven hashes\n+ plus bullet\n  - indented bullet",
+    "***bold italic*** and **a **nested** b** and *x* y * z and ****",
+    "___\n***\n- - -\n  ---  \n--\ntext", "<| spaced  inner  tag |> <||> <|a\tb c|> <|unclosed",
+    "line\r\nwindows\rold mac\x0bvertical\x0cfeed\x1cfs\u2028ls\u2029ps\x85nel",
+    "•  bullet dot • inline•x", "tabs\t\t    four spaces        eight", "\n\n\nlead\n\n\n\ntrail\n\n",
+    "Genre: 中文流行", "emoji 🎵 **bold 🎶**", "*", "**", "* *", "a*b*c", "",
+]
+LYRICS = [
+    "[Verse] dropped words\n[Pre-Chorus][Chorus] also dropped\nline one ^ line two\nword [Bridge] more\n\n",
+    "[Verse 1] hello\n(Ooh) yeah [Chorus]", "  \t[Intro]  [Build]\t trailing", "[] empty [ ] tag", "[unclosed tag\nx",
+    "[VERSE]\nÜBER [ÄRGER]\nİstanbul [İ]", "a ^ b ^c^ d ^ ", "[inst]", "no tags at all\n\nsecond para",
+    "line\r\n[Chorus]\r\nwindows", "[a][b] [c]x [d]", "",
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    import diffusers.modular_pipelines.minimax_music3.encoders as enc
+
+    return enc
+
+
+@pytest.mark.parametrize("text", CAPTIONS)
+def test_clean_caption_equals_reference(reference, text):
+    assert clean_caption(text) == reference._clean_caption(text)
+
+
+@pytest.mark.parametrize("text", LYRICS)
+def test_normalize_lyrics_equals_reference(reference, text):
+    assert normalize_lyrics(text) == reference._normalize_lyrics(text)
+
+
+def test_spec_examples():
+    assert clean_caption("## Mood\n- **dark** synth\n\n---\n<|key C|>") == "Mood\ndark synth\nkey is C"
+    assert (normalize_lyrics("[Verse] dropped\n[Pre-Chorus][Chorus] x\nline one ^ line two\nword [Bridge] more")
+            == "[start]\n[verse]\n[pre-chorus][chorus]\nline one\nline two\nword\n[bridge]\nmore")
+
+
+MARKDOWN = st.text(alphabet="ab #*-_+•[]^<|>\n\t\r Ü", max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(MARKDOWN)
+def test_random_markdown_equals_reference(text):
+    import diffusers.modular_pipelines.minimax_music3.encoders as enc
+
+    assert clean_caption(text) == enc._clean_caption(text)
+    assert normalize_lyrics(text) == enc._normalize_lyrics(text)
+
+
+def test_corpus_texts_equal_reference(reference, corpus):
+    for name, req in corpus.items():
+        assert clean_caption(req["caption"]) == reference._clean_caption(req["caption"]), name
+        assert normalize_lyrics(req["lyrics"]) == reference._normalize_lyrics(req["lyrics"]), name
+
+
+@pytest.fixture(scope="module")
+def qwen3_setup(tiny_qwen3):
+    from transformers import Qwen2Tokenizer
+
+    from diffusers.modular_pipelines.minimax_music3.encoders import MiniMaxMusic3TokenizeStep
+
+    comp = open_component(tiny_qwen3.file("mm3-lm"), expect="lm")
+    step = MiniMaxMusic3TokenizeStep().init_pipeline()
+    step.update_components(tokenizer=Qwen2Tokenizer.from_pretrained(tiny_qwen3.diffusers / "tokenizer"))
+    yield MM3Tokenizer.from_component(comp), step
+    comp.close()
+
+
+def reference_ids(step, caption, lyrics):
+    """Reference ids, or the ValueError it raises (budget, empty input)."""
+    try:
+        return step(prompt=caption, lyrics=lyrics, output="text_ids")
+    except ValueError as e:
+        return e
+
+
+def test_corpus_prompts_equal_reference(qwen3_setup, corpus):
+    tok, step = qwen3_setup
+    within = 0
+    for name, req in corpus.items():
+        ref = reference_ids(step, req["caption"], req["lyrics"])
+        if isinstance(ref, ValueError):
+            assert "maximum is 5000" in str(ref), name
+            with pytest.raises(PromptError, match=r"exceeds the 5000 token budget: the assembled prompt has \d+"):
+                build_prompt(tok, req["caption"], req["lyrics"])
+            continue
+        p = build_prompt(tok, req["caption"], req["lyrics"])
+        assert torch.equal(p.ids, ref), name
+        within += 1
+    assert within >= len(corpus) // 2  # most demo prompts fit the budget
+
+
+@pytest.mark.parametrize("caption,lyrics", list(zip(CAPTIONS[:-1], LYRICS[:-1])) + [
+    ("Genre: 中文流行", "[verse]\n半首琴声 留在长安"), ("x", "y"), ("   caption   ", "\n[outro]\n"),
+    ("---", "x"), ("<|key C|>", "[Chorus] text ^ more"), ("caption", "[instrumental]")])
+def test_edge_prompts_equal_reference(qwen3_setup, caption, lyrics):
+    tok, step = qwen3_setup
+    ref = reference_ids(step, caption, lyrics)
+    if isinstance(ref, ValueError):
+        with pytest.raises(PromptError):
+            build_prompt(tok, caption, lyrics)
+    else:
+        assert torch.equal(build_prompt(tok, caption, lyrics).ids, ref)
+
+
+def test_prompt_fields_and_unconditional_row(qwen3_setup):
+    tok, _ = qwen3_setup
+    p = build_prompt(tok, "## Mood\n- **dark** synth", "[Verse] x\nhello")
+    assert isinstance(p, Prompt)
+    assert p.caption == "Mood\ndark synth" and p.lyrics == "[start]\n[verse]\nhello"
+    assert p.ids.dtype == torch.long and p.ids.shape == (2, p.num_tokens)
+    sp = tok.special
+    assert p.cond[:2].tolist() == [sp.im_start, sp.caption_start]
+    assert p.cond[-3:].tolist() == [sp.lyrics_end, sp.im_end, sp.audio_start]
+    assert p.uncond[0] == sp.im_start and p.uncond[-2:].tolist() == [sp.im_end, sp.audio_start]
+    assert (p.uncond[1:-2] == sp.audio_cfg).all()
+    assert p.codes == tok.codes
+
+
+def test_control_strings_in_lyrics_stay_text(qwen3_setup):
+    tok, _ = qwen3_setup
+    p = build_prompt(tok, "pop", "hello <|im_start|> world <|audio_end|>")
+    assert (p.cond == tok.special.im_start).sum() == 1  # only the template's
+    assert (p.cond == tok.special.audio_end).sum() == 0
+
+
+def test_budget_and_required_inputs(qwen3_setup):
+    tok, _ = qwen3_setup
+    with pytest.raises(PromptError, match="caption and lyrics are required"):
+        build_prompt(tok, "  ", "x")
+    with pytest.raises(PromptError, match="lyrics empty"):
+        build_prompt(tok, "x", "")
+    n = build_prompt(tok, "word " * 50, "la").num_tokens
+    with pytest.raises(PromptError, match=f"exceeds the {n - 1} token budget: the assembled prompt has {n} tokens"):
+        build_prompt(tok, "word " * 50, "la", max_tokens=n - 1)
+    assert build_prompt(tok, "word " * 50, "la", max_tokens=n).num_tokens == n
+    assert MAX_PROMPT_TOKENS == 5000
