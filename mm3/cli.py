@@ -9,7 +9,7 @@ import sys
 from .gguf.errors import ComponentError, GGUFFormatError
 
 # Modules that register a subcommand through `add_cli(subparsers)`.
-TOOLS = ("mm3.info", "mm3.tiny", "mm3.convert", "mm3.quantize", "mm3.download")
+TOOLS = ("mm3.jobs_cli", "mm3.info", "mm3.tiny", "mm3.convert", "mm3.quantize", "mm3.download")
 
 
 def build_parser() -> argparse.ArgumentParser:

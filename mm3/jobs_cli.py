@@ -1,0 +1,255 @@
+"""`python -m mm3 generate | plan | render`: the main job from the command line.
+
+generate: caption + lyrics (or a request JSON) -> audio files, each with its replay request
+(`song.mp3` + `song.json`). plan: the AR stage only -> replay requests with codes and seeds.
+render: synthesis from a request's `audio_codes` (no AR sampling), any synthesis settings.
+Ctrl+C stops within one frame or step and writes nothing; existing files are never overwritten
+unless --overwrite is given.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .codes import AudioCodesError
+from .output import atomic_write, write_audio
+from .progress import Cancelled, Progress
+from .request import MM3Request, RequestError
+
+EXTENSIONS = {"mp3": ".mp3", "wav16": ".wav", "wav24": ".wav", "wav32": ".wav"}
+
+
+# -- request assembly ---------------------------------------------------------------------------
+def _request_from_args(args, *, need_text: bool) -> MM3Request:
+    if args.request:
+        try:
+            text = Path(args.request).read_bytes()
+        except OSError as e:
+            raise RequestError(f"cannot read {args.request}: {e.strerror}") from None
+        req = MM3Request.from_json(text)
+    else:
+        req = MM3Request()
+    overrides = {}
+    for field in ("caption", "lyrics", "duration", "steps", "seed", "lm_seed", "lm_cfg", "lm_top_k",
+                  "lm_batch_size", "synth_batch_size", "dit_cfg", "peak_clip", "mp3_bitrate",
+                  "lm_model", "depth_model", "cond_model", "dit_model", "vae_model"):
+        v = getattr(args, field, None)
+        if v is not None:
+            overrides[field] = v
+    for field in ("caption", "lyrics"):
+        path = getattr(args, f"{field}_file", None)
+        if path:
+            try:
+                overrides[field] = Path(path).read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise RequestError(f"{path} is not valid UTF-8 text (byte {e.start})") from None
+            except OSError as e:
+                raise RequestError(f"cannot read {path}: {e.strerror}") from None
+    req = replace(req, **overrides)
+    if not need_text and req.audio_codes and not (req.caption.strip() and req.lyrics.strip()):
+        raise RequestError("caption and lyrics are required")
+    return req
+
+
+def _format_for(out: Path, req: MM3Request, explicit: str | None) -> str:
+    fmt = explicit or req.output_format
+    ext = out.suffix.lower()
+    if explicit is None and ext in (".wav", ".mp3") and EXTENSIONS[fmt] != ext:
+        fmt = "mp3" if ext == ".mp3" else "wav16"  # the file name decides when nothing else was said
+    if EXTENSIONS[fmt] != ext:
+        raise RequestError(f"{out}: a {fmt} file should end in {EXTENSIONS[fmt]}")
+    return fmt
+
+
+def numbered(out: Path, count: int, index: int) -> Path:
+    """`song.mp3` for a single track, else `song_01.mp3`, `song_02.mp3`, ... (song-major)."""
+    if count == 1:
+        return out
+    width = max(2, len(str(count)))
+    return out.with_name(f"{out.stem}_{index + 1:0{width}d}{out.suffix}")
+
+
+def _check_targets(paths: list[Path], overwrite: bool):
+    for p in paths:
+        if p.exists() and not overwrite:
+            raise FileExistsError(f"{p} already exists (choose another --out or pass --overwrite)")
+        parent = p.parent if str(p.parent) else Path(".")
+        if parent.exists() and not parent.is_dir():
+            raise FileExistsError(f"{parent} is not a folder")
+
+
+# -- progress and Ctrl+C ------------------------------------------------------------------------
+class Console:
+    """tqdm bars for the stages, and a SIGINT flag the engine polls between frames and steps."""
+
+    NAMES = {"ar": ("planning", "frame"), "replay": ("replaying codes", "frame"), "dit": ("DiT", "step"),
+             "vae": ("vocoder", "window")}
+
+    def __init__(self, quiet: bool = False):
+        self.quiet, self.bars, self.stop = quiet, {}, False
+        self._old = None
+
+    def __enter__(self):
+        def handler(signum, frame):
+            if self.stop:  # a second Ctrl+C: stop at once
+                raise KeyboardInterrupt
+            self.stop = True
+            print("\nstopping after the current frame/step (Ctrl+C again to abort)", file=sys.stderr)
+
+        self._old = signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._old)
+        for bar in self.bars.values():
+            bar.close()
+
+    def progress(self) -> Progress:
+        return Progress(on_progress=self.on_progress, should_stop=lambda: self.stop)
+
+    def on_progress(self, stage: str, done: int, total: int, info: dict):
+        if self.quiet:
+            return
+        from tqdm import tqdm
+
+        key = (stage, total)
+        bar = self.bars.get(key)
+        if bar is None:
+            for k in [k for k in self.bars if k[0] == stage]:
+                self.bars.pop(k).close()
+            desc, unit = self.NAMES.get(stage, (stage, "it"))
+            bar = self.bars[key] = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+        if stage == "dit" and "window" in info:
+            bar.set_postfix(window=f"{info['window'] + 1}/{info.get('windows', '?')}", refresh=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            self.bars.pop(key).close()
+
+
+# -- commands -----------------------------------------------------------------------------------
+def _pipeline(args):
+    from .pipeline import Pipeline
+
+    return Pipeline(args.models, device=args.device, dtype=args.dtype, keep_loaded=args.keep_loaded)
+
+
+def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool, quiet: bool) -> list[Path]:
+    written = []
+    for n, track in enumerate(tracks):
+        path = numbered(out, len(tracks), n)
+        start = time.perf_counter()
+        write_audio(path, track.audio, fmt, peak_clip=req.clamped_peak_clip, mp3_bitrate=req.mp3_bitrate,
+                    sample_rate=track.sample_rate)
+        replay_req = replace(track.request, output_format=fmt)
+        atomic_write(path.with_suffix(".json"), (replay_req.to_json() + "\n").encode())
+        written.append(path)
+        if not quiet:
+            seconds = track.audio.shape[-1] / track.sample_rate
+            print(f"wrote {path} ({seconds:.1f} s of audio, song {track.song + 1} variation "
+                  f"{track.variation + 1}, lm_seed {replay_req.lm_seed}, seed {replay_req.seed}) "
+                  f"in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    return written
+
+
+def cmd_generate(args) -> int:
+    req = _request_from_args(args, need_text=True)
+    if args.command == "render" and not req.audio_codes:
+        raise RequestError(f"{args.request}: no audio_codes to render (make them with `plan` or `generate`)")
+    out = Path(args.out)
+    fmt = _format_for(out, req, args.format)
+    req = replace(req, output_format=fmt).validate()
+    count = req.synth_batch_size * (1 if req.audio_codes else req.lm_batch_size)
+    targets = [numbered(out, count, n) for n in range(count)]
+    _check_targets(targets + [t.with_suffix(".json") for t in targets], args.overwrite)
+    pipe = _pipeline(args)
+    with Console(args.quiet) as console:
+        tracks = pipe.run(req, console.progress(), rng=args.rng)
+    start = time.perf_counter()
+    _write_tracks(tracks, out, fmt, req, args.overwrite, args.quiet)
+    pipe.timings.add("write", time.perf_counter() - start)
+    pipe.timings.add("load", pipe.store.load_seconds)
+    if not args.quiet:
+        print(f"timings: {pipe.timings.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    req = _request_from_args(args, need_text=True)
+    if req.audio_codes:
+        raise RequestError("the request already has audio_codes: render it instead of planning")
+    req = req.validate().resolve_seeds()
+    out = Path(args.out)
+    targets = [numbered(out, req.lm_batch_size, n) for n in range(req.lm_batch_size)]
+    _check_targets(targets, args.overwrite)
+    pipe = _pipeline(args)
+    with Console(args.quiet) as console:
+        songs, _ = pipe.plan(req, console.progress())
+    pipe.store.release_all()
+    for i, (song, path) in enumerate(zip(songs, targets)):
+        replay_req = req.replay(song.to_request_codes(), song=i)
+        atomic_write(path, (replay_req.to_json() + "\n").encode())
+        if not args.quiet:
+            how = "ended by itself" if song.ended_naturally else "reached the duration cap"
+            print(f"wrote {path}: {song.frames} frames ({song.frames / 25:.2f} s, {how}), "
+                  f"lm_seed {replay_req.lm_seed}", file=sys.stderr)
+    if not args.quiet:
+        print(f"timings: {pipe.timings.summary()}", file=sys.stderr)
+    return 0
+
+
+def run_job(args) -> int:
+    try:
+        return {"generate": cmd_generate, "render": cmd_generate, "plan": cmd_plan}[args.command](args)
+    except (RequestError, AudioCodesError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Cancelled as e:
+        print(f"cancelled: {e}; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _common(p, *, text: bool, synth: bool, out_help: str):
+    p.add_argument("--models", required=True, help="folder holding the five GGUF component files")
+    p.add_argument("--request", help="request JSON (minimaxmusic.cpp format); flags override its fields")
+    if text:
+        p.add_argument("--caption", help="the structured caption")
+        p.add_argument("--lyrics", help="the lyrics (with [tags])")
+        p.add_argument("--caption-file", help="read the caption from a UTF-8 file")
+        p.add_argument("--lyrics-file", help="read the lyrics from a UTF-8 file")
+        p.add_argument("--duration", type=float, help="seconds to plan at most (default 60)")
+        p.add_argument("--lm-seed", dest="lm_seed", type=int, help="AR seed (-1 = random; song i uses lm_seed + i)")
+        p.add_argument("--lm-cfg", dest="lm_cfg", type=float, help="AR guidance (default 1.5)")
+        p.add_argument("--lm-top-k", dest="lm_top_k", type=int, help="AR top-k (default 50)")
+        p.add_argument("--songs", dest="lm_batch_size", type=int, help="songs per request (lm_batch_size)")
+    if synth:
+        p.add_argument("--steps", type=int, help="DiT steps (default 30)")
+        p.add_argument("--seed", type=int, help="DiT noise seed (-1 = random; variation j uses seed + j)")
+        p.add_argument("--dit-cfg", dest="dit_cfg", type=float, help="DiT guidance (default 1.7)")
+        p.add_argument("--variations", dest="synth_batch_size", type=int, help="variations per song (1..9)")
+        p.add_argument("--peak-clip", dest="peak_clip", type=int, help="normalisation percentile (default 10)")
+        p.add_argument("--mp3-bitrate", dest="mp3_bitrate", type=int, help="kbps (default 128)")
+        p.add_argument("--format", choices=list(EXTENSIONS), help="output format (default: from --out)")
+        p.add_argument("--rng", choices=("independent", "reference"), default="independent",
+                       help="reference: one generator drives AR then DiT noise, as the diffusers pipeline")
+    for kind in ("lm", "depth", "cond", "dit", "vae"):
+        p.add_argument(f"--{kind}-model", dest=f"{kind}_model", help=f"{kind} file name in --models")
+    p.add_argument("--out", required=True, help=out_help)
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, xpu, mps or cpu (default: the best available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per device)")
+    p.add_argument("--keep-loaded", action="store_true", help="keep both model groups resident")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_job)
+
+
+def add_cli(sub):
+    _common(sub.add_parser("generate", help="caption + lyrics -> song files (+ replay JSON)"),
+            text=True, synth=True, out_help="output file (.mp3 or .wav); batches are numbered")
+    _common(sub.add_parser("plan", help="AR stage only -> replay requests with codes and seeds"),
+            text=True, synth=False, out_help="output JSON; batches are numbered")
+    _common(sub.add_parser("render", help="synthesise a request's audio_codes (no AR sampling)"),
+            text=False, synth=True, out_help="output file (.mp3 or .wav)")

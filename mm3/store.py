@@ -1,0 +1,108 @@
+"""Loaded engine models and the memory policy of the command line.
+
+The AR group {LM, depth} is used per frame and the synthesis group {cond, DiT, VAE} per window, so
+they never need to be resident together: in strict mode (the default) asking for one group
+releases the other; `keep_loaded` keeps everything for back-to-back runs. A model is keyed by
+its file, so asking for another quant of a component replaces the loaded one.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .components import Component, check_compatible, open_component
+from .device import empty_cache
+from .registry import Registry
+
+GROUPS = {"ar": ("lm", "depth"), "synth": ("cond", "dit", "vae")}
+GROUP_OF = {kind: g for g, kinds in GROUPS.items() for kind in kinds}
+
+
+def _builder(kind: str):
+    if kind == "lm":
+        from .models.lm import Qwen3LM as cls
+    elif kind == "depth":
+        from .models.depth import RVQDepthDecoder as cls
+    elif kind == "cond":
+        from .models.cond import ConditionEncoder as cls
+    elif kind == "dit":
+        from .models.dit import FlowDiT as cls
+    else:
+        from .models.vocoder import Vocoder as cls
+    return cls.load
+
+
+@dataclass
+class Loaded:
+    component: Component
+    model: torch.nn.Module
+    seconds: float
+
+
+@dataclass
+class ModelStore:
+    registry: Registry
+    device: torch.device
+    keep_loaded: bool = False
+    loaded: dict[str, Loaded] = field(default_factory=dict)
+    tokenizers: dict[str, object] = field(default_factory=dict)  # LM path -> tokenizer (CPU, kept)
+    load_seconds: float = 0.0
+
+    def model(self, kind: str, name: str = ""):
+        """The engine model of `kind` from file `name` ("" = first of its bucket), on the device."""
+        path = self.registry.resolve(kind, name)
+        have = self.loaded.get(kind)
+        if have is not None and have.component.path == path:
+            return have.model
+        if have is not None:
+            self._release(kind)  # another quant of the same component
+        if not self.keep_loaded:
+            group = GROUP_OF[kind]
+            for other in list(self.loaded):
+                if GROUP_OF[other] != group:
+                    self._release(other)
+        start = time.perf_counter()
+        component = open_component(path, expect=kind)
+        try:
+            check_compatible({k: v.component for k, v in self.loaded.items()} | {kind: component})
+            model = _builder(kind)(component).to(self.device).eval()
+        except BaseException:
+            component.close()
+            raise
+        seconds = time.perf_counter() - start
+        self.load_seconds += seconds
+        self.loaded[kind] = Loaded(component, model, seconds)
+        return model
+
+    def tokenizer(self, name: str = ""):
+        from .tokenizer import MM3Tokenizer
+
+        path = self.registry.resolve("lm", name)
+        if path not in self.tokenizers:
+            self.tokenizers[path] = MM3Tokenizer.from_gguf(path)
+        return self.tokenizers[path]
+
+    def component(self, kind: str) -> Component | None:
+        have = self.loaded.get(kind)
+        return have.component if have else None
+
+    def _release(self, kind: str):
+        have = self.loaded.pop(kind, None)
+        if have is None:
+            return
+        del have.model
+        have.component.close()
+        del have
+        gc.collect()
+        empty_cache(self.device)
+
+    def release_all(self):
+        for kind in list(self.loaded):
+            self._release(kind)
+
+    def resident(self) -> list[str]:
+        return sorted(self.loaded)
