@@ -25,6 +25,7 @@ import gguf
 import numpy as np
 import torch
 
+from .gguf.writer import Writer
 from .safetensors_raw import TensorEntry, load_entries
 
 logger = logging.getLogger(__name__)
@@ -305,16 +306,6 @@ def expected_encoder_names(n_blocks: int) -> list[str]:
 # Writing.
 
 
-class _Writer(gguf.GGUFWriter):
-    """GGUFWriter that also writes empty typed arrays (a tokenizer without merges)."""
-
-    def _pack_val(self, val, vtype, add_vtype, sub_type=None):
-        if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
-            head = self._pack("I", vtype) if add_vtype else b""
-            return head + self._pack("I", sub_type) + self._pack("Q", 0)
-        return super()._pack_val(val, vtype, add_vtype, sub_type)
-
-
 class _Plan:
     """One output tensor: torch-order shape, dtype name, byte count and a function giving its data."""
 
@@ -326,7 +317,7 @@ class _Plan:
 def _write(path: Path, arch: str, kv: list[tuple], plans: list[_Plan], component: str,
            progress: Progress | None) -> None:
     tmp = path.with_name(path.name + ".part")
-    w = _Writer(tmp, arch=arch)
+    w = Writer(tmp, arch=arch)
     try:
         for key, value, vtype, sub in kv:
             w.add_key_value(key, value, vtype, sub)

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .components import ARCHITECTURES, DESCRIPTIONS
 from .gguf.errors import ComponentError
 from .gguf.ops import FLOAT_TYPES
-from .gguf.reader import GGUFFile, StringArray
+from .gguf.reader import GGUFFile
+from .gguf.writer import Writer, copy_metadata
 
 Q = GGMLQuantizationType
 
@@ -48,17 +49,6 @@ def choose_type(kind: str, name: str, shape: tuple[int, ...], mix: str) -> GGMLQ
     target = raised if (raised is not None and kind == "lm" and _RAISED_LM.search(name)) else base
     block = GGML_QUANT_SIZES[target][0]
     return target if shape[-1] % block == 0 else Q.F32
-
-
-def copy_metadata(writer: GGUFWriter, src: GGUFFile, skip=()) -> None:
-    """Every metadata entry of `src`, with its original value types."""
-    for key, value in src.metadata.items():
-        if key in skip or key == "general.architecture" or key == "general.alignment":
-            continue
-        vtype, etype = src.value_types[key]
-        if isinstance(value, StringArray):
-            value = src.strings(key)
-        writer.add_key_value(key, value, vtype, sub_type=etype)
 
 
 def _encode(values: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -97,7 +87,7 @@ def quantize_file(src_path, dst_path, mix: str, *, progress=None, overwrite: boo
                 raise ComponentError(f"writing {qt.name} is not supported (tensor {n}); "
                                      f"writable: {', '.join(sorted(t.name for t in WRITABLE_TYPES))}")
         tmp = dst.with_name(dst.name + ".part")
-        writer = GGUFWriter(str(tmp), src.architecture)
+        writer = Writer(str(tmp), src.architecture)
         copy_metadata(writer, src, skip=("general.file_type", "general.quantization_version"))
         writer.add_uint32("general.quantization_version", QUANTIZATION_VERSION)
         writer.add_key_value("general.file_type", mix, GGUFValueType.STRING)

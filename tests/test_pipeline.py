@@ -9,7 +9,6 @@ import time
 import wave
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

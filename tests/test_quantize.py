@@ -106,3 +106,13 @@ def test_cli_quantize_and_info(tmp_path, lm_file, capsys):
     assert info["architecture"] == "mm3-lm" and info["file_type"] == "Q8_0"
     assert info["quant_types"] == {"F32": 2, "Q8_0": 6}
     assert cli_main(["quantize", str(lm_file), str(out), "--type", "Q8_0"]) == 2  # exists: clear error, no traceback
+
+
+def test_tiny_lm_with_empty_merges_quantizes(tiny, tmp_path):
+    """The byte-level tiny LM has an empty merges array; it must survive the copy."""
+    src = tiny.file("mm3-lm")
+    out = quantize_file(src, tmp_path / "lm-Q8_0.gguf", "Q8_0")
+    a, b = GGUFFile(src), GGUFFile(out)
+    assert b.strings("tokenizer.ggml.merges") == [] == a.strings("tokenizer.ggml.merges")
+    assert b.strings("tokenizer.ggml.tokens") == a.strings("tokenizer.ggml.tokens")
+    assert b.tensors["lm_head.weight"].qtype == Q.Q8_0

@@ -84,6 +84,19 @@ class Linear(WeightSlots):
         b = self.get("bias", x.dtype) if self.has_bias else None
         return F.linear(x, self.get("weight", x.dtype), b)
 
+    def rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Weight rows [start, stop) in `dtype`, dequantizing only those (a GGUF row is whole blocks,
+        so a row range is a byte range); float rows are views when no cast is needed."""
+        qtype = self._slot_types.get("weight")
+        if qtype is None:
+            raise ComponentError("Linear.weight was never loaded")
+        if qtype in FLOAT_TYPES:
+            return self.weight[start:stop].to(dtype)
+        from .quants import dequantize
+
+        raw = self.weight.view(self.out_features, -1)[start:stop]
+        return dequantize(raw, qtype, (stop - start, self.in_features), dtype)
+
 
 class Embedding(WeightSlots):
     """Row lookup that dequantizes only the rows asked for (the LM table has 200000 rows)."""
@@ -108,6 +121,10 @@ class Embedding(WeightSlots):
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.lookup(ids, dtype)
+
+    def rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, stop) of the table (a tied LM head reads its candidates' rows this way)."""
+        return self.lookup(torch.arange(start, stop), dtype)
 
 
 class Conv1d(WeightSlots):

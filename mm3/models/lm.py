@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..gguf import ops as default_ops
 from ..gguf.errors import ComponentError
-from ..gguf.ops import FLOAT_TYPES, WeightSlots, load_tensors
+from ..gguf.ops import load_tensors
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -221,23 +221,8 @@ class Qwen3LM(nn.Module):
         """LM-head logits for the rows in `ranges` ([start, stop) pairs, concatenated in order),
         dequantizing only those rows."""
         head = self.model.embed_tokens if self.tied else self.lm_head
-        if not isinstance(head, WeightSlots):  # another ops implementation: whole head, then pick
+        if not hasattr(head, "rows"):  # an ops implementation without row access: whole head, then pick
             cols = torch.cat([torch.arange(a, b, device=h.device) for a, b in ranges])
             return self.logits(h)[..., cols]
         # One product per range: float rows are views of the weight (no copy of 16385 x H per frame).
-        return torch.cat([F.linear(h, head_rows(head, a, b, h.dtype).to(h.device)) for a, b in ranges], dim=-1)
-
-
-def head_rows(layer, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows [start, stop) of a layer's 2-D `weight` slot, dequantized to `dtype` (GGUF rows are
-    contiguous whole blocks, so a row range is a byte range)."""
-    qtype = layer.qtype("weight")
-    if qtype is None:
-        raise ComponentError(f"{type(layer).__name__}.weight was never loaded")
-    rows, cols = layer._slot_shapes["weight"]
-    if qtype in FLOAT_TYPES:
-        return layer.weight[start:stop].to(dtype)
-    from ..gguf.quants import dequantize
-
-    raw = layer.weight.view(rows, -1)[start:stop]
-    return dequantize(raw, qtype, (stop - start, cols), dtype)
+        return torch.cat([F.linear(h, head.rows(a, b, h.dtype).to(h.device)) for a, b in ranges], dim=-1)
