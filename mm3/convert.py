@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Callable
@@ -25,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from .gguf.writer import Writer
+from .gguf.writer import Writer, write_streaming
 from .safetensors_raw import TensorEntry, load_entries
 
 logger = logging.getLogger(__name__)
@@ -317,30 +316,24 @@ class _Plan:
 def _write(path: Path, arch: str, kv: list[tuple], plans: list[_Plan], component: str,
            progress: Progress | None) -> None:
     tmp = path.with_name(path.name + ".part")
-    w = Writer(tmp, arch=arch)
-    try:
-        for key, value, vtype, sub in kv:
-            w.add_key_value(key, value, vtype, sub)
-        for p in plans:
-            w.add_tensor_info(p.name, p.shape, np.dtype(_NP_OF[p.dtype]), p.nbytes, raw_dtype=_GGML[p.dtype])
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        total, done = sum(p.nbytes for p in plans), 0
-        for p in plans:
-            data = p.data()
-            if data.nbytes != p.nbytes:
-                raise AssertionError(f"{p.name}: {data.nbytes} bytes produced, {p.nbytes} planned")
-            w.write_tensor_data(data)
-            done += p.nbytes
-            if progress is not None:
-                progress(component, done, total)
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    w = Writer(tmp, arch=arch)  # nothing is written to disk before write_streaming
+    for key, value, vtype, sub in kv:
+        w.add_key_value(key, value, vtype, sub)
+    for p in plans:
+        w.add_tensor_info(p.name, p.shape, np.dtype(_NP_OF[p.dtype]), p.nbytes, raw_dtype=_GGML[p.dtype])
+    write_streaming(w, tmp, path, _tensor_data(plans, component, progress))
+
+
+def _tensor_data(plans: list[_Plan], component: str, progress: Progress | None):
+    total, done = sum(p.nbytes for p in plans), 0
+    for p in plans:
+        data = p.data()
+        if data.nbytes != p.nbytes:
+            raise AssertionError(f"{p.name}: {data.nbytes} bytes produced, {p.nbytes} planned")
+        yield data
+        done += p.nbytes
+        if progress is not None:
+            progress(component, done, total)
 
 
 def _native_plans(entries: dict[str, TensorEntry]) -> list[_Plan]:

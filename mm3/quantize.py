@@ -23,7 +23,7 @@ from .components import ARCHITECTURES, DESCRIPTIONS
 from .gguf.errors import ComponentError
 from .gguf.ops import FLOAT_TYPES
 from .gguf.reader import GGUFFile
-from .gguf.writer import Writer, copy_metadata
+from .gguf.writer import Writer, copy_metadata, write_streaming
 
 Q = GGMLQuantizationType
 
@@ -100,21 +100,15 @@ def quantize_file(src_path, dst_path, mix: str, *, progress=None, overwrite: boo
             else:
                 row_bytes = t.shape[-1] // block * block_bytes
                 writer.add_tensor_info(name, (*t.shape[:-1], row_bytes), np.dtype(np.uint8), nbytes, raw_dtype=qt)
-        try:
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            total = len(src.tensors)
+        total = len(src.tensors)
+
+        def tensor_data():
             for i, (name, t) in enumerate(src.tensors.items()):
-                writer.write_tensor_data(_encode(t.dequantize(torch.float32), plan[name]))
+                yield _encode(t.dequantize(torch.float32), plan[name])
                 if progress:
                     progress(name, i + 1, total)
-            writer.close()
-            os.replace(tmp, dst)
-        except BaseException:
-            writer.close()
-            tmp.unlink(missing_ok=True)
-            raise
+
+        write_streaming(writer, tmp, dst, tensor_data())
         return dst
     finally:
         src.close()

@@ -37,6 +37,17 @@ class Tiny:
         raise FileNotFoundError(f"no {arch} file in {self.gguf}")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One CPU thread for the module: the reference goldens are bit-exact at a fixed thread count."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Small-vocabulary tiny model (specials at 256..265, code offset 266); fast."""

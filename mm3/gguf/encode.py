@@ -20,7 +20,7 @@ import numpy as np
 import gguf
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from .quants import UnsupportedQuantType
+from .quants import UnsupportedQuantType, parse_qtype
 
 __all__ = ["WRITABLE_TYPES", "quantize"]
 
@@ -222,10 +222,7 @@ def quantize(array: np.ndarray, qtype) -> np.ndarray:
     Raises UnsupportedQuantType for types we cannot write (Q2_K, Q3_K, IQ*, ...) and ValueError for
     bad shapes or non-finite input.
     """
-    try:
-        t = QT[qtype] if isinstance(qtype, str) else QT(int(qtype))
-    except (KeyError, ValueError, TypeError):
-        raise UnsupportedQuantType(f"unknown GGML tensor type {qtype!r}") from None
+    t = parse_qtype(qtype)
     if t not in WRITABLE_TYPES:
         names = ", ".join(sorted(s.name for s in WRITABLE_TYPES))
         raise UnsupportedQuantType(f"writing GGML type {t.name} is not supported; writable types: {names}")

@@ -219,12 +219,17 @@ SCALE_OFFSETS: dict[QT, tuple[int, ...]] = {
 # public API
 
 
-def as_qtype(qtype) -> QT:
-    """A `GGMLQuantizationType` from an enum member, its integer id or its name; else UnsupportedQuantType."""
+def parse_qtype(qtype) -> QT:
+    """A `GGMLQuantizationType` from an enum member, its integer id or its name."""
     try:
-        t = QT[qtype] if isinstance(qtype, str) else QT(int(qtype))
+        return QT[qtype] if isinstance(qtype, str) else QT(int(qtype))
     except (KeyError, ValueError, TypeError):
         raise UnsupportedQuantType(f"unknown GGML tensor type {qtype!r}") from None
+
+
+def as_qtype(qtype) -> QT:
+    """A dequantizable `GGMLQuantizationType` (see `parse_qtype`); else UnsupportedQuantType."""
+    t = parse_qtype(qtype)
     if t not in SUPPORTED_TYPES:
         names = ", ".join(sorted(s.name for s in SUPPORTED_TYPES))
         raise UnsupportedQuantType(f"GGML tensor type {t.name} ({int(t)}) cannot be dequantized; supported: {names}")

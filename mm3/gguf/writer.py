@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Iterable
+
 import gguf
+import numpy as np
 
 from .reader import GGUFFile, StringArray
 
@@ -28,3 +33,23 @@ def copy_metadata(writer: gguf.GGUFWriter, src: GGUFFile, skip=()) -> None:
         if isinstance(value, StringArray):
             value = src.strings(key)
         writer.add_key_value(key, value, vtype, sub_type=etype)
+
+
+def write_streaming(writer: gguf.GGUFWriter, tmp: Path, dst: Path, tensor_data: Iterable[np.ndarray]) -> Path:
+    """Write a file whose metadata and tensor infos are already added to `writer` (opened on
+    `tmp`): the header, then each tensor's data as `tensor_data` yields it (in tensor-info order,
+    one at a time, so a file never has to fit in memory). Renamed to `dst` only once complete; on
+    any failure or interrupt the partial file is removed."""
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for data in tensor_data:
+            writer.write_tensor_data(data)
+        writer.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        writer.close()
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(dst)
