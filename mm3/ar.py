@@ -11,6 +11,11 @@ Numerics: with `reference_numerics=True` every tensor op has the reference's sha
 depth decoder re-run over the whole sequence at each step), which on CPU float32 reproduces its
 hidden states bit for bit, hence its codes for the same generator. The default computes only the
 LM-head rows of candidates and keeps a depth KV cache: the same numbers up to float rounding.
+
+Engines: "plain" is the loop below, written with the model's own layers; "fast" runs each frame as
+one function over packed weights (`mm3.fast`: fused projections, decode-shaped products, END read
+one frame late, no host wait inside a frame), same numbers up to float rounding; "auto" (default)
+takes "fast" unless `reference_numerics` is set or the models use other `ops` layers.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .codes import AudioCodes
+from .fast.onednn import onednn_matmul
 from .models.depth import RVQDepthDecoder
 from .models.lm import Qwen3LM
 from .progress import Cancelled, Progress
@@ -78,7 +84,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, *, duration: float
          lm_cfg: float = DEFAULT_LM_CFG, top_k: int = DEFAULT_TOP_K, lm_batch_size: int = 1,
          generators: list[torch.Generator] | torch.Generator | None = None, progress: Progress | None = None,
          dtype: torch.dtype = torch.float32, reference_numerics: bool = False,
-         frame_rate: float = FRAME_RATE) -> list[AudioCodes]:
+         frame_rate: float = FRAME_RATE, engine: str = "auto", cache_budget: int | None = None,
+         compile: bool = False) -> list[AudioCodes]:
     """Sample `lm_batch_size` songs for `prompt`; returns one AudioCodes per song (codes [F+1, ncb],
     frame hiddens [F, ncb, H] in `dtype`, `ended_naturally` when the LM chose END before the cap).
 
@@ -86,13 +93,16 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, *, duration: float
     (`lm_seed` None or negative: random, recorded in the result); a CPU generator reproduces the
     reference's draws, and the same generator can go on to draw the DiT noise afterwards. `duration` caps the frames
     (see `max_frames_for`). `progress.on_progress("ar", frames, max_frames, info)` runs after every
-    frame and `progress.should_stop()` before every frame (True raises `Cancelled`).
+    frame and `progress.should_stop()` before every frame (True raises `Cancelled`). `engine`:
+    "auto", "fast" or "plain" (module docstring); `cache_budget` (bytes of dequantized weight
+    copies, None = automatic) and `compile` (torch.compile the frame step) apply to "fast".
     """
     if top_k < 1:
         raise ValueError(f"lm_top_k must be at least 1, got {top_k}")
     if lm_batch_size < 1:
         raise ValueError(f"lm_batch_size must be at least 1, got {lm_batch_size}")
     _check_pair(lm, depth, prompt)
+    fast = _use_fast(engine, reference_numerics, lm, depth)
     progress = progress or Progress()
     n_songs = lm_batch_size
     if generators is not None:
@@ -112,10 +122,19 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, *, duration: float
     max_frames = max_frames_for(duration, n_prompt, lm.max_positions, frame_rate)
 
     # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
-    cache = lm.new_cache(2, n_prompt + max_frames, dtype)
+    # One spare position: the fast engine feeds back the last frame too.
+    cache = lm.new_cache(2, n_prompt + max_frames + 1, dtype)
     last = lm(lm.embed(prompt.ids.to(device), dtype), cache)[:, -1]  # [2, H], final-normed
     if n_songs > 1:
         cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
+    if fast:
+        from .fast.plan import sample_frames
+
+        results = sample_frames(lm, depth, cs, cache, last, gens, max_frames=max_frames, lm_cfg=lm_cfg, top_k=top_k,
+                                dtype=dtype, progress=progress, cache_budget=cache_budget, compile=compile)
+        for song, (codes, hiddens, ended) in zip(songs, results):
+            song.codes, song.hiddens, song.ended = codes, hiddens, ended  # whole tensors: nothing to stack
+        return _results(songs, prompt)
 
     if reference_numerics:
         mask = torch.ones(lm.vocab_size, dtype=torch.bool, device=device)
@@ -173,13 +192,34 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, *, duration: float
         # 4. feedback: the frame's summed embedding at the next position of every row
         last = lm(_frame_feedback(lm, depth, frame_codes, cs.code_offset, dtype), cache)[:, -1]
 
+    return _results(songs, prompt)
+
+
+ENGINES = ("auto", "fast", "plain")
+
+
+def _use_fast(engine: str, reference_numerics: bool, lm, depth) -> bool:
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "plain" or (engine == "auto" and reference_numerics):
+        return False
+    from .fast.frame import supports
+
+    why = supports(lm, depth)
+    if engine == "fast" and (reference_numerics or why):
+        raise ValueError("engine 'fast' cannot run " + ("with reference_numerics" if reference_numerics else why))
+    return why is None
+
+
+def _results(songs: list[_Song], prompt: Prompt) -> list[AudioCodes]:
     out = []
     for i, song in enumerate(songs):
-        if not song.hiddens:
+        if len(song.hiddens) == 0:
             raise ZeroFramesError(f"song {i} (lm_seed {song.seed}) generated zero audio frames: the LM ended "
                                   "the song at once; try another seed or prompt")
-        codes = torch.stack(song.codes).cpu()  # [F + 1, ncb]
-        out.append(AudioCodes(codes, torch.stack(song.hiddens), prompt, song.seed, song.ended))
+        stack = (lambda x: x) if isinstance(song.codes, torch.Tensor) else torch.stack
+        codes = stack(song.codes).cpu()  # [F + 1, ncb]
+        out.append(AudioCodes(codes, stack(song.hiddens), prompt, song.seed, song.ended))
     return out
 
 
@@ -233,21 +273,23 @@ def replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, codes: torch.Ten
     if n_prompt + n > lm.max_positions:
         raise ValueError(f"{n} frames after a {n_prompt}-token prompt exceed the LM context {lm.max_positions}")
     codes_d = codes.to(device)
-    cache = lm.new_cache(1, n_prompt + n, dtype)
-    lm(lm.embed(prompt.ids[:1].to(device), dtype), cache)
+    with onednn_matmul(device):  # chunks of frames: GEMMs, where oneDNN beats MKL (mm3.fast.onednn)
+        cache = lm.new_cache(1, n_prompt + n, dtype)
+        lm(lm.embed(prompt.ids[:1].to(device), dtype), cache)
 
-    out = torch.empty(n, ncb, lm.hidden_size, dtype=dtype, device=device)
-    for a in range(0, n, chunk):
-        if progress.should_stop():
-            raise Cancelled(f"replay cancelled at frame {a} of {n}")
-        b = min(a + chunk, n)
-        fed = _frame_feedback(lm, depth, codes_d[a:b], cs.code_offset, dtype)  # frames a .. b-1: [m, 1, H]
-        hid = lm(fed.transpose(0, 1), cache)[0]  # [m, H]: hidden after frame k predicts frame k + 1
-        nxt = codes_d[a + 1:b + 1]  # the frames those hiddens predicted
-        seq = [depth.projection(hid)[:, None], depth.projection(lm.embed(nxt[:, 0] + cs.code_offset, dtype))[:, None]]
-        seq += [depth.projection(depth.code_embedding(nxt[:, j], j, dtype))[:, None] for j in range(1, ncb - 1)]
-        states = depth(torch.cat(seq, dim=1))  # [m, ncb, H]
-        out[a:b, 0] = hid
-        out[a:b, 1:] = states[:, 1:]
-        progress.on_progress("replay", b, n, {"frames": n})
+        out = torch.empty(n, ncb, lm.hidden_size, dtype=dtype, device=device)
+        for a in range(0, n, chunk):
+            if progress.should_stop():
+                raise Cancelled(f"replay cancelled at frame {a} of {n}")
+            b = min(a + chunk, n)
+            fed = _frame_feedback(lm, depth, codes_d[a:b], cs.code_offset, dtype)  # frames a .. b-1: [m, 1, H]
+            hid = lm(fed.transpose(0, 1), cache)[0]  # [m, H]: hidden after frame k predicts frame k + 1
+            nxt = codes_d[a + 1:b + 1]  # the frames those hiddens predicted
+            seq = [depth.projection(hid)[:, None],
+                   depth.projection(lm.embed(nxt[:, 0] + cs.code_offset, dtype))[:, None]]
+            seq += [depth.projection(depth.code_embedding(nxt[:, j], j, dtype))[:, None] for j in range(1, ncb - 1)]
+            states = depth(torch.cat(seq, dim=1))  # [m, ncb, H]
+            out[a:b, 0] = hid
+            out[a:b, 1:] = states[:, 1:]
+            progress.on_progress("replay", b, n, {"frames": n})
     return AudioCodes(codes.cpu(), out, prompt, lm_seed, False)

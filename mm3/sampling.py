@@ -53,6 +53,34 @@ def exponential_draws(n: int, generator: torch.Generator | None, device=None) ->
     return torch.empty((1, n), dtype=torch.float32, device=dev).exponential_(1, generator=generator)
 
 
+_SKIP_EXACT: dict[tuple[int, int], bool] = {}  # (n, start) -> the skip of exponential_tail checked exact
+
+
+def _skip_is_exact(n: int, start: int) -> bool:
+    """Whether skipping `start` draws with int64 `random_` leaves a generator exactly where `start`
+    Exponential draws leave it. CPU torch draws one 64-bit number per Exponential value (checked
+    with torch 2.14); this is verified once per shape on a scratch generator rather than assumed."""
+    key = (n, start)
+    if key not in _SKIP_EXACT:
+        a, b = torch.Generator("cpu").manual_seed(1), torch.Generator("cpu").manual_seed(1)
+        full = exponential_draws(n, a)[:, start:]
+        torch.empty(start, dtype=torch.int64).random_(generator=b)
+        tail = exponential_draws(n - start, b)
+        _SKIP_EXACT[key] = torch.equal(full, tail) and torch.equal(a.get_state(), b.get_state())
+    return _SKIP_EXACT[key]
+
+
+def exponential_tail(n: int, start: int, generator: torch.Generator) -> torch.Tensor:
+    """`exponential_draws(n, generator)[:, start:]`, consuming the CPU generator identically, but
+    skipping the first `start` values with cheap 64-bit draws (~6x faster than Exponential ones)
+    where that is exact: the semantic draw runs over the whole LM vocabulary (200000) while the
+    candidates are its last ~16400 ids."""
+    if start <= 0 or generator is None or generator.device.type != "cpu" or not _skip_is_exact(n, start):
+        return exponential_draws(n, generator)[:, start:]
+    torch.empty(start, dtype=torch.int64).random_(generator=generator)
+    return exponential_draws(n - start, generator)
+
+
 def draw_index(probs: torch.Tensor, generator: torch.Generator | None,
                columns: torch.Tensor | None = None, n: int | None = None) -> torch.Tensor:
     """One index into `probs` [1, N] (float32, sums to 1) drawn as `torch.multinomial(probs, 1,
@@ -60,9 +88,13 @@ def draw_index(probs: torch.Tensor, generator: torch.Generator | None,
     `n` categories, ascending, `probs` zero elsewhere) the generator still draws `n` numbers, as the
     reference does over the whole space; the result is then a position in `columns`."""
     total = probs.shape[-1] if n is None else n
-    q = exponential_draws(total, generator, probs.device)
-    if columns is not None:
-        q = q[:, columns.to(q.device)]
+    if columns is not None and generator is not None and generator.device.type == "cpu":
+        start = int(columns[0])  # ascending: the first candidate; nothing below it is needed
+        q = exponential_tail(total, start, generator)[:, columns - start]
+    else:
+        q = exponential_draws(total, generator, probs.device)
+        if columns is not None:
+            q = q[:, columns.to(q.device)]
     if q.device != probs.device:
         if probs.device.type == "cuda":
             q = q.pin_memory()  # so the copy below does not wait for the device

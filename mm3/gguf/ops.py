@@ -5,9 +5,15 @@ float tensor of an F32/F16/BF16 one; `nn.Module.to(device)` moves the compressed
 forward dequantizes on the input's device to the input's dtype. Models are written against these
 classes only, so another implementation (fused quantized matmuls, a ComfyUI cast layer) can be
 swapped in without touching model code.
+
+Dequantizing on every forward costs a full write and read of the float weight. Where memory allows,
+`cache_dequantized(model, dtype, budget)` keeps float copies that `get` returns instead (the DiT
+reuses every weight 2 x steps times per window); `release_dequantized` drops them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -31,6 +37,7 @@ class WeightSlots(nn.Module):
         super().__init__()
         self._slot_shapes: dict[str, tuple[int, ...]] = {}
         self._slot_types: dict[str, GGMLQuantizationType] = {}
+        self._dequantized: dict[str, torch.Tensor] = {}  # see cache_dequantized
 
     def declare(self, name: str, *shape: int):
         self._slot_shapes[name] = tuple(int(s) for s in shape)
@@ -47,6 +54,7 @@ class WeightSlots(nn.Module):
             value = tensor.raw
         setattr(self, name, value)
         self._slot_types[name] = tensor.qtype
+        self._dequantized.pop(name, None)
 
     def set_float(self, name: str, value: torch.Tensor):
         """Fill a slot with a computed float tensor (folded constants, tests)."""
@@ -54,6 +62,18 @@ class WeightSlots(nn.Module):
             raise ComponentError(f"{name}: shape {list(value.shape)}, expected {list(self._slot_shapes[name])}")
         setattr(self, name, value)
         self._slot_types[name] = {v: k for k, v in FLOAT_TYPES.items()}[value.dtype]
+        self._dequantized.pop(name, None)
+
+    def rebind(self, name: str, value: torch.Tensor):
+        """Point a filled slot at `value`, a tensor of the same shape and dtype holding the same
+        bytes (mm3.fast packs the rows of several layers into one buffer and rebinds each slot to
+        its view, so the packed copy replaces the originals instead of doubling the memory)."""
+        old = getattr(self, name)
+        if value.shape != old.shape or value.dtype != old.dtype or value.device != old.device:
+            raise ValueError(f"{type(self).__name__}.{name}: cannot rebind {old.dtype} {list(old.shape)} on "
+                             f"{old.device} to {value.dtype} {list(value.shape)} on {value.device}")
+        setattr(self, name, value)
+        self._dequantized.pop(name, None)
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The slot's tensor, dequantized on its current device to `dtype`."""
@@ -61,6 +81,9 @@ class WeightSlots(nn.Module):
         if qtype is None:
             raise ComponentError(f"{type(self).__name__}.{name} was never loaded")
         value = getattr(self, name)
+        cached = self._dequantized.get(name)
+        if cached is not None and cached.dtype == dtype and cached.device == value.device:
+            return cached
         if qtype in FLOAT_TYPES:
             return value.to(dtype)
         from .quants import dequantize
@@ -197,6 +220,46 @@ def load_tensors(module: nn.Module, tensors: dict[str, CompressedTensor], *, sou
             more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
             raise ComponentError(f"{source}: unexpected tensor(s) {', '.join(extra[:5])}{more}")
     return used
+
+
+def cache_dequantized(module: nn.Module, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
+    """Keep float copies in `dtype` of the weights of `module` that `get` would otherwise dequantize
+    or cast on every call, in module order until `budget_bytes` (None: no limit) is spent; returns
+    the bytes used. Copies sit on each weight's device and are ignored once it moves."""
+    used = 0
+    for sub in module.modules():
+        if not isinstance(sub, WeightSlots):
+            continue
+        for name, qtype in sub._slot_types.items():
+            value = getattr(sub, name)
+            if qtype in FLOAT_TYPES and FLOAT_TYPES[qtype] == dtype:
+                continue  # already what get returns, no work to save
+            nbytes = math.prod(sub._slot_shapes[name]) * torch.empty(0, dtype=dtype).element_size()
+            cached = sub._dequantized.get(name)
+            if cached is not None and cached.dtype == dtype and cached.device == value.device:
+                used += nbytes
+                continue
+            if budget_bytes is not None and used + nbytes > budget_bytes:
+                continue  # a smaller tensor further on may still fit
+            sub._dequantized.pop(name, None)
+            sub._dequantized[name] = sub.get(name, dtype)
+            used += nbytes
+    return used
+
+
+def dequantized_nbytes(module: nn.Module) -> int:
+    """Bytes of the copies `cache_dequantized` keeps under `module` now."""
+    return sum(t.numel() * t.element_size() for sub in module.modules() if isinstance(sub, WeightSlots)
+               for t in sub._dequantized.values())
+
+
+def release_dequantized(module: nn.Module) -> int:
+    """Drop every copy `cache_dequantized` kept under `module`; returns the bytes freed."""
+    freed = dequantized_nbytes(module)
+    for sub in module.modules():
+        if isinstance(sub, WeightSlots):
+            sub._dequantized.clear()
+    return freed
 
 
 def compressed_nbytes(module: nn.Module) -> int:
