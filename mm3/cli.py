@@ -7,9 +7,10 @@ import importlib
 import sys
 
 from .gguf.errors import ComponentError, GGUFFormatError
+from .output import OutputError
 
 # Modules that register a subcommand through `add_cli(subparsers)`.
-TOOLS = ("mm3.jobs_cli", "mm3.info", "mm3.tiny", "mm3.convert", "mm3.quantize", "mm3.download")
+TOOLS = ("mm3.jobs_cli", "mm3.info", "mm3.tiny", "mm3.convert", "mm3.quantize", "mm3.download", "mm3.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except (GGUFFormatError, ComponentError, FileNotFoundError, FileExistsError) as e:
+    except (GGUFFormatError, ComponentError, OutputError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ flat list "c0,c1,..,c7,c0,..." of all F + 1 rows (SPEC section 9; minimaxmusic.c
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ from .prompt import Prompt
 # Codes per frame in the request's flat list (SPEC section 9: c0 then c1..c7).
 REQUEST_CODES_PER_FRAME = 8
 MIN_REQUEST_FRAMES = 2  # frame 0 (fed back only) plus at least one emitted frame
+_NOT_CODE_TEXT = re.compile(r"[^0-9,\- \t\r\n]")
+_MAX_DIGITS = 18  # every 18-digit value fits int64, so range errors can name the value exactly
 
 
 class AudioCodesError(ValueError):
@@ -61,26 +64,46 @@ def parse_audio_codes(text: str, semantic_vocab: int, audio_vocab: int,
     at least 2 frames"; c0 in [0, semantic_vocab) and c1.. in [0, audio_vocab), otherwise an error that
     names the frame, the position and the value.
     """
-    if any(ch not in "0123456789,- \t\r\n" for ch in text):
-        raise AudioCodesError("Invalid audio_codes")
+    values = _parse_values(text, codes_per_frame)
+    n = codes_per_frame
+    limits = [semantic_vocab] + [audio_vocab] * (n - 1)
+    for i, v in enumerate(values):  # in Python ints: a huge value must not overflow int64 first
+        f, p = divmod(i, n)
+        if not 0 <= v < limits[p]:
+            kind = "semantic code c0" if p == 0 else f"acoustic code c{p}"
+            raise AudioCodesError(f"audio_codes frame {f} position {p}: {kind} {v} is out of range "
+                                  f"0..{limits[p] - 1}")
+    return torch.tensor(values, dtype=torch.long).view(-1, n)
+
+
+def count_code_frames(text: str, codes_per_frame: int = REQUEST_CODES_PER_FRAME) -> int:
+    """Rows (frame 0 included) of an `audio_codes` text, checking its syntax and count only: the
+    code ranges depend on the models (`parse_audio_codes`)."""
+    return len(_parse_values(text, codes_per_frame)) // codes_per_frame
+
+
+def _parse_values(text: str, n: int) -> list[int]:
+    if not isinstance(text, str):
+        raise AudioCodesError(f"Invalid audio_codes: expected a string of comma-separated integers, got "
+                              f"{type(text).__name__}")
+    bad = _NOT_CODE_TEXT.search(text)
+    if bad:
+        raise AudioCodesError(f"Invalid audio_codes: character {bad.group()!r} at position {bad.start()} (expected "
+                              "digits, commas, '-' and whitespace)")
     items = [s.strip() for s in text.split(",")]
     if items and items[-1] == "":
         items.pop()  # a trailing comma is tolerated
     values = []
-    for s in items:
+    for i, s in enumerate(items):
         body = s[1:] if s.startswith("-") else s
-        if not body.isdigit():
-            raise AudioCodesError("Invalid audio_codes")
+        if not (body.isascii() and body.isdigit()):
+            shown = repr(s) if s else "an empty item"
+            raise AudioCodesError(f"Invalid audio_codes: item {i} is {shown}, expected an integer")
+        if len(body) > _MAX_DIGITS:  # beyond int64 (and Python's int-from-text digit limit): no code is
+            raise AudioCodesError(f"Invalid audio_codes: item {i} has {len(body)} digits ({s[:12]}...), far "
+                                  "beyond any code")
         values.append(int(s))
-    n = codes_per_frame
     if len(values) % n or len(values) < MIN_REQUEST_FRAMES * n:
-        raise AudioCodesError(f"audio_codes needs {n} codes per frame, at least {MIN_REQUEST_FRAMES} frames")
-    codes = torch.tensor(values, dtype=torch.long).view(-1, n)
-    limits = torch.tensor([semantic_vocab] + [audio_vocab] * (n - 1))
-    bad = ((codes < 0) | (codes >= limits)).nonzero()
-    if len(bad):
-        f, p = (int(v) for v in bad[0])
-        kind = "semantic code c0" if p == 0 else f"acoustic code c{p}"
-        raise AudioCodesError(f"audio_codes frame {f} position {p}: {kind} {int(codes[f, p])} is out of range "
-                              f"0..{int(limits[p]) - 1}")
-    return codes
+        raise AudioCodesError(f"audio_codes needs {n} codes per frame, at least {MIN_REQUEST_FRAMES} frames "
+                              f"(got {len(values)} codes)")
+    return values

@@ -4,11 +4,12 @@ checks that a set of components fits together."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .gguf.errors import ComponentError, GGUFFormatError
+from .gguf.errors import ComponentError
 from .gguf.reader import GGUFFile
 
 # general.architecture -> component kind (the minimaxmusic.cpp file contract, SPEC section 2).
@@ -39,6 +40,7 @@ HPARAM_KEYS = {
             "ff_inner_dim", "rotary_dim", "fourier_embedding_dim"),
     "vae": ("latent_channels", "sampling_rate", "upsampling_ratios"),
 }
+LIST_HPARAMS = ("upsampling_ratios",)  # the only list-valued key; every other one is a positive integer
 LM_CONFIG_KEY = "mm3.config_json"
 LM_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "num_hidden_layers", "rms_norm_eps",
@@ -80,16 +82,29 @@ def read_hparams(f: GGUFFile, kind: str) -> dict:
             raise ComponentError(f"{f.path}: missing metadata {LM_CONFIG_KEY} (the LM's config.json)")
         try:
             cfg = json.loads(raw)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise ComponentError(f"{f.path}: {LM_CONFIG_KEY} is not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ComponentError(f"{f.path}: {LM_CONFIG_KEY} is not a JSON object")
         missing = [k for k in LM_CONFIG_FIELDS if k not in cfg]
         if missing:
             raise ComponentError(f"{f.path}: {LM_CONFIG_KEY} lacks {', '.join(missing)}")
-        theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
+        rope = cfg.get("rope_parameters")
+        theta = cfg.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
         if theta is None:
             raise ComponentError(f"{f.path}: {LM_CONFIG_KEY} has no rope_theta")
+        for key in LM_CONFIG_FIELDS:
+            if key != "rms_norm_eps":
+                _check_size(f.path, f"{LM_CONFIG_KEY} {key}", cfg[key])
+        for key, value in (("rms_norm_eps", cfg["rms_norm_eps"]), ("rope_theta", theta)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ComponentError(f"{f.path}: {LM_CONFIG_KEY} {key} must be a positive number, "
+                                     f"got {json.dumps(value)}")
         cfg["rope_theta"] = float(theta)
         cfg.setdefault("tie_word_embeddings", False)
+        if not isinstance(cfg["tie_word_embeddings"], bool):
+            raise ComponentError(f"{f.path}: {LM_CONFIG_KEY} tie_word_embeddings must be true or false, "
+                                 f"got {json.dumps(cfg['tie_word_embeddings'])}")
         return cfg
     arch = ARCH_OF[kind]
     out = {}
@@ -97,17 +112,32 @@ def read_hparams(f: GGUFFile, kind: str) -> dict:
         full = f"{arch}.{key}"
         if full not in f.metadata:
             raise ComponentError(f"{f.path}: missing metadata {full}")
-        out[key] = f.metadata[full]
+        value = f.metadata[full]
+        if key in LIST_HPARAMS:
+            if not isinstance(value, list) or not value:
+                raise ComponentError(f"{f.path}: metadata {full} must be a non-empty list of positive integers, "
+                                     f"got {value!r}")
+            for v in value:
+                _check_size(f.path, f"metadata {full}", v)
+        else:
+            _check_size(f.path, f"metadata {full}", value)
+        out[key] = value
     return out
 
 
-def open_component(path: str | os.PathLike, expect: str | None = None) -> Component:
+def _check_size(path: str, what: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ComponentError(f"{path}: {what} must be a positive integer, got {value!r}")
+
+
+def open_component(path: str | os.PathLike, expect: str | None = None, *, header_only: bool = False) -> Component:
     """Open a component file, classified by `general.architecture` (never by its name).
 
     `expect` is a kind ("lm", "depth", "cond", "dit", "vae"); another architecture is an error
-    that says what the file is and what was expected.
+    that says what the file is and what was expected. `header_only`: metadata and the tensor table
+    only (no tensors mapped), enough for `hparams` and `check_compatible`.
     """
-    f = GGUFFile(path)
+    f = GGUFFile(path, header_only=header_only)
     try:
         arch = f.architecture
         kind = ARCHITECTURES.get(arch)
@@ -117,9 +147,30 @@ def open_component(path: str | os.PathLike, expect: str | None = None) -> Compon
         if expect is not None and kind != expect:
             raise ComponentError(f"{f.path} is {arch}, expected {ARCH_OF[expect]} ({DESCRIPTIONS[expect]})")
         return Component(kind, str(path), f, read_hparams(f, kind))
-    except (ComponentError, GGUFFormatError):
+    except BaseException:
         f.close()
         raise
+
+
+def read_component(path: str | os.PathLike, expect: str | None = None) -> Component:
+    """Kind and hyper-parameters of a file from its header alone (the file is not kept open), cached
+    by path, size and mtime: a whole request's files can be checked with `check_compatible` before
+    any model is loaded."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    comp = _HEADER_CACHE.get(key)
+    if comp is None:
+        comp = open_component(path, header_only=True)
+        comp.close()
+        if len(_HEADER_CACHE) > 64:
+            _HEADER_CACHE.clear()
+        _HEADER_CACHE[key] = comp
+    if expect is not None and comp.kind != expect:
+        raise ComponentError(f"{comp.path} is {ARCH_OF[comp.kind]}, expected {ARCH_OF[expect]} ({DESCRIPTIONS[expect]})")
+    return comp
+
+
+_HEADER_CACHE: dict[tuple, Component] = {}
 
 
 def check_compatible(components: dict[str, Component]) -> None:
@@ -139,3 +190,47 @@ def check_compatible(components: dict[str, Component]) -> None:
     same("depth", "num_codebooks", "cond", "num_condition_layers", "depth decoder and condition encoder")
     same("cond", "out_dim", "dit", "condition_dim", "condition encoder and DiT")
     same("dit", "in_channels", "vae", "latent_channels", "DiT and vocoder")
+    same("cond", "output_sampling_rate", "vae", "sampling_rate", "condition encoder and vocoder")
+    cond, vae = components.get("cond"), components.get("vae")
+    if cond is not None and vae is not None:
+        hop, ratios = cond.hparams["output_hop_length"], vae.hparams["upsampling_ratios"]
+        if math.prod(ratios) != hop:  # one latent per output_hop_length samples (SPEC section 13)
+            raise ComponentError(
+                f"condition encoder and vocoder do not fit together: {cond.name} has output_hop_length {hop}, "
+                f"{vae.name} upsamples by {' x '.join(map(str, ratios))} = {math.prod(ratios)}")
+
+
+# Hyper-parameters that count repeated parts (one or more tensors each), and those that are rates
+# or positions rather than tensor sizes; every other one sizes some tensor dimension.
+COUNT_HPARAMS = ("num_layers", "num_hidden_layers", "num_codebooks")
+RATE_HPARAMS = ("input_sampling_rate", "input_hop_length", "output_sampling_rate", "output_hop_length",
+                "sampling_rate", "rope_theta", "rms_norm_eps", "max_position_embeddings")
+
+
+def check_loadable(component: Component) -> None:
+    """Before a model is built from `component`: every tensor has a type the engine dequantizes,
+    and no size in the metadata is beyond what the file's tensors can hold (a corrupt header must
+    not make the model constructor loop over millions of layers or allocate huge tables)."""
+    from .gguf.quants import SUPPORTED_TYPES
+
+    infos = component.file.tensor_infos()
+    for name, _, qtype in infos:
+        if qtype not in SUPPORTED_TYPES:
+            names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+            raise ComponentError(f"{component.path}: tensor {name} is {qtype.name}, which this engine cannot "
+                                 f"dequantize (supported: {names}); use a file quantized to one of those")
+    largest = max((math.prod(shape) for _, shape, _ in infos), default=0)
+    sizes = dict(component.hparams)
+    if component.kind == "lm":
+        sizes = {k: sizes[k] for k in LM_CONFIG_FIELDS}
+    if component.kind == "vae":
+        sizes.update({f"upsampling_ratios[{i}]": r for i, r in enumerate(sizes.pop("upsampling_ratios"))})
+    for key, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or key in RATE_HPARAMS:
+            continue
+        if key in COUNT_HPARAMS and value > len(infos):
+            raise ComponentError(f"{component.path}: {key} {value} is more than the {len(infos)} tensors the "
+                                 "file holds (corrupt metadata?)")
+        if value > largest:
+            raise ComponentError(f"{component.path}: {key} {value} is larger than any tensor in the file "
+                                 f"(the largest holds {largest} values; corrupt metadata?)")

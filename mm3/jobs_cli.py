@@ -9,6 +9,7 @@ unless --overwrite is given.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -16,9 +17,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from .codes import AudioCodesError
-from .output import atomic_write, write_audio
+from .gguf.errors import ComponentError, GGUFFormatError
+from .output import FileBatch, OutputError, render
 from .progress import Cancelled, Progress
+from .prompt import PromptError
 from .request import MM3Request, RequestError
+
+# Bad input (request, prompt, codes, model files, output paths): "error: ..." and exit code 2.
+USER_ERRORS = (RequestError, AudioCodesError, PromptError, GGUFFormatError, ComponentError, OutputError,
+               FileExistsError)
 
 EXTENSIONS = {"mp3": ".mp3", "wav16": ".wav", "wav24": ".wav", "wav32": ".wav"}
 
@@ -29,8 +36,11 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
         try:
             text = Path(args.request).read_bytes()
         except OSError as e:
-            raise RequestError(f"cannot read {args.request}: {e.strerror}") from None
-        req = MM3Request.from_json(text)
+            raise RequestError(f"cannot read --request {args.request}: {e.strerror}") from None
+        try:
+            req = MM3Request.from_json(text)
+        except RequestError as e:
+            raise RequestError(f"{e} (in --request {args.request})") from None
     else:
         req = MM3Request()
     overrides = {}
@@ -43,12 +53,17 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
     for field in ("caption", "lyrics"):
         path = getattr(args, f"{field}_file", None)
         if path:
+            flag = f"--{field}-file"
             try:
-                overrides[field] = Path(path).read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise RequestError(f"{path} is not valid UTF-8 text (byte {e.start})") from None
+                data = Path(path).read_bytes()
             except OSError as e:
-                raise RequestError(f"cannot read {path}: {e.strerror}") from None
+                raise RequestError(f"cannot read {flag} {path}: {e.strerror}") from None
+            try:
+                overrides[field] = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line = data.count(b"\n", 0, e.start) + 1
+                raise RequestError(f"{flag} {path} is not valid UTF-8 text: byte 0x{data[e.start]:02x} at offset "
+                                   f"{e.start} (line {line}); save it as UTF-8") from None
     req = replace(req, **overrides)
     if not need_text and req.audio_codes and not (req.caption.strip() and req.lyrics.strip()):
         raise RequestError("caption and lyrics are required")
@@ -74,12 +89,21 @@ def numbered(out: Path, count: int, index: int) -> Path:
 
 
 def _check_targets(paths: list[Path], overwrite: bool):
+    """Refuse, before any work, targets that exist (without --overwrite) or cannot be created. A
+    full disk only shows when writing; then nothing is left behind either (`FileBatch`)."""
     for p in paths:
-        if p.exists() and not overwrite:
+        if p.is_dir():
+            raise OutputError(f"cannot write {p}: it is a folder")
+        if os.path.lexists(p) and not overwrite:
             raise FileExistsError(f"{p} already exists (choose another --out or pass --overwrite)")
-        parent = p.parent if str(p.parent) else Path(".")
-        if parent.exists() and not parent.is_dir():
-            raise FileExistsError(f"{parent} is not a folder")
+        folder = p.parent if str(p.parent) else Path(".")
+        existing = folder
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise OutputError(f"cannot write {p}: {existing} is not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise OutputError(f"cannot write {p}: the folder {existing} is not writable")
 
 
 # -- progress and Ctrl+C ------------------------------------------------------------------------
@@ -134,25 +158,34 @@ class Console:
 def _pipeline(args):
     from .pipeline import Pipeline
 
-    return Pipeline(args.models, device=args.device, dtype=args.dtype, keep_loaded=args.keep_loaded)
+    if not Path(args.models).is_dir():
+        raise RequestError(f"--models {args.models} is not a folder")
+    try:
+        return Pipeline(args.models, device=args.device, dtype=args.dtype, keep_loaded=args.keep_loaded)
+    except ValueError as e:  # an unavailable --device or unknown --dtype
+        raise RequestError(str(e)) from None
 
 
 def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool, quiet: bool) -> list[Path]:
-    written = []
-    for n, track in enumerate(tracks):
-        path = numbered(out, len(tracks), n)
-        start = time.perf_counter()
-        write_audio(path, track.audio, fmt, peak_clip=req.clamped_peak_clip, mp3_bitrate=req.mp3_bitrate,
-                    sample_rate=track.sample_rate)
-        replay_req = replace(track.request, output_format=fmt)
-        atomic_write(path.with_suffix(".json"), (replay_req.to_json() + "\n").encode())
-        written.append(path)
-        if not quiet:
+    """Every track and its replay JSON, all or nothing: staged as temporaries, then renamed."""
+    start = time.perf_counter()
+    lines = []
+    with FileBatch(overwrite) as batch:
+        for n, track in enumerate(tracks):
+            path = numbered(out, len(tracks), n)
+            batch.add(path, render(track.audio, fmt, peak_clip=req.clamped_peak_clip, mp3_bitrate=req.mp3_bitrate,
+                                   sample_rate=track.sample_rate))
+            replay_req = replace(track.request, output_format=fmt)
+            batch.add(path.with_suffix(".json"), (replay_req.to_json() + "\n").encode())
             seconds = track.audio.shape[-1] / track.sample_rate
-            print(f"wrote {path} ({seconds:.1f} s of audio, song {track.song + 1} variation "
-                  f"{track.variation + 1}, lm_seed {replay_req.lm_seed}, seed {replay_req.seed}) "
-                  f"in {time.perf_counter() - start:.2f} s", file=sys.stderr)
-    return written
+            lines.append(f"wrote {path} ({seconds:.1f} s of audio, song {track.song + 1} variation "
+                         f"{track.variation + 1}, lm_seed {replay_req.lm_seed}, seed {replay_req.seed})")
+        batch.commit()
+    if not quiet:
+        for line in lines:
+            print(line, file=sys.stderr)
+        print(f"wrote {len(tracks)} track(s) in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    return [numbered(out, len(tracks), n) for n in range(len(tracks))]
 
 
 def cmd_generate(args) -> int:
@@ -186,27 +219,44 @@ def cmd_plan(args) -> int:
     targets = [numbered(out, req.lm_batch_size, n) for n in range(req.lm_batch_size)]
     _check_targets(targets, args.overwrite)
     pipe = _pipeline(args)
-    with Console(args.quiet) as console:
-        songs, _ = pipe.plan(req, console.progress())
-    pipe.store.release_all()
-    for i, (song, path) in enumerate(zip(songs, targets)):
-        replay_req = req.replay(song.to_request_codes(), song=i)
-        atomic_write(path, (replay_req.to_json() + "\n").encode())
-        if not args.quiet:
+    pipe.preflight(req, kinds=("lm", "depth"))
+    try:
+        with Console(args.quiet) as console:
+            songs, _ = pipe.plan(req, console.progress())
+    finally:
+        pipe.store.release_all()
+    lines = []
+    with FileBatch(args.overwrite) as batch:
+        for i, (song, path) in enumerate(zip(songs, targets)):
+            replay_req = req.replay(song.to_request_codes(), song=i)
+            batch.add(path, (replay_req.to_json() + "\n").encode())
             how = "ended by itself" if song.ended_naturally else "reached the duration cap"
-            print(f"wrote {path}: {song.frames} frames ({song.frames / 25:.2f} s, {how}), "
-                  f"lm_seed {replay_req.lm_seed}", file=sys.stderr)
+            lines.append(f"wrote {path}: {song.frames} frames ({song.frames / 25:.2f} s, {how}), "
+                         f"lm_seed {replay_req.lm_seed}")
+        batch.commit()
+    if not args.quiet:
+        print("\n".join(lines), file=sys.stderr)
     if not args.quiet:
         print(f"timings: {pipe.timings.summary()}", file=sys.stderr)
     return 0
 
 
 def run_job(args) -> int:
+    """Exit codes: 0 done; 2 bad input (request, prompt, codes, model files, output paths); 1 a run
+    that failed (diverged to NaN/Inf, out of device memory, the LM ended at once); 130 Ctrl+C.
+    Every failure is one "error: ..." line on stderr, and no output file or temporary is left."""
+    from .ar import ZeroFramesError
+    from .flow import NonFiniteError
+    from .pipeline import DeviceOutOfMemory
+
     try:
         return {"generate": cmd_generate, "render": cmd_generate, "plan": cmd_plan}[args.command](args)
-    except (RequestError, AudioCodesError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (NonFiniteError, DeviceOutOfMemory, ZeroFramesError) as e:
+        print(f"error: {e}; nothing was written", file=sys.stderr)
+        return 1
     except Cancelled as e:
         print(f"cancelled: {e}; nothing was written", file=sys.stderr)
         return 130

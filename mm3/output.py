@@ -111,25 +111,125 @@ def render(audio, output_format: str = "mp3", *, peak_clip: float = DEFAULT_PEAK
     return wav_bytes(a, 16 if output_format == "wav16" else 24, sample_rate)
 
 
-def atomic_write(path, data: bytes) -> Path:
-    """Write `data` to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, as for a plain open
+class OutputError(OSError):
+    """An output file could not be written; the message names the file and the reason (no space,
+    permission, not a folder). Nothing is left behind under the final name or as a temporary."""
+
+
+def _output_error(path: Path, e: OSError) -> OutputError:
+    """`e` as an OutputError naming `path` (and the folder, when that is what failed); keeps errno."""
+    if isinstance(e, OutputError):
+        return e
+    other = e.filename and Path(e.filename) != path and not str(e.filename).endswith(".part")
+    err = OutputError(f"cannot write {path}: {e.strerror or e}" + (f" ({e.filename})" if other else ""))
+    err.errno = e.errno
+    return err
+
+
+def _temp_name(path: Path) -> Path:
+    return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+
+
+def _write_temp(path: Path, data: bytes) -> Path:
+    """`data` in a new temporary file beside `path`, flushed to disk; removed again on any failure."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _output_error(path, e) from None
+    tmp = _temp_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, as for a plain open
+    except OSError as e:
+        raise _output_error(path, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException as e:
+        _unlink(tmp)
+        if isinstance(e, OSError):
+            raise _output_error(path, e) from None
+        raise
+    return tmp
+
+
+def _unlink(p: Path):
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+
+
+def atomic_write(path, data: bytes) -> Path:
+    """Write `data` to a temporary file beside `path`, flush it to disk, then rename it over `path`.
+    Failures raise `OutputError` and leave neither the temporary nor a partial `path`."""
+    path = Path(path)
+    tmp = _write_temp(path, data)
+    try:
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as e:
+        _unlink(tmp)
+        if isinstance(e, OSError):
+            raise _output_error(path, e) from None
         raise
     return path
+
+
+class FileBatch:
+    """Files that appear together or not at all (a batch of tracks and their replay JSON).
+
+    `add(path, data)` writes each file's bytes to a temporary beside it at once (so only one file's
+    bytes are held in memory); `commit()` renames them all into place. Leaving the `with` block
+    without committing (an error, Ctrl+C, a full disk on the fifth file) removes every temporary,
+    and a failure while renaming also removes the targets this batch had already put in place
+    (unless they replaced an existing file, which can no longer be restored). With `overwrite`
+    False a target that appeared meanwhile is an error, never replaced."""
+
+    def __init__(self, overwrite: bool = False):
+        self.overwrite = overwrite
+        self.staged: list[tuple[Path, Path]] = []  # (temporary, target)
+        self.committed: list[Path] = []
+
+    def __enter__(self):
+        return self
+
+    def add(self, path, data: bytes) -> Path:
+        path = Path(path)
+        if any(t == path for _, t in self.staged):
+            raise OutputError(f"{path} is written twice in one batch")
+        self.staged.append((_write_temp(path, data), path))
+        return path
+
+    def commit(self) -> list[Path]:
+        created = []
+        try:
+            for tmp, path in self.staged:
+                if not self.overwrite and os.path.lexists(path):
+                    raise OutputError(f"{path} already exists (it appeared while the job ran; nothing was replaced)")
+                existed = os.path.lexists(path)
+                try:
+                    os.replace(tmp, path)
+                except OSError as e:
+                    raise _output_error(path, e) from None
+                self.committed.append(path)
+                if not existed:
+                    created.append(path)
+        except BaseException:
+            for p in created:
+                _unlink(p)
+            self.committed = []
+            raise
+        finally:
+            for tmp, _ in self.staged:
+                _unlink(tmp)
+            self.staged = []
+        return list(self.committed)
+
+    def __exit__(self, *exc):
+        for tmp, _ in self.staged:
+            _unlink(tmp)
+        self.staged = []
 
 
 def write_audio(path, audio, output_format: str = "mp3", *, peak_clip: float = DEFAULT_PEAK_CLIP,

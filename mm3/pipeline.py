@@ -12,17 +12,20 @@ noise, exactly as the diffusers pipeline, so its audio is reproduced for the sam
 
 from __future__ import annotations
 
+import gc
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
 
-from .ar import plan, replay
-from .audio import decode_windows
-from .codes import AudioCodes, parse_audio_codes
-from .device import pick_device, pick_dtype
-from .flow import sample_latents
-from .progress import Progress
+from .ar import max_frames_for, plan, replay
+from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows
+from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
+from .components import DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
+from .device import empty_cache, pick_device, pick_dtype
+from .flow import NonFiniteError, sample_latents
+from .progress import Cancelled, Progress
 from .prompt import Prompt, PromptError, build_prompt
 from .registry import Registry
 from .request import MODEL_FIELDS, MM3Request, RequestError
@@ -30,6 +33,46 @@ from .sampling import make_generator
 from .store import ModelStore
 
 RNG_MODES = ("independent", "reference")
+# What each stage is called in error messages, and the components it runs.
+STAGE_NAMES = {"ar": "planning (LM + depth decoder)", "replay": "replaying codes (LM + depth decoder)",
+               "dit": "DiT sampling (condition encoder + DiT)", "vae": "vocoder decoding"}
+STAGE_KINDS = {"ar": ("lm", "depth"), "replay": ("lm", "depth"), "dit": ("cond", "dit"), "vae": ("vae",)}
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """The device ran out of memory in a stage. Every model was released before this was raised,
+    so the same Pipeline (or process) can run the next request."""
+
+
+def _is_oom(e: BaseException) -> bool:
+    # CUDA / ROCm raise torch.OutOfMemoryError; MPS and XPU a RuntimeError that says so.
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
+
+
+class _Stage:
+    """`with pipeline._stage("dit"):` turns an out-of-memory error into `DeviceOutOfMemory` naming
+    the stage, where in it, and what to change; the failed stage's frames are cleared and every
+    model released so that the memory is really free again for the next run."""
+
+    def __init__(self, pipe: "Pipeline", stage: str):
+        self.pipe, self.stage = pipe, stage
+
+    def __enter__(self):
+        self.pipe._last.pop(self.stage, None)
+        self.pipe.store.loading = None
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not _is_oom(exc):
+            return False
+        where = self.pipe._where(self.stage)
+        loading = self.pipe.store.loading
+        traceback.clear_frames(tb)  # drop the tensors the failed frames still reference ...
+        exc.__traceback__ = tb = None  # ... and the frames themselves (closures can hold models)
+        self.pipe.store.release_all()
+        gc.collect()
+        empty_cache(self.pipe.device)
+        raise DeviceOutOfMemory(self.pipe._oom_message(self.stage, where, loading, exc)) from None
 
 
 @dataclass
@@ -68,6 +111,42 @@ class Pipeline:
         self.dtype = pick_dtype(self.device, dtype)
         self.store = ModelStore(self.registry, self.device, keep_loaded=keep_loaded)
         self.timings = Timings()
+        self._last: dict[str, tuple[int, int, dict]] = {}  # stage -> its latest progress report
+
+    # -- checks before any model is loaded -----------------------------------------------------------
+    def preflight(self, request: MM3Request, kinds: tuple[str, ...] = KINDS) -> Prompt:
+        """Everything that can be refused without loading a model: the model names, each file's
+        header and tensor table (readable, not truncated, supported tensor types, plausible sizes),
+        that the files fit together, the prompt (tokenizer only), the duration against the LM
+        context, and `audio_codes` against the code ranges. Returns the prompt. Missing or
+        mis-shaped tensors are found when the model is built."""
+        comps = {}
+        for kind in kinds:
+            comps[kind] = read_component(self.registry.resolve(kind, getattr(request, MODEL_FIELDS[kind])), kind)
+            check_loadable(comps[kind])
+        check_compatible(comps)
+        prompt = self.prompt(request)
+        context = comps["lm"].hparams["max_position_embeddings"] if "lm" in comps else None
+        if request.audio_codes:
+            depth = comps.get("depth")
+            if depth is not None and depth.hparams["num_codebooks"] != REQUEST_CODES_PER_FRAME:
+                raise RequestError(f"{depth.name} makes {depth.hparams['num_codebooks']} codes per frame; "
+                                   f"request audio_codes hold {REQUEST_CODES_PER_FRAME}")
+            vocab = depth.hparams["audio_vocab_size"] if depth is not None else 1 << 62
+            try:
+                codes = parse_audio_codes(request.audio_codes, prompt.codes.num_semantic, vocab)
+            except AudioCodesError as e:
+                raise RequestError(str(e)) from None
+            frames = codes.shape[0] - 1
+            if context is not None and prompt.num_tokens + frames > context:
+                raise RequestError(f"audio_codes hold {frames} frames; after the {prompt.num_tokens}-token prompt the "
+                                   f"LM context of {context} positions leaves room for {context - prompt.num_tokens}")
+        elif context is not None:
+            try:
+                max_frames_for(request.duration, prompt.num_tokens, context)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        return prompt
 
     # -- stages -----------------------------------------------------------------------------------
     def prompt(self, request: MM3Request) -> Prompt:
@@ -87,15 +166,19 @@ class Pipeline:
         if rng not in RNG_MODES:
             raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
         prompt = self.prompt(request)
-        lm, depth = self._ar_models(request)
-        start = time.perf_counter()
-        gens = None
-        if rng == "reference":
-            gens = [make_generator(request.lm_seed + i) for i in range(request.lm_batch_size)]
-        songs = plan(lm, depth, prompt, duration=request.duration, lm_seed=request.lm_seed,
-                     lm_cfg=request.lm_cfg, top_k=request.lm_top_k, lm_batch_size=request.lm_batch_size,
-                     generators=gens, progress=progress, dtype=self.dtype,
-                     reference_numerics=rng == "reference")  # the reference's op shapes: its exact hiddens
+        progress = self._track(progress)
+        with self._stage("ar"):
+            lm, depth = self._ar_models(request)
+            start = time.perf_counter()
+            gens = None
+            if rng == "reference":
+                gens = [make_generator(request.lm_seed + i) for i in range(request.lm_batch_size)]
+            songs = plan(lm, depth, prompt, duration=request.duration, lm_seed=request.lm_seed,
+                         lm_cfg=request.lm_cfg, top_k=request.lm_top_k, lm_batch_size=request.lm_batch_size,
+                         generators=gens, progress=progress, dtype=self.dtype,
+                         reference_numerics=rng == "reference")  # the reference's op shapes: its exact hiddens
+        for song in songs:
+            _check_hiddens(song, "planning")
         self.timings.add("plan", time.perf_counter() - start)
         return songs, gens
 
@@ -104,15 +187,21 @@ class Pipeline:
         """Frame hiddens of known codes by teacher forcing (no sampling): `codes` [F + 1, 8], or
         the request's `audio_codes` text."""
         prompt = self.prompt(request)
-        lm, depth = self._ar_models(request)
-        if codes is None:
-            codes = parse_audio_codes(request.audio_codes, prompt.codes.num_semantic, depth.audio_vocab)
-        if codes.shape[1] != depth.num_codebooks:
-            raise RequestError(f"audio_codes has {codes.shape[1]} codes per frame, the depth decoder "
-                               f"makes {depth.num_codebooks}")
-        start = time.perf_counter()
-        song = replay(lm, depth, prompt, codes, dtype=self.dtype, progress=progress,
-                      lm_seed=request.lm_seed if lm_seed is None else lm_seed)
+        progress = self._track(progress)
+        with self._stage("replay"):
+            lm, depth = self._ar_models(request)
+            if codes is None:
+                try:
+                    codes = parse_audio_codes(request.audio_codes, prompt.codes.num_semantic, depth.audio_vocab)
+                except AudioCodesError as e:
+                    raise RequestError(str(e)) from None
+            if codes.shape[1] != depth.num_codebooks:
+                raise RequestError(f"audio_codes has {codes.shape[1]} codes per frame, the depth decoder "
+                                   f"makes {depth.num_codebooks}")
+            start = time.perf_counter()
+            song = replay(lm, depth, prompt, codes, dtype=self.dtype, progress=progress,
+                          lm_seed=request.lm_seed if lm_seed is None else lm_seed)
+        _check_hiddens(song, "replaying codes")
         self.timings.add("replay", time.perf_counter() - start)
         return song
 
@@ -129,29 +218,52 @@ class Pipeline:
     def synthesize(self, request: MM3Request, song: AudioCodes, progress: Progress | None = None,
                    generator: torch.Generator | None = None) -> torch.Tensor:
         """Audio [V, 2, T] float32 on the CPU for `request.synth_batch_size` variations of `song`."""
-        cond = self.store.model("cond", request.cond_model)
-        dit = self.store.model("dit", request.dit_model)
-        start = time.perf_counter()
-        frame_hiddens = song.frame_hiddens.reshape(song.frames, -1)  # [F, layers * hidden], layer-major
-        latents = sample_latents(cond, dit, frame_hiddens, steps=request.steps, dit_cfg=request.dit_cfg,
-                                 seed=None if generator is not None else request.seed, generator=generator,
-                                 variations=request.synth_batch_size, device=self.device, dtype=self.dtype,
-                                 progress=progress, cfg_batch=generator is None)  # reference: its two CFG calls
+        progress = self._track(progress)
+        with self._stage("dit"):
+            cond = self.store.model("cond", request.cond_model)
+            dit = self.store.model("dit", request.dit_model)
+            start = time.perf_counter()
+            frame_hiddens = song.frame_hiddens.reshape(song.frames, -1)  # [F, layers * hidden], layer-major
+            latents = sample_latents(cond, dit, frame_hiddens, steps=request.steps, dit_cfg=request.dit_cfg,
+                                     seed=None if generator is not None else request.seed, generator=generator,
+                                     variations=request.synth_batch_size, device=self.device, dtype=self.dtype,
+                                     progress=progress, cfg_batch=generator is None)  # reference: its two CFG calls
+            hop = int(cond.hp["output_hop_length"])
         self.timings.add("dit", time.perf_counter() - start)
-        vae = self.store.model("vae", request.vae_model)
-        start = time.perf_counter()
-        audio = decode_windows(vae, latents, hop=int(cond.hp["output_hop_length"]), progress=progress)
+        with self._stage("vae"):
+            vae = self.store.model("vae", request.vae_model)
+            start = time.perf_counter()
+            audio = decode_windows(vae, latents, hop=hop, progress=progress)
+            _check_audio(audio, [lat.shape[-1] for lat in latents], hop)
         self.timings.add("vae", time.perf_counter() - start)
         return audio.float().cpu()
 
     # -- the whole job ------------------------------------------------------------------------
     def run(self, request: MM3Request, progress: Progress | None = None, rng: str = "independent") -> list[Track]:
-        """Every track of the request, song-major (song 0 variation 0, 0/1, ..., 1/0, ...)."""
+        """Every track of the request, song-major (song 0 variation 0, 0/1, ..., 1/0, ...).
+
+        Bad input fails before any model is loaded (`preflight`). Any failure, Ctrl+C included,
+        leaves no model loaded (with `keep_loaded`, a cancelled run keeps them)."""
         request = request.validate().resolve_seeds()
-        for kind, fname in MODEL_FIELDS.items():
-            self.registry.resolve(kind, getattr(request, fname))  # unknown names fail before any work
+        if rng not in RNG_MODES:
+            raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
         if rng == "reference" and request.synth_batch_size != 1:
             raise RequestError("the reference RNG renders one variation per song (synth_batch_size 1)")
+        self.preflight(request)
+        try:
+            tracks = self._run(request, progress, rng)
+        except BaseException as e:
+            # The finished stage frames in the traceback still reference models and activations;
+            # clear their locals so a caller that keeps the exception does not keep the memory.
+            traceback.clear_frames(e.__traceback__)
+            if not (isinstance(e, Cancelled) and self.store.keep_loaded):
+                self.store.release_all()
+            raise
+        if not self.store.keep_loaded:
+            self.store.release_all()
+        return tracks
+
+    def _run(self, request: MM3Request, progress, rng: str) -> list[Track]:
         if request.audio_codes:
             if rng == "reference":
                 songs, gens = self._resample(request, progress)
@@ -173,6 +285,74 @@ class Pipeline:
             for j in range(audio.shape[0]):
                 replay_request = request.replay(codes_text, song=0 if request.audio_codes else i, variation=j)
                 tracks.append(Track(audio[j], sample_rate, replay_request, i, j, song))
-        if not self.store.keep_loaded:
-            self.store.release_all()
         return tracks
+
+    # -- failure reporting ------------------------------------------------------------------------
+    def _stage(self, stage: str) -> _Stage:
+        return _Stage(self, stage)
+
+    def _track(self, progress: Progress | None) -> Progress:
+        """`progress` that also records each stage's latest report (for error messages)."""
+        inner = progress or Progress()
+        if getattr(inner, "_mm3_tracked", False):
+            return inner
+
+        def on_progress(stage, done, total, info):
+            self._last[stage] = (done, total, info)
+            inner.on_progress(stage, done, total, info)
+
+        tracked = Progress(on_progress=on_progress, should_stop=inner.should_stop)
+        tracked._mm3_tracked = True
+        return tracked
+
+    def _where(self, stage: str) -> str:
+        """How far `stage` got: "after frame 12 of 250", "after step 3/30 of window 2/3", ..."""
+        last = self._last.get(stage)
+        if last is None:
+            return "before its first " + {"ar": "frame", "replay": "frame", "dit": "step", "vae": "window"}[stage]
+        done, total, info = last
+        if stage == "dit" and "window" in info:
+            return f"after step {info.get('step', '?')}/{info.get('steps', '?')} of window {info['window'] + 1}/{info['windows']}"
+        if stage == "vae":
+            return f"after window {done}/{total}"
+        return f"after frame {done} of {total}"
+
+    def _oom_message(self, stage: str, where: str, loading: str | None, exc: BaseException) -> str:
+        kinds = STAGE_KINDS[stage]
+        during = f"while loading {loading}" if loading else where
+        files = " and ".join(DESCRIPTIONS[k] for k in kinds)
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        msg = (f"out of {self.device.type} memory in {STAGE_NAMES[stage]} ({during}): {first_line}. "
+               f"Every model was released. Try a lighter quant of the {files} (e.g. Q8_0 or Q4_K, made with "
+               "`python -m mm3 quantize`)")
+        if self.store.keep_loaded:
+            msg += ", or run without --keep-loaded: the strict memory mode keeps only one model group resident"
+        else:
+            msg += ", or fewer songs/variations or a shorter duration"
+        return msg
+
+
+def _check_hiddens(song: AudioCodes, stage: str) -> None:
+    """NaN/Inf in the AR hiddens would only show up later as a DiT failure; name the frame here."""
+    h = song.frame_hiddens
+    if h is None or bool(torch.isfinite(h).all()):
+        return
+    bad = (~torch.isfinite(h)).reshape(h.shape[0], -1).any(dim=1).nonzero()
+    frame = int(bad[0]) + 1
+    raise NonFiniteError(f"non-finite LM/depth hidden states in {stage} (LM + depth decoder) at frame {frame} of "
+                         f"{h.shape[0]} (lm_seed {song.lm_seed}); the LM or depth decoder weights may be corrupt")
+
+
+def _check_audio(audio: torch.Tensor, latent_lengths: list[int], hop: int) -> None:
+    """NaN/Inf in the decoded audio (it would be written as silence): name the vocoder window."""
+    finite = torch.isfinite(audio)
+    if bool(finite.all()):
+        return
+    first = int((~finite).reshape(-1, audio.shape[-1]).any(dim=0).nonzero()[0])  # first bad sample index
+    n, end = len(latent_lengths), 0
+    for k, length in enumerate(latent_lengths):  # the samples each window keeps after the stitch
+        end += hop * (length - (k > 0) * CROP_LEFT_LATENTS - (k < n - 1) * CROP_RIGHT_LATENTS)
+        if first < end:
+            break
+    raise NonFiniteError(f"non-finite vocoder output in window {k + 1}/{n} (sample {first} of {audio.shape[-1]}); "
+                         "the vocoder weights may be corrupt")

@@ -33,7 +33,30 @@ _BRACKETED = re.compile(r"\[([^\]]+)\]")
 
 
 class PromptError(ValueError):
-    """The caption or lyrics cannot make a prompt (empty, or over the token budget)."""
+    """The caption or lyrics cannot make a prompt (empty, not text, or over the token budget)."""
+
+
+# Refused in a caption or lyrics: unpaired surrogates, and C0/C1 control characters except the
+# whitespace the cleaning rules know about (tab, newline, carriage return).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def text_problem(name: str, text: str, *, controls: bool = True) -> str | None:
+    """Why `text` cannot be a caption / lyrics, or None. Unpaired surrogates (from a JSON "\\ud800")
+    are not Unicode text and cannot be tokenized; with `controls`, control characters other than
+    tab, newline and carriage return (NUL, ESC, form feed, NEL, ...) are refused too, not stripped,
+    so the prompt is never silently different from what was sent."""
+    m = _SURROGATE.search(text)
+    if m:
+        return f"{name} contains an unpaired surrogate U+{ord(m.group()):04X} at position {m.start()} (not valid Unicode text)"
+    m = _CONTROL.search(text) if controls else None
+    if m:
+        i = m.start()
+        line, col = text.count("\n", 0, i) + 1, i - (text.rfind("\n", 0, i) + 1) + 1
+        return (f"{name} contains the control character U+{ord(m.group()):04X} at position {i} (line {line}, "
+                f"column {col}); only tab, newline and carriage return are allowed: remove it")
+    return None
 
 
 def _tag_as_words(m: re.Match) -> str:
@@ -114,6 +137,10 @@ def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
                if not isinstance(v, str) or not v.strip()]
     if missing:
         raise PromptError(f"caption and lyrics are required ({' and '.join(missing)} empty)")
+    for name, text in (("caption", caption), ("lyrics", lyrics)):
+        problem = text_problem(name, text, controls=False)  # control characters pass: the reference keeps them
+        if problem:
+            raise PromptError(problem)
     sp = tokenizer.special
     cap, lyr = clean_caption(caption), normalize_lyrics(lyrics)
     ids = ([sp.im_start, sp.caption_start] + tokenizer.encode(cap) + [sp.caption_end, sp.lyrics_start]

@@ -51,21 +51,36 @@ class Registry:
 
     def resolve(self, kind: str, name: str = "") -> str:
         """Full path of `name` in the `kind` bucket; "" picks the first file of the bucket."""
+        if kind not in self.buckets:
+            raise ComponentError(f"unknown component kind {kind!r} (expected one of {', '.join(KINDS)})")
         names = self.buckets[kind]
         where = ", ".join(self.folders) or "(no folder)"
+        missing = [f for f in self.folders if not Path(f).is_dir()]
+        note = f" ({', '.join(missing)}: no such folder)" if missing else ""
         if not name:
             if not names:
+                skipped = "".join(f"; skipped {n}: {why}" for n, why in self.foreign[:5])
+                if len(self.foreign) > 5:
+                    skipped += f" (and {len(self.foreign) - 5} more)"
                 raise ComponentError(
-                    f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {where}")
+                    f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {where}{note}{skipped}")
             return self.paths[names[0]]
         if name in names:
             return self.paths[name]
         for n in names:  # a bare file name also finds a file in a subfolder
             if os.path.basename(n) == name:
                 return self.paths[n]
+        for other, others in self.buckets.items():  # the file exists, but is another component
+            for n in others:
+                if name in (n, os.path.basename(n)):
+                    raise ComponentError(f"{n} is {ARCH_OF[other]} ({DESCRIPTIONS[other]}), expected "
+                                         f"{ARCH_OF[kind]} ({DESCRIPTIONS[kind]})")
+        for n, why in self.foreign:
+            if name in (n, os.path.basename(n)):
+                raise ComponentError(f"{n} cannot be the {ARCH_OF[kind]} model: {why}")
         listing = ", ".join(names) if names else "none"
         raise ComponentError(
-            f"unknown {ARCH_OF[kind]} model {name!r} in {where} (available: {listing})")
+            f"unknown {ARCH_OF[kind]} model {name!r} in {where}{note} (available: {listing})")
 
     def report(self) -> str:
         lines = []

@@ -9,6 +9,7 @@ the value and what was expected.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -18,6 +19,7 @@ MAX_DURATION = MAX_FRAMES / FRAME_RATE
 OUTPUT_FORMATS = ("mp3", "wav16", "wav24", "wav32")
 MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)  # MPEG-1 layer III
 MAX_LM_BATCH = 16
+MAX_SYNTH_BATCH = 9  # the reference server's synth_batch_size limit
 MODEL_FIELDS = {"lm": "lm_model", "depth": "depth_model", "cond": "cond_model", "dit": "dit_model",
                 "vae": "vae_model"}
 SEED_MAX = 2**32 - 1  # resolved random seeds are uint32, as the reference server's
@@ -91,27 +93,38 @@ class MM3Request:
     def validate(self) -> "MM3Request":
         """Check the request; returns it unchanged. The prompt-token budget and the model names
         need the LM and the models folder, so the pipeline checks those."""
+        self._check_types()
         if not self.caption.strip() or not self.lyrics.strip():
             raise RequestError("caption and lyrics are required")
+        from .prompt import text_problem
+
+        for name in ("caption", "lyrics"):
+            problem = text_problem(name, getattr(self, name))
+            if problem:
+                raise RequestError(problem)
         if not (self.duration > 0):
-            raise RequestError("duration must be positive")
+            raise RequestError(f"duration must be positive, got {self.duration:g}")
         if self.duration > MAX_DURATION and not self.audio_codes:
             raise RequestError(f"duration must be at most {MAX_DURATION:g} seconds ({MAX_FRAMES} frames), "
                                f"got {self.duration:g}")
+        if not self.audio_codes and int(self.duration * FRAME_RATE) < 1:
+            raise RequestError(f"duration must be at least {1 / FRAME_RATE:g} seconds (one frame), got {self.duration:g}")
         if self.steps < 2:
-            raise RequestError("steps must be at least 2")
+            raise RequestError(f"steps must be at least 2, got {self.steps}")
         if not 1 <= self.lm_batch_size <= MAX_LM_BATCH:
             raise RequestError(f"lm_batch_size must be between 1 and {MAX_LM_BATCH}, got {self.lm_batch_size}")
-        if not 1 <= self.synth_batch_size <= 9:
-            raise RequestError("synth_batch_size must be between 1 and 9")
+        if not 1 <= self.synth_batch_size <= MAX_SYNTH_BATCH:
+            raise RequestError(f"synth_batch_size must be between 1 and {MAX_SYNTH_BATCH}, got {self.synth_batch_size}")
         if self.audio_codes:
             check_codes_syntax(self.audio_codes)
         if self.output_format not in OUTPUT_FORMATS:
             raise RequestError("Invalid output_format (use: mp3, wav16, wav24, wav32)")
         if self.lm_top_k < 1:
             raise RequestError(f"lm_top_k must be at least 1, got {self.lm_top_k}")
-        if not (self.lm_cfg == self.lm_cfg and self.dit_cfg == self.dit_cfg):  # NaN
-            raise RequestError("lm_cfg and dit_cfg must be numbers")
+        for name in ("lm_cfg", "dit_cfg"):
+            v = getattr(self, name)
+            if not math.isfinite(v):  # NaN / Infinity (JSON 1e400)
+                raise RequestError(f"{name} must be a finite number, got {v}")
         if self.output_format == "mp3" and self.mp3_bitrate not in MP3_BITRATES:
             raise RequestError(f"mp3_bitrate must be one of {', '.join(map(str, MP3_BITRATES))}, "
                                f"got {self.mp3_bitrate}")
@@ -120,6 +133,20 @@ class MM3Request:
             if v < -1 or v > SEED_MAX:
                 raise RequestError(f"{name} must be -1 (random) or 0..{SEED_MAX}, got {v}")
         return self
+
+    def _check_types(self):
+        """Fields set from Python (flags, nodes) get the type checks `from_dict` makes on JSON."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type == "str":
+                ok = isinstance(v, str)
+            elif f.type == "int":
+                ok = isinstance(v, int) and not isinstance(v, bool)
+            else:
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not ok:
+                kind = {"str": "a string", "int": "an integer"}.get(f.type, "a number")
+                raise RequestError(f"{f.name} must be {kind}, got {v!r}")
 
     @property
     def clamped_peak_clip(self) -> int:
@@ -140,12 +167,11 @@ class MM3Request:
 
 
 def check_codes_syntax(text: str) -> int:
-    """Number of frames in a flat `audio_codes` list (syntax only: code ranges depend on the
-    models and are checked when the codes are replayed)."""
-    from .codes import AudioCodesError, parse_audio_codes
+    """Number of frames in a flat `audio_codes` list (syntax and count only: code ranges depend on
+    the models and are checked before they are loaded, `Pipeline.preflight`)."""
+    from .codes import AudioCodesError, count_code_frames
 
-    unbounded = 1 << 62
     try:
-        return int(parse_audio_codes(text, unbounded, unbounded).shape[0])
+        return count_code_frames(text)
     except AudioCodesError as e:
         raise RequestError(str(e)) from None

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .components import Component, check_compatible, open_component
+from .components import DESCRIPTIONS, Component, check_compatible, check_loadable, open_component
 from .device import empty_cache
+from .gguf.errors import ComponentError, GGUFFormatError
 from .registry import Registry
 
 GROUPS = {"ar": ("lm", "depth"), "synth": ("cond", "dit", "vae")}
@@ -36,6 +37,22 @@ def _builder(kind: str):
     return cls.load
 
 
+def build_model(component: Component) -> torch.nn.Module:
+    """The engine model of an opened component, on the CPU with its weights still compressed.
+
+    Every failure caused by the file is a `ComponentError` naming it: unsupported tensor types and
+    implausible sizes are refused before anything is built, and what the model classes raise about
+    inconsistent hyper-parameters (heads that do not divide the width, ...) is re-raised as one."""
+    check_loadable(component)
+    try:
+        return _builder(component.kind)(component)
+    except (ComponentError, GGUFFormatError, torch.OutOfMemoryError):
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RuntimeError) as e:
+        raise ComponentError(f"{component.path}: cannot build the {DESCRIPTIONS[component.kind]} from this file "
+                             f"({type(e).__name__}: {e})") from e
+
+
 @dataclass
 class Loaded:
     component: Component
@@ -51,6 +68,7 @@ class ModelStore:
     loaded: dict[str, Loaded] = field(default_factory=dict)
     tokenizers: dict[str, object] = field(default_factory=dict)  # LM path -> tokenizer (CPU, kept)
     load_seconds: float = 0.0
+    loading: str | None = None  # the file being loaded, or whose loading failed (for error messages)
 
     def model(self, kind: str, name: str = ""):
         """The engine model of `kind` from file `name` ("" = first of its bucket), on the device."""
@@ -62,17 +80,19 @@ class ModelStore:
             self._release(kind)  # another quant of the same component
         if not self.keep_loaded:
             group = GROUP_OF[kind]
-            for other in list(self.loaded):
-                if GROUP_OF[other] != group:
-                    self._release(other)
+            others = [k for k in self.loaded if GROUP_OF[k] != group]
+            for other in others:
+                self._release(other, collect=other == others[-1])
         start = time.perf_counter()
+        self.loading = path
         component = open_component(path, expect=kind)
         try:
             check_compatible({k: v.component for k, v in self.loaded.items()} | {kind: component})
-            model = _builder(kind)(component).to(self.device).eval()
+            model = build_model(component).to(self.device).eval()
         except BaseException:
             component.close()
-            raise
+            raise  # `loading` still names the file, for the caller's error message
+        self.loading = None
         seconds = time.perf_counter() - start
         self.load_seconds += seconds
         self.loaded[kind] = Loaded(component, model, seconds)
@@ -83,26 +103,37 @@ class ModelStore:
 
         path = self.registry.resolve("lm", name)
         if path not in self.tokenizers:
-            self.tokenizers[path] = MM3Tokenizer.from_gguf(path)
+            try:
+                self.tokenizers[path] = MM3Tokenizer.from_gguf(path)
+            except (ComponentError, GGUFFormatError):
+                raise
+            except Exception as e:  # the tokenizers library's own errors on corrupt token lists / merges
+                raise ComponentError(f"{path}: cannot build the tokenizer from its tokenizer.ggml.* arrays "
+                                     f"({type(e).__name__}: {e})") from e
         return self.tokenizers[path]
 
     def component(self, kind: str) -> Component | None:
         have = self.loaded.get(kind)
         return have.component if have else None
 
-    def _release(self, kind: str):
+    def _release(self, kind: str, collect: bool = True):
         have = self.loaded.pop(kind, None)
         if have is None:
             return
         del have.model
         have.component.close()
         del have
-        gc.collect()
-        empty_cache(self.device)
+        if collect:
+            gc.collect()
+            empty_cache(self.device)
 
     def release_all(self):
+        if not self.loaded:
+            return
         for kind in list(self.loaded):
-            self._release(kind)
+            self._release(kind, collect=False)
+        gc.collect()  # once for the group: a full collection costs ~0.1 s
+        empty_cache(self.device)
 
     def resident(self) -> list[str]:
         return sorted(self.loaded)

@@ -50,13 +50,19 @@ class StringArray:
     offset: int
     count: int
     nbytes: int
+    key: str = "an array"  # the metadata key, for error messages
 
     def decode(self, buf) -> list[str]:
-        out, pos = [], self.offset
+        out, pos, end = [], self.offset, self.offset + self.nbytes
         unpack = struct.Struct("<Q").unpack_from
-        for _ in range(self.count):
+        for i in range(self.count):
             (n,) = unpack(buf, pos)
-            out.append(bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8"))
+            if pos + 8 + n > end:
+                raise GGUFFormatError(f"{self.path}: {self.key}[{i}] runs past the end of the array")
+            try:
+                out.append(bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise GGUFFormatError(f"{self.path}: {self.key}[{i}] is not valid UTF-8 ({e})") from None
             pos += 8 + n
         return out
 
@@ -172,7 +178,7 @@ class _Cursor:
             self.need(0, key)
             if self.pos > self.size:
                 raise GGUFFormatError(f"{self.path}: truncated GGUF header inside {key}")
-            return StringArray(self.path, start, count, self.pos - start)
+            return StringArray(self.path, start, count, self.pos - start, key)
         if etype in _NUMPY_OF:
             dt = np.dtype(_NUMPY_OF[etype])
             self.need(dt.itemsize * count, key)
@@ -254,11 +260,13 @@ class GGUFFile:
         self.data_offset = (c.pos + align - 1) // align * align
         self.tensors: dict[str, CompressedTensor] = {}
         self._infos = infos
-        if not header_only:
-            self._map_tensors()
+        self._map_tensors(view=not header_only)
 
-    def _map_tensors(self):
-        base = torch.frombuffer(self._map, dtype=torch.uint8) if self.file_size else None
+    def _map_tensors(self, view: bool = True):
+        """Check every tensor's type and extent (so a header-only open also finds a file truncated in
+        its tensor data); with `view`, expose each as a CompressedTensor over the mapping."""
+        base = torch.frombuffer(self._map, dtype=torch.uint8) if self.file_size and view else None
+        seen = set()
         for name, shape, qtype, offset in self._infos:
             if qtype not in GGML_QUANT_SIZES:
                 raise GGUFFormatError(f"{self.path}: tensor {name} has GGML type {qtype.name} with no known block size")
@@ -268,9 +276,11 @@ class GGUFFile:
                 raise GGUFFormatError(
                     f"{self.path}: truncated: tensor {name} needs bytes {start}..{start + nbytes}, "
                     f"the file has {self.file_size}")
-            if name in self.tensors:
+            if name in seen:
                 raise GGUFFormatError(f"{self.path}: tensor {name} appears twice")
-            self.tensors[name] = CompressedTensor(name, qtype, shape, base[start:start + nbytes])
+            seen.add(name)
+            if view:
+                self.tensors[name] = CompressedTensor(name, qtype, shape, base[start:start + nbytes])
 
     # -- access ---------------------------------------------------------------------------------
     @property
