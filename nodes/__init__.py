@@ -1,16 +1,11 @@
 """ComfyUI node layer (V3 API): thin wrappers that turn node inputs into engine calls.
 
-Only this package imports ComfyUI. The node classes arrive with the node-pack work; until then the
-extension registers no nodes, so loading the pack in ComfyUI is harmless.
+Only the `node_*`, `common`, `comfy_models` and `extension` modules import ComfyUI, and only when
+ComfyUI calls `comfy_entrypoint`; `handles`, `placement` and `logic` import without it (tests).
 """
 
-from comfy_api.latest import ComfyExtension
 
+async def comfy_entrypoint():
+    from .extension import extension
 
-class MM3Extension(ComfyExtension):
-    async def get_node_list(self):
-        return []
-
-
-async def comfy_entrypoint() -> ComfyExtension:
-    return MM3Extension()
+    return extension()

@@ -1,0 +1,202 @@
+"""Engine models under ComfyUI's memory manager, and the `models/mm3` folder.
+
+Each component handle gets one `MM3Patcher` (a `ModelPatcher` whose size is the weights' stored,
+compressed size; load device from `comfy.model_management`, offload device the CPU) and
+`comfy.model_management.load_models_gpu` moves it. The engine keeps its weights as buffers, which
+ModelPatcher's weight mover does not handle, so the patcher moves them with `Placement`: whole
+when they fit, else module by module up to ComfyUI's budget with the rest streamed per use
+(--lowvram, --novram), and unloading puts the original CPU tensors back.
+
+Memory policy: the AR group {LM, depth} and the synthesis group {cond, DiT, vocoder} are never
+needed together, so loading one group first unloads the other group's models (strict), except
+those whose loader said keep_loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+import comfy.model_management as mm
+import comfy.model_patcher
+import folder_paths
+import torch
+
+from .handles import GROUPS, ComponentHandle, classify
+
+log = logging.getLogger("mm3")
+FOLDER = "mm3"  # models/mm3, plus any `mm3:` entry of extra_model_paths.yaml
+OFFLOAD = torch.device("cpu")
+
+
+# -- models folder ------------------------------------------------------------------------------
+def register_model_folder() -> None:
+    """`models/mm3` for `.gguf` files, merged with dirs an extra_model_paths.yaml already gave the
+    key (that file is read before custom nodes load)."""
+    base = os.path.join(folder_paths.models_dir, FOLDER)
+    dirs, _ = folder_paths.folder_names_and_paths.get(FOLDER, ([], set()))
+    merged = [base] + [d for d in dirs if os.path.abspath(d) != os.path.abspath(base)]
+    folder_paths.folder_names_and_paths[FOLDER] = (merged, {".gguf"})
+
+
+def files_of(kind: str) -> list[str]:
+    """File names in the mm3 folders whose architecture is `kind` (headers read once, cached)."""
+    out = []
+    for name in folder_paths.get_filename_list(FOLDER):
+        path = folder_paths.get_full_path(FOLDER, name)
+        if path and classify(path) == kind:
+            out.append(name)
+    return out
+
+
+def full_path(name: str) -> str:
+    return folder_paths.get_full_path_or_raise(FOLDER, name)
+
+
+# -- devices and dtype --------------------------------------------------------------------------
+def load_device(kind: str) -> torch.device:
+    # The vocoder follows ComfyUI's VAE device (--cpu-vae); everything else the main device.
+    return mm.vae_device() if kind == "vae" else mm.get_torch_device()
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where ComfyUI says the device computes it well, float32 otherwise (always on CPU)."""
+    return torch.bfloat16 if mm.should_use_bf16(device) else torch.float32
+
+
+# -- the patcher --------------------------------------------------------------------------------
+class MM3Module(torch.nn.Module):
+    """What ModelPatcher holds: the engine model plus the plain attributes ComfyUI sets on it (the
+    engine models have a read-only `device` property)."""
+
+    def __init__(self, engine: torch.nn.Module, kind: str, name: str):
+        super().__init__()
+        self.engine = engine
+        self.device = OFFLOAD
+        self.mm3_kind, self.mm3_name = kind, name
+
+
+class MM3Patcher(comfy.model_patcher.ModelPatcher):
+    """A ModelPatcher whose weights move through `Placement` (see the module docstring)."""
+
+    def __init__(self, model, load_device, offload_device, size=0, *args, placement=None, handle=None, **kwargs):
+        super().__init__(model, load_device, offload_device, size, *args, **kwargs)
+        self.placement = placement
+        self.mm3_handle = weakref.ref(handle) if handle is not None else (lambda: None)
+
+    def clone(self):
+        n = super().clone()
+        n.placement, n.mm3_handle = self.placement, self.mm3_handle
+        return n
+
+    @property
+    def keep_loaded(self) -> bool:
+        h = self.mm3_handle()
+        return bool(h and h.keep_loaded)
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        device = device_to if device_to is not None else self.load_device
+        budget = float("inf") if full_load or not lowvram_model_memory else lowvram_model_memory
+        loaded = self.placement.load(device, budget)
+        m = self.model
+        m.device = device
+        m.model_loaded_weight_memory = loaded
+        m.model_lowvram = self.placement.streaming
+        m.lowvram_patch_counter = 0
+        m.model_offload_buffer_memory = 0
+        m.current_weight_patches_uuid = self.patches_uuid
+        if m.model_lowvram:
+            log.info("MM3 %s: %.1f MB on %s, %.1f MB streamed per use", m.mm3_name, loaded / 2**20, device,
+                     (self.placement.total_bytes - loaded) / 2**20)
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False, **kwargs):
+        freed = self.placement.unload(memory_to_free)
+        self.model.model_loaded_weight_memory = self.placement.loaded_bytes
+        self.model.model_lowvram = self.placement.streaming
+        return freed
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True, **kwargs):
+        if unpatch_weights:
+            self.placement.unload()  # the original CPU tensors come back; nothing is copied off the device
+        super().unpatch_model(device_to, unpatch_weights, **kwargs)
+        if unpatch_weights:
+            self.model.device = self.offload_device
+
+
+# One subclass per component, so ComfyUI's log ("Requested to load ...") says which model moves.
+MODULE_CLASSES = {kind: type(f"MM3{name}", (MM3Module,), {"__module__": __name__}) for kind, name in
+                  (("lm", "LanguageModel"), ("depth", "DepthDecoder"), ("cond", "ConditionEncoder"), ("dit", "DiT"),
+                   ("vae", "Vocoder"))}
+
+
+def patcher(handle: ComponentHandle) -> MM3Patcher:
+    """The handle's patcher, built once (the engine model is built on the CPU over the file's mmap)."""
+    if handle.patcher is None:
+        module = MODULE_CLASSES[handle.kind](handle.model(), handle.kind, handle.name)
+        handle.patcher = MM3Patcher(module, load_device(handle.kind), OFFLOAD, size=handle.nbytes(),
+                                    placement=handle.placement, handle=handle)
+    return handle.patcher
+
+
+def _ours() -> list:
+    return [lm for lm in mm.current_loaded_models if isinstance(lm.model, MM3Patcher)]
+
+
+def unload_group(group: str) -> list[str]:
+    """Unload our loaded models of `group` that were not asked to stay; returns their names."""
+    gone = []
+    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+        loaded = mm.current_loaded_models[i]
+        p = loaded.model
+        if not isinstance(p, MM3Patcher) or p.keep_loaded or p.model.mm3_kind not in GROUPS[group]:
+            continue
+        loaded.model_unload()
+        mm.current_loaded_models.pop(i)
+        gone.append(p.model.mm3_name)
+    if gone:
+        mm.soft_empty_cache()
+    return gone
+
+
+def load(handles: list[ComponentHandle], memory_required: int = 0) -> list[torch.nn.Module]:
+    """Build (once) and load the models of `handles` (one group) on their device; in strict mode the
+    other group leaves first. Returns the engine models."""
+    groups = {h.group for h in handles}
+    if len(groups) != 1:
+        raise ValueError(f"one group at a time, got {sorted(groups)}")
+    group = groups.pop()
+    for other in GROUPS:
+        if other != group:
+            gone = unload_group(other)
+            if gone:
+                log.info("MM3: unloaded %s before loading the %s group", ", ".join(gone), group)
+    patchers = [patcher(h) for h in handles]
+    mm.load_models_gpu(patchers, memory_required=memory_required)
+    return [p.model.engine for p in patchers]
+
+
+def spare_bytes(handles: list[ComponentHandle], need: int = 0) -> int | None:
+    """Device memory ComfyUI can spare for the engine's dequantized weight copies once `need` bytes
+    of activations are set aside (the engine's own rule would look at the device alone): None on the
+    CPU (the engine's rule: RAM is not ComfyUI's concern there), 0 while a model streams (copies of
+    weights that are not resident would be dropped at once)."""
+    ps = [patcher(h) for h in handles]
+    if any(p.placement.streaming for p in ps):
+        return 0
+    device = ps[0].load_device
+    if mm.is_device_cpu(device):
+        return None
+    return max(0, int(mm.get_free_memory(device) - mm.minimum_inference_memory() - need))
+
+
+def resident() -> list[dict]:
+    """Our models in ComfyUI's loaded list (what the memory manager holds), for the debug route."""
+    out = []
+    for lm in _ours():
+        m = lm.model.model
+        out.append({"kind": m.mm3_kind, "file": m.mm3_name, "device": str(m.device),
+                    "loaded_bytes": int(lm.model.loaded_size()), "size_bytes": int(lm.model.model_size()),
+                    "keep_loaded": lm.model.keep_loaded, "streaming": bool(m.model_lowvram),
+                    "pinned": len(getattr(lm.model, "pinned", ()))})
+    return out

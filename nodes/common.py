@@ -1,0 +1,74 @@
+"""Socket types, the category, and the bridge from engine progress/cancellation to ComfyUI."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import comfy.model_management as mm
+import comfy.utils
+from comfy_api.latest import io
+
+from ..mm3.progress import Cancelled, Progress
+
+CATEGORY = "MiniMax Music 3 (GGUF)"
+
+# One socket type per component, so a DiT cannot be wired where the LM goes.
+LM = io.Custom("MM3_LM")
+DEPTH = io.Custom("MM3_DEPTH")
+COND = io.Custom("MM3_COND")
+DIT = io.Custom("MM3_DIT")
+VAE = io.Custom("MM3_VAE")
+COMPONENT_TYPES = {"lm": LM, "depth": DEPTH, "cond": COND, "dit": DIT, "vae": VAE}
+
+PROMPT = io.Custom("MM3_PROMPT")
+AUDIO_CODES = io.Custom("AUDIO_CODES")
+CONDITION = io.Custom("MM3_CONDITION")
+LATENTS = io.Custom("MM3_LATENTS")
+AUDIO_WINDOWS = io.Custom("MM3_AUDIO_WINDOWS")
+
+ADVANCED = {"advanced": True}  # newer frontends fold these widgets away (an unknown key elsewhere)
+
+STAGE_NAMES = {"ar": "AR frames", "replay": "replaying codes", "cond": "condition windows", "dit": "DiT steps",
+               "vae": "vocoder windows"}
+
+
+def _send_text(text: str):
+    try:
+        from comfy_execution.utils import get_executing_context
+        from server import PromptServer
+
+        ctx = get_executing_context()
+        if ctx is not None and PromptServer.instance is not None:
+            PromptServer.instance.send_progress_text(text, ctx.node_id)
+    except Exception:  # progress text is a nicety; never fail a run over it
+        pass
+
+
+def node_progress(text_every: float = 0.5) -> Progress:
+    """Engine progress on the running node's bar (one bar per stage, reset when the stage changes)
+    and as node text; `should_stop` polls ComfyUI's interrupt flag."""
+    bar = comfy.utils.ProgressBar(1)
+    state = {"stage": None, "sent": 0.0}
+
+    def on_progress(stage: str, done: int, total: int, info: dict):
+        if stage != state["stage"]:
+            state["stage"] = stage
+            state["sent"] = 0.0
+        bar.update_absolute(done, total)  # the hook also raises on interrupt
+        now = time.monotonic()
+        if done >= total or now - state["sent"] >= text_every:
+            state["sent"] = now
+            _send_text(f"{STAGE_NAMES.get(stage, stage)}: {done}/{total}")
+
+    return Progress(on_progress=on_progress, should_stop=mm.processing_interrupted)
+
+
+@contextlib.contextmanager
+def interruptible():
+    """Turn the engine's `Cancelled` into ComfyUI's interrupt, clearing the flag as ComfyUI does."""
+    try:
+        yield
+    except Cancelled:
+        mm.throw_exception_if_processing_interrupted()
+        raise mm.InterruptProcessingException()

@@ -1,0 +1,48 @@
+"""The ComfyUI extension: registers the models folder, the debug route and the node list."""
+
+from __future__ import annotations
+
+import logging
+
+from comfy_api.latest import ComfyExtension, io
+
+from . import comfy_models
+from .node_files import NODES as FILE_NODES
+from .node_loaders import NODES as LOADER_NODES
+from .node_stages import NODES as STAGE_NODES
+
+NODES: list[type[io.ComfyNode]] = LOADER_NODES + STAGE_NODES + FILE_NODES
+
+
+def add_routes() -> None:
+    """GET /mm3/resident (also under /api): our models ComfyUI holds loaded, per component."""
+    try:
+        from aiohttp import web
+        from server import PromptServer
+    except ImportError:
+        return
+    if getattr(PromptServer, "instance", None) is None:
+        return
+
+    @PromptServer.instance.routes.get("/mm3/resident")
+    async def resident(request):
+        return web.json_response({"resident": comfy_models.resident()})
+
+
+class MM3Extension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return NODES
+
+
+_registered = False
+
+
+def extension() -> MM3Extension:
+    global _registered
+    if not _registered:
+        comfy_models.register_model_folder()
+        add_routes()
+        _registered = True
+        logging.getLogger("mm3").info("MM3: %d nodes, models folder %s", len(NODES),
+                                      comfy_models.folder_paths.get_folder_paths(comfy_models.FOLDER))
+    return MM3Extension()

@@ -1,0 +1,252 @@
+"""What travels through the MM3 node sockets: component handles and the stage results.
+
+A loader node returns a `ComponentHandle`: the file is classified (header read, cached) but nothing
+is built until a stage node asks for the model. The stage results are small dataclasses whose
+tensors live on the CPU (ComfyUI caches node outputs; device memory is for the models), each
+carrying the request fields it adds, so the last node can write the replay request JSON.
+
+No ComfyUI import here: the node layer's tests use it directly.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..mm3.codes import AudioCodes
+from ..mm3.components import ARCH_OF, DESCRIPTIONS, Component, open_component
+from ..mm3.gguf.errors import ComponentError
+from ..mm3.gguf.ops import compressed_nbytes
+from ..mm3.gguf.reader import read_architecture
+from ..mm3.prompt import Prompt
+from ..mm3.request import MM3Request
+from .placement import Placement
+
+GROUPS = {"ar": ("lm", "depth"), "synth": ("cond", "dit", "vae")}
+GROUP_OF = {kind: g for g, kinds in GROUPS.items() for kind in kinds}
+# Modules the engine reads a model's device from (Qwen3LM.device, RVQDepthDecoder.device).
+ANCHORS = {"lm": ("model.embed_tokens",), "depth": ("projection",)}
+
+
+def _build(kind: str, component: Component) -> torch.nn.Module:
+    if kind == "lm":
+        from ..mm3.models.lm import Qwen3LM
+
+        return Qwen3LM.load(component)
+    if kind == "depth":
+        from ..mm3.models.depth import RVQDepthDecoder
+
+        return RVQDepthDecoder.load(component)
+    if kind == "cond":
+        from ..mm3.models.cond import ConditionEncoder
+
+        return ConditionEncoder.load(component)
+    if kind == "dit":
+        from ..mm3.models.dit import FlowDiT
+
+        return FlowDiT.load(component)
+    from ..mm3.models.vocoder import Vocoder
+
+    return Vocoder.load(component, with_encoder=False)  # the nodes only decode
+
+
+def classify(path: str) -> str | None:
+    """The component kind of a GGUF file from its `general.architecture`, or None (header read,
+    cached by path, size and mtime)."""
+    from ..mm3.components import ARCHITECTURES
+
+    try:
+        return ARCHITECTURES.get(read_architecture(path))
+    except (OSError, ValueError):
+        return None
+
+
+class ComponentHandle:
+    """One component file chosen in a loader. `component()` opens it (header + mmap) and `model()`
+    builds the engine model on the CPU over the mapped bytes, each once; the ComfyUI layer wraps
+    the model for the memory manager (`patcher`)."""
+
+    def __init__(self, kind: str, name: str, path: str, keep_loaded: bool = False):
+        found = classify(path)
+        if found != kind:
+            what = f"is {ARCH_OF[found]}" if found else "is not a readable MM3 GGUF file"
+            raise ComponentError(f"{name} {what}, expected {ARCH_OF[kind]} ({DESCRIPTIONS[kind]})")
+        self.kind, self.name, self.path, self.keep_loaded = kind, name, path, keep_loaded
+        self._component: Component | None = None
+        self._model: torch.nn.Module | None = None
+        self.placement: Placement | None = None
+        self.patcher = None  # set by the ComfyUI layer
+
+    def __repr__(self):
+        return f"ComponentHandle({self.kind}, {self.name!r})"
+
+    @property
+    def group(self) -> str:
+        return GROUP_OF[self.kind]
+
+    def component(self) -> Component:
+        if self._component is None:
+            self._component = open_component(self.path, expect=self.kind)
+            weakref.finalize(self, self._component.close)
+        return self._component
+
+    @property
+    def hparams(self) -> dict:
+        return self.component().hparams
+
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            self._model = _build(self.kind, self.component()).eval()
+            self.placement = Placement(self._model, ANCHORS.get(self.kind, ()))
+        return self._model
+
+    def nbytes(self) -> int:
+        """The weights' stored size (buffers are non-persistent, so a state_dict sees none)."""
+        return compressed_nbytes(self.model())
+
+
+_HANDLES: "weakref.WeakValueDictionary[tuple, ComponentHandle]" = weakref.WeakValueDictionary()
+
+
+def handle_for(kind: str, name: str, path: str, keep_loaded: bool = False) -> ComponentHandle:
+    """The live handle of this file version (same path, size, mtime) if any node output still holds
+    one, so a re-run loader does not build the model twice; otherwise a new one."""
+    st = os.stat(path)
+    key = (kind, os.path.abspath(path), st.st_size, st.st_mtime_ns, bool(keep_loaded))
+    h = _HANDLES.get(key)
+    if h is None:
+        h = ComponentHandle(kind, name, path, keep_loaded)
+        _HANDLES[key] = h
+    return h
+
+
+def file_fingerprint(path: str) -> tuple:
+    st = os.stat(path)
+    return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+# -- stage results ------------------------------------------------------------------------------
+@dataclass
+class PromptBundle:
+    """MM3_PROMPT: the assembled prompt and the raw texts (the replay request stores those)."""
+
+    prompt: Prompt
+    caption: str
+    lyrics: str
+    lm_name: str
+
+    def summary(self, limit: int) -> str:
+        return (f"{self.prompt.num_tokens} / {limit} prompt tokens\n\n"
+                f"caption (cleaned):\n{self.prompt.caption}\n\nlyrics (normalised):\n{self.prompt.lyrics}")
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """Name and hyper-parameters of a component a result was made with (what `check_compatible`
+    reads), so later stages can check their own file against it."""
+
+    name: str
+    hparams: dict = field(repr=False)
+
+
+def part(handle: ComponentHandle) -> PartInfo:
+    return PartInfo(handle.name, handle.hparams)
+
+
+@dataclass
+class PlannedSong:
+    """AUDIO_CODES (one song): codes and frame hiddens (CPU), and its replay request (codes, the
+    song's own lm_seed, AR settings and files; the DiT fields at their defaults)."""
+
+    codes: AudioCodes
+    request: MM3Request
+    parts: dict[str, PartInfo] = field(repr=False)
+    song: int = 0
+    songs: int = 1
+
+    @property
+    def frames(self) -> int:
+        return self.codes.frames
+
+    def summary(self, frame_rate: float) -> str:
+        how = "ended by the model" if self.codes.ended_naturally else "stopped at the duration"
+        return (f"song {self.song + 1}/{self.songs}: {self.frames} frames ({self.frames / frame_rate:.2f} s), "
+                f"lm_seed {self.codes.lm_seed}, {how}")
+
+
+@dataclass
+class ConditionBundle:
+    """MM3_CONDITION: the DiT condition of every window [1, L_k, D] (CPU), in window order."""
+
+    song: PlannedSong
+    bounds: list[tuple[int, int]]
+    conds: list[torch.Tensor]
+    hop: int  # the condition encoder's output_hop_length: audio samples per latent
+    request: MM3Request
+    parts: dict[str, PartInfo] = field(repr=False)
+
+
+@dataclass
+class LatentsBundle:
+    """MM3_LATENTS: denoised latents of every window [V, C, L_k] (CPU, uncropped)."""
+
+    condition: ConditionBundle
+    latents: list[torch.Tensor]
+    request: MM3Request
+    parts: dict[str, PartInfo] = field(repr=False)
+
+    @property
+    def variations(self) -> int:
+        return int(self.latents[0].shape[0])
+
+
+@dataclass
+class WindowsBundle:
+    """MM3_AUDIO_WINDOWS: decoded audio of every window [V, 2, hop * L_k] float32 (CPU), before
+    the crop-and-join of `Stitch`."""
+
+    waves: list[torch.Tensor]
+    hop: int
+    sample_rate: int
+    request: MM3Request
+
+    def replay_requests(self) -> list[MM3Request]:
+        """One replay request per variation: its codes, exact seeds, batch sizes 1."""
+        r = self.request
+        return [r.replay(r.audio_codes, song=0, variation=j) for j in range(self.waves[0].shape[0])]
+
+
+# -- memory estimates for ComfyUI's loader (bytes of activations beyond the weights) --------------
+def ar_memory(lm_hp: dict, depth_hp: dict, prompt_tokens: int, frames: int, songs: int, elem: int) -> int:
+    """KV cache of the LM (two rows per song) plus the prefill's widest activation; the depth
+    decoder's cache is negligible next to it."""
+    rows, length = 2 * songs, prompt_tokens + frames + 1
+    kv = 2 * lm_hp["num_hidden_layers"] * rows * lm_hp["num_key_value_heads"] * length * lm_hp["head_dim"] * elem
+    prefill = 3 * rows * prompt_tokens * max(lm_hp["intermediate_size"], lm_hp["hidden_size"]) * 4
+    return int(kv + prefill)
+
+
+def dit_memory(dit_hp: dict, latent_len: int, elem: int) -> int:
+    """One CFG pair of a window (the sampler runs one variation at a time) through the widest DiT
+    layer, with a few temporaries."""
+    inner = dit_hp["num_attention_heads"] * dit_hp["attention_head_dim"]
+    return int(4 * 2 * (latent_len + 1) * max(dit_hp["ff_inner_dim"], 3 * inner) * elem)
+
+
+def vocoder_memory(shapes: dict, ratios: list[int], latent_len: int, rows: int = 2) -> int:
+    """The widest upsampled activation of the decoder (channels x samples at each stage, from the
+    tensor shapes), float32, a few temporaries deep."""
+    widest, length = 0, latent_len
+    for i, s in enumerate(ratios):
+        length *= int(s)
+        c_out = shapes.get(f"blocks.{i}.conv_t1.weight", (0, 0, 0))[1]
+        widest = max(widest, c_out * length)
+    return int(4 * rows * widest * 4)
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+

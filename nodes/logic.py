@@ -1,0 +1,200 @@
+"""The work of each MM3 node as a plain function over engine models, without ComfyUI.
+
+The node classes fetch their models from ComfyUI's memory manager and call these; the tests call
+them directly. The chain prompt -> plan (+ replay) -> condition -> sample -> decode -> stitch makes
+the same numbers as `mm3.pipeline.Pipeline.run` for the same request: the AR hiddens are those the
+codes replay to, each window's condition is the encoder's output on that window, the DiT noise
+comes from `seed + variation`, and decoding one window at a time then stitching equals decoding
+them all at once (the stitch only crops, joins and clamps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..mm3.ar import plan, replay
+from ..mm3.audio import decode_windows, stitch
+from ..mm3.codes import AudioCodes, parse_audio_codes
+from ..mm3.components import check_compatible
+from ..mm3.flow import sample_latents, window_bounds
+from ..mm3.output import atomic_write, write_audio
+from ..mm3.progress import Cancelled, Progress
+from ..mm3.prompt import MAX_PROMPT_TOKENS, build_prompt
+from ..mm3.request import MM3Request, RequestError
+from ..mm3.tokenizer import MM3Tokenizer
+from .handles import (ComponentHandle, ConditionBundle, LatentsBundle, PlannedSong, PromptBundle, WindowsBundle,
+                      part)
+
+STORE = torch.device("cpu")  # where stage results wait between nodes
+AUDIO_REQUESTS_KEY = "mm3_requests"  # extra key of an AUDIO dict: one replay request per batch item
+
+
+def check_parts(parts: dict, **handles: ComponentHandle) -> dict:
+    """Check that the new components fit those a result was made with; returns the union."""
+    merged = dict(parts) | {kind: part(h) for kind, h in handles.items()}
+    check_compatible(merged)
+    return merged
+
+
+def assemble_prompt(lm: ComponentHandle, caption: str, lyrics: str) -> PromptBundle:
+    tokenizer = MM3Tokenizer.from_component(lm.component())
+    return PromptBundle(build_prompt(tokenizer, caption, lyrics, max_tokens=MAX_PROMPT_TOKENS), caption, lyrics,
+                        lm.name)
+
+
+@torch.no_grad()
+def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandle, prompt: PromptBundle, *,
+               duration: float, lm_seed: int, lm_cfg: float, lm_top_k: int, songs: int, dtype: torch.dtype,
+               progress: Progress | None = None, cache_budget: int | None = None) -> list[PlannedSong]:
+    """Sample `songs` songs (song i from lm_seed + i), then replay each one's codes for the hiddens
+    the synthesis uses (as the pipeline does, so a saved codes file renders the same audio).
+    `cache_budget`: bytes of dequantized weight copies the AR engine may keep (None: its own rule)."""
+    parts = check_parts({}, lm=lm, depth=depth)
+    request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, duration=float(duration), lm_seed=lm_seed,
+                         lm_cfg=float(lm_cfg), lm_top_k=int(lm_top_k), lm_model=lm.name, depth_model=depth.name)
+    try:
+        request.validate()
+    except RequestError as e:
+        raise ValueError(str(e)) from None
+    sampled = plan(lm_model, depth_model, prompt.prompt, duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg,
+                   top_k=lm_top_k, lm_batch_size=songs, progress=progress, dtype=dtype, cache_budget=cache_budget)
+    out = []
+    for i, s in enumerate(sampled):
+        r = replay(lm_model, depth_model, prompt.prompt, s.codes, dtype=dtype, progress=progress, lm_seed=s.lm_seed)
+        codes = AudioCodes(r.codes, r.frame_hiddens.to(STORE), prompt.prompt, s.lm_seed, s.ended_naturally)
+        req = replace(request, lm_seed=s.lm_seed, audio_codes=codes.to_request_codes())
+        out.append(PlannedSong(codes, req, parts, i, len(sampled)))
+    return out
+
+
+def read_codes_request(text: str, source: str, lm: ComponentHandle, depth: ComponentHandle):
+    """A replay request's JSON -> (request, prompt, codes [F + 1, ncb]); every check that needs no
+    model weights, so a bad file fails before anything loads."""
+    try:
+        request = MM3Request.from_json(text).validate()
+    except RequestError as e:
+        raise ValueError(f"{source}: {e}") from None
+    if not request.audio_codes:
+        raise ValueError(f"{source} holds no audio_codes (write one with Save Audio Codes or Save Song)")
+    check_parts({}, lm=lm, depth=depth)
+    prompt = assemble_prompt(lm, request.caption, request.lyrics)
+    hp = depth.hparams
+    try:
+        codes = parse_audio_codes(request.audio_codes, prompt.prompt.codes.num_semantic, int(hp["audio_vocab_size"]))
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    if codes.shape[1] != int(hp["num_codebooks"]):
+        raise ValueError(f"{source}: {codes.shape[1]} codes per frame, {depth.name} makes {hp['num_codebooks']}")
+    return request, prompt, codes
+
+
+@torch.no_grad()
+def replay_codes(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandle, request: MM3Request,
+                 prompt: PromptBundle, codes: torch.Tensor, *, dtype: torch.dtype,
+                 progress: Progress | None = None) -> PlannedSong:
+    r = replay(lm_model, depth_model, prompt.prompt, codes, dtype=dtype, progress=progress, lm_seed=request.lm_seed)
+    song = AudioCodes(r.codes, r.frame_hiddens.to(STORE), prompt.prompt, request.lm_seed, False)
+    req = replace(request, lm_model=lm.name, depth_model=depth.name, lm_batch_size=1, synth_batch_size=1)
+    return PlannedSong(song, req, check_parts({}, lm=lm, depth=depth))
+
+
+@torch.no_grad()
+def encode_condition(cond_model, cond: ComponentHandle, song: PlannedSong, *, device, dtype: torch.dtype,
+                     progress: Progress | None = None) -> ConditionBundle:
+    """The condition of every DiT window, computed as `sample_latents` would (same slices, device
+    and dtype), kept on the CPU."""
+    if song.codes.frame_hiddens is None:
+        raise ValueError("these audio codes carry no frame hiddens; load codes with Load Audio Codes (it replays them)")
+    parts = check_parts(song.parts, cond=cond)
+    progress = progress or Progress()
+    fh = song.codes.frame_hiddens.reshape(song.frames, -1).unsqueeze(0)  # [1, F, layers * hidden]
+    bounds = window_bounds(song.frames)
+    conds = []
+    for k, (s, e) in enumerate(bounds):
+        if progress.should_stop():
+            raise Cancelled(f"condition encoding cancelled at window {k + 1}/{len(bounds)}")
+        c = cond_model(fh[:, s:e].to(device=device, dtype=dtype)).to(dtype)  # [1, L_k, D]
+        conds.append(c.to(STORE))
+        progress.on_progress("cond", k + 1, len(bounds), {"window": k})
+    hop = int(cond.hparams["output_hop_length"])
+    return ConditionBundle(song, bounds, conds, hop, replace(song.request, cond_model=cond.name), parts)
+
+
+class PrecomputedCondition:
+    """Stands in for the condition encoder inside `sample_latents`: the k-th call (window k, in
+    order) returns a fresh copy of window k's condition (the sampler writes into it)."""
+
+    def __init__(self, condition: ConditionBundle, device):
+        self.condition, self.device, self.calls = condition, device, 0
+
+    def __call__(self, window_frames: torch.Tensor) -> torch.Tensor:
+        k = self.calls
+        s, e = self.condition.bounds[k]
+        if window_frames.shape[1] != e - s:
+            raise RuntimeError(f"window {k} has {window_frames.shape[1]} frames, its condition was made for {e - s}")
+        self.calls += 1
+        return self.condition.conds[k].to(self.device, copy=True)
+
+
+@torch.no_grad()
+def sample(dit_model, dit: ComponentHandle, condition: ConditionBundle, *, seed: int, steps: int, dit_cfg: float,
+           variations: int, device, dtype: torch.dtype, progress: Progress | None = None,
+           weight_cache: int | None = None) -> LatentsBundle:
+    """`weight_cache`: bytes of dequantized DiT weights the sampler may keep (None: its own rule)."""
+    parts = check_parts(condition.parts, dit=dit)
+    frames = condition.song.frames
+    latents = sample_latents(PrecomputedCondition(condition, device), dit_model, torch.zeros(frames, 0), steps=steps,
+                             dit_cfg=dit_cfg, seed=seed, variations=variations, device=device, dtype=dtype,
+                             progress=progress, weight_cache=weight_cache)
+    request = replace(condition.request, seed=int(seed), steps=int(steps), dit_cfg=float(dit_cfg),
+                      synth_batch_size=int(variations), dit_model=dit.name)
+    return LatentsBundle(condition, [x.to(STORE) for x in latents], request, parts)
+
+
+@torch.no_grad()
+def decode(vae_model, vae: ComponentHandle, latents: LatentsBundle, *, device,
+           progress: Progress | None = None) -> WindowsBundle:
+    """Decode window by window (each alone is `decode_windows` of one window: whole, clamped)."""
+    check_parts(latents.parts, vae=vae)
+    progress = progress or Progress()
+    quiet = Progress(should_stop=progress.should_stop)
+    hop = latents.condition.hop
+    waves = []
+    for k, lat in enumerate(latents.latents):
+        w = decode_windows(vae_model, [lat.to(device)], hop=hop, progress=quiet)  # [V, 2, hop * L_k]
+        waves.append(w.to(STORE))
+        progress.on_progress("vae", k + 1, len(latents.latents), {"window": k})
+    sample_rate = int(vae.hparams["sampling_rate"])
+    return WindowsBundle(waves, hop, sample_rate, replace(latents.request, vae_model=vae.name))
+
+
+def stitch_audio(windows: WindowsBundle) -> dict:
+    """Standard ComfyUI AUDIO: waveform [V, 2, T] float32 on the CPU, the rate, and (extra key) each
+    item's replay request for Save Song."""
+    return {"waveform": stitch(windows.waves, windows.hop).contiguous(), "sample_rate": windows.sample_rate,
+            AUDIO_REQUESTS_KEY: [r.to_dict() for r in windows.replay_requests()]}
+
+
+def as_stereo(wave: torch.Tensor) -> torch.Tensor:
+    """[C, T] -> [2, T]: mono is doubled; more than two channels is an error."""
+    if wave.dim() != 2 or wave.shape[0] not in (1, 2):
+        raise ValueError(f"Save Song writes stereo: got an audio item of shape {list(wave.shape)}, "
+                         "expected [1 or 2, T]")
+    return wave.expand(2, -1) if wave.shape[0] == 1 else wave
+
+
+def write_track(path: Path, wave: torch.Tensor, sample_rate: int, fmt: str, *, mp3_bitrate: int, peak_clip: int,
+                request: dict | None) -> list[Path]:
+    """The audio file (atomic) and, when the audio came from MM3 nodes, its replay request beside it
+    (same name, .json) with the output settings used."""
+    written = [write_audio(path, as_stereo(wave.float().cpu()), fmt, peak_clip=peak_clip, mp3_bitrate=mp3_bitrate,
+                           sample_rate=int(sample_rate))]
+    if request is not None:
+        req = replace(MM3Request.from_dict(request), output_format=fmt, mp3_bitrate=int(mp3_bitrate),
+                      peak_clip=int(peak_clip))
+        written.append(atomic_write(path.with_suffix(".json"), req.to_json().encode("utf-8")))
+    return written
+

@@ -1,0 +1,149 @@
+"""File nodes: Save / Load Audio Codes (the replay request JSON, SPEC section 9) and Save Song."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import folder_paths
+from comfy_api.latest import io, ui
+
+from ..mm3.output import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
+from ..mm3.output import atomic_write
+from . import logic
+from .comfy_models import compute_dtype, load, patcher
+from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress
+from .handles import file_fingerprint
+
+OUTPUT_TAG = " [output]"  # ComfyUI's annotation for a file in the output folder
+_CODES_CACHE: dict[tuple, bool] = {}
+
+
+def _is_codes_file(path: str) -> bool:
+    """A JSON object with a non-empty audio_codes string (cached by path, size, mtime)."""
+    try:
+        key = file_fingerprint(path)
+    except OSError:
+        return False
+    if key not in _CODES_CACHE:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            _CODES_CACHE[key] = isinstance(data, dict) and bool(data.get("audio_codes"))
+        except (OSError, ValueError):
+            _CODES_CACHE[key] = False
+    return _CODES_CACHE[key]
+
+
+def codes_files() -> list[str]:
+    """Replay request files in the input folder and (annotated) in the output folder."""
+    out = []
+    for base, tag in ((folder_paths.get_input_directory(), ""), (folder_paths.get_output_directory(), OUTPUT_TAG)):
+        for root, dirs, files in os.walk(base):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for f in sorted(files):
+                if f.endswith(".json") and _is_codes_file(os.path.join(root, f)):
+                    out.append(os.path.relpath(os.path.join(root, f), base).replace(os.sep, "/") + tag)
+    return out
+
+
+def _save_path(prefix: str):
+    folder, stem, counter, subfolder, _ = folder_paths.get_save_image_path(prefix, folder_paths.get_output_directory())
+    return Path(folder), stem, counter, subfolder
+
+
+class MM3SaveAudioCodes(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3SaveAudioCodes", display_name="MM3 Save Audio Codes", category=CATEGORY,
+            description="Writes the song's replay request (caption, lyrics, settings, seeds and audio_codes) as "
+                        "JSON in the output folder; Load Audio Codes or the command line render it again.",
+            inputs=[AUDIO_CODES.Input("codes"), io.String.Input("filename_prefix", default="mm3/codes")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, codes, filename_prefix: str) -> io.NodeOutput:
+        folder, stem, counter, subfolder = _save_path(filename_prefix)
+        path = atomic_write(folder / f"{stem}_{counter:05}_.json", codes.request.to_json().encode("utf-8"))
+        rel = "/".join(p for p in (subfolder, path.name) if p)
+        return io.NodeOutput(ui={"text": [f"{rel} ({codes.frames} frames)"]})
+
+
+class MM3LoadAudioCodes(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3LoadAudioCodes", display_name="MM3 Load Audio Codes", category=CATEGORY,
+            description="Reads a replay request JSON (input folder, or [output]) and rebuilds the frame hiddens of "
+                        "its codes by teacher forcing (no sampling). Also outputs the file's DiT settings.",
+            inputs=[LM.Input("lm"), DEPTH.Input("depth"),
+                    io.Combo.Input("codes_file", options=codes_files(),
+                                   tooltip="JSON with audio_codes, e.g. written by Save Song or Save Audio Codes")],
+            outputs=[AUDIO_CODES.Output("codes", display_name="codes"), io.Int.Output("seed", display_name="seed"),
+                     io.Int.Output("steps", display_name="steps"), io.Float.Output("dit_cfg", display_name="dit_cfg")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, codes_file: str, **kwargs):
+        try:
+            return file_fingerprint(folder_paths.get_annotated_filepath(codes_file))
+        except OSError:
+            return codes_file
+
+    @classmethod
+    def execute(cls, lm, depth, codes_file: str) -> io.NodeOutput:
+        path = folder_paths.get_annotated_filepath(codes_file)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        request, prompt, codes = logic.read_codes_request(text, codes_file, lm, depth)
+        with interruptible():
+            device = patcher(lm).load_device
+            lm_model, depth_model = load([lm, depth])
+            song = logic.replay_codes(lm_model, depth_model, lm, depth, request, prompt, codes,
+                                      dtype=compute_dtype(device), progress=node_progress())
+        text = f"{song.frames} frames, lm_seed {request.lm_seed}; file settings: seed {request.seed}, steps " \
+               f"{request.steps}, dit_cfg {request.dit_cfg:g}"
+        seed = max(request.seed, 0)
+        return io.NodeOutput(song, seed, request.steps, request.dit_cfg, ui={"text": [text]})
+
+
+class MM3SaveSong(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3SaveSong", display_name="MM3 Save Song", category=CATEGORY,
+            description="Writes each item of the audio batch as MP3 or WAV (16/24-bit PCM peak-normalised, 32-bit "
+                        "float raw) in the output folder; MM3 audio also gets its replay request JSON beside it.",
+            inputs=[
+                io.Audio.Input("audio"),
+                io.String.Input("filename_prefix", default="mm3/song"),
+                io.Combo.Input("format", options=list(OUTPUT_FORMATS), default="mp3"),
+                io.Combo.Input("mp3_bitrate", options=[str(b) for b in MP3_BITRATES], default=str(DEFAULT_MP3_BITRATE),
+                               tooltip="kbps (MP3 only)"),
+                io.Int.Input("peak_clip", default=DEFAULT_PEAK_CLIP, min=0, max=MAX_PEAK_CLIP, extra_dict=ADVANCED,
+                             tooltip="Parts per million of samples allowed to clip when normalising (not wav32)."),
+            ],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, audio: dict, filename_prefix: str, format: str, mp3_bitrate: str,
+                peak_clip: int = DEFAULT_PEAK_CLIP) -> io.NodeOutput:
+        folder, stem, counter, subfolder = _save_path(filename_prefix)
+        ext = "mp3" if format == "mp3" else "wav"
+        requests = audio.get(logic.AUDIO_REQUESTS_KEY)
+        results = []
+        for b, wave in enumerate(audio["waveform"]):
+            name = f"{stem.replace('%batch_num%', str(b))}_{counter:05}_.{ext}"
+            request = requests[b] if requests and b < len(requests) else None
+            logic.write_track(folder / name, wave, audio["sample_rate"], format, mp3_bitrate=int(mp3_bitrate),
+                              peak_clip=peak_clip, request=request)
+            results.append(ui.SavedResult(name, subfolder, io.FolderType.output))
+            counter += 1
+        return io.NodeOutput(ui=ui.SavedAudios(results))
+
+
+NODES = [MM3SaveAudioCodes, MM3LoadAudioCodes, MM3SaveSong]

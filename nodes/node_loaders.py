@@ -1,0 +1,97 @@
+"""Loader nodes: one per component (a typed socket each) and one for the whole set of five.
+
+A loader only checks the file's architecture and returns a handle (cheap); the model is built
+and moved when a stage node needs it. The lists show only files of the right component.
+"""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..mm3.components import ARCH_OF, DESCRIPTIONS, KINDS
+from .comfy_models import files_of, full_path
+from .common import ADVANCED, CATEGORY, COMPONENT_TYPES
+from .handles import file_fingerprint, handle_for
+
+TITLES = {"lm": "Language Model", "depth": "Depth Decoder", "cond": "Condition Encoder", "dit": "DiT",
+          "vae": "Vocoder"}
+NODE_IDS = {"lm": "MM3LoadLanguageModel", "depth": "MM3LoadDepthDecoder", "cond": "MM3LoadConditionEncoder",
+            "dit": "MM3LoadDiT", "vae": "MM3LoadVocoder"}
+SET_FIELDS = {"lm": "lm_model", "depth": "depth_model", "cond": "cond_model", "dit": "dit_model",
+              "vae": "vae_model"}  # the request JSON's names for the five files
+
+
+def _file_input(kind: str, id: str) -> io.Combo.Input:
+    return io.Combo.Input(id, options=files_of(kind),
+                          tooltip=f"{DESCRIPTIONS[kind]}: a GGUF in models/mm3 whose general.architecture is "
+                                  f"{ARCH_OF[kind]}")
+
+
+def _keep_input() -> io.Boolean.Input:
+    return io.Boolean.Input(
+        "keep_loaded", default=False, extra_dict=ADVANCED,
+        tooltip="Keep this model resident while the other stage group runs. By default the AR models (LM, depth) "
+                "and the synthesis models (condition encoder, DiT, vocoder) are never resident together.")
+
+
+def _fingerprint(*names: str):
+    out = []
+    for name in names:
+        try:
+            out.append(file_fingerprint(full_path(name)))
+        except (FileNotFoundError, OSError):
+            out.append(name)  # validation reports the missing file
+    return tuple(out)
+
+
+def _component_loader(kind: str) -> type[io.ComfyNode]:
+    title = TITLES[kind]
+
+    def define_schema(cls):
+        return io.Schema(
+            node_id=NODE_IDS[kind], display_name=f"MM3 Load {title} (GGUF)", category=CATEGORY,
+            description=f"Picks the {DESCRIPTIONS[kind]} file. Loading is lazy: the model is built and moved to the "
+                        "device by the node that uses it.",
+            inputs=[_file_input(kind, "model_name"), _keep_input()],
+            outputs=[COMPONENT_TYPES[kind].Output(kind, display_name=kind)],
+        )
+
+    def execute(cls, model_name: str, keep_loaded: bool = False) -> io.NodeOutput:
+        return io.NodeOutput(handle_for(kind, model_name, full_path(model_name), keep_loaded))
+
+    def fingerprint_inputs(cls, model_name: str, keep_loaded: bool = False):
+        return _fingerprint(model_name), keep_loaded
+
+    return type(NODE_IDS[kind], (io.ComfyNode,), {
+        "__module__": __name__, "__doc__": f"Load the {DESCRIPTIONS[kind]} GGUF.",
+        "define_schema": classmethod(define_schema), "execute": classmethod(execute),
+        "fingerprint_inputs": classmethod(fingerprint_inputs)})
+
+
+COMPONENT_LOADERS = [_component_loader(kind) for kind in KINDS]
+
+
+class MM3LoadModelSet(io.ComfyNode):
+    """All five components in one node."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3LoadModelSet", display_name="MM3 Load Model Set (GGUF)", category=CATEGORY,
+            description="Picks the five component files (language model, depth decoder, condition encoder, DiT, "
+                        "vocoder). Loading is lazy: each model is built and moved by the node that uses it.",
+            inputs=[_file_input(kind, SET_FIELDS[kind]) for kind in KINDS] + [_keep_input()],
+            outputs=[COMPONENT_TYPES[kind].Output(kind, display_name=kind) for kind in KINDS],
+        )
+
+    @classmethod
+    def execute(cls, keep_loaded: bool = False, **names: str) -> io.NodeOutput:
+        return io.NodeOutput(*(handle_for(k, names[SET_FIELDS[k]], full_path(names[SET_FIELDS[k]]), keep_loaded)
+                               for k in KINDS))
+
+    @classmethod
+    def fingerprint_inputs(cls, keep_loaded: bool = False, **names: str):
+        return _fingerprint(*(names[SET_FIELDS[k]] for k in KINDS)), keep_loaded
+
+
+NODES = COMPONENT_LOADERS + [MM3LoadModelSet]

@@ -1,0 +1,186 @@
+"""Stage nodes: prompt -> AR plan -> condition -> flow DiT -> vocoder -> stitch.
+
+Each node loads only its own models through ComfyUI's memory manager (`comfy_models.load`),
+reports progress on its own bar and stops at ComfyUI's interrupt. None is marked not idempotent:
+ComfyUI's cache reuses an AR plan when only synthesis settings change.
+"""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..mm3.ar import FRAME_RATE, MAX_AUDIO_FRAMES
+from ..mm3.flow import DEFAULT_DIT_CFG, DEFAULT_STEPS, MAX_VARIATIONS
+from ..mm3.prompt import MAX_PROMPT_TOKENS
+from ..mm3.request import MAX_DURATION, MAX_LM_BATCH, SEED_MAX
+from ..mm3.sampling import DEFAULT_LM_CFG, DEFAULT_TOP_K
+from ..mm3.tokenizer import SEMANTIC_VOCAB_SIZE
+from . import logic
+from .comfy_models import compute_dtype, load, patcher, spare_bytes
+from .common import (ADVANCED, AUDIO_CODES, AUDIO_WINDOWS, CATEGORY, CONDITION, COND, DEPTH, DIT, LATENTS, LM, PROMPT,
+                     VAE, interruptible, node_progress)
+from .handles import ar_memory, dit_memory, dtype_bytes, vocoder_memory
+
+# Seeds of song i / variation j are seed + i / seed + j and must stay in the request's 0..SEED_MAX.
+LM_SEED_MAX = SEED_MAX - (MAX_LM_BATCH - 1)
+DIT_SEED_MAX = SEED_MAX - (MAX_VARIATIONS - 1)
+
+
+def _device_dtype(handle):
+    device = patcher(handle).load_device
+    return device, compute_dtype(device)
+
+
+class MM3PromptAssemble(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3PromptAssemble", display_name="MM3 Prompt", category=CATEGORY,
+            description="Cleans the caption, normalises the lyrics and tokenizes both with the language model's "
+                        f"tokenizer (at most {MAX_PROMPT_TOKENS} tokens). Shows the cleaned texts and the token count.",
+            inputs=[
+                LM.Input("lm"),
+                io.String.Input("caption", multiline=True, default="",
+                                tooltip="Structured caption: genre, mood, instruments, vocals, tempo, key ..."),
+                io.String.Input("lyrics", multiline=True, default="",
+                                tooltip="Lyrics with section tags such as [verse], [chorus]; ' ^ ' breaks a line."),
+            ],
+            outputs=[PROMPT.Output("prompt", display_name="prompt")],
+        )
+
+    @classmethod
+    def execute(cls, lm, caption: str, lyrics: str) -> io.NodeOutput:
+        bundle = logic.assemble_prompt(lm, caption, lyrics)
+        return io.NodeOutput(bundle, ui={"text": [bundle.summary(MAX_PROMPT_TOKENS)]})
+
+
+class MM3ARPlan(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3ARPlan", display_name="MM3 AR Plan", category=CATEGORY,
+            description="Samples the song's audio codes frame by frame (25 per second) with the language model and "
+                        "the depth decoder. The model may end the song before the duration.",
+            inputs=[
+                LM.Input("lm"), DEPTH.Input("depth"), PROMPT.Input("prompt"),
+                io.Float.Input("duration", default=60.0, min=1.0 / FRAME_RATE, max=MAX_DURATION, step=1.0,
+                               round=0.01, tooltip="Longest song to plan, in seconds."),
+                io.Int.Input("lm_seed", default=0, min=0, max=LM_SEED_MAX, control_after_generate=True,
+                             tooltip="Seed of the AR sampling; song i of a batch uses lm_seed + i."),
+                io.Float.Input("lm_cfg", default=DEFAULT_LM_CFG, min=0.0, max=10.0, step=0.05,
+                               tooltip="Classifier-free guidance of the AR sampling."),
+                io.Int.Input("lm_top_k", default=DEFAULT_TOP_K, min=1, max=SEMANTIC_VOCAB_SIZE, extra_dict=ADVANCED,
+                             tooltip="Candidates per code (top-k sampling)."),
+                io.Int.Input("songs", default=1, min=1, max=MAX_LM_BATCH,
+                             tooltip="Songs planned together (one list item each, lm_seed + i)."),
+            ],
+            outputs=[AUDIO_CODES.Output("codes", display_name="codes", is_output_list=True)],
+        )
+
+    @classmethod
+    def execute(cls, lm, depth, prompt, duration: float, lm_seed: int, lm_cfg: float, lm_top_k: int,
+                songs: int) -> io.NodeOutput:
+        frames = min(int(duration * FRAME_RATE), MAX_AUDIO_FRAMES)
+        with interruptible():
+            _, dtype = _device_dtype(lm)
+            need = ar_memory(lm.hparams, depth.hparams, prompt.prompt.num_tokens, frames, songs, dtype_bytes(dtype))
+            lm_model, depth_model = load([lm, depth], memory_required=need)
+            planned = logic.plan_songs(lm_model, depth_model, lm, depth, prompt, duration=duration, lm_seed=lm_seed,
+                                       lm_cfg=lm_cfg, lm_top_k=lm_top_k, songs=songs, dtype=dtype,
+                                       progress=node_progress(), cache_budget=spare_bytes([lm, depth], need))
+        text = "\n".join(s.summary(FRAME_RATE) for s in planned)
+        return io.NodeOutput(planned, ui={"text": [text]})
+
+
+class MM3ConditionEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3ConditionEncode", display_name="MM3 Condition Encode", category=CATEGORY,
+            description="Turns the AR frame hiddens into the DiT condition, one 200-frame window at a time.",
+            inputs=[COND.Input("cond"), AUDIO_CODES.Input("codes")],
+            outputs=[CONDITION.Output("condition", display_name="condition")],
+        )
+
+    @classmethod
+    def execute(cls, cond, codes) -> io.NodeOutput:
+        with interruptible():
+            device, dtype = _device_dtype(cond)
+            (model,) = load([cond])
+            out = logic.encode_condition(model, cond, codes, device=device, dtype=dtype, progress=node_progress())
+        return io.NodeOutput(out)
+
+
+class MM3FlowSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3FlowSampler", display_name="MM3 Flow DiT Sampler", category=CATEGORY,
+            description="Denoises the audio latents window by window (Euler steps with guidance). Variation j "
+                        "draws its noise from seed + j.",
+            inputs=[
+                DIT.Input("dit"), CONDITION.Input("condition"),
+                io.Int.Input("seed", default=0, min=0, max=DIT_SEED_MAX, control_after_generate=True,
+                             tooltip="Noise seed; variation j uses seed + j (drawn on the CPU: same on any device)."),
+                io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=200),
+                io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=10.0, step=0.05,
+                               tooltip="Classifier-free guidance of the DiT (1 = conditional only)."),
+                io.Int.Input("variations", default=1, min=1, max=MAX_VARIATIONS,
+                             tooltip="Renderings of the same plan (a batch of audio)."),
+            ],
+            outputs=[LATENTS.Output("latents", display_name="latents")],
+        )
+
+    @classmethod
+    def execute(cls, dit, condition, seed: int, steps: int, dit_cfg: float, variations: int) -> io.NodeOutput:
+        with interruptible():
+            device, dtype = _device_dtype(dit)
+            longest = max(c.shape[1] for c in condition.conds)
+            need = dit_memory(dit.hparams, longest, dtype_bytes(dtype))
+            (model,) = load([dit], memory_required=need)
+            out = logic.sample(model, dit, condition, seed=seed, steps=steps, dit_cfg=dit_cfg, variations=variations,
+                               device=device, dtype=dtype, progress=node_progress(),
+                               weight_cache=spare_bytes([dit], need))
+        return io.NodeOutput(out)
+
+
+class MM3VocoderDecode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3VocoderDecode", display_name="MM3 Vocoder Decode", category=CATEGORY,
+            description="Decodes each window's latents to stereo audio (not yet cropped and joined: see Stitch).",
+            inputs=[VAE.Input("vae"), LATENTS.Input("latents")],
+            outputs=[AUDIO_WINDOWS.Output("windows", display_name="windows")],
+        )
+
+    @classmethod
+    def execute(cls, vae, latents) -> io.NodeOutput:
+        with interruptible():
+            device, _ = _device_dtype(vae)
+            comp = vae.component()
+            shapes = {n: t.shape for n, t in comp.tensors.items()}
+            longest = max(x.shape[-1] for x in latents.latents)
+            need = vocoder_memory(shapes, list(vae.hparams["upsampling_ratios"]), longest)
+            (model,) = load([vae], memory_required=need)
+            out = logic.decode(model, vae, latents, device=device, progress=node_progress())
+        return io.NodeOutput(out)
+
+
+class MM3Stitch(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3Stitch", display_name="MM3 Stitch", category=CATEGORY,
+            description="Crops the window overlaps and joins the windows: standard AUDIO (stereo, 44.1 kHz) for "
+                        "Save Song or ComfyUI's audio nodes.",
+            inputs=[AUDIO_WINDOWS.Input("windows")],
+            outputs=[io.Audio.Output("audio", display_name="audio")],
+        )
+
+    @classmethod
+    def execute(cls, windows) -> io.NodeOutput:
+        return io.NodeOutput(logic.stitch_audio(windows))
+
+
+NODES = [MM3PromptAssemble, MM3ARPlan, MM3ConditionEncode, MM3FlowSampler, MM3VocoderDecode, MM3Stitch]

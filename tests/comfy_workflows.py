@@ -1,0 +1,221 @@
+"""UI-format <-> API-format ComfyUI workflows, from a server's /object_info.
+
+The API files in `workflows/api/` are the source; `python tests/comfy_workflows.py --server URL`
+writes the UI files the editor loads (`workflows/*.json`, listed in ComfyUI's template browser)
+from them, and the tests convert each UI file back and compare. Widget values are positional: each
+widget input of the node's schema in order, a seed's control_after_generate value right after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.request
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / "workflows"
+API_DIR = WORKFLOWS / "api"
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+NOTE_TYPES = {"Note", "MarkdownNote"}  # editor-only nodes, not in the API format
+PACK_ID = "comfyui-mm3-gguf"
+
+NOTES = {
+    "text_to_song": "Caption + lyrics -> a song. Put the five GGUF files in models/mm3 (python -m mm3 download q8 "
+                    "ComfyUI/models/mm3). lm_seed picks the song (change it, or set it to randomize, for another). "
+                    "The AR plan is the slow part and ComfyUI caches it: change only the DiT seed, steps or cfg and "
+                    "queue again to re-render the same plan. Save Song writes the replay JSON beside the audio.",
+    "variations_from_one_plan": "One AR plan, three DiT variations (seed, seed + 1, seed + 2). Save Audio Codes keeps "
+                                "the plan; Save Song writes one file per variation, Save Audio (FLAC) shows the same "
+                                "AUDIO in ComfyUI's own saver.",
+    "rerender_from_codes": "Renders a saved replay JSON again (written by Save Song or Save Audio Codes; put it in "
+                           "input/ or pick it from [output]). The codes are replayed, not sampled; the seed, steps "
+                           "and cfg come from the file, so the same files give the same audio.",
+}
+CONTROL: dict[tuple[str, str], str] = {}  # (workflow, input) -> control_after_generate value; "fixed" otherwise
+
+
+def fetch_object_info(server: str) -> dict:
+    with urllib.request.urlopen(f"{server.rstrip('/')}/object_info", timeout=60) as r:
+        return json.load(r)
+
+
+def schema_inputs(info: dict) -> list[tuple[str, str, dict]]:
+    """(name, type, options) of every input in order (required, then optional)."""
+    out = []
+    for cat in ("required", "optional"):
+        for name in info.get("input_order", {}).get(cat, []):
+            spec = info["input"][cat][name]
+            typ = "COMBO" if isinstance(spec[0], list) else spec[0]
+            out.append((name, typ, spec[1] if len(spec) > 1 else {}))
+    return out
+
+
+def is_widget(typ: str, opts: dict) -> bool:
+    return typ in WIDGET_TYPES and not opts.get("forceInput")
+
+
+def _depths(api: dict) -> dict[str, int]:
+    depth = {}
+
+    def d(nid):
+        if nid not in depth:
+            srcs = [v[0] for v in api[nid]["inputs"].values() if isinstance(v, list)]
+            depth[nid] = 1 + max((d(s) for s in srcs), default=-1)
+        return depth[nid]
+
+    for nid in api:
+        d(nid)
+    return depth
+
+
+def ui_from_api(name: str, api: dict, object_info: dict) -> dict:
+    depth = _depths(api)
+    order = sorted(api, key=lambda n: (depth[n], int(n)))
+    nodes, col_y = [], {}
+    out_links: dict[tuple[str, int], list[int]] = {}
+    for nid in order:  # links first: every target's inputs
+        for v in api[nid]["inputs"].values():
+            if isinstance(v, list):
+                out_links.setdefault((v[0], v[1]), [])
+    link_id = 0
+    pending = []
+    for rank, nid in enumerate(order):
+        node = api[nid]
+        info = object_info[node["class_type"]]
+        inputs, widgets = [], []
+        for iname, typ, opts in schema_inputs(info):
+            value = node["inputs"].get(iname)
+            linked = isinstance(value, list)
+            if is_widget(typ, opts):
+                widgets.append(opts.get("default") if linked else value)
+                if opts.get("control_after_generate"):
+                    widgets.append(CONTROL.get((name, iname), "fixed"))
+            if linked:
+                link_id += 1
+                entry = {"name": iname, "type": typ, "link": link_id}
+                if is_widget(typ, opts):
+                    entry["widget"] = {"name": iname}
+                pending.append((link_id, int(value[0]), value[1], int(nid), len(inputs), typ))
+                out_links[(value[0], value[1])].append(link_id)
+                inputs.append(entry)
+        outputs = [{"name": oname, "type": otype, "links": out_links.get((nid, i), []), "slot_index": i}
+                   for i, (oname, otype) in enumerate(zip(info["output_name"], info["output"]))]
+        for i, is_list in enumerate(info.get("output_is_list", [])):
+            if is_list:
+                outputs[i]["shape"] = 6  # the editor's list marker
+        big = node["class_type"] == "MM3PromptAssemble"
+        height = 420 if big else 46 + 24 * (len(widgets) + max(len(inputs), len(outputs)))
+        x = 40 + depth[nid] * 400
+        y = col_y.get(depth[nid], 160)
+        col_y[depth[nid]] = y + height + 60
+        cnr = PACK_ID if node["class_type"].startswith("MM3") else "comfy-core"
+        entry = {"id": int(nid), "type": node["class_type"], "pos": [x, y], "size": [360 if not big else 420, height],
+                 "flags": {}, "order": rank, "mode": 0, "inputs": inputs, "outputs": outputs,
+                 "properties": {"Node name for S&R": node["class_type"], "cnr_id": cnr},
+                 "widgets_values": widgets}
+        title = node.get("_meta", {}).get("title")
+        if title and title != info.get("display_name"):
+            entry["title"] = title
+        nodes.append(entry)
+    note_id = max(int(n) for n in api) + 1
+    nodes.append({"id": note_id, "type": "Note", "pos": [40, -60], "size": [760, 160], "flags": {},
+                  "order": len(order), "mode": 0, "inputs": [], "outputs": [], "properties": {},
+                  "widgets_values": [NOTES.get(name, "")]})
+    links = [list(p) for p in pending]
+    wf_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK_ID}/workflows/{name}"))  # the editor wants a UUID
+    return {"id": wf_id, "revision": 0, "last_node_id": note_id, "last_link_id": link_id,
+            "nodes": nodes, "links": links, "groups": [], "config": {},
+            "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}},
+            "version": 0.4}
+
+
+def schema_problems(ui: dict) -> list[str]:
+    """What the editor's workflow schema (version 0.4: zComfyWorkflow of the ComfyUI frontend) would
+    reject, checked field by field; empty when the file loads."""
+    bad = []
+
+    def need(ok, what):
+        if not ok:
+            bad.append(what)
+
+    num = (int, float)
+    try:
+        uuid.UUID(str(ui.get("id")))
+    except ValueError:
+        bad.append(f"id {ui.get('id')!r} is not a UUID")
+    need(isinstance(ui.get("version"), num), "version must be a number")
+    need(isinstance(ui.get("last_node_id"), (int, str)) and isinstance(ui.get("last_link_id"), num),
+         "last_node_id / last_link_id")
+    need(isinstance(ui.get("config", {}), dict) and isinstance(ui.get("groups", []), list), "config / groups")
+    ds = (ui.get("extra") or {}).get("ds")
+    need(ds is None or (isinstance(ds.get("scale"), num) and len(ds.get("offset", [])) == 2), "extra.ds")
+    ids = set()
+    for n in ui["nodes"]:
+        where = f"node {n.get('id')}"
+        ids.add(n.get("id"))
+        need(isinstance(n.get("id"), (int, str)) and isinstance(n.get("type"), str), f"{where}: id / type")
+        for key in ("pos", "size"):
+            need(isinstance(n.get(key), list) and len(n[key]) == 2 and all(isinstance(v, num) for v in n[key]),
+                 f"{where}: {key}")
+        need(isinstance(n.get("flags"), dict) and isinstance(n.get("properties"), dict), f"{where}: flags / properties")
+        need(isinstance(n.get("order"), num) and isinstance(n.get("mode"), num), f"{where}: order / mode")
+        need(isinstance(n.get("widgets_values", []), (list, dict)), f"{where}: widgets_values")
+        for i in n.get("inputs", []):
+            need(isinstance(i.get("name"), str) and isinstance(i.get("type"), (str, list, int))
+                 and (i.get("link") is None or isinstance(i["link"], int)), f"{where}: input {i}")
+        for o in n.get("outputs", []):
+            need(isinstance(o.get("name"), str) and isinstance(o.get("type"), (str, list, int))
+                 and all(isinstance(x, int) for x in (o.get("links") or [])), f"{where}: output {o}")
+    by_id = {n.get("id"): n for n in ui["nodes"]}
+    for lk in ui["links"]:
+        ok = (isinstance(lk, list) and len(lk) == 6 and isinstance(lk[0], int) and lk[1] in ids and lk[3] in ids
+              and isinstance(lk[2], int) and isinstance(lk[4], int))
+        need(ok, f"link {lk}")
+        if ok:  # both ends name the link (what the graph is rebuilt from)
+            src, dst = by_id[lk[1]].get("outputs", []), by_id[lk[3]].get("inputs", [])
+            need(lk[2] < len(src) and lk[0] in (src[lk[2]].get("links") or []), f"link {lk}: not on its output")
+            need(lk[4] < len(dst) and dst[lk[4]].get("link") == lk[0], f"link {lk}: not on its input")
+    return bad
+
+
+def api_from_ui(ui: dict, object_info: dict) -> dict:
+    """The API prompt the editor would queue for a UI workflow (widget values and links)."""
+    link_src = {lk[0]: (str(lk[1]), lk[2]) for lk in ui["links"]}
+    api = {}
+    for node in ui["nodes"]:
+        if node["type"] in NOTE_TYPES or node.get("mode", 0) in (2, 4):
+            continue
+        info = object_info[node["type"]]
+        values = list(node.get("widgets_values") or [])
+        linked = {i["name"]: i["link"] for i in node.get("inputs", []) if i.get("link") is not None}
+        inputs, k = {}, 0
+        for iname, typ, opts in schema_inputs(info):
+            widget_value = None
+            if is_widget(typ, opts):
+                widget_value = values[k]
+                k += 2 if opts.get("control_after_generate") else 1
+            if iname in linked:
+                inputs[iname] = list(link_src[linked[iname]])
+            elif is_widget(typ, opts):
+                inputs[iname] = widget_value
+        api[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return api
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="write workflows/*.json (UI format) from workflows/api/*.json")
+    p.add_argument("--server", required=True, help="a running ComfyUI with this pack, e.g. http://127.0.0.1:8188")
+    args = p.parse_args(argv)
+    info = fetch_object_info(args.server)
+    for path in sorted(API_DIR.glob("*.json")):
+        api = json.loads(path.read_text())
+        ui = ui_from_api(path.stem, api, info)
+        (WORKFLOWS / path.name).write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {WORKFLOWS / path.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,489 @@
+"""The ComfyUI node layer.
+
+Part 1 needs no ComfyUI: the node logic (`nodes/logic.py`) chained as the nodes chain it gives the
+same audio as `mm3.pipeline.Pipeline.run` (itself checked against diffusers), weight placement and
+streaming keep every op on one device, and Save Song's files read back right.
+
+Part 2 starts a real ComfyUI (COMFYUI_PATH, interpreter COMFYUI_PYTHON) once for the module, with
+this pack linked into its custom_nodes and tiny GGUFs in models/mm3, and drives it over HTTP and
+WebSocket: node definitions, the shipped workflows, caching, interrupt, and the memory policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+
+import pytest
+import torch
+from comfy_server import ComfyServer, cached_nodes, executed_nodes
+from comfy_workflows import api_from_ui, schema_problems
+
+ROOT = Path(__file__).resolve().parents[1]
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+CAPTION = "Warm lo-fi hip hop, dusty drums, mellow Rhodes, vinyl crackle, 80 BPM"
+LYRICS = "[verse]\nRain on the window, coffee in my hand\n[chorus]\nSlow it down ^ slow it down"
+
+
+# -- part 1: node logic without ComfyUI ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pack():
+    """The repository imported as a package (as ComfyUI imports it), so `nodes` reaches `..mm3`."""
+    name = "mm3_pack_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return lambda sub: importlib.import_module(f"{name}.{sub}")
+
+
+def _handles(pack, tiny):
+    h = pack("nodes.handles")
+    return {kind: h.ComponentHandle(kind, tiny.file(arch).name, str(tiny.file(arch)))
+            for kind, arch in (("lm", "mm3-lm"), ("depth", "mm3-depth"), ("cond", "mm3-cond"), ("dit", "mm3-dit"),
+                               ("vae", "mm3-vae"))}
+
+
+def test_node_chain_matches_pipeline(pack, tiny):
+    """Prompt -> plan -> condition -> sample -> decode -> stitch, as the nodes run it, equals the
+    pipeline's tracks bit for bit (2 songs x 2 variations), and each replay request renders its track."""
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    Pipeline, MM3Request = pack("mm3.pipeline").Pipeline, pack("mm3.request").MM3Request
+    m = {k: h.model() for k, h in hs.items()}
+    prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
+    songs = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt, duration=0.8, lm_seed=11,
+                             lm_cfg=1.5, lm_top_k=50, songs=2, dtype=torch.float32)
+    ours = []
+    for song in songs:
+        cond = logic.encode_condition(m["cond"], hs["cond"], song, device="cpu", dtype=torch.float32)
+        lat = logic.sample(m["dit"], hs["dit"], cond, seed=5, steps=3, dit_cfg=1.7, variations=2, device="cpu",
+                           dtype=torch.float32)
+        audio = logic.stitch_audio(logic.decode(m["vae"], hs["vae"], lat, device="cpu"))
+        assert audio["waveform"].dtype == torch.float32 and audio["waveform"].shape[:2] == (2, 2)
+        ours += [(audio["waveform"][j], audio[logic.AUDIO_REQUESTS_KEY][j]) for j in range(2)]
+    request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=0.8, lm_seed=11, seed=5, steps=3,
+                         lm_batch_size=2, synth_batch_size=2)
+    tracks = Pipeline(str(tiny.gguf)).run(request)
+    assert len(tracks) == len(ours) == 4
+    for track, (wave_, req) in zip(tracks, ours):
+        assert torch.equal(track.audio, wave_)
+        want = track.request.to_dict()
+        assert {k: req[k] for k in ("audio_codes", "lm_seed", "seed", "steps", "caption", "lyrics")} == \
+               {k: want[k] for k in ("audio_codes", "lm_seed", "seed", "steps", "caption", "lyrics")}
+    # A replay request renders its own track again.
+    again = Pipeline(str(tiny.gguf)).run(MM3Request.from_dict(ours[3][1]))
+    assert torch.equal(again[0].audio, ours[3][0])
+
+
+def test_split_synthesis_matches_pipeline_over_windows(pack, tiny):
+    """Songs longer than one DiT window (200 frames): conditions computed per window up front, the
+    sampler fed from them, windows decoded one by one and then stitched, equal the pipeline's
+    synthesis (overlap carry, crops and all). Frame hiddens are random: no AR needed."""
+    logic, handles, hs = pack("nodes.logic"), pack("nodes.handles"), _handles(pack, tiny)
+    Pipeline, MM3Request = pack("mm3.pipeline").Pipeline, pack("mm3.request").MM3Request
+    AudioCodes = pack("mm3.codes").AudioCodes
+    m = {k: h.model() for k, h in hs.items() if k in ("cond", "dit", "vae")}
+    dp = hs["depth"].hparams
+    frames = 210  # windows [0, 200) and [100, 210)
+    hiddens = torch.randn(frames, int(dp["num_codebooks"]), int(dp["hidden_size"]),
+                          generator=torch.Generator().manual_seed(3))
+    codes = AudioCodes(torch.zeros(frames + 1, int(dp["num_codebooks"]), dtype=torch.long), hiddens, None, 1)
+    request = MM3Request(caption="c", lyrics="l", seed=8, steps=2, synth_batch_size=1)
+    song = handles.PlannedSong(codes, request, logic.check_parts({}, lm=hs["lm"], depth=hs["depth"]))
+    cond = logic.encode_condition(m["cond"], hs["cond"], song, device="cpu", dtype=torch.float32)
+    assert len(cond.conds) == 2
+    lat = logic.sample(m["dit"], hs["dit"], cond, seed=8, steps=2, dit_cfg=1.7, variations=1, device="cpu",
+                       dtype=torch.float32)
+    ours = logic.stitch_audio(logic.decode(m["vae"], hs["vae"], lat, device="cpu"))["waveform"]
+    want = Pipeline(str(tiny.gguf)).synthesize(request, codes)
+    assert torch.equal(ours, want)
+
+
+def test_load_codes_rejects_bad_files(pack, tiny):
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    with pytest.raises(ValueError, match="holds no audio_codes"):
+        logic.read_codes_request(json.dumps({"caption": "a", "lyrics": "b"}), "x.json", hs["lm"], hs["depth"])
+    with pytest.raises(ValueError, match="x.json: .*out of range"):
+        logic.read_codes_request(json.dumps({"caption": "a", "lyrics": "b", "audio_codes": ",".join(["99999"] * 16)}),
+                                 "x.json", hs["lm"], hs["depth"])
+    h = pack("nodes.handles")
+    with pytest.raises(Exception, match="is mm3-dit, expected mm3-lm"):
+        h.ComponentHandle("lm", "dit.gguf", str(tiny.file("mm3-dit")))
+
+
+def test_placement_streams_what_does_not_fit(pack, tiny):
+    """With a budget below the model size, some layers stay on the CPU and stream per use; on the
+    `meta` device (a stand-in for a GPU) any op mixing devices would raise. Unloading restores the
+    very tensors the model was built with, and the layers' own classes (which the engine's fast AR
+    path requires)."""
+    hs = _handles(pack, tiny)
+    lm = hs["lm"].model()
+    placement = hs["lm"].placement
+    supports = pack("mm3.fast.frame").supports
+    assert supports(lm, hs["depth"].model()) is None  # as built: the fast AR engine takes it
+    before = {n: b for n, b in lm.named_buffers()}
+    classes = {n: type(m) for n, m in lm.named_modules()}
+    assert placement.total_bytes == hs["lm"].nbytes()  # what ComfyUI is told the model weighs
+    loaded = placement.load(torch.device("meta"), budget=placement.total_bytes // 3)
+    assert 0 < loaded < placement.total_bytes and placement.streaming
+    assert lm.device.type == "meta"  # the anchor (token embedding) went first
+    cache = lm.new_cache(2, 8, torch.float32)
+    h = lm(lm.embed(torch.tensor([[1, 2, 3], [1, 4, 3]], device="meta"), torch.float32), cache)
+    assert h.device.type == "meta" and h.shape == (2, 3, lm.hidden_size)
+    assert lm.logits_rows(h[:, -1], [(0, 4)]).device.type == "meta"
+    assert placement.unload(1) > 0 and placement.streaming  # partial: still usable on the device
+    streamed = [n for n, m in lm.named_modules() if type(m) is not classes[n]]
+    assert streamed and all(isinstance(m, pack("nodes.placement").Streamed) for n, m in lm.named_modules()
+                            if n in streamed)
+    assert placement.unload() > 0 and placement.device is None
+    assert all(b is before[n] for n, b in lm.named_buffers())
+    assert all(type(m) is classes[n] for n, m in lm.named_modules())
+
+
+def test_write_track_reads_back(pack, tmp_path):
+    logic = pack("nodes.logic")
+    wave_ = torch.linspace(-0.5, 0.5, 2 * 4410).reshape(2, -1)
+    req = pack("mm3.request").MM3Request(caption="c", lyrics="l", audio_codes="1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8")
+    paths = logic.write_track(tmp_path / "a.wav", wave_, 44100, "wav16", mp3_bitrate=128, peak_clip=10,
+                              request=req.to_dict())
+    with wave.open(str(paths[0])) as w:
+        assert (w.getnchannels(), w.getframerate(), w.getsampwidth(), w.getnframes()) == (2, 44100, 2, 4410)
+    assert json.loads(paths[1].read_text())["output_format"] == "wav16"
+    mono = logic.write_track(tmp_path / "m.wav", wave_[:1], 44100, "wav24", mp3_bitrate=128, peak_clip=10, request=None)
+    assert len(mono) == 1 and wave.open(str(mono[0])).getnchannels() == 2
+
+
+def test_prompt_over_the_budget_is_refused_with_the_count(pack, tiny):
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    with pytest.raises(ValueError, match=r"Prompt exceeds the 5000 token budget: the assembled prompt has \d+ tokens"):
+        logic.assemble_prompt(hs["lm"], CAPTION, "[verse]\n" + "la " * 3000)
+
+
+JS_APP = """export const app = { extensions: [], registerExtension(e) { this.extensions.push(e); } };"""
+JS_WIDGETS = """export const ComfyWidgets = { STRING(node, name) {
+  const widget = { name, value: "", inputEl: { style: {} } }; node.widgets.push(widget); return { widget }; } };"""
+JS_HARNESS = """globalThis.requestAnimationFrame = (f) => f();
+const { app } = await import("./scripts/app.js");
+await import("./extensions/pack/mm3.js");
+const ext = app.extensions[0];
+class Node { constructor() { this.widgets = [{ name: "caption", value: "x" }]; this.size = [100, 100]; }
+  computeSize() { return [300, 200]; } setSize(s) { this.size = s; } }
+const save = { name: "MM3SaveSong", input: { required: { audio: ["AUDIO", {}] } } };
+await ext.beforeRegisterNodeDef(class {}, save);
+await ext.beforeRegisterNodeDef(Node, { name: "MM3PromptAssemble", input: { required: {} } });
+const node = new Node();
+node.onExecuted({ text: ["12 / 5000 prompt tokens"] });
+node.onExecuted({ text: ["a", "b"] });
+console.log(JSON.stringify({ name: ext.name, audioUI: save.input.required.audioUI, size: node.size,
+  widgets: node.widgets.map((w) => [w.name, w.value, w.serialize ?? null, w.inputEl?.readOnly ?? null]) }));
+"""
+
+
+def test_web_extension_shows_node_text(tmp_path):
+    """web/mm3.js against stand-ins for the editor's app and widgets modules (needs node.js)."""
+    import shutil
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node.js is not installed")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "extensions" / "pack").mkdir(parents=True)
+    (tmp_path / "scripts" / "app.js").write_text(JS_APP)
+    (tmp_path / "scripts" / "widgets.js").write_text(JS_WIDGETS)
+    shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
+    (tmp_path / "package.json").write_text('{"type": "module"}')
+    (tmp_path / "harness.js").write_text(JS_HARNESS)
+    out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["audioUI"] == ["AUDIO_UI", {}]  # Save Song gets ComfyUI's audio player
+    assert got["widgets"] == [["caption", "x", None, None], ["mm3_info", "a\nb", False, True]]
+    assert got["size"] == [300, 200]
+
+
+# -- part 2: a real ComfyUI ---------------------------------------------------------------------
+needs_comfy = pytest.mark.skipif(not COMFYUI_PATH, reason="COMFYUI_PATH is not set (a ComfyUI checkout to run)")
+LOADER_INPUTS = ["model_name", "keep_loaded"]
+NODE_INPUTS = {  # node id -> its inputs in order
+    "MM3LoadLanguageModel": LOADER_INPUTS, "MM3LoadDepthDecoder": LOADER_INPUTS,
+    "MM3LoadConditionEncoder": LOADER_INPUTS, "MM3LoadDiT": LOADER_INPUTS, "MM3LoadVocoder": LOADER_INPUTS,
+    "MM3LoadModelSet": ["lm_model", "depth_model", "cond_model", "dit_model", "vae_model", "keep_loaded"],
+    "MM3PromptAssemble": ["lm", "caption", "lyrics"],
+    "MM3ARPlan": ["lm", "depth", "prompt", "duration", "lm_seed", "lm_cfg", "lm_top_k", "songs"],
+    "MM3ConditionEncode": ["cond", "codes"],
+    "MM3FlowSampler": ["dit", "condition", "seed", "steps", "dit_cfg", "variations"],
+    "MM3VocoderDecode": ["vae", "latents"], "MM3Stitch": ["windows"],
+    "MM3SaveAudioCodes": ["codes", "filename_prefix"], "MM3LoadAudioCodes": ["lm", "depth", "codes_file"],
+    "MM3SaveSong": ["audio", "filename_prefix", "format", "mp3_bitrate", "peak_clip"],
+}
+NODE_IDS = set(NODE_INPUTS)
+API_DIR = ROOT / "workflows" / "api"
+SET_KEYS = {"lm_model": "mm3-lm", "depth_model": "mm3-depth", "cond_model": "mm3-cond", "dit_model": "mm3-dit",
+            "vae_model": "mm3-vae"}
+LOADER_ARCH = {"MM3LoadLanguageModel": "mm3-lm", "MM3LoadDepthDecoder": "mm3-depth",
+               "MM3LoadConditionEncoder": "mm3-cond", "MM3LoadDiT": "mm3-dit", "MM3LoadVocoder": "mm3-vae"}
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    if not COMFYUI_PATH:
+        pytest.skip("COMFYUI_PATH is not set")
+    server = ComfyServer(COMFYUI_PATH, os.environ.get("COMFYUI_PYTHON")).start()
+    from mm3.gguf import read_architecture
+
+    server.files = {read_architecture(server.base / "models" / "mm3" / n): n for n in server.model_names}
+    yield server
+    server.stop()
+
+
+def tiny_workflow(server, name: str, *, duration=1.2, steps=3, fmt=None, **node_inputs) -> dict:
+    """A shipped API workflow with the tiny models, a short duration and few steps; `node_inputs`
+    as {node_id: {input: value}}."""
+    wf = json.loads((API_DIR / f"{name}.json").read_text())
+    for node in wf.values():
+        inputs, cls = node["inputs"], node["class_type"]
+        if cls == "MM3LoadModelSet":
+            inputs.update({k: server.files[a] for k, a in SET_KEYS.items()})
+        elif cls in LOADER_ARCH:
+            inputs["model_name"] = server.files[LOADER_ARCH[cls]]
+        if "duration" in inputs:
+            inputs["duration"] = duration
+        if cls == "MM3FlowSampler" and not isinstance(inputs["steps"], list):
+            inputs["steps"] = steps
+        if cls == "MM3SaveSong" and fmt:
+            inputs["format"] = fmt
+    for nid, values in node_inputs.items():
+        wf[nid]["inputs"].update(values)
+    return wf
+
+
+def run(server, workflow, timeout=120) -> tuple[dict, list[dict]]:
+    ws = server.ws()
+    try:
+        pid = server.queue(workflow)
+        events = ws.events(pid, timeout=timeout)
+    finally:
+        ws.close()
+    entry = server.wait(pid, timeout=30)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    return entry, events
+
+
+def audio_entries(entry, node_id):
+    return entry["outputs"][node_id]["audio"]
+
+
+def read_wav(data: bytes) -> tuple[int, int, int, int]:
+    """(channels, rate, bits, frames) of a RIFF WAV (PCM or IEEE float) from its header."""
+    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+    _, channels, rate, _, block, bits = struct.unpack("<HHIIHH", data[20:36])
+    size = struct.unpack("<I", data[40:44])[0]
+    return channels, rate, bits, size // block
+
+
+def read_mp3_header(data: bytes) -> tuple[int, int, str]:
+    """(rate, kbps, channel mode) of the first MPEG-1 Layer III frame (after an ID3v2 tag if any)."""
+    i = 10 + int.from_bytes(bytes(b & 0x7F for b in data[6:10]), "big") if data[:3] == b"ID3" else 0
+    while not (data[i] == 0xFF and data[i + 1] & 0xFE == 0xFA):  # sync, MPEG-1, Layer III
+        i += 1
+    h = int.from_bytes(data[i:i + 4], "big")
+    kbps = [0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320][(h >> 12) & 0xF]
+    rate = [44100, 48000, 32000][(h >> 10) & 0x3]
+    return rate, kbps, ["stereo", "joint stereo", "dual channel", "mono"][(h >> 6) & 0x3].replace("joint ", "")
+
+
+def read_flac(data: bytes) -> tuple[int, int, int]:
+    """(channels, rate, frames) from a FLAC stream's STREAMINFO block."""
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0  # first metadata block is STREAMINFO
+    info = int.from_bytes(data[8 + 10:8 + 18], "big")  # rate 20 bits, channels-1 3, bps-1 5, samples 36
+    return ((info >> 41) & 0x7) + 1, info >> 44, info & ((1 << 36) - 1)
+
+
+@needs_comfy
+def test_object_info_lists_every_node(comfy):
+    info = comfy.get("/object_info")
+    assert NODE_IDS <= set(info)
+    for node, inputs in NODE_INPUTS.items():
+        assert info[node]["input_order"]["required"] == inputs, node
+    categories = {info[n]["category"] for n in NODE_IDS}
+    assert categories == {"MiniMax Music 3 (GGUF)"}
+    plan = info["MM3ARPlan"]["input"]["required"]
+    assert [plan[k][0] for k in ("lm", "depth", "prompt")] == ["MM3_LM", "MM3_DEPTH", "MM3_PROMPT"]
+    assert plan["lm_seed"][1]["control_after_generate"] and plan["lm_top_k"][1]["advanced"]
+    assert info["MM3ARPlan"]["output"] == ["AUDIO_CODES"] and info["MM3ARPlan"]["output_is_list"] == [True]
+    assert info["MM3FlowSampler"]["input"]["required"]["seed"][1]["control_after_generate"]
+    assert info["MM3SaveSong"]["output_node"] and info["MM3LoadAudioCodes"]["output"] == [
+        "AUDIO_CODES", "INT", "INT", "FLOAT"]
+    assert info["MM3Stitch"]["output"] == ["AUDIO"]
+    assert info["MM3LoadModelSet"]["output"] == ["MM3_LM", "MM3_DEPTH", "MM3_COND", "MM3_DIT", "MM3_VAE"]
+    # Each loader lists only the files of its component (classified by general.architecture).
+    for node, arch in LOADER_ARCH.items():
+        assert info[node]["input"]["required"]["model_name"][1]["options"] == [comfy.files[arch]]
+    for key, arch in SET_KEYS.items():
+        assert info["MM3LoadModelSet"]["input"]["required"][key][1]["options"] == [comfy.files[arch]]
+    assert f"/extensions/{'ComfyUI-MM3-GGUF'}/mm3.js" in comfy.get("/extensions")
+
+
+@needs_comfy
+def test_ui_workflows_convert_to_the_api_ones(comfy):
+    """The editor-format workflows (listed in the template browser) queue exactly the API files."""
+    info = comfy.get("/object_info")
+    names = sorted(p.stem for p in API_DIR.glob("*.json"))
+    assert sorted(comfy.get("/workflow_templates")["ComfyUI-MM3-GGUF"]) == names
+    for name in names:
+        ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
+        assert schema_problems(ui) == [], name
+        api = json.loads((API_DIR / f"{name}.json").read_text())
+        assert api_from_ui(ui, info) == {k: {"class_type": v["class_type"], "inputs": v["inputs"]}
+                                         for k, v in api.items()}, name
+
+
+@needs_comfy
+def test_text_to_song_equals_the_command_line(comfy):
+    """text_to_song with 2 songs x 2 variations (a list of plans) gives the pipeline's four tracks,
+    float WAV bit for bit; each file gets its replay request beside it."""
+    from mm3.output import render
+    from mm3.pipeline import Pipeline
+    from mm3.request import MM3Request
+
+    wf = tiny_workflow(comfy, "text_to_song", fmt="wav32", **{"2": {"caption": CAPTION, "lyrics": LYRICS},
+                                                              "3": {"lm_seed": 21, "songs": 2},
+                                                              "5": {"seed": 9, "variations": 2}})
+    entry, events = run(comfy, wf)
+    files = audio_entries(entry, "8")
+    assert len(files) == 4
+    request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=1.2, lm_seed=21, seed=9, steps=3, lm_batch_size=2,
+                         synth_batch_size=2, output_format="wav32")
+    tracks = Pipeline(str(comfy.base / "models" / "mm3")).run(request)
+    for f, track in zip(files, tracks):
+        data = comfy.view(f)
+        assert read_wav(data)[:3] == (2, 44100, 32)
+        assert data == render(track.audio, "wav32")
+        replay = json.loads(comfy.view({**f, "filename": f["filename"][:-4] + ".json"}))
+        assert replay["audio_codes"] == track.request.audio_codes and replay["seed"] == track.request.seed
+    progress = [e["data"] for e in events if e["type"] == "progress"]
+    ar = [p for p in progress if p["node"] == "3"]
+    assert len(ar) >= int(1.2 * 25) and ar[-1]["value"] == ar[-1]["max"]  # per frame, then the replay
+    assert [p["max"] for p in progress if p["node"] == "5"][-1] == 2 * 3  # per DiT step: 2 variations x 3 steps
+
+
+@needs_comfy
+def test_variations_workflow_through_api_example(comfy, tmp_path):
+    """workflows/api_example.py runs variations_from_one_plan: 3 stereo 44.1 kHz WAVs + their FLACs
+    from ComfyUI's own Save Audio, and the plan's codes file."""
+    wf = tiny_workflow(comfy, "variations_from_one_plan")
+    path = tmp_path / "wf.json"
+    path.write_text(json.dumps(wf))
+    out = subprocess.run([sys.executable, str(ROOT / "workflows" / "api_example.py"), "--server", comfy.url,
+                          "--workflow", str(path), "--out", str(tmp_path / "out"), "--lm-seed", "3", "--seed", "40",
+                          "--timeout", "120"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr + comfy.log_tail()
+    wavs = sorted((tmp_path / "out").glob("*.wav"))
+    flacs = sorted((tmp_path / "out").glob("*.flac"))
+    assert len(wavs) == len(flacs) == 3 and len(list((tmp_path / "out").glob("*.json"))) == 3
+    expected = int(1.2 * 25) * 44100 // 25  # frames x samples per frame (hop 512 per latent)
+    for w, f in zip(wavs, flacs):
+        channels, rate, bits, frames = read_wav(w.read_bytes())
+        assert (channels, rate, bits) == (2, 44100, 16) and abs(frames - expected) < 0.02 * expected
+        assert read_flac(f.read_bytes()) == (2, 44100, frames)
+    seeds = [json.loads(p.read_text())["seed"] for p in sorted((tmp_path / "out").glob("*.json"))]
+    assert seeds == [40, 41, 42]
+
+
+@needs_comfy
+def test_rerender_from_codes_reproduces_the_song(comfy):
+    """Save Song's replay JSON, rendered by rerender_from_codes (seed, steps, cfg wired from the
+    file), gives the same samples."""
+    first, _ = run(comfy, tiny_workflow(comfy, "text_to_song", fmt="wav24", **{"3": {"lm_seed": 77},
+                                                                              "8": {"filename_prefix": "mm3/rr_src"}}))
+    src = audio_entries(first, "8")[0]
+    codes_file = f"{src['subfolder']}/{src['filename'][:-4]}.json [output]"
+    assert codes_file in comfy.get("/object_info/MM3LoadAudioCodes")["MM3LoadAudioCodes"]["input"]["required"][
+        "codes_file"][1]["options"]
+    again, _ = run(comfy, tiny_workflow(comfy, "rerender_from_codes", **{"2": {"codes_file": codes_file}}))
+    out = audio_entries(again, "7")[0]
+    a, b = comfy.view(src), comfy.view(out)
+    assert read_wav(b)[:3] == (2, 44100, 24)
+    assert a == b
+
+
+@needs_comfy
+def test_changing_the_dit_seed_reruns_only_synthesis(comfy):
+    wf = tiny_workflow(comfy, "text_to_song", **{"3": {"lm_seed": 5150}})
+    run(comfy, wf)
+    wf2 = copy.deepcopy(wf)
+    wf2["5"]["inputs"]["seed"] += 1
+    entry, events = run(comfy, wf2)
+    assert set(executed_nodes(events)) == {"5", "6", "7", "8"}
+    assert {"1", "2", "3", "4"} <= set(cached_nodes(events))
+    mp3 = comfy.view(audio_entries(entry, "8")[0])  # the workflow's own format: MP3, 192 kbps
+    assert read_mp3_header(mp3) == (44100, 192, "stereo")
+
+
+@needs_comfy
+def test_interrupt_during_the_plan_then_run_again(comfy):
+    wf = tiny_workflow(comfy, "text_to_song", duration=300.0, **{"3": {"lm_seed": 999}})
+    ws = comfy.ws()
+    try:
+        pid = comfy.queue(wf)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait until the AR plan is under way
+            msg = ws.recv(timeout=60)
+            if isinstance(msg, dict) and msg["type"] == "progress" and msg["data"]["node"] == "3" \
+                    and msg["data"]["value"] >= 5:
+                break
+        started = time.monotonic()
+        comfy.post("/interrupt", {})
+        events = ws.events(pid, timeout=60)
+    finally:
+        ws.close()
+    assert events[-1]["type"] == "execution_interrupted" and events[-1]["data"]["node_id"] == "3"
+    assert time.monotonic() - started < 10
+    entry = comfy.wait(pid)
+    assert "3" not in entry["outputs"]
+    run(comfy, tiny_workflow(comfy, "text_to_song", **{"3": {"lm_seed": 1000}}))
+
+
+@needs_comfy
+def test_ar_group_leaves_before_synthesis(comfy):
+    """Strict: after the sampler ran, neither the LM nor the depth decoder is resident; with
+    keep_loaded on the loader both groups stay."""
+    run(comfy, tiny_workflow(comfy, "text_to_song", **{"3": {"lm_seed": 4242}}))
+    kinds = {m["kind"] for m in comfy.get("/mm3/resident")["resident"]}
+    assert kinds == {"cond", "dit", "vae"}, kinds
+    assert all(m["loaded_bytes"] == m["size_bytes"] > 0 for m in comfy.get("/mm3/resident")["resident"])
+    run(comfy, tiny_workflow(comfy, "text_to_song", **{"1": {"keep_loaded": True}, "3": {"lm_seed": 4243}}))
+    resident = comfy.get("/mm3/resident")["resident"]
+    assert {m["kind"] for m in resident if m["keep_loaded"]} == {"lm", "depth", "cond", "dit", "vae"}
+    assert not any(m["streaming"] for m in resident)
+    assert all(m["pinned"] == 0 for m in resident)  # no pinned host memory is left behind
+
+
+@needs_comfy
+def test_low_vram_loading_in_comfyui_classes(comfy):
+    """ComfyUI rejects --lowvram / --novram with --cpu, so on a machine without a GPU the test makes
+    the calls those modes make (LoadedModel.model_load with a byte budget, partial then full
+    unload) on the `meta` device: part of the LM resident, the rest streamed, every op on one
+    device, and the original CPU tensors back afterwards."""
+    check = ROOT / "tests" / "comfy_lowvram_check.py"
+    out = subprocess.run([os.environ.get("COMFYUI_PYTHON", sys.executable), str(check), COMFYUI_PATH,
+                          str(comfy.base / "models" / "mm3")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    for mode, r in found.items():
+        assert r["lowvram"] and 0 < r["loaded_bytes"] < r["size"], (mode, r)
+        assert r["device"] == r["hidden"] == r["logits"] == "meta", (mode, r)
+        assert r["restored"] and r["final_device"] == "cpu", (mode, r)
+    assert found["novram"]["loaded_bytes"] < found["lowvram"]["loaded_bytes"]
+    assert not found["lowvram"]["after_partial_unload"]["unloaded"]  # freed a layer, stayed usable

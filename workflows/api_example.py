@@ -1,0 +1,136 @@
+"""Run an MM3 workflow on a ComfyUI server from a script (standard library only).
+
+Posts an API-format workflow to /prompt, waits for it on /history/{prompt_id}, then downloads
+every file the workflow's output nodes wrote through /view. Common settings have flags; any other
+input is set with --set NODE.INPUT=VALUE (VALUE is JSON, or a plain string).
+
+    python workflows/api_example.py --server http://127.0.0.1:8188 \
+        --caption "Dreamy synth-pop, female vocal, 100 BPM" --lyrics-file lyrics.txt \
+        --duration 90 --lm-seed 7 --seed 1 --out songs/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# flag -> (node class, input name)
+FLAGS = {
+    "caption": ("MM3PromptAssemble", "caption"), "lyrics": ("MM3PromptAssemble", "lyrics"),
+    "duration": ("MM3ARPlan", "duration"), "lm_seed": ("MM3ARPlan", "lm_seed"), "songs": ("MM3ARPlan", "songs"),
+    "seed": ("MM3FlowSampler", "seed"), "steps": ("MM3FlowSampler", "steps"),
+    "variations": ("MM3FlowSampler", "variations"), "format": ("MM3SaveSong", "format"),
+}
+
+
+def call(server: str, path: str, body: dict | None = None, timeout: float = 60):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.rstrip("/") + path, data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+        return json.loads(raw) if r.headers.get_content_type() == "application/json" else raw
+
+
+def download(server: str, item: dict, timeout: float = 300) -> bytes:
+    """A file an output node wrote, through /view (raw bytes, whatever its type)."""
+    query = urllib.parse.urlencode({k: item[k] for k in ("filename", "subfolder", "type")})
+    with urllib.request.urlopen(f"{server.rstrip('/')}/view?{query}", timeout=timeout) as r:
+        return r.read()
+
+
+def set_input(workflow: dict, node_class: str, name: str, value) -> int:
+    """Set `name` on every node of `node_class` that has it as a literal input; returns how many."""
+    n = 0
+    for node in workflow.values():
+        if node["class_type"] == node_class and name in node["inputs"] and not isinstance(node["inputs"][name], list):
+            node["inputs"][name] = value
+            n += 1
+    return n
+
+
+def run(server: str, workflow: dict, out: Path, timeout: float) -> list[Path]:
+    client_id = uuid.uuid4().hex
+    try:
+        prompt_id = call(server, "/prompt", {"prompt": workflow, "client_id": client_id})["prompt_id"]
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"the server refused the workflow: {e.read().decode(errors='replace')}")
+    print(f"queued {prompt_id}", file=sys.stderr)
+    deadline = time.monotonic() + timeout
+    while True:
+        entry = call(server, f"/history/{prompt_id}").get(prompt_id)
+        status = (entry or {}).get("status", {})
+        if status.get("completed"):
+            break
+        if status.get("status_str") == "error":
+            msgs = [m for m in status.get("messages", []) if m[0] in ("execution_error", "execution_interrupted")]
+            raise SystemExit(f"the workflow failed: {json.dumps(msgs, indent=1)[:4000]}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no result after {timeout:.0f} s (prompt {prompt_id} is still queued or running)")
+        time.sleep(1.0)
+    written = []
+    out.mkdir(parents=True, exist_ok=True)
+    for node_output in entry["outputs"].values():
+        for item in node_output.get("audio", []):
+            path = out / item["filename"]
+            path.write_bytes(download(server, item))
+            written.append(path)
+            if path.suffix in (".wav", ".mp3"):  # Save Song writes the replay request beside the audio
+                try:
+                    data = download(server, {**item, "filename": path.stem + ".json"})
+                except urllib.error.HTTPError:
+                    continue  # audio from other nodes has none
+                (out / (path.stem + ".json")).write_bytes(data)
+                written.append(out / (path.stem + ".json"))
+    return written
+
+
+def parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", default="http://127.0.0.1:8188")
+    p.add_argument("--workflow", default=str(HERE / "api" / "text_to_song.json"), help="API-format workflow JSON")
+    p.add_argument("--out", default="mm3_out", help="folder for the downloaded files")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the result")
+    p.add_argument("--lyrics-file", help="read the lyrics from this UTF-8 file")
+    p.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE",
+                   help="set any literal input by node id, e.g. 3.lm_cfg=1.8")
+    for flag in FLAGS:
+        text = flag in ("caption", "lyrics", "format")
+        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=str if text else parse_value)
+    args = p.parse_args(argv)
+
+    workflow = json.loads(Path(args.workflow).read_text(encoding="utf-8"))
+    if args.lyrics_file:
+        args.lyrics = Path(args.lyrics_file).read_text(encoding="utf-8")
+    for flag, (node_class, name) in FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None and not set_input(workflow, node_class, name, value):
+            raise SystemExit(f"--{flag.replace('_', '-')}: no {node_class} node with a literal {name} in the workflow")
+    for item in args.set:
+        key, _, value = item.partition("=")
+        node_id, _, name = key.partition(".")
+        if node_id not in workflow or not name:
+            raise SystemExit(f"--set {item}: expected NODE.INPUT=VALUE with a node id of the workflow")
+        workflow[node_id]["inputs"][name] = parse_value(value)
+    for path in run(args.server, workflow, Path(args.out), args.timeout):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
