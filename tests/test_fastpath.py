@@ -37,14 +37,6 @@ def rel(a, b):
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
 def tiny_ar(tiny, one_thread):
     lm_c, d_c = open_component(tiny.file("mm3-lm"), expect="lm"), open_component(tiny.file("mm3-depth"), expect="depth")
     tok = MM3Tokenizer.from_component(lm_c)
