@@ -104,19 +104,13 @@ class Context:
     def reference_constants(self):
         """The reference's token-id constants set to this checkpoint's (mm3.tiny's small vocabulary
         moves them; for the released layout they are unchanged)."""
-        import diffusers.modular_pipelines.minimax_music3.encoders as enc
+        from .reference import reference_token_constants
 
         ids = self.ckpt.special_ids
         values = {"_AUDIO_CFG_TOKEN_ID": ids["<|audio_cfg|>"], "_AUDIO_END_TOKEN_ID": ids["<|audio_end|>"],
                   "_AUDIO_CODE_OFFSET": self.ckpt.code_offset}
-        saved = {k: getattr(enc, k) for k in values}
-        try:
-            for k, v in values.items():
-                setattr(enc, k, v)
+        with reference_token_constants(values) as enc:
             yield enc
-        finally:
-            for k, v in saved.items():
-                setattr(enc, k, v)
 
     def release(self, *names: str):
         for n in names:

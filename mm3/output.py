@@ -9,6 +9,7 @@ renamed, so an interrupted write never leaves a partial file under the final nam
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 import struct
 import uuid
 from pathlib import Path
@@ -141,17 +142,24 @@ def _write_temp(path: Path, data: bytes) -> Path:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, as for a plain open
     except OSError as e:
         raise _output_error(path, e) from None
-    try:
+    with _removed_on_failure(tmp, path):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    return tmp
+
+
+@contextmanager
+def _removed_on_failure(tmp: Path, path: Path):
+    """On any failure remove `tmp`; an OSError becomes an OutputError naming `path`."""
+    try:
+        yield
     except BaseException as e:
         _unlink(tmp)
         if isinstance(e, OSError):
             raise _output_error(path, e) from None
         raise
-    return tmp
 
 
 def _unlink(p: Path):
@@ -166,13 +174,8 @@ def atomic_write(path, data: bytes) -> Path:
     Failures raise `OutputError` and leave neither the temporary nor a partial `path`."""
     path = Path(path)
     tmp = _write_temp(path, data)
-    try:
+    with _removed_on_failure(tmp, path):
         os.replace(tmp, path)
-    except BaseException as e:
-        _unlink(tmp)
-        if isinstance(e, OSError):
-            raise _output_error(path, e) from None
-        raise
     return path
 
 

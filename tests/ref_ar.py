@@ -16,28 +16,17 @@ from pathlib import Path
 
 import torch
 
-
-def encoders_module():
-    import diffusers.modular_pipelines.minimax_music3.encoders as enc
-
-    return enc
+from mm3.reference import reference_token_constants
 
 
 @contextmanager
 def patched_constants(diffusers_dir):
     """Set the token-id constants of the reference's encoders module from test_constants.json
     (if the folder has one) and restore them afterwards."""
-    enc = encoders_module()
     path = Path(diffusers_dir) / "test_constants.json"
     values = json.loads(path.read_text()) if path.is_file() else {}
-    saved = {k: getattr(enc, k) for k in values}
-    try:
-        for k, v in values.items():
-            setattr(enc, k, v)
+    with reference_token_constants(values) as enc:
         yield enc
-    finally:
-        for k, v in saved.items():
-            setattr(enc, k, v)
 
 
 @dataclass

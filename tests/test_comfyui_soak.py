@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 
 import psutil
-import pytest
 from comfy_server import cached_nodes, executed_nodes
 from test_comfyui_nodes import CAPTION, LYRICS, audio_entries, comfy, needs_comfy, read_wav, run, tiny_workflow  # noqa: F401
 
