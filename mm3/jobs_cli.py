@@ -17,21 +17,27 @@ from dataclasses import replace
 from pathlib import Path
 
 from .codes import AudioCodesError
+from .constants import FORMAT_EXTENSIONS, RNG_MODES
 from .gguf.errors import ComponentError, GGUFFormatError
 from .output import FileBatch, OutputError, render
 from .progress import Cancelled, Progress
 from .prompt import PromptError
-from .request import MM3Request, RequestError
+from .request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
 
 # Bad input (request, prompt, codes, model files, output paths): "error: ..." and exit code 2.
 USER_ERRORS = (RequestError, AudioCodesError, PromptError, GGUFFormatError, ComponentError, OutputError,
                FileExistsError)
 
-EXTENSIONS = {"mp3": ".mp3", "wav16": ".wav", "wav24": ".wav", "wav32": ".wav"}
+EXTENSIONS = FORMAT_EXTENSIONS
 
 
 # -- request assembly ---------------------------------------------------------------------------
 def _request_from_args(args, *, need_text: bool) -> MM3Request:
+    """The request of a command: `--request`'s file (if any) with the flags' fields over it, and
+    `args.recorded_models`: the *_model fields whose names a replay request (one with audio_codes)
+    recorded, as opposed to names given by a flag or by a request for a new song (an unknown name
+    there is an error, as in the reference server)."""
+    args.recorded_models = ()
     if args.request:
         try:
             text = Path(args.request).read_bytes()
@@ -64,6 +70,10 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
                 line = data.count(b"\n", 0, e.start) + 1
                 raise RequestError(f"{flag} {path} is not valid UTF-8 text: byte 0x{data[e.start]:02x} at offset "
                                    f"{e.start} (line {line}); save it as UTF-8") from None
+    if args.request and req.audio_codes:
+        args.recorded_models = tuple(f for f in MODEL_FIELDS.values() if f not in overrides and getattr(req, f))
+    if getattr(args, "rng", None) is not None:
+        overrides["rng"] = args.rng
     req = replace(req, **overrides)
     if not need_text and req.audio_codes and not (req.caption.strip() and req.lyrics.strip()):
         raise RequestError("caption and lyrics are required")
@@ -71,7 +81,7 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
 
 
 def _format_for(out: Path, req: MM3Request, explicit: str | None) -> str:
-    fmt = explicit or req.output_format
+    fmt = check_output_format(explicit or req.output_format)
     ext = out.suffix.lower()
     if explicit is None and ext in (".wav", ".mp3") and EXTENSIONS[fmt] != ext:
         fmt = "mp3" if ext == ".mp3" else "wav16"  # the file name decides when nothing else was said
@@ -166,6 +176,15 @@ def _pipeline(args):
         raise RequestError(str(e)) from None
 
 
+def _match_models(pipe, req: MM3Request, args, kinds=None) -> MM3Request:
+    """Warn (or with --strict refuse) where the files a request file names are missing or differ."""
+    kw = {} if kinds is None else {"kinds": kinds}
+    req, warnings = pipe.match_models(req, recorded=args.recorded_models, strict=args.strict, **kw)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return req
+
+
 def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool, quiet: bool) -> list[Path]:
     """Every track and its replay JSON, all or nothing: staged as temporaries, then renamed."""
     start = time.perf_counter()
@@ -199,8 +218,9 @@ def cmd_generate(args) -> int:
     targets = [numbered(out, count, n) for n in range(count)]
     _check_targets(targets + [t.with_suffix(".json") for t in targets], args.overwrite)
     pipe = _pipeline(args)
+    req = _match_models(pipe, req, args)
     with Console(args.quiet) as console:
-        tracks = pipe.run(req, console.progress(), rng=args.rng)
+        tracks = pipe.run(req, console.progress())
     start = time.perf_counter()
     _write_tracks(tracks, out, fmt, req, args.overwrite, args.quiet)
     pipe.timings.add("write", time.perf_counter() - start)
@@ -219,7 +239,9 @@ def cmd_plan(args) -> int:
     targets = [numbered(out, req.lm_batch_size, n) for n in range(req.lm_batch_size)]
     _check_targets(targets, args.overwrite)
     pipe = _pipeline(args)
+    req = _match_models(pipe, req, args, kinds=("lm", "depth"))
     pipe.preflight(req, kinds=("lm", "depth"))
+    req = pipe.pin_models(req, kinds=("lm", "depth"))
     try:
         with Console(args.quiet) as console:
             songs, _ = pipe.plan(req, console.progress())
@@ -283,8 +305,13 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
         p.add_argument("--peak-clip", dest="peak_clip", type=int, help="normalisation percentile (default 10)")
         p.add_argument("--mp3-bitrate", dest="mp3_bitrate", type=int, help="kbps (default 128)")
         p.add_argument("--format", choices=list(EXTENSIONS), help="output format (default: from --out)")
-        p.add_argument("--rng", choices=("independent", "reference"), default="independent",
-                       help="reference: one generator drives AR then DiT noise, as the diffusers pipeline")
+    p.add_argument("--rng", choices=RNG_MODES, default=None,
+                   help="random streams: independent (lm_seed for the AR, seed for the DiT noise) or reference (one "
+                        "generator drives AR then DiT noise, as the diffusers pipeline); default: the request's "
+                        "rng field, else independent")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a request whose model files (named by --request) are missing or differ from those "
+                        "that made it, instead of warning")
     for kind in ("lm", "depth", "cond", "dit", "vae"):
         p.add_argument(f"--{kind}-model", dest=f"{kind}_model", help=f"{kind} file name in --models")
     p.add_argument("--out", required=True, help=out_help)

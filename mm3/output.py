@@ -17,14 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-OUTPUT_FORMATS = ("mp3", "wav16", "wav24", "wav32")
+from .constants import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
+
 SAMPLE_RATE = 44100  # the vocoder's rate; the reference output is never resampled
-DEFAULT_PEAK_CLIP = 10  # parts per million of |x| allowed above the reference level
-MAX_PEAK_CLIP = 999
 SILENCE = 1e-6  # below this reference level the audio is left as is
-# MPEG-1 Layer III bitrates (kbps); lameenc accepts these for 44.1 kHz CBR.
-MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)
-DEFAULT_MP3_BITRATE = 128
 
 
 def _as_planar(audio) -> np.ndarray:

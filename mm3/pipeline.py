@@ -15,15 +15,17 @@ from __future__ import annotations
 import gc
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .ar import max_frames_for, plan, replay
 from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
-from .components import DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
+from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
+from .constants import RNG_MODES
 from .device import empty_cache, pick_device, pick_dtype
+from .fingerprint import file_fingerprint
 from .flow import NonFiniteError, sample_latents
 from .progress import Cancelled, Progress
 from .prompt import Prompt, PromptError, build_prompt
@@ -32,7 +34,6 @@ from .request import MODEL_FIELDS, MM3Request, RequestError
 from .sampling import make_generator
 from .store import ModelStore
 
-RNG_MODES = ("independent", "reference")
 # What each stage is called in error messages, and the components it runs.
 STAGE_NAMES = {"ar": "planning (LM + depth decoder)", "replay": "replaying codes (LM + depth decoder)",
                "dit": "DiT sampling (condition encoder + DiT)", "vae": "vocoder decoding"}
@@ -148,6 +149,55 @@ class Pipeline:
                 raise RequestError(str(e)) from None
         return prompt
 
+    def pin_models(self, request: MM3Request, kinds: tuple[str, ...] = KINDS) -> MM3Request:
+        """`request` naming the file each of `kinds` resolves to (its name in the models folder)
+        with that file's fingerprint, as a replay request records them."""
+        names, prints = {}, dict(request.model_fingerprints)
+        for kind in kinds:
+            field = MODEL_FIELDS[kind]
+            path = self.registry.resolve(kind, getattr(request, field))
+            names[field] = self.registry.name_of(path)
+            prints[field] = file_fingerprint(path)
+        return replace(request, **names, model_fingerprints=prints)
+
+    def match_models(self, request: MM3Request, *, recorded: tuple[str, ...] = tuple(MODEL_FIELDS.values()),
+                     strict: bool = False, kinds: tuple[str, ...] = KINDS) -> tuple[MM3Request, list[str]]:
+        """Reconcile the files a replay request names with the models folder.
+
+        For each `*_model` field in `recorded` (names read from a request file, not typed by the
+        user): a named file that is missing is looked for by its fingerprint (a renamed copy), else
+        replaced by the first file of its kind; a file whose fingerprint differs from the recorded
+        one is used as it is. Each such case is a warning, or with `strict` a `RequestError`.
+        Returns the request pinned to the files that will be used, and the warnings."""
+        warnings, names = [], {}
+        for kind in kinds:
+            field = MODEL_FIELDS[kind]
+            name, want = getattr(request, field), request.model_fingerprints.get(field)
+            if field not in recorded or not name or self.registry.find(kind, name) is not None:
+                names[field] = name
+                if want and field in recorded and name:
+                    have = file_fingerprint(self.registry.resolve(kind, name))
+                    if have != want:
+                        warnings.append(f"{field} {name} is not the file that made this request (fingerprint {have}, "
+                                        f"recorded {want}): the audio can differ")
+                continue
+            same = [n for n in self.registry.buckets[kind] if want and file_fingerprint(self.registry.paths[n]) == want]
+            if same:
+                names[field] = same[0]
+                warnings.append(f"{field} {name} is not in {self._folders()}; using {same[0]}, which has the same "
+                                "fingerprint")
+                continue
+            fallback = self.registry.name_of(self.registry.resolve(kind, ""))
+            names[field] = fallback
+            warnings.append(f"{field} {name} is not in {self._folders()}; using {fallback} instead, so the audio can "
+                            f"differ ({ARCH_OF[kind]} files there: {', '.join(self.registry.buckets[kind])})")
+        if strict and warnings:
+            raise RequestError(warnings[0] + " (refused with --strict)")
+        return self.pin_models(replace(request, **names), kinds), warnings
+
+    def _folders(self) -> str:
+        return ", ".join(self.registry.folders)
+
     # -- stages -----------------------------------------------------------------------------------
     def prompt(self, request: MM3Request) -> Prompt:
         tokenizer = self.store.tokenizer(request.lm_model)
@@ -160,9 +210,11 @@ class Pipeline:
         return self.store.model("lm", request.lm_model), self.store.model("depth", request.depth_model)
 
     def plan(self, request: MM3Request, progress: Progress | None = None,
-             rng: str = "independent") -> tuple[list[AudioCodes], list[torch.Generator] | None]:
-        """Sample the request's songs; with `rng="reference"` also returns each song's generator,
-        left where the AR stage stopped drawing (the DiT noise continues from there)."""
+             rng: str | None = None) -> tuple[list[AudioCodes], list[torch.Generator] | None]:
+        """Sample the request's songs (`rng` overrides `request.rng`); in the reference mode also
+        returns each song's generator, left where the AR stage stopped drawing (the DiT noise
+        continues from there)."""
+        rng = request.rng if rng is None else rng
         if rng not in RNG_MODES:
             raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
         prompt = self.prompt(request)
@@ -212,7 +264,7 @@ class Pipeline:
         wanted = parse_audio_codes(request.audio_codes, songs[0].prompt.codes.num_semantic, 1 << 62)
         if not torch.equal(songs[0].codes, wanted):
             raise RequestError(f"lm_seed {request.lm_seed} does not sample these audio_codes on this device and "
-                               "dtype, so the reference RNG cannot continue from it; render without --rng reference")
+                               "dtype, so the reference RNG cannot continue from it; render it with --rng independent")
         return songs, gens
 
     def synthesize(self, request: MM3Request, song: AudioCodes, progress: Progress | None = None,
@@ -239,17 +291,21 @@ class Pipeline:
         return audio.float().cpu()
 
     # -- the whole job ------------------------------------------------------------------------
-    def run(self, request: MM3Request, progress: Progress | None = None, rng: str = "independent") -> list[Track]:
+    def run(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None) -> list[Track]:
         """Every track of the request, song-major (song 0 variation 0, 0/1, ..., 1/0, ...).
 
-        Bad input fails before any model is loaded (`preflight`). Any failure, Ctrl+C included,
-        leaves no model loaded (with `keep_loaded`, a cancelled run keeps them)."""
+        `rng` overrides the request's random-stream mode (`request.rng`). Each track's replay
+        request names the files used, with their fingerprints. Bad input fails before any model is
+        loaded (`preflight`). Any failure, Ctrl+C included, leaves no model loaded (with
+        `keep_loaded`, a cancelled run keeps them)."""
+        if rng is not None:
+            request = replace(request, rng=rng)
         request = request.validate().resolve_seeds()
-        if rng not in RNG_MODES:
-            raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
+        rng = request.rng
         if rng == "reference" and request.synth_batch_size != 1:
             raise RequestError("the reference RNG renders one variation per song (synth_batch_size 1)")
         self.preflight(request)
+        request = self.pin_models(request)
         try:
             tracks = self._run(request, progress, rng)
         except BaseException as e:

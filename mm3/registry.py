@@ -49,6 +49,23 @@ class Registry:
             names.sort()  # native BF16/F32 sort before Q..., so "" picks the native file
         return reg
 
+    def find(self, kind: str, name: str) -> str | None:
+        """Full path of file `name` (or a bare file name in a subfolder) in the `kind` bucket, or None."""
+        names = self.buckets.get(kind, [])
+        if name in names:
+            return self.paths[name]
+        for n in names:
+            if os.path.basename(n) == name:
+                return self.paths[n]
+        return None
+
+    def name_of(self, path: str) -> str:
+        """The name of a full path as the buckets list it."""
+        for n, p in self.paths.items():
+            if p == path:
+                return n
+        raise KeyError(path)
+
     def resolve(self, kind: str, name: str = "") -> str:
         """Full path of `name` in the `kind` bucket; "" picks the first file of the bucket."""
         if kind not in self.buckets:
@@ -65,11 +82,9 @@ class Registry:
                 raise ComponentError(
                     f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {where}{note}{skipped}")
             return self.paths[names[0]]
-        if name in names:
-            return self.paths[name]
-        for n in names:  # a bare file name also finds a file in a subfolder
-            if os.path.basename(n) == name:
-                return self.paths[n]
+        found = self.find(kind, name)  # a bare file name also finds a file in a subfolder
+        if found is not None:
+            return found
         for other, others in self.buckets.items():  # the file exists, but is another component
             for n in others:
                 if name in (n, os.path.basename(n)):

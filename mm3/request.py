@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from .constants import DEFAULT_RNG, MP3_BITRATES, OUTPUT_FORMATS, RNG_MODES
 
 FRAME_RATE = 25  # LM frames per second (24000 Hz / hop 960)
 MAX_FRAMES = 9000  # the reference's cap on planned frames
 MAX_DURATION = MAX_FRAMES / FRAME_RATE
-OUTPUT_FORMATS = ("mp3", "wav16", "wav24", "wav32")
-MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)  # MPEG-1 layer III
 MAX_LM_BATCH = 16
 MAX_SYNTH_BATCH = 9  # the reference server's synth_batch_size limit
 MODEL_FIELDS = {"lm": "lm_model", "depth": "depth_model", "cond": "cond_model", "dit": "dit_model",
@@ -51,6 +51,10 @@ class MM3Request:
     cond_model: str = ""
     dit_model: str = ""
     vae_model: str = ""
+    # Fields of this engine that minimaxmusic.cpp's parser ignores: the random streams that made the
+    # track, and a fingerprint of each model file used (`mm3.fingerprint`), keyed by the *_model field.
+    rng: str = DEFAULT_RNG
+    model_fingerprints: dict = field(default_factory=dict)
 
     # -- JSON ---------------------------------------------------------------------------------
     @classmethod
@@ -80,6 +84,10 @@ class MM3Request:
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise RequestError(f"{f.name} must be a number, got {json.dumps(v)}")
                 v = float(v)
+            elif f.type == "dict":
+                if not isinstance(v, dict):
+                    raise RequestError(f"{f.name} must be an object, got {json.dumps(v)}")
+                v = dict(v)
             kwargs[f.name] = v
         return cls(**kwargs)
 
@@ -117,8 +125,7 @@ class MM3Request:
             raise RequestError(f"synth_batch_size must be between 1 and {MAX_SYNTH_BATCH}, got {self.synth_batch_size}")
         if self.audio_codes:
             check_codes_syntax(self.audio_codes)
-        if self.output_format not in OUTPUT_FORMATS:
-            raise RequestError("Invalid output_format (use: mp3, wav16, wav24, wav32)")
+        check_output_format(self.output_format)
         if self.lm_top_k < 1:
             raise RequestError(f"lm_top_k must be at least 1, got {self.lm_top_k}")
         for name in ("lm_cfg", "dit_cfg"):
@@ -132,6 +139,16 @@ class MM3Request:
             v = getattr(self, name)
             if v < -1 or v > SEED_MAX:
                 raise RequestError(f"{name} must be -1 (random) or 0..{SEED_MAX}, got {v}")
+        if self.rng not in RNG_MODES:
+            raise RequestError(f"rng must be one of {', '.join(RNG_MODES)}, got {json.dumps(self.rng)}")
+        from .fingerprint import is_fingerprint
+
+        for key, value in self.model_fingerprints.items():
+            if key not in MODEL_FIELDS.values():
+                raise RequestError(f"model_fingerprints has an unknown key {json.dumps(key)} (expected "
+                                   f"{', '.join(MODEL_FIELDS.values())})")
+            if not is_fingerprint(value):
+                raise RequestError(f"model_fingerprints {key} must be \"<size>-<16 hex digits>\", got {json.dumps(value)}")
         return self
 
     def _check_types(self):
@@ -142,10 +159,12 @@ class MM3Request:
                 ok = isinstance(v, str)
             elif f.type == "int":
                 ok = isinstance(v, int) and not isinstance(v, bool)
+            elif f.type == "dict":
+                ok = isinstance(v, dict)
             else:
                 ok = isinstance(v, (int, float)) and not isinstance(v, bool)
             if not ok:
-                kind = {"str": "a string", "int": "an integer"}.get(f.type, "a number")
+                kind = {"str": "a string", "int": "an integer", "dict": "an object"}.get(f.type, "a number")
                 raise RequestError(f"{f.name} must be {kind}, got {v!r}")
 
     @property
@@ -164,6 +183,13 @@ class MM3Request:
         """The request that re-renders one track: its codes, its exact seeds, batch sizes 1."""
         return replace(self, audio_codes=audio_codes, lm_seed=self.lm_seed + song, seed=self.seed + variation,
                        lm_batch_size=1, synth_batch_size=1)
+
+
+def check_output_format(name) -> str:
+    """`name` if it is an output format, else the reference server's error."""
+    if name not in OUTPUT_FORMATS:
+        raise RequestError(f"Invalid output_format (use: {', '.join(OUTPUT_FORMATS)}), got {json.dumps(name)}")
+    return name
 
 
 def check_codes_syntax(text: str) -> int:

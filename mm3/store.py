@@ -23,7 +23,7 @@ GROUPS = {"ar": ("lm", "depth"), "synth": ("cond", "dit", "vae")}
 GROUP_OF = {kind: g for g, kinds in GROUPS.items() for kind in kinds}
 
 
-def _builder(kind: str):
+def _builder(kind: str, with_encoder: bool):
     if kind == "lm":
         from .models.lm import Qwen3LM as cls
     elif kind == "depth":
@@ -33,19 +33,23 @@ def _builder(kind: str):
     elif kind == "dit":
         from .models.dit import FlowDiT as cls
     else:
-        from .models.vocoder import Vocoder as cls
+        from .models.vocoder import Vocoder
+
+        return lambda component: Vocoder.load(component, with_encoder=with_encoder)
     return cls.load
 
 
-def build_model(component: Component) -> torch.nn.Module:
-    """The engine model of an opened component, on the CPU with its weights still compressed.
+def build_model(component: Component, with_encoder: bool = False) -> torch.nn.Module:
+    """The engine model of an opened component, on the CPU with its weights still compressed (the
+    CLI and the nodes share this builder). `with_encoder`: also build the vocoder's encoder (audio
+    -> latents); generation only decodes.
 
     Every failure caused by the file is a `ComponentError` naming it: unsupported tensor types and
     implausible sizes are refused before anything is built, and what the model classes raise about
     inconsistent hyper-parameters (heads that do not divide the width, ...) is re-raised as one."""
     check_loadable(component)
     try:
-        return _builder(component.kind)(component)
+        return _builder(component.kind, with_encoder)(component)
     except (ComponentError, GGUFFormatError, torch.OutOfMemoryError):
         raise
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RuntimeError) as e:

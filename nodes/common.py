@@ -45,6 +45,13 @@ def _send_text(text: str):
         pass
 
 
+def show_warnings(warnings: list[str]) -> None:
+    """Warnings of a stage (files that differ from those a replay file records) as the node's text;
+    they are also in the server log."""
+    if warnings:
+        _send_text("\n".join(f"warning: {w}" for w in warnings))
+
+
 def node_progress(text_every: float = 0.5) -> Progress:
     """Engine progress on the running node's bar (one bar per stage, reset when the stage changes)
     and as node text; `should_stop` polls ComfyUI's interrupt flag."""

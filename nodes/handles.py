@@ -17,40 +17,20 @@ from dataclasses import dataclass, field
 import torch
 
 from ..mm3.codes import AudioCodes
-from ..mm3.components import ARCH_OF, DESCRIPTIONS, Component, open_component
+from ..mm3.components import ARCH_OF, DESCRIPTIONS, Component, check_loadable, open_component, read_component
 from ..mm3.gguf.errors import ComponentError
 from ..mm3.gguf.ops import compressed_nbytes
 from ..mm3.gguf.reader import read_architecture
 from ..mm3.prompt import Prompt
+from ..mm3.fingerprint import file_fingerprint as content_fingerprint
 from ..mm3.request import MM3Request
+from ..mm3.store import build_model
 from .placement import Placement
 
 GROUPS = {"ar": ("lm", "depth"), "synth": ("cond", "dit", "vae")}
 GROUP_OF = {kind: g for g, kinds in GROUPS.items() for kind in kinds}
 # Modules the engine reads a model's device from (Qwen3LM.device, RVQDepthDecoder.device).
 ANCHORS = {"lm": ("model.embed_tokens",), "depth": ("projection",)}
-
-
-def _build(kind: str, component: Component) -> torch.nn.Module:
-    if kind == "lm":
-        from ..mm3.models.lm import Qwen3LM
-
-        return Qwen3LM.load(component)
-    if kind == "depth":
-        from ..mm3.models.depth import RVQDepthDecoder
-
-        return RVQDepthDecoder.load(component)
-    if kind == "cond":
-        from ..mm3.models.cond import ConditionEncoder
-
-        return ConditionEncoder.load(component)
-    if kind == "dit":
-        from ..mm3.models.dit import FlowDiT
-
-        return FlowDiT.load(component)
-    from ..mm3.models.vocoder import Vocoder
-
-    return Vocoder.load(component, with_encoder=False)  # the nodes only decode
 
 
 def classify(path: str) -> str | None:
@@ -74,6 +54,9 @@ class ComponentHandle:
         if found != kind:
             what = f"is {ARCH_OF[found]}" if found else "is not a readable MM3 GGUF file"
             raise ComponentError(f"{name} {what}, expected {ARCH_OF[kind]} ({DESCRIPTIONS[kind]})")
+        # What the command line refuses before loading anything, refused here at the loader: tensor
+        # types the engine cannot dequantize, sizes the tensors cannot hold (header read, cached).
+        check_loadable(read_component(path, kind))
         self.kind, self.name, self.path, self.keep_loaded = kind, name, path, keep_loaded
         self._component: Component | None = None
         self._model: torch.nn.Module | None = None
@@ -99,9 +82,14 @@ class ComponentHandle:
 
     def model(self) -> torch.nn.Module:
         if self._model is None:
-            self._model = _build(self.kind, self.component()).eval()
+            self._model = build_model(self.component()).eval()
             self.placement = Placement(self._model, ANCHORS.get(self.kind, ()))
         return self._model
+
+    @property
+    def fingerprint(self) -> str:
+        """The file's content fingerprint, recorded in replay requests (`mm3.fingerprint`)."""
+        return content_fingerprint(self.path)
 
     def nbytes(self) -> int:
         """The weights' stored size (buffers are non-persistent, so a state_dict sees none)."""
@@ -166,6 +154,9 @@ class PlannedSong:
     parts: dict[str, PartInfo] = field(repr=False)
     song: int = 0
     songs: int = 1
+    # Set for a song read from a replay file: what later nodes do when their file is not the one
+    # the file records ("warn" or "refuse"); None for a song planned in this graph.
+    model_check: str | None = None
 
     @property
     def frames(self) -> int:
@@ -187,6 +178,7 @@ class ConditionBundle:
     hop: int  # the condition encoder's output_hop_length: audio samples per latent
     request: MM3Request
     parts: dict[str, PartInfo] = field(repr=False)
+    warnings: list[str] = field(default_factory=list)  # files that differ from those a replay file records
 
 
 @dataclass
@@ -197,6 +189,7 @@ class LatentsBundle:
     latents: list[torch.Tensor]
     request: MM3Request
     parts: dict[str, PartInfo] = field(repr=False)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def variations(self) -> int:
@@ -212,6 +205,7 @@ class WindowsBundle:
     hop: int
     sample_rate: int
     request: MM3Request
+    warnings: list[str] = field(default_factory=list)
 
     def replay_requests(self) -> list[MM3Request]:
         """One replay request per variation: its codes, exact seeds, batch sizes 1."""

@@ -10,6 +10,8 @@ them all at once (the stitch only crops, joins and clamps).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +32,42 @@ from .handles import (ComponentHandle, ConditionBundle, LatentsBundle, PlannedSo
 
 STORE = torch.device("cpu")  # where stage results wait between nodes
 AUDIO_REQUESTS_KEY = "mm3_requests"  # extra key of an AUDIO dict: one replay request per batch item
+MODEL_CHECKS = ("warn", "refuse")  # what a node does when a file differs from the one that made a song
+log = logging.getLogger("mm3")
+
+
+def with_model(request: MM3Request, field: str, handle: ComponentHandle) -> MM3Request:
+    """`request` recording `handle`'s file in `field` (lm_model, ...) with its fingerprint."""
+    prints = dict(request.model_fingerprints) | {field: handle.fingerprint}
+    return replace(request, **{field: handle.name}, model_fingerprints=prints)
+
+
+def model_mismatch(request: MM3Request, field: str, handle: ComponentHandle) -> str | None:
+    """Why `handle`'s file may not be the one that made `request` (read from a replay file), or
+    None. Files are compared by fingerprint where the request records one, else by name."""
+    name, want = getattr(request, field), request.model_fingerprints.get(field)
+    if want:
+        if want == handle.fingerprint:
+            return None
+        what = f"{name}, fingerprint {want}" if name else f"fingerprint {want}"
+        return (f"{field}: {handle.name} (fingerprint {handle.fingerprint}) is not the file that made this song "
+                f"({what}); the audio can differ")
+    if name and os.path.basename(name) != os.path.basename(handle.name):
+        return f"{field}: this song was made with {name}, this run uses {handle.name}; the audio can differ"
+    return None
+
+
+def check_models(song: "PlannedSong", request: MM3Request, **handles: ComponentHandle) -> list[str]:
+    """For a song loaded from a file (`song.model_check` set): each handle's file against the one
+    the file records. "refuse" raises ValueError; "warn" logs and returns the warnings."""
+    if song.model_check is None:
+        return []
+    found = [m for field, h in handles.items() if (m := model_mismatch(request, field, h))]
+    if found and song.model_check == "refuse":
+        raise ValueError(found[0] + " (refused: model_check is refuse)")
+    for m in found:
+        log.warning("MM3: %s", m)
+    return found
 
 
 def check_parts(parts: dict, **handles: ComponentHandle) -> dict:
@@ -54,7 +92,8 @@ def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandl
     `cache_budget`: bytes of dequantized weight copies the AR engine may keep (None: its own rule)."""
     parts = check_parts({}, lm=lm, depth=depth)
     request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, duration=float(duration), lm_seed=lm_seed,
-                         lm_cfg=float(lm_cfg), lm_top_k=int(lm_top_k), lm_model=lm.name, depth_model=depth.name)
+                         lm_cfg=float(lm_cfg), lm_top_k=int(lm_top_k))
+    request = with_model(with_model(request, "lm_model", lm), "depth_model", depth)
     try:
         request.validate()
     except RequestError as e:
@@ -91,14 +130,31 @@ def read_codes_request(text: str, source: str, lm: ComponentHandle, depth: Compo
     return request, prompt, codes
 
 
+def codes_file_problems(request: MM3Request, lm: ComponentHandle, depth: ComponentHandle) -> list[str]:
+    """What keeps a replay file from rendering its original audio in these nodes: other LM or
+    depth files than those that made it, or the reference RNG (which the nodes do not run)."""
+    found = [m for field, h in (("lm_model", lm), ("depth_model", depth)) if (m := model_mismatch(request, field, h))]
+    if request.rng != "independent":
+        found.append(f"this song was rendered with the {request.rng} RNG (one generator for the AR sampling and the "
+                     "DiT noise); the nodes draw the DiT noise from the seed alone, so the audio differs: render it "
+                     "with `python -m mm3 render --request FILE` to reproduce it")
+    return found
+
+
 @torch.no_grad()
 def replay_codes(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandle, request: MM3Request,
                  prompt: PromptBundle, codes: torch.Tensor, *, dtype: torch.dtype,
-                 progress: Progress | None = None) -> PlannedSong:
+                 progress: Progress | None = None, model_check: str = "warn") -> PlannedSong:
+    """The song of a replay file: its codes' frame hiddens by teacher forcing. The file's request
+    (with the files and fingerprints it records for cond/DiT/vocoder) travels on, so the later
+    nodes check their own files against it (`model_check`: "warn" or "refuse")."""
+    if model_check not in MODEL_CHECKS:
+        raise ValueError(f"model_check must be one of {', '.join(MODEL_CHECKS)}, got {model_check!r}")
     r = replay(lm_model, depth_model, prompt.prompt, codes, dtype=dtype, progress=progress, lm_seed=request.lm_seed)
     song = AudioCodes(r.codes, r.frame_hiddens.to(STORE), prompt.prompt, request.lm_seed, False)
-    req = replace(request, lm_model=lm.name, depth_model=depth.name, lm_batch_size=1, synth_batch_size=1)
-    return PlannedSong(song, req, check_parts({}, lm=lm, depth=depth))
+    req = replace(request, lm_batch_size=1, synth_batch_size=1)
+    req = with_model(with_model(req, "lm_model", lm), "depth_model", depth)
+    return PlannedSong(song, req, check_parts({}, lm=lm, depth=depth), model_check=model_check)
 
 
 @torch.no_grad()
@@ -120,7 +176,8 @@ def encode_condition(cond_model, cond: ComponentHandle, song: PlannedSong, *, de
         conds.append(c.to(STORE))
         progress.on_progress("cond", k + 1, len(bounds), {"window": k})
     hop = int(cond.hparams["output_hop_length"])
-    return ConditionBundle(song, bounds, conds, hop, replace(song.request, cond_model=cond.name), parts)
+    warnings = check_models(song, song.request, cond_model=cond)
+    return ConditionBundle(song, bounds, conds, hop, with_model(song.request, "cond_model", cond), parts, warnings)
 
 
 class PrecomputedCondition:
@@ -145,13 +202,15 @@ def sample(dit_model, dit: ComponentHandle, condition: ConditionBundle, *, seed:
            weight_cache: int | None = None) -> LatentsBundle:
     """`weight_cache`: bytes of dequantized DiT weights the sampler may keep (None: its own rule)."""
     parts = check_parts(condition.parts, dit=dit)
+    warnings = check_models(condition.song, condition.song.request, dit_model=dit)
     frames = condition.song.frames
     latents = sample_latents(PrecomputedCondition(condition, device), dit_model, torch.zeros(frames, 0), steps=steps,
                              dit_cfg=dit_cfg, seed=seed, variations=variations, device=device, dtype=dtype,
                              progress=progress, weight_cache=weight_cache)
     request = replace(condition.request, seed=int(seed), steps=int(steps), dit_cfg=float(dit_cfg),
-                      synth_batch_size=int(variations), dit_model=dit.name)
-    return LatentsBundle(condition, [x.to(STORE) for x in latents], request, parts)
+                      synth_batch_size=int(variations))
+    return LatentsBundle(condition, [x.to(STORE) for x in latents], with_model(request, "dit_model", dit), parts,
+                         warnings)
 
 
 @torch.no_grad()
@@ -159,6 +218,7 @@ def decode(vae_model, vae: ComponentHandle, latents: LatentsBundle, *, device,
            progress: Progress | None = None) -> WindowsBundle:
     """Decode window by window (each alone is `decode_windows` of one window: whole, clamped)."""
     check_parts(latents.parts, vae=vae)
+    warnings = check_models(latents.condition.song, latents.condition.song.request, vae_model=vae)
     progress = progress or Progress()
     quiet = Progress(should_stop=progress.should_stop)
     hop = latents.condition.hop
@@ -168,7 +228,7 @@ def decode(vae_model, vae: ComponentHandle, latents: LatentsBundle, *, device,
         waves.append(w.to(STORE))
         progress.on_progress("vae", k + 1, len(latents.latents), {"window": k})
     sample_rate = int(vae.hparams["sampling_rate"])
-    return WindowsBundle(waves, hop, sample_rate, replace(latents.request, vae_model=vae.name))
+    return WindowsBundle(waves, hop, sample_rate, with_model(latents.request, "vae_model", vae), warnings)
 
 
 def stitch_audio(windows: WindowsBundle) -> dict:

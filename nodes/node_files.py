@@ -81,7 +81,11 @@ class MM3LoadAudioCodes(io.ComfyNode):
                         "its codes by teacher forcing (no sampling). Also outputs the file's DiT settings.",
             inputs=[LM.Input("lm"), DEPTH.Input("depth"),
                     io.Combo.Input("codes_file", options=codes_files(),
-                                   tooltip="JSON with audio_codes, e.g. written by Save Song or Save Audio Codes")],
+                                   tooltip="JSON with audio_codes, e.g. written by Save Song or Save Audio Codes"),
+                    io.Combo.Input("model_check", options=list(logic.MODEL_CHECKS), default="warn",
+                                   extra_dict=ADVANCED,
+                                   tooltip="When a model file of this graph is not the one that made the song "
+                                           "(compared by the fingerprints the file records): warn, or refuse to run.")],
             outputs=[AUDIO_CODES.Output("codes", display_name="codes"), io.Int.Output("seed", display_name="seed"),
                      io.Int.Output("steps", display_name="steps"), io.Float.Output("dit_cfg", display_name="dit_cfg")],
         )
@@ -94,18 +98,24 @@ class MM3LoadAudioCodes(io.ComfyNode):
             return codes_file
 
     @classmethod
-    def execute(cls, lm, depth, codes_file: str) -> io.NodeOutput:
+    def execute(cls, lm, depth, codes_file: str, model_check: str = "warn") -> io.NodeOutput:
         path = folder_paths.get_annotated_filepath(codes_file)
         with open(path, encoding="utf-8") as f:
             text = f.read()
         request, prompt, codes = logic.read_codes_request(text, codes_file, lm, depth)
+        problems = logic.codes_file_problems(request, lm, depth)
+        if problems and model_check == "refuse":
+            raise ValueError(f"{codes_file}: {problems[0]} (refused: model_check is refuse)")
+        for p in problems:
+            logic.log.warning("MM3: %s: %s", codes_file, p)
         with interruptible():
             device = patcher(lm).load_device
             lm_model, depth_model = load([lm, depth])
             song = logic.replay_codes(lm_model, depth_model, lm, depth, request, prompt, codes,
-                                      dtype=compute_dtype(device), progress=node_progress())
+                                      dtype=compute_dtype(device), progress=node_progress(), model_check=model_check)
         text = f"{song.frames} frames, lm_seed {request.lm_seed}; file settings: seed {request.seed}, steps " \
                f"{request.steps}, dit_cfg {request.dit_cfg:g}"
+        text += "".join(f"\nwarning: {p}" for p in problems)
         seed = max(request.seed, 0)
         return io.NodeOutput(song, seed, request.steps, request.dit_cfg, ui={"text": [text]})
 

@@ -18,7 +18,7 @@ from ..mm3.tokenizer import SEMANTIC_VOCAB_SIZE
 from . import logic
 from .comfy_models import compute_dtype, load, patcher, spare_bytes
 from .common import (ADVANCED, AUDIO_CODES, AUDIO_WINDOWS, CATEGORY, CONDITION, COND, DEPTH, DIT, LATENTS, LM, PROMPT,
-                     VAE, interruptible, node_progress)
+                     VAE, interruptible, node_progress, show_warnings)
 from .handles import ar_memory, dit_memory, dtype_bytes, vocoder_memory
 
 # Seeds of song i / variation j are seed + i / seed + j and must stay in the request's 0..SEED_MAX.
@@ -108,6 +108,7 @@ class MM3ConditionEncode(io.ComfyNode):
             device, dtype = _device_dtype(cond)
             (model,) = load([cond])
             out = logic.encode_condition(model, cond, codes, device=device, dtype=dtype, progress=node_progress())
+        show_warnings(out.warnings)
         return io.NodeOutput(out)
 
 
@@ -141,6 +142,7 @@ class MM3FlowSampler(io.ComfyNode):
             out = logic.sample(model, dit, condition, seed=seed, steps=steps, dit_cfg=dit_cfg, variations=variations,
                                device=device, dtype=dtype, progress=node_progress(),
                                weight_cache=spare_bytes([dit], need))
+        show_warnings(out.warnings)
         return io.NodeOutput(out)
 
 
@@ -164,6 +166,7 @@ class MM3VocoderDecode(io.ComfyNode):
             need = vocoder_memory(shapes, list(vae.hparams["upsampling_ratios"]), longest)
             (model,) = load([vae], memory_required=need)
             out = logic.decode(model, vae, latents, device=device, progress=node_progress())
+        show_warnings(out.warnings)
         return io.NodeOutput(out)
 
 

@@ -212,7 +212,10 @@ class WebSocket:
             if left <= 0:
                 raise TimeoutError(f"no final event for {prompt_id} in {timeout} s; got {[e['type'] for e in out]}")
             msg = self.recv(timeout=left)
-            if not isinstance(msg, dict):
+            if isinstance(msg, bytes):  # binary events: node text (type 3) becomes a "progress_text" event
+                text = progress_text(msg)
+                if text is not None:
+                    out.append({"type": "progress_text", "data": text})
                 continue
             data = msg.get("data") or {}
             if data.get("prompt_id") not in (None, prompt_id):
@@ -229,6 +232,17 @@ class WebSocket:
         except OSError:
             pass
         self.sock.close()
+
+
+TEXT_EVENT = 3  # ComfyUI's BinaryEventTypes.TEXT: what send_progress_text sends
+
+
+def progress_text(frame: bytes) -> dict | None:
+    """{"node", "text"} of a binary node-text frame (event type, node id length, node id, text)."""
+    if len(frame) < 8 or struct.unpack(">I", frame[:4])[0] != TEXT_EVENT:
+        return None
+    n = struct.unpack(">I", frame[4:8])[0]
+    return {"node": frame[8:8 + n].decode("utf-8"), "text": frame[8 + n:].decode("utf-8", "replace")}
 
 
 def executed_nodes(events: list[dict]) -> list[str]:

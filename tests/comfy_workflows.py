@@ -22,8 +22,8 @@ NOTE_TYPES = {"Note", "MarkdownNote"}  # editor-only nodes, not in the API forma
 PACK_ID = "comfyui-mm3-gguf"
 
 NOTES = {
-    "text_to_song": "Caption + lyrics -> a song. Put the five GGUF files in models/mm3 (python -m mm3 download q8 "
-                    "ComfyUI/models/mm3). lm_seed picks the song (change it, or set it to randomize, for another). "
+    "text_to_song": "Caption + lyrics -> a song. Put the five GGUF files in models/mm3 (from the pack's folder: "
+                    "python -m mm3 download --set q8 --dir ../../models/mm3). lm_seed picks the song (change it, or set it to randomize, for another). "
                     "The AR plan is the slow part and ComfyUI caches it: change only the DiT seed, steps or cfg and "
                     "queue again to re-render the same plan. Save Song writes the replay JSON beside the audio.",
     "variations_from_one_plan": "One AR plan, three DiT variations (seed, seed + 1, seed + 2). Save Audio Codes keeps "

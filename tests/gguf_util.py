@@ -1,23 +1,34 @@
-"""Writing small GGUF files with gguf-py (the format's reference writer) for reader tests."""
+"""Writing small GGUF files for tests: new ones with gguf-py (the format's reference writer), and
+rewritten copies of the tiny model's files with one thing changed."""
 
-import numpy as np
+from pathlib import Path
+
 import gguf
+import numpy as np
+
+from mm3.gguf.reader import GGUFFile
+from mm3.gguf.writer import Writer, copy_metadata
+
+
+def add_kv(w, key, value):
+    """One metadata pair on a gguf-py-style writer: bool, int -> u32, float -> f32, str, list."""
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    else:
+        w.add_array(key, value)
 
 
 def write_gguf(path, arch, kv=None, tensors=None):
-    """`kv`: key -> value (int -> u32, str, list); `tensors`: name -> float32 array or (qtype, array)."""
+    """`kv`: key -> value (see `add_kv`); `tensors`: name -> float32 array or (qtype, array)."""
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in (kv or {}).items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+        add_kv(w, key, value)
     for name, value in (tensors or {}).items():
         if isinstance(value, tuple):
             qtype, arr = value
@@ -45,3 +56,30 @@ def cond_tensors(rng):
         "proj.weight": rng.standard_normal((8, 16, 3)).astype(np.float32),
         "proj.bias": rng.standard_normal(8).astype(np.float32),
     }
+
+
+def rewrite(src, dst, *, kv=None, drop=(), tensors=None):
+    """Copy GGUF `src` to `dst` (same metadata and raw tensor bytes, through our writer) with
+    metadata `kv` overridden, tensors in `drop` left out and `tensors` added: name -> float32
+    array, or (GGML type, raw uint8 rows)."""
+    kv, tensors = dict(kv or {}), dict(tensors or {})
+    with GGUFFile(src) as f:
+        w = Writer(str(dst), f.architecture)
+        copy_metadata(w, f, skip=set(kv))
+        for key, value in kv.items():
+            add_kv(w, key, value)
+        for name, t in f.tensors.items():
+            if name in drop or name in tensors:
+                continue
+            raw = t.raw.numpy().copy()
+            w.add_tensor(name, raw.reshape(*t.shape[:-1], -1), raw_dtype=t.qtype)  # rows of raw bytes
+        for name, value in tensors.items():
+            if isinstance(value, tuple):
+                w.add_tensor(name, value[1], raw_dtype=value[0])
+            else:
+                w.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return Path(dst)

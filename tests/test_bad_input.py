@@ -1,8 +1,8 @@
 """Every kind of bad input through the command line: exit code 2, one "error: ..." line that names
 the value and what was expected, no traceback, and nothing written (no output, no temporary).
 
-Broken model files are made from the tiny model by rewriting one of its GGUFs with gguf-py's
-writer (`rewrite`), so each case differs from a working folder in exactly one way.
+Broken model files are made from the tiny model by rewriting one of its GGUFs with our writer
+(`gguf_util.rewrite`), so each case differs from a working folder in exactly one way.
 """
 
 import errno
@@ -17,8 +17,7 @@ import pytest
 
 from mm3 import output
 from mm3.cli import main as cli_main
-from mm3.gguf.reader import GGUFFile
-from mm3.gguf.writer import Writer, copy_metadata
+from gguf_util import rewrite
 
 Q = gguf.GGMLQuantizationType
 FAST = ["--duration", "0.5", "--steps", "2", "--seed", "1", "--lm-seed", "1", "--quiet"]
@@ -28,38 +27,6 @@ FILES = {"lm": "language_model", "depth": "rvq_depth_decoder", "cond": "conditio
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def rewrite(src, dst, *, kv=None, drop=(), tensors=None):
-    """Copy GGUF `src` to `dst` (same metadata and raw tensor bytes, via gguf-py's writer) with
-    metadata `kv` overridden, tensors in `drop` left out and `tensors` added: name -> float32
-    array, or (GGML type, raw uint8 rows)."""
-    kv, tensors = dict(kv or {}), dict(tensors or {})
-    with GGUFFile(src) as f:
-        w = Writer(str(dst), f.architecture)
-        copy_metadata(w, f, skip=set(kv))
-        for key, value in kv.items():
-            if isinstance(value, str):
-                w.add_string(key, value)
-            elif isinstance(value, int):
-                w.add_uint32(key, value)
-            else:
-                w.add_array(key, value)
-        for name, t in f.tensors.items():
-            if name in drop or name in tensors:
-                continue
-            raw = t.raw.numpy().copy()
-            w.add_tensor(name, raw.reshape(*t.shape[:-1], -1), raw_dtype=t.qtype)  # rows of raw bytes
-        for name, value in tensors.items():
-            if isinstance(value, tuple):
-                w.add_tensor(name, value[1], raw_dtype=value[0])
-            else:
-                w.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-    return Path(dst)
-
-
 def tiny_file(folder, kind) -> Path:
     (p,) = Path(folder).glob(f"MiniMax-Music3-{FILES[kind]}-*.gguf")
     return p

@@ -122,6 +122,59 @@ def test_load_codes_rejects_bad_files(pack, tiny):
         h.ComponentHandle("lm", "dit.gguf", str(tiny.file("mm3-dit")))
 
 
+def test_loader_refuses_what_the_command_line_refuses(pack, tiny, tmp_path):
+    """A DiT with one tensor of a GGML type the engine cannot dequantize (Q8_1) is refused when the
+    loader node runs, naming the file and the tensor, as the command line refuses it before
+    loading anything (it used to fail in the first DiT forward, after the whole AR stage)."""
+    import gguf
+    import numpy as np
+    from gguf_util import rewrite
+
+    h = pack("nodes.handles")
+    bad = rewrite(tiny.file("mm3-dit"), tmp_path / "bad-dit.gguf", drop={"proj_in.weight"},
+                  tensors={"proj_in.weight": (gguf.GGMLQuantizationType.Q8_1, np.zeros((64, 80), np.uint8))})
+    with pytest.raises(pack("mm3.gguf.errors").ComponentError,
+                       match=r"bad-dit.gguf: tensor proj_in.weight is Q8_1, which this engine cannot dequantize"):
+        h.handle_for("dit", "bad-dit.gguf", str(bad))
+
+
+def test_loaded_codes_check_the_files_that_made_them(pack, tiny, tmp_path):
+    """A song read from a replay file records each file's fingerprint; a later node whose file
+    differs warns (logged, on the node), or refuses with model_check "refuse"."""
+    import shutil
+
+    logic, hs, handles = pack("nodes.logic"), _handles(pack, tiny), pack("nodes.handles")
+    m = {k: hs[k].model() for k in ("lm", "depth", "cond")}
+    prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
+    (song,) = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt, duration=0.4, lm_seed=3,
+                               lm_cfg=1.5, lm_top_k=50, songs=1, dtype=torch.float32)
+    req = song.request
+    assert req.model_fingerprints == {"lm_model": hs["lm"].fingerprint, "depth_model": hs["depth"].fingerprint}
+    req = logic.with_model(req, "cond_model", hs["cond"])
+    other = tmp_path / "other-cond.gguf"
+    shutil.copy(tiny.file("mm3-cond"), other)
+    with open(other, "r+b") as f:  # same tensors and header, other first weight bytes
+        f.seek(-4, 2)
+        f.write(b"\x00\x00\x80\x3f")
+    other_h = handles.ComponentHandle("cond", other.name, str(other))
+    assert logic.codes_file_problems(req, hs["lm"], hs["depth"]) == []
+    _, prompt2, codes = logic.read_codes_request(req.to_json(), "f.json", hs["lm"], hs["depth"])
+    for check, same in (("warn", hs["cond"]), ("warn", other_h), ("refuse", other_h)):
+        loaded = logic.replay_codes(m["lm"], m["depth"], hs["lm"], hs["depth"], req, prompt2, codes,
+                                    dtype=torch.float32, model_check=check)
+        if check == "refuse":
+            with pytest.raises(ValueError, match="cond_model: other-cond.gguf .* is not the file that made this song"):
+                logic.encode_condition(other_h.model(), other_h, loaded, device="cpu", dtype=torch.float32)
+            continue
+        out = logic.encode_condition(same.model(), same, loaded, device="cpu", dtype=torch.float32)
+        assert bool(out.warnings) == (same is other_h)
+        assert out.request.cond_model == same.name and out.request.model_fingerprints["cond_model"] == same.fingerprint
+    # A file rendered with the reference RNG cannot be reproduced by the nodes: said, not hidden.
+    from dataclasses import replace
+
+    assert "reference RNG" in logic.codes_file_problems(replace(req, rng="reference"), hs["lm"], hs["depth"])[0]
+
+
 def test_placement_streams_what_does_not_fit(pack, tiny):
     """With a budget below the model size, some layers stay on the CPU and stream per use; on the
     `meta` device (a stand-in for a GPU) any op mixing devices would raise. Unloading restores the
@@ -224,7 +277,8 @@ NODE_INPUTS = {  # node id -> its inputs in order
     "MM3ConditionEncode": ["cond", "codes"],
     "MM3FlowSampler": ["dit", "condition", "seed", "steps", "dit_cfg", "variations"],
     "MM3VocoderDecode": ["vae", "latents"], "MM3Stitch": ["windows"],
-    "MM3SaveAudioCodes": ["codes", "filename_prefix"], "MM3LoadAudioCodes": ["lm", "depth", "codes_file"],
+    "MM3SaveAudioCodes": ["codes", "filename_prefix"],
+    "MM3LoadAudioCodes": ["lm", "depth", "codes_file", "model_check"],
     "MM3SaveSong": ["audio", "filename_prefix", "format", "mp3_bitrate", "peak_clip"],
 }
 NODE_IDS = set(NODE_INPUTS)
@@ -416,6 +470,68 @@ def test_rerender_from_codes_reproduces_the_song(comfy):
     a, b = comfy.view(src), comfy.view(out)
     assert read_wav(b)[:3] == (2, 44100, 24)
     assert a == b
+
+
+@needs_comfy
+def test_saved_codes_rerender_like_the_original_run(comfy):
+    """A plan kept by Save Audio Codes (variations_from_one_plan), loaded by Load Audio Codes and
+    rendered with the same DiT settings, gives the original run's first variation byte for byte;
+    the codes file names the LM and depth files with their fingerprints and the RNG mode."""
+    from mm3.fingerprint import file_fingerprint
+
+    first, _ = run(comfy, tiny_workflow(comfy, "variations_from_one_plan", **{
+        "7": {"lm_seed": 606}, "8": {"filename_prefix": "mm3/keep_plan"}, "10": {"seed": 31},
+        "13": {"filename_prefix": "mm3/keep_var", "format": "wav24"}}))
+    codes = sorted((comfy.base / "output" / "mm3").glob("keep_plan_*.json"))[-1]
+    saved = json.loads(codes.read_text())
+    models = comfy.base / "models" / "mm3"
+    assert saved["rng"] == "independent" and saved["lm_model"] == comfy.files["mm3-lm"]
+    assert saved["model_fingerprints"] == {"lm_model": file_fingerprint(models / comfy.files["mm3-lm"]),
+                                           "depth_model": file_fingerprint(models / comfy.files["mm3-depth"])}
+    again, _ = run(comfy, tiny_workflow(comfy, "rerender_from_codes", **{
+        "2": {"codes_file": f"mm3/{codes.name} [output]"}, "4": {"seed": 31, "steps": 3}, "7": {"format": "wav24"}}))
+    original = audio_entries(first, "13")[0]
+    assert comfy.view(audio_entries(again, "7")[0]) == comfy.view(original)
+    replay = json.loads(comfy.view({**original, "filename": original["filename"][:-4] + ".json"}))
+    assert set(replay["model_fingerprints"]) == set(SET_KEYS)
+
+
+@needs_comfy
+def test_rerender_with_another_file_warns_or_refuses(comfy):
+    """Load Audio Codes' model_check: a DiT other than the one that made the song is a warning on
+    the sampler (the run completes), or with "refuse" an error that names both files."""
+    import shutil
+
+    first, _ = run(comfy, tiny_workflow(comfy, "text_to_song", fmt="wav16", **{
+        "3": {"lm_seed": 8080}, "8": {"filename_prefix": "mm3/mc_src"}}))
+    src = audio_entries(first, "8")[0]
+    codes_file = f"{src['subfolder']}/{src['filename'][:-4]}.json [output]"
+    models = comfy.base / "models" / "mm3"
+    other = models / "zz-other-transformer.gguf"
+    shutil.copy(models / comfy.files["mm3-dit"], other)
+    with open(other, "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x00\x80\x3f")
+    try:
+        wf = tiny_workflow(comfy, "rerender_from_codes", **{"2": {"codes_file": codes_file}})
+        wf["1"]["inputs"]["dit_model"] = other.name
+        entry, events = run(comfy, wf)
+        texts = [e["data"].get("text", "") for e in events if e["type"] == "progress_text"]
+        assert any("dit_model: zz-other-transformer.gguf" in t and "is not the file that made this song" in t
+                   for t in texts), texts
+        wf["2"]["inputs"]["model_check"] = "refuse"
+        ws = comfy.ws()
+        try:
+            pid = comfy.queue(wf)
+            events = ws.events(pid, timeout=120)
+        finally:
+            ws.close()
+        error = [e for e in events if e["type"] == "execution_error"]
+        assert error and error[0]["data"]["node_id"] == "4", events[-3:]
+        assert "zz-other-transformer.gguf" in error[0]["data"]["exception_message"]
+        assert "refused" in error[0]["data"]["exception_message"]
+    finally:
+        other.unlink()
 
 
 @needs_comfy
