@@ -284,10 +284,19 @@ def _quiet_reference(active: bool):
 
 
 def run(args) -> dict:
+    """The report for `args`; the CPU thread count it sets is restored afterwards."""
+    threads = torch.get_num_threads()
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args) -> dict:
     from .device import pick_device, pick_dtype
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     from .quantize import MIXES

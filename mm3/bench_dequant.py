@@ -1,6 +1,6 @@
 """Dequantization throughput: our torch kernels against gguf-py's numpy reference, per GGML type.
 
-    python -m mm3.bench_dequant [--mib 64] [--threads N] [--device cpu] [--types Q8_0,Q4_K] [--json]
+    python -m mm3.bench_dequant [--mib 64] [--threads 1] [--device cpu] [--types Q8_0,Q4_K] [--json]
 
 For each type it builds random blocks (finite f16 scales) whose float32 expansion is `--mib` MiB,
 times `mm3.gguf.quants.dequantize` (median of `--repeat` runs; allocating its output, and again

@@ -1,4 +1,4 @@
-"""`python -m mm3 quantize IN OUT --type T`: the published quant mixes of a native component file.
+"""`python -m mm3 quantize IN.gguf OUT.gguf --type Q4_K_M`: the published quant mixes of a native component file.
 
 Mixes (SPEC section 2): every tensor with two or more dimensions whose rows fill whole blocks
 takes the base type; everything else (norms, biases, the DiT's 1x1 convs and time projection)

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers  # noqa: F401  (the oracle; without it this module must not import, so its tests skip)
+
 import torch
 
 from mm3.reference import reference_token_constants

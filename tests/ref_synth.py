@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import diffusers  # noqa: F401  (the oracle; without it this module must not import, so its tests skip)
+
 import torch
 
 

@@ -178,12 +178,12 @@ def test_ops_seam_and_head_rows(ours):
     tensors = {n: compressed_from_torch(n, b) for n, b in _float_state(lm_src).items()}
     lm = Qwen3LM(lm_src.cfg, ops)
     gguf_ops.load_tensors(lm, tensors, source="test")
-    h = torch.randn(2, lm.hidden_size)
+    h = torch.randn(2, lm.hidden_size, generator=torch.Generator().manual_seed(0))
     cs = ours.prompt.codes
     rows = lm.logits_rows(h, [(cs.end_id, cs.end_id + 1), (cs.code_offset, cs.code_offset + 5)])
     full = lm.logits(h)
     assert torch.allclose(rows, torch.cat([full[:, cs.end_id:cs.end_id + 1],
-                                           full[:, cs.code_offset:cs.code_offset + 5]], dim=1), atol=1e-6, rtol=0)
+                                           full[:, cs.code_offset:cs.code_offset + 5]], dim=1), atol=1e-6, rtol=1e-5)
     assert seen == [lm.vocab_size]
 
 

@@ -28,10 +28,9 @@ def work(tmp_path_factory):
 def report(work):
     pytest.importorskip("diffusers")
     n = torch.get_num_threads()
-    try:
-        return bench.run(_args(work))
-    finally:
-        torch.set_num_threads(n)
+    report = bench.run(_args(work))
+    assert torch.get_num_threads() == n  # the run's --threads does not outlive it
+    return report
 
 
 def test_report_names_machine_and_settings(report):

@@ -248,3 +248,20 @@ def test_dit_weight_cache_keeps_numbers(tiny):
     finally:
         comp.close()
         cond_c.close()
+
+
+def test_weight_budget_on_mps_and_xpu(monkeypatch):
+    """Apple silicon and Intel GPUs get a budget from their own memory APIs (with none, every AR
+    product would dequantize its whole weight again)."""
+    from mm3.fast import budget
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 * gib, raising=False)
+    monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 5 * gib, raising=False)
+    assert budget.free_bytes(torch.device("mps")) == 11 * gib
+    assert budget.ar_weight_budget(torch.device("mps")) == 11 * gib - budget.RESERVE_BYTES
+    monkeypatch.setattr(torch.xpu, "mem_get_info", lambda device=None: (6 * gib, 8 * gib), raising=False)
+    assert budget.free_bytes(torch.device("xpu")) == 6 * gib
+    assert budget.dit_weight_budget(torch.device("xpu")) == 5 * gib
+    monkeypatch.delattr(torch.mps, "recommended_max_memory")
+    assert budget.free_bytes(torch.device("mps")) is None and budget.ar_weight_budget(torch.device("mps")) == 0
