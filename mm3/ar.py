@@ -23,20 +23,17 @@ from __future__ import annotations
 import torch
 
 from .codes import AudioCodes
+from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES
+from .errors import RunError
 from .fast.onednn import onednn_matmul
 from .models.depth import RVQDepthDecoder
 from .models.lm import Qwen3LM
 from .progress import Cancelled, Progress
 from .prompt import Prompt
-from .sampling import (DEFAULT_LM_CFG, DEFAULT_TOP_K, guide, make_generator, resolve_seed, sample_top_k,
-                       semantic_logits)
-
-# LM frame rate: condition encoder input_sampling_rate / input_hop_length (24000 / 960, released config).
-FRAME_RATE = 24000 / 960
-MAX_AUDIO_FRAMES = 9000  # the reference's cap (diffusers encoders._MAX_AUDIO_FRAMES)
+from .sampling import guide, make_generator, resolve_seed, sample_top_k, semantic_logits
 
 
-class ZeroFramesError(ValueError):
+class ZeroFramesError(RunError):
     """The LM chose END before emitting any frame."""
 
 

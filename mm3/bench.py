@@ -2,8 +2,8 @@
 
     python -m mm3 bench --config medium --quant F32 --json bench-medium.json
 
-Builds a random-weight checkpoint of the chosen size in the diffusers layout (mm3.tiny's weight
-recipe), converts it to the five GGUF files (mm3.convert, then mm3.quantize for --quant), loads
+Builds a random-weight checkpoint of the chosen size in the diffusers layout (mm3.tools.tiny's weight
+recipe), converts it to the five GGUF files (mm3.tools.convert, then mm3.tools.quantize for --quant), loads
 the reference from the same tensors (dequantized where ours are quantized), and measures per stage:
 
   ar        ms per frame (LM step + 7 depth steps + sampling), steady state, prefill excluded
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 
-from .convert import DIFFUSERS_DEFAULTS, convert, expected_tensors
-from .tiny import RELEASED_LM_CONFIG, TINY, TINY_LM, build_tokenizer, build_weights
+from .tools.convert import DIFFUSERS_DEFAULTS, convert, expected_tensors
+from .tools.tiny import RELEASED_LM_CONFIG, TINY, TINY_LM, build_tokenizer, build_weights
 
 MIB = 1 << 20
 # Bench configs: LM (Qwen3 config keys), the four diffusers components, the vocabulary layout of
-# mm3.tiny ("small": 256 bytes + specials; "real": the released ids) and the semantic codebook size.
+# mm3.tools.tiny ("small": 256 bytes + specials; "real": the released ids) and the semantic codebook size.
 CONFIGS = {
     "tiny": dict(lm=TINY_LM, **TINY, vocab="small", codes=64, native="F32", frames=48, seconds=4.0),
     "medium": dict(
@@ -106,14 +106,14 @@ def build_checkpoint(name: str, root: Path, quant: str, seed: int = 0) -> Checkp
         (diff / "tokenizer").mkdir(parents=True)
         (diff / "tokenizer" / "tokenizer.json").write_text(json.dumps(tj))
         w = build_weights("language_model", lm_cfg, gen)
-        head = w["lm_head.weight"]  # code rows of std 0.5 and a zero END row, as mm3.tiny: songs rarely stop
+        head = w["lm_head.weight"]  # code rows of std 0.5 and a zero END row, as mm3.tools.tiny: songs rarely stop
         head[code_offset:] = 0.5 * torch.randn(head[code_offset:].shape, generator=gen)
         head[special_ids["<|audio_end|>"]] = 0.0
         _save(diff / "language_model", lm_cfg, w, "model.safetensors", wdtype)
         del w, head
         for comp in COMPONENTS:
             w = build_weights(comp, cfgs[comp], gen)
-            if comp == "vocoder":  # keep tanh out of saturation, as mm3.tiny does
+            if comp == "vocoder":  # keep tanh out of saturation, as mm3.tools.tiny does
                 w["conv_out.weight_g"] *= 0.02
             keep = wdtype if comp in QUANTIZED.values() else torch.float32
             _save(diff / comp, cfgs[comp], w, "diffusion_pytorch_model.safetensors", keep)
@@ -128,7 +128,7 @@ def build_checkpoint(name: str, root: Path, quant: str, seed: int = 0) -> Checkp
 
 def _quantized_folder(native: Path, out: Path, quant: str, native_type: str):
     """A models folder with the LM, depth and DiT files in `quant` and the others as converted."""
-    from .quantize import quantize_file
+    from .tools.quantize import quantize_file
 
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -299,7 +299,7 @@ def _run(args) -> dict:
 
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
-    from .quantize import MIXES
+    from .tools.quantize import MIXES
 
     c = CONFIGS[args.config]
     quant = args.quant or c["native"]
@@ -371,7 +371,7 @@ def summary(report: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--config", choices=list(CONFIGS), default="tiny", help="model size (default tiny)")
     p.add_argument("--quant", default=None, help="LM, depth and DiT weight type: the checkpoint's own (F32; BF16 "
-                   "for real) or a mix of mm3.quantize (Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q5_0, Q4_0)")
+                   "for real) or a mix of mm3.tools.quantize (Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q5_0, Q4_0)")
     p.add_argument("--stages", default="ar,dit,vocoder,e2e", help="comma-separated subset of ar,dit,vocoder,e2e")
     p.add_argument("--json", metavar="OUT", default=None, help="write the report as JSON to OUT ('-' = stdout)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the best available)")

@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from .ar import FRAME_RATE, plan
+from .ar import plan
 from .bench import PeakMemory, ratio, sync
+from .constants import FRAME_RATE
 from .progress import Progress
 
 WARMUP_FRAMES = 4

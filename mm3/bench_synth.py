@@ -80,7 +80,7 @@ class Context:
             model = Qwen3ForCausalLM(Qwen3Config(**c.lm_cfg))
             model.load_state_dict(self._gguf_floats("lm"), strict=False)  # GGUF has no lm_head when tied
         elif name == "scheduler":
-            from .tiny import SCHEDULER_CONFIG
+            from .tools.tiny import SCHEDULER_CONFIG
 
             self._ref[name] = diffusers.FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
             return self._ref[name]
@@ -102,7 +102,7 @@ class Context:
 
     @contextmanager
     def reference_constants(self):
-        """The reference's token-id constants set to this checkpoint's (mm3.tiny's small vocabulary
+        """The reference's token-id constants set to this checkpoint's (mm3.tools.tiny's small vocabulary
         moves them; for the released layout they are unchanged)."""
         from .reference import reference_token_constants
 
@@ -223,10 +223,9 @@ def measure_vocoder(ctx: Context) -> dict:
 def measure_e2e(ctx: Context, seconds: float, steps: int) -> dict:
     """A whole song of `seconds`: ours through mm3.pipeline (plan, replay, DiT, vocoder), the
     reference through its AR, denoise and decode blocks on the same prompt ids and seeds."""
+    from .bench import CAPTION, LYRICS
     from .pipeline import Pipeline
     from .request import MM3Request
-
-    from .bench import CAPTION, LYRICS
 
     pipe = Pipeline(ctx.ckpt.models, device=ctx.device, dtype=str(ctx.dtype).removeprefix("torch."),
                     keep_loaded=True)

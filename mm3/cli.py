@@ -7,11 +7,11 @@ import importlib
 import os
 import sys
 
-from .gguf.errors import ComponentError, GGUFFormatError
-from .output import OutputError
+from .errors import Cancelled, InputError, MM3Error
 
 # Modules that register a subcommand through `add_cli(subparsers)`.
-TOOLS = ("mm3.jobs_cli", "mm3.info", "mm3.tiny", "mm3.convert", "mm3.quantize", "mm3.download", "mm3.bench")
+TOOLS = ("mm3.jobs_cli", "mm3.tools.info", "mm3.tools.tiny", "mm3.tools.convert", "mm3.tools.quantize",
+         "mm3.tools.download", "mm3.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,10 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done; 2 bad input (`InputError`: request, prompt, codes, model files, output
+    paths); 1 a run that failed (`RunError`: NaN/Inf, out of device memory, the LM ended at once);
+    130 cancelled (Ctrl+C). Every failure is one line on stderr; no output file or temporary is
+    left behind."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except (GGUFFormatError, ComponentError, OutputError, FileNotFoundError, FileExistsError) as e:
+    except Cancelled as e:
+        print(f"cancelled: {e}; nothing was written", file=sys.stderr)
+        return e.exit_code
+    except MM3Error as e:
+        done = "" if isinstance(e, InputError) or e.exit_code == 2 else "; nothing was written"
+        print(f"error: {e}{done}", file=sys.stderr)
+        return e.exit_code
+    except (FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InputError
 from .prompt import Prompt
 
 # Codes per frame in the request's flat list (SPEC section 9: c0 then c1..c7).
@@ -22,7 +23,7 @@ _NOT_CODE_TEXT = re.compile(r"[^0-9,\- \t\r\n]")
 _MAX_DIGITS = 18  # every 18-digit value fits int64, so range errors can name the value exactly
 
 
-class AudioCodesError(ValueError):
+class AudioCodesError(InputError):
     """An `audio_codes` text that cannot be replayed; the message is the reference server's."""
 
 

@@ -1,5 +1,5 @@
-"""The five component files: architecture strings, hyper-parameters read from metadata, and the
-checks that a set of components fits together."""
+"""The five component files: the one table that names them, hyper-parameters read from metadata, and
+the checks that a set of components fits together."""
 
 from __future__ import annotations
 
@@ -12,23 +12,48 @@ from dataclasses import dataclass, field
 from .gguf.errors import ComponentError
 from .gguf.reader import GGUFFile
 
-# general.architecture -> component kind (the minimaxmusic.cpp file contract, SPEC section 2).
-ARCHITECTURES = {
-    "mm3-lm": "lm",
-    "mm3-depth": "depth",
-    "mm3-cond": "cond",
-    "mm3-dit": "dit",
-    "mm3-vae": "vae",
-}
-KINDS = tuple(ARCHITECTURES.values())
-ARCH_OF = {kind: arch for arch, kind in ARCHITECTURES.items()}
-DESCRIPTIONS = {
-    "lm": "language model (Qwen3)",
-    "depth": "RVQ depth decoder",
-    "cond": "condition encoder",
-    "dit": "flow DiT",
-    "vae": "vocoder (flow VAE)",
-}
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One of the five components, under every name the project gives it."""
+
+    kind: str  # short key used throughout the code ("lm")
+    arch: str  # GGUF general.architecture (the minimaxmusic.cpp file contract)
+    folder: str  # diffusers subfolder, and the published file names' middle part
+    description: str  # in messages
+    title: str  # in the node titles ("MM3 Load Language Model")
+    general_name: str  # GGUF general.name, as minimaxmusic.cpp's converter writes it
+    group: str  # memory group: "ar" (used per frame) or "synth" (used per window)
+
+    @property
+    def request_field(self) -> str:
+        """The request JSON's field naming this component's file."""
+        return f"{self.kind}_model"
+
+    @property
+    def node_id(self) -> str:
+        return "MM3Load" + self.title.replace(" ", "")
+
+
+COMPONENTS = {s.kind: s for s in (
+    ComponentSpec("lm", "mm3-lm", "language_model", "language model (Qwen3)", "Language Model",
+                  "MiniMax-Music3 global LM (Qwen3 8B)", "ar"),
+    ComponentSpec("depth", "mm3-depth", "rvq_depth_decoder", "RVQ depth decoder", "Depth Decoder",
+                  "MiniMax-Music3 RVQ depth decoder", "ar"),
+    ComponentSpec("cond", "mm3-cond", "condition_encoder", "condition encoder", "Condition Encoder",
+                  "MiniMax-Music3 condition encoder", "synth"),
+    ComponentSpec("dit", "mm3-dit", "transformer", "flow DiT", "DiT", "MiniMax-Music3 flow matching DiT", "synth"),
+    ComponentSpec("vae", "mm3-vae", "vocoder", "vocoder (flow VAE)", "Vocoder", "MiniMax-Music3 Flow-VAE", "synth"),
+)}
+# Views of the table.
+KINDS = tuple(COMPONENTS)
+ARCHITECTURES = {s.arch: s.kind for s in COMPONENTS.values()}  # general.architecture -> kind
+ARCH_OF = {s.kind: s.arch for s in COMPONENTS.values()}
+DESCRIPTIONS = {s.kind: s.description for s in COMPONENTS.values()}
+MODEL_FIELDS = {s.kind: s.request_field for s in COMPONENTS.values()}
+BY_FOLDER = {s.folder: s for s in COMPONENTS.values()}
+GROUPS = {g: tuple(s.kind for s in COMPONENTS.values() if s.group == g) for g in ("ar", "synth")}
+GROUP_OF = {s.kind: s.group for s in COMPONENTS.values()}
 
 # Metadata keys each architecture must carry, under the `<arch>.` prefix.
 HPARAM_KEYS = {

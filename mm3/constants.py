@@ -1,9 +1,30 @@
-"""Constants shared by the request, the output stage, the CLI and the nodes: one definition each.
-
-Sizes of the models are never here: they come from each GGUF file's metadata.
+"""The reference's recipe and the request's limits, shared by the engine, the CLI and the nodes:
+one definition each. Sizes of the models are never here: they come from each GGUF file's metadata.
+Values are diffusers 0.42.1's (`modular_pipelines/minimax_music3`) and minimaxmusic.cpp's server's.
 """
 
 from __future__ import annotations
+
+# Time: LM frames per second = the condition encoder's input rate / hop (24000 / 960 released).
+FRAME_RATE = 24000 / 960
+MAX_AUDIO_FRAMES = 9000  # the reference's cap on planned frames (encoders._MAX_AUDIO_FRAMES)
+MAX_DURATION = MAX_AUDIO_FRAMES / FRAME_RATE  # 360 s
+DEFAULT_DURATION = 60.0
+
+# Prompt and AR sampling (encoders._MAX_PROMPT_TOKENS, _AR_CFG_SCALE, _AR_SAMPLING_TOP_K).
+MAX_PROMPT_TOKENS = 5000
+SEMANTIC_VOCAB_SIZE = 16384  # semantic codes above the code offset (encoders._SEMANTIC_VOCAB_SIZE)
+DEFAULT_LM_CFG = 1.5
+DEFAULT_TOP_K = 50
+
+# Flow DiT sampling (the reference guider's guidance_scale and step count).
+DEFAULT_STEPS = 30
+DEFAULT_DIT_CFG = 1.7
+
+# Batches and seeds (the reference server's request limits).
+MAX_SONGS = 16  # lm_batch_size: songs planned together, song i from lm_seed + i
+MAX_VARIATIONS = 9  # synth_batch_size: renderings of one plan, variation j from seed + j
+SEED_MAX = 2**32 - 1  # resolved random seeds are uint32, as the reference server's
 
 # Output stage (minimaxmusic.cpp's output formats and the request's defaults).
 OUTPUT_FORMATS = ("mp3", "wav16", "wav24", "wav32")

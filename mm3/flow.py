@@ -21,6 +21,8 @@ import math
 import numpy as np
 import torch
 
+from .constants import DEFAULT_DIT_CFG, DEFAULT_STEPS, MAX_VARIATIONS
+from .errors import RunError
 from .fast.budget import dit_weight_budget
 from .fast.onednn import onednn_matmul, pays_for
 from .gguf.ops import cache_dequantized, dequantized_nbytes, release_dequantized
@@ -30,12 +32,9 @@ WINDOW_FRAMES = 200  # before_denoise.py: 200-frame windows ...
 WINDOW_HOP = 100  # ... every 100 frames
 OVERLAP_LATENTS = 172  # denoise.py _OVERLAP_LATENT_LENGTH: latents shared with the previous window
 BLEND_SIGMA_MIN = 1e-6  # denoise.py: x[:ov] = (1 - (1 - 1e-6) t) noise + t prev
-DEFAULT_STEPS = 30
-DEFAULT_DIT_CFG = 1.7  # the reference guider's guidance_scale
-MAX_VARIATIONS = 9  # synth_batch_size limit of the request (SPEC section 9)
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunError):
     """The DiT produced NaN/Inf: the run fails rather than decoding noise."""
 
 

@@ -16,17 +16,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .codes import AudioCodesError
 from .constants import FORMAT_EXTENSIONS, RNG_MODES
-from .gguf.errors import ComponentError, GGUFFormatError
 from .output import FileBatch, OutputError, render
-from .progress import Cancelled, Progress
-from .prompt import PromptError
+from .progress import Progress
 from .request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
-
-# Bad input (request, prompt, codes, model files, output paths): "error: ..." and exit code 2.
-USER_ERRORS = (RequestError, AudioCodesError, PromptError, GGUFFormatError, ComponentError, OutputError,
-               FileExistsError)
 
 EXTENSIONS = FORMAT_EXTENSIONS
 
@@ -264,24 +257,8 @@ def cmd_plan(args) -> int:
 
 
 def run_job(args) -> int:
-    """Exit codes: 0 done; 2 bad input (request, prompt, codes, model files, output paths); 1 a run
-    that failed (diverged to NaN/Inf, out of device memory, the LM ended at once); 130 Ctrl+C.
-    Every failure is one "error: ..." line on stderr, and no output file or temporary is left."""
-    from .ar import ZeroFramesError
-    from .flow import NonFiniteError
-    from .pipeline import DeviceOutOfMemory
-
-    try:
-        return {"generate": cmd_generate, "render": cmd_generate, "plan": cmd_plan}[args.command](args)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (NonFiniteError, DeviceOutOfMemory, ZeroFramesError) as e:
-        print(f"error: {e}; nothing was written", file=sys.stderr)
-        return 1
-    except Cancelled as e:
-        print(f"cancelled: {e}; nothing was written", file=sys.stderr)
-        return 130
+    """generate / plan / render; errors reach `mm3.cli.main`, which maps them to exit codes."""
+    return {"generate": cmd_generate, "render": cmd_generate, "plan": cmd_plan}[args.command](args)
 
 
 def _common(p, *, text: bool, synth: bool, out_help: str):

@@ -9,15 +9,16 @@ renamed, so an interrupted write never leaves a partial file under the final nam
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 import struct
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .constants import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
+from .errors import MM3Error
 
 SAMPLE_RATE = 44100  # the vocoder's rate; the reference output is never resampled
 SILENCE = 1e-6  # below this reference level the audio is left as is
@@ -108,9 +109,11 @@ def render(audio, output_format: str = "mp3", *, peak_clip: float = DEFAULT_PEAK
     return wav_bytes(a, 16 if output_format == "wav16" else 24, sample_rate)
 
 
-class OutputError(OSError):
+class OutputError(MM3Error, OSError):
     """An output file could not be written; the message names the file and the reason (no space,
     permission, not a folder). Nothing is left behind under the final name or as a temporary."""
+
+    exit_code = 2
 
 
 def _output_error(path: Path, e: OSError) -> OutputError:

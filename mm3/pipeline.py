@@ -25,6 +25,7 @@ from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_a
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
 from .constants import RNG_MODES
 from .device import empty_cache, pick_device, pick_dtype
+from .errors import RunError
 from .fingerprint import file_fingerprint
 from .flow import NonFiniteError, sample_latents
 from .progress import Cancelled, Progress
@@ -40,7 +41,7 @@ STAGE_NAMES = {"ar": "planning (LM + depth decoder)", "replay": "replaying codes
 STAGE_KINDS = {"ar": ("lm", "depth"), "replay": ("lm", "depth"), "dit": ("cond", "dit"), "vae": ("vae",)}
 
 
-class DeviceOutOfMemory(RuntimeError):
+class DeviceOutOfMemory(RunError):
     """The device ran out of memory in a stage. Every model was released before this was raised,
     so the same Pipeline (or process) can run the next request."""
 

@@ -23,5 +23,4 @@ class Progress:
     should_stop: Callable[[], bool] = field(default=_never)
 
 
-class Cancelled(Exception):
-    """The caller asked to stop (should_stop() returned True); no partial result is returned."""
+from .errors import Cancelled  # noqa: E402,F401  (raised by every long stage; lives with the other errors)

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .constants import MAX_PROMPT_TOKENS
+from .errors import InputError
 from .tokenizer import CodeSpace, MM3Tokenizer
-
-# Longest assembled prompt the reference accepts (diffusers encoders._MAX_PROMPT_TOKENS).
-MAX_PROMPT_TOKENS = 5000
 
 _TAG = re.compile(r"<\|([^|]*)\|>")  # <|key C|> style tags in captions
 _HEADING = re.compile(r"^\s{0,3}#{1,6}\s+")
@@ -32,7 +31,7 @@ _LEADING_TAGS = re.compile(r"^[ \t]*((?:\[[^\]]+\][ \t]*)+)")  # "[Verse][Chorus
 _BRACKETED = re.compile(r"\[([^\]]+)\]")
 
 
-class PromptError(ValueError):
+class PromptError(InputError):
     """The caption or lyrics cannot make a prompt (empty, not text, or over the token budget)."""
 
 

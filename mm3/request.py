@@ -13,19 +13,30 @@ import math
 import secrets
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from .constants import DEFAULT_RNG, MP3_BITRATES, OUTPUT_FORMATS, RNG_MODES
+from .components import MODEL_FIELDS
+from .constants import (
+    DEFAULT_DIT_CFG,
+    DEFAULT_DURATION,
+    DEFAULT_LM_CFG,
+    DEFAULT_MP3_BITRATE,
+    DEFAULT_PEAK_CLIP,
+    DEFAULT_RNG,
+    DEFAULT_STEPS,
+    DEFAULT_TOP_K,
+    FRAME_RATE,
+    MAX_AUDIO_FRAMES,
+    MAX_DURATION,
+    MAX_SONGS,
+    MAX_VARIATIONS,
+    MP3_BITRATES,
+    OUTPUT_FORMATS,
+    RNG_MODES,
+    SEED_MAX,
+)
+from .errors import InputError
 
-FRAME_RATE = 25  # LM frames per second (24000 Hz / hop 960)
-MAX_FRAMES = 9000  # the reference's cap on planned frames
-MAX_DURATION = MAX_FRAMES / FRAME_RATE
-MAX_LM_BATCH = 16
-MAX_SYNTH_BATCH = 9  # the reference server's synth_batch_size limit
-MODEL_FIELDS = {"lm": "lm_model", "depth": "depth_model", "cond": "cond_model", "dit": "dit_model",
-                "vae": "vae_model"}
-SEED_MAX = 2**32 - 1  # resolved random seeds are uint32, as the reference server's
 
-
-class RequestError(ValueError):
+class RequestError(InputError):
     """An invalid request; the message is what the reference server answers (HTTP 400)."""
 
 
@@ -33,18 +44,18 @@ class RequestError(ValueError):
 class MM3Request:
     caption: str = ""
     lyrics: str = ""
-    duration: float = 60.0
-    steps: int = 30
+    duration: float = DEFAULT_DURATION
+    steps: int = DEFAULT_STEPS
     seed: int = -1
     lm_seed: int = -1
-    lm_cfg: float = 1.5
-    lm_top_k: int = 50
+    lm_cfg: float = DEFAULT_LM_CFG
+    lm_top_k: int = DEFAULT_TOP_K
     lm_batch_size: int = 1
     synth_batch_size: int = 1
-    dit_cfg: float = 1.7
-    peak_clip: int = 10
+    dit_cfg: float = DEFAULT_DIT_CFG
+    peak_clip: int = DEFAULT_PEAK_CLIP
     output_format: str = "mp3"
-    mp3_bitrate: int = 128
+    mp3_bitrate: int = DEFAULT_MP3_BITRATE
     audio_codes: str = ""
     lm_model: str = ""
     depth_model: str = ""
@@ -113,16 +124,16 @@ class MM3Request:
         if not (self.duration > 0):
             raise RequestError(f"duration must be positive, got {self.duration:g}")
         if self.duration > MAX_DURATION and not self.audio_codes:
-            raise RequestError(f"duration must be at most {MAX_DURATION:g} seconds ({MAX_FRAMES} frames), "
+            raise RequestError(f"duration must be at most {MAX_DURATION:g} seconds ({MAX_AUDIO_FRAMES} frames), "
                                f"got {self.duration:g}")
         if not self.audio_codes and int(self.duration * FRAME_RATE) < 1:
             raise RequestError(f"duration must be at least {1 / FRAME_RATE:g} seconds (one frame), got {self.duration:g}")
         if self.steps < 2:
             raise RequestError(f"steps must be at least 2, got {self.steps}")
-        if not 1 <= self.lm_batch_size <= MAX_LM_BATCH:
-            raise RequestError(f"lm_batch_size must be between 1 and {MAX_LM_BATCH}, got {self.lm_batch_size}")
-        if not 1 <= self.synth_batch_size <= MAX_SYNTH_BATCH:
-            raise RequestError(f"synth_batch_size must be between 1 and {MAX_SYNTH_BATCH}, got {self.synth_batch_size}")
+        if not 1 <= self.lm_batch_size <= MAX_SONGS:
+            raise RequestError(f"lm_batch_size must be between 1 and {MAX_SONGS}, got {self.lm_batch_size}")
+        if not 1 <= self.synth_batch_size <= MAX_VARIATIONS:
+            raise RequestError(f"synth_batch_size must be between 1 and {MAX_VARIATIONS}, got {self.synth_batch_size}")
         if self.audio_codes:
             check_codes_syntax(self.audio_codes)
         check_output_format(self.output_format)

@@ -15,9 +15,6 @@ import random
 import torch
 import torch.nn.functional as F
 
-# Reference sampling recipe (diffusers encoders._AR_CFG_SCALE, _AR_CFG_TOP_K, _AR_SAMPLING_TOP_K).
-DEFAULT_LM_CFG = 1.5
-DEFAULT_TOP_K = 50
 NAN_FILL = 1e9  # nan_to_num bounds used by the reference before top-k
 
 _NEG_INF = -float("inf")

@@ -14,13 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .components import DESCRIPTIONS, Component, check_compatible, check_loadable, open_component
+from .components import DESCRIPTIONS, GROUP_OF, Component, check_compatible, check_loadable, open_component
 from .device import empty_cache
 from .gguf.errors import ComponentError, GGUFFormatError
 from .registry import Registry
-
-GROUPS = {"ar": ("lm", "depth"), "synth": ("cond", "dit", "vae")}
-GROUP_OF = {kind: g for g, kinds in GROUPS.items() for kind in kinds}
 
 
 def _builder(kind: str, with_encoder: bool):

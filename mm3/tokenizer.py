@@ -16,13 +16,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .constants import SEMANTIC_VOCAB_SIZE
 from .gguf.errors import ComponentError
 
 # Qwen2 pre-tokenizer split (transformers `PRETOKENIZE_REGEX`; SPEC section 3).
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
-# Semantic codes the reference reserves above the code offset (diffusers encoders._SEMANTIC_VOCAB_SIZE).
-SEMANTIC_VOCAB_SIZE = 16384
 
 # Control tokens the template and the sampler use, by role (strings of the released tokenizer).
 SPECIAL_TOKENS = {

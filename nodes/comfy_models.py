@@ -23,7 +23,8 @@ import comfy.model_patcher
 import folder_paths
 import torch
 
-from .handles import GROUPS, ComponentHandle, classify
+from ..mm3.components import GROUPS
+from .handles import ComponentHandle, classify
 
 log = logging.getLogger("mm3")
 FOLDER = "mm3"  # models/mm3, plus any `mm3:` entry of extra_model_paths.yaml

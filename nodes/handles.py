@@ -17,18 +17,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ..mm3.codes import AudioCodes
-from ..mm3.components import ARCH_OF, DESCRIPTIONS, Component, check_loadable, open_component, read_component
+from ..mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable, open_component, read_component
+from ..mm3.fingerprint import file_fingerprint as content_fingerprint
 from ..mm3.gguf.errors import ComponentError
 from ..mm3.gguf.ops import compressed_nbytes
 from ..mm3.gguf.reader import read_architecture
 from ..mm3.prompt import Prompt
-from ..mm3.fingerprint import file_fingerprint as content_fingerprint
 from ..mm3.request import MM3Request
 from ..mm3.store import build_model
 from .placement import Placement
 
-GROUPS = {"ar": ("lm", "depth"), "synth": ("cond", "dit", "vae")}
-GROUP_OF = {kind: g for g, kinds in GROUPS.items() for kind in kinds}
 # Modules the engine reads a model's device from (Qwen3LM.device, RVQDepthDecoder.device).
 ANCHORS = {"lm": ("model.embed_tokens",), "depth": ("projection",)}
 

@@ -21,14 +21,14 @@ from ..mm3.ar import plan, replay
 from ..mm3.audio import decode_windows, stitch
 from ..mm3.codes import AudioCodes, parse_audio_codes
 from ..mm3.components import check_compatible
+from ..mm3.constants import MAX_PROMPT_TOKENS
 from ..mm3.flow import sample_latents, window_bounds
 from ..mm3.output import atomic_write, write_audio
 from ..mm3.progress import Cancelled, Progress
-from ..mm3.prompt import MAX_PROMPT_TOKENS, build_prompt
+from ..mm3.prompt import build_prompt
 from ..mm3.request import MM3Request, RequestError
 from ..mm3.tokenizer import MM3Tokenizer
-from .handles import (ComponentHandle, ConditionBundle, LatentsBundle, PlannedSong, PromptBundle, WindowsBundle,
-                      part)
+from .handles import ComponentHandle, ConditionBundle, LatentsBundle, PlannedSong, PromptBundle, WindowsBundle, part
 
 STORE = torch.device("cpu")  # where stage results wait between nodes
 AUDIO_REQUESTS_KEY = "mm3_requests"  # extra key of an AUDIO dict: one replay request per batch item

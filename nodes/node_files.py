@@ -9,7 +9,7 @@ from pathlib import Path
 import folder_paths
 from comfy_api.latest import io, ui
 
-from ..mm3.output import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
+from ..mm3.constants import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
 from ..mm3.output import atomic_write
 from . import logic
 from .comfy_models import compute_dtype, load, patcher

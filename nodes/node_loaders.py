@@ -8,17 +8,14 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..mm3.components import ARCH_OF, DESCRIPTIONS, KINDS
+from ..mm3.components import ARCH_OF, COMPONENTS, DESCRIPTIONS, KINDS
 from .comfy_models import files_of, full_path
 from .common import ADVANCED, CATEGORY, COMPONENT_TYPES
 from .handles import file_fingerprint, handle_for
 
-TITLES = {"lm": "Language Model", "depth": "Depth Decoder", "cond": "Condition Encoder", "dit": "DiT",
-          "vae": "Vocoder"}
-NODE_IDS = {"lm": "MM3LoadLanguageModel", "depth": "MM3LoadDepthDecoder", "cond": "MM3LoadConditionEncoder",
-            "dit": "MM3LoadDiT", "vae": "MM3LoadVocoder"}
-SET_FIELDS = {"lm": "lm_model", "depth": "depth_model", "cond": "cond_model", "dit": "dit_model",
-              "vae": "vae_model"}  # the request JSON's names for the five files
+TITLES = {k: s.title for k, s in COMPONENTS.items()}
+NODE_IDS = {k: s.node_id for k, s in COMPONENTS.items()}
+SET_FIELDS = {k: s.request_field for k, s in COMPONENTS.items()}  # the request JSON's names for the five files
 
 
 def _file_input(kind: str, id: str) -> io.Combo.Input:

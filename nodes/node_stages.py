@@ -9,20 +9,44 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..mm3.ar import FRAME_RATE, MAX_AUDIO_FRAMES
-from ..mm3.flow import DEFAULT_DIT_CFG, DEFAULT_STEPS, MAX_VARIATIONS
-from ..mm3.prompt import MAX_PROMPT_TOKENS
-from ..mm3.request import MAX_DURATION, MAX_LM_BATCH, SEED_MAX
-from ..mm3.sampling import DEFAULT_LM_CFG, DEFAULT_TOP_K
-from ..mm3.tokenizer import SEMANTIC_VOCAB_SIZE
+from ..mm3.constants import (
+    DEFAULT_DIT_CFG,
+    DEFAULT_DURATION,
+    DEFAULT_LM_CFG,
+    DEFAULT_STEPS,
+    DEFAULT_TOP_K,
+    FRAME_RATE,
+    MAX_AUDIO_FRAMES,
+    MAX_DURATION,
+    MAX_PROMPT_TOKENS,
+    MAX_SONGS,
+    MAX_VARIATIONS,
+    SEED_MAX,
+    SEMANTIC_VOCAB_SIZE,
+)
 from . import logic
 from .comfy_models import compute_dtype, load, patcher, spare_bytes
-from .common import (ADVANCED, AUDIO_CODES, AUDIO_WINDOWS, CATEGORY, CONDITION, COND, DEPTH, DIT, LATENTS, LM, PROMPT,
-                     VAE, interruptible, node_progress, show_warnings)
+from .common import (
+    ADVANCED,
+    AUDIO_CODES,
+    AUDIO_WINDOWS,
+    CATEGORY,
+    COND,
+    CONDITION,
+    DEPTH,
+    DIT,
+    LATENTS,
+    LM,
+    PROMPT,
+    VAE,
+    interruptible,
+    node_progress,
+    show_warnings,
+)
 from .handles import ar_memory, dit_memory, dtype_bytes, vocoder_memory
 
 # Seeds of song i / variation j are seed + i / seed + j and must stay in the request's 0..SEED_MAX.
-LM_SEED_MAX = SEED_MAX - (MAX_LM_BATCH - 1)
+LM_SEED_MAX = SEED_MAX - (MAX_SONGS - 1)
 DIT_SEED_MAX = SEED_MAX - (MAX_VARIATIONS - 1)
 
 
@@ -63,7 +87,7 @@ class MM3ARPlan(io.ComfyNode):
                         "the depth decoder. The model may end the song before the duration.",
             inputs=[
                 LM.Input("lm"), DEPTH.Input("depth"), PROMPT.Input("prompt"),
-                io.Float.Input("duration", default=60.0, min=1.0 / FRAME_RATE, max=MAX_DURATION, step=1.0,
+                io.Float.Input("duration", default=DEFAULT_DURATION, min=1.0 / FRAME_RATE, max=MAX_DURATION, step=1.0,
                                round=0.01, tooltip="Longest song to plan, in seconds."),
                 io.Int.Input("lm_seed", default=0, min=0, max=LM_SEED_MAX, control_after_generate=True,
                              tooltip="Seed of the AR sampling; song i of a batch uses lm_seed + i."),
@@ -71,7 +95,7 @@ class MM3ARPlan(io.ComfyNode):
                                tooltip="Classifier-free guidance of the AR sampling."),
                 io.Int.Input("lm_top_k", default=DEFAULT_TOP_K, min=1, max=SEMANTIC_VOCAB_SIZE, extra_dict=ADVANCED,
                              tooltip="Candidates per code (top-k sampling)."),
-                io.Int.Input("songs", default=1, min=1, max=MAX_LM_BATCH,
+                io.Int.Input("songs", default=1, min=1, max=MAX_SONGS,
                              tooltip="Songs planned together (one list item each, lm_seed + i)."),
             ],
             outputs=[AUDIO_CODES.Output("codes", display_name="codes", is_output_list=True)],

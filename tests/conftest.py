@@ -13,7 +13,7 @@ CORPUS = SHARED / "corpus" / "demo_prompts"
 
 
 def _build(tmp_path_factory, vocab):
-    from mm3.tiny import build_tiny
+    from mm3.tools.tiny import build_tiny
 
     out = tmp_path_factory.mktemp(f"tiny_{vocab}")
     build_tiny(out, seed=0, vocab=vocab)

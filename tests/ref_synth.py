@@ -1,7 +1,7 @@
 """Oracle helpers for the synthesis tests: the diffusers 0.42.1 reference on a tiny checkpoint.
 
 Loads the reference condition encoder, DiT, vocoder and scheduler from the diffusers folder that
-`mm3.tiny.build_tiny` writes, runs the reference's own denoise and decode blocks (unmodified) and
+`mm3.tools.tiny.build_tiny` writes, runs the reference's own denoise and decode blocks (unmodified) and
 records what they compute with forward hooks and wrappers, as
 shared/reference/diffusers_oracle/make_goldens.py does. Nothing in diffusers is patched.
 """

@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from mm3.ar import MAX_AUDIO_FRAMES, ZeroFramesError, max_frames_for, plan, replay
+from mm3.ar import ZeroFramesError, max_frames_for, plan, replay
+from mm3.constants import MAX_AUDIO_FRAMES
 from mm3.codes import AudioCodes, AudioCodesError, parse_audio_codes
 from mm3.components import open_component
 from mm3.gguf import ops as gguf_ops

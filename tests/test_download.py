@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from mm3.cli import main as cli_main
-from mm3.download import REPO, DownloadError, download_set, file_names
+from mm3.tools.download import REPO, DownloadError, download_set, file_names
 
 
 class FakeHub:

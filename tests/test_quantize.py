@@ -7,7 +7,7 @@ import pytest
 from gguf_util import COND_KV, cond_tensors, write_gguf
 from mm3.cli import main as cli_main
 from mm3.gguf import ComponentError, GGUFFile
-from mm3.quantize import quantize_file
+from mm3.tools.quantize import quantize_file
 
 Q = gguf.GGMLQuantizationType
 LM_CONFIG = ('{"vocab_size": 48, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2,'

@@ -15,10 +15,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mm3.convert import add_cli as add_convert_cli
-from mm3.convert import convert, rename_dav_key
-from mm3.tiny import add_cli as add_tiny_cli
-from mm3.tiny import build_tiny
+from mm3.tools.convert import add_cli as add_convert_cli
+from mm3.tools.convert import convert, rename_dav_key
+from mm3.tools.tiny import add_cli as add_tiny_cli
+from mm3.tools.tiny import build_tiny
 
 ARCH = {"language_model": "mm3-lm", "rvq_depth_decoder": "mm3-depth", "condition_encoder": "mm3-cond",
         "transformer": "mm3-dit", "vocoder": "mm3-vae"}
@@ -216,7 +216,7 @@ def test_wrapped_dav_and_weight_normed_mean_proj(tiny, readers, tmp_path):
 
 def test_idempotent_second_run(tiny, caplog):
     before = {p: p.stat().st_mtime_ns for p in tiny["files"].values()}
-    with caplog.at_level("INFO", logger="mm3.convert"):
+    with caplog.at_level("INFO", logger="mm3.tools.convert"):
         again = convert(tiny["diffusers"], tiny["gguf"])
     assert again == list(tiny["files"].values())
     assert {p: p.stat().st_mtime_ns for p in again} == before
@@ -315,8 +315,8 @@ def test_released_configs_and_expected_tensors_match_the_classes():
     import diffusers
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from mm3.convert import DIFFUSERS_DEFAULTS, expected_tensors
-    from mm3.tiny import CLASS_NAMES, RELEASED_LM_CONFIG
+    from mm3.tools.convert import DIFFUSERS_DEFAULTS, expected_tensors
+    from mm3.tools.tiny import CLASS_NAMES, RELEASED_LM_CONFIG
 
     for component, defaults in DIFFUSERS_DEFAULTS.items():
         cls = getattr(diffusers, CLASS_NAMES[component][1])

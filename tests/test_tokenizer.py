@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from mm3.components import open_component
 from mm3.gguf.errors import ComponentError
 from mm3.prompt import normalize_lyrics
-from mm3.tokenizer import SEMANTIC_VOCAB_SIZE, SPECIAL_TOKENS, MM3Tokenizer
+from mm3.constants import SEMANTIC_VOCAB_SIZE
+from mm3.tokenizer import SPECIAL_TOKENS, MM3Tokenizer
 
 ADVERSARIAL = [
     "Hello world", "  leading and   inner   spaces  ", "trailing newlines\n\n\n", "\n", " ", "a",

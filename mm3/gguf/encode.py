@@ -16,9 +16,10 @@ Q2_K and Q3_K are read-only here.
 
 from __future__ import annotations
 
-import numpy as np
 import gguf
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
 
 from .quants import UnsupportedQuantType, parse_qtype
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 import math
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+
+from ..errors import InputError
 
 __all__ = [
     "SCALE_OFFSETS", "SUPPORTED_TYPES", "UnsupportedQuantType", "as_qtype", "dequantize", "dequantize_rows",
@@ -25,7 +28,7 @@ __all__ = [
 ]
 
 
-class UnsupportedQuantType(ValueError):
+class UnsupportedQuantType(InputError):
     """A GGML tensor type this module cannot dequantize (or one that is not a GGML type at all)."""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from .components import ARCH_OF, DESCRIPTIONS, open_component
+from ..components import ARCH_OF, DESCRIPTIONS, open_component
 
 
 def describe(path: str) -> dict:

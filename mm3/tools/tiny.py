@@ -4,7 +4,7 @@
 `ModularPipeline.from_pretrained(dir)` + `load_components()` (tokenizer, language_model,
 rvq_depth_decoder, condition_encoder, transformer, vocoder, scheduler, modular_model_index.json),
 a `dav.pth` with the vocoder encoder in the original training names, and (unless told not to)
-the five GGUF files in `out/gguf/` through `mm3.convert`. Only torch, safetensors and json are
+the five GGUF files in `out/gguf/` through `mm3.tools.convert`. Only torch, safetensors and json are
 used: diffusers and transformers are not needed to build it.
 
 Vocabulary variants:

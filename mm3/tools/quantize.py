@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .components import ARCHITECTURES, DESCRIPTIONS
-from .gguf.errors import ComponentError
-from .gguf.ops import FLOAT_TYPES
-from .gguf.reader import GGUFFile
-from .gguf.writer import Writer, copy_metadata, write_streaming
+from ..components import ARCHITECTURES, DESCRIPTIONS
+from ..gguf.errors import ComponentError
+from ..gguf.ops import FLOAT_TYPES
+from ..gguf.reader import GGUFFile
+from ..gguf.writer import Writer, copy_metadata, write_streaming
 
 Q = GGMLQuantizationType
 
@@ -54,7 +54,7 @@ def choose_type(kind: str, name: str, shape: tuple[int, ...], mix: str) -> GGMLQ
 def _encode(values: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarray:
     if qtype == Q.F32:
         return values.float().numpy()
-    from .gguf.encode import quantize
+    from ..gguf.encode import quantize
 
     return quantize(values.float().numpy(), qtype)
 
@@ -79,7 +79,7 @@ def quantize_file(src_path, dst_path, mix: str, *, progress=None, overwrite: boo
         if already:
             raise ComponentError(
                 f"{src_path} is already quantized ({', '.join(already)}); quantize from the native file")
-        from .gguf.encode import WRITABLE_TYPES
+        from ..gguf.encode import WRITABLE_TYPES
 
         plan = {n: choose_type(kind, n, t.shape, mix) for n, t in src.tensors.items()}
         for n, qt in plan.items():

@@ -24,21 +24,15 @@ import gguf
 import numpy as np
 import torch
 
-from .gguf.writer import Writer, write_streaming
+from ..components import BY_FOLDER
+from ..gguf.writer import Writer, write_streaming
 from .safetensors_raw import TensorEntry, load_entries
 
 logger = logging.getLogger(__name__)
 
-# subfolder -> (architecture, general.name). Names as minimaxmusic.cpp's convert.py writes them.
-COMPONENTS = {
-    "language_model": ("mm3-lm", "MiniMax-Music3 global LM (Qwen3 8B)"),
-    "rvq_depth_decoder": ("mm3-depth", "MiniMax-Music3 RVQ depth decoder"),
-    "condition_encoder": ("mm3-cond", "MiniMax-Music3 condition encoder"),
-    "transformer": ("mm3-dit", "MiniMax-Music3 flow matching DiT"),
-    "vocoder": ("mm3-vae", "MiniMax-Music3 Flow-VAE"),
-}
-ALIASES = {"lm": "language_model", "depth": "rvq_depth_decoder", "cond": "condition_encoder",
-           "dit": "transformer", "vae": "vocoder"}
+# subfolder -> (architecture, general.name), from the component table.
+COMPONENTS = {folder: (s.arch, s.general_name) for folder, s in BY_FOLDER.items()}
+ALIASES = {s.kind: s.folder for s in BY_FOLDER.values()}
 NATIVE = ("language_model", "rvq_depth_decoder", "transformer")  # copied byte for byte
 
 # Constructor defaults of the diffusers 0.42.1 classes, which equal the released checkpoint

@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..components import COMPONENTS
+from ..errors import MM3Error
+
 REPO = "Serveurperso/MiniMax-Music3-GGUF"
 DEFAULT_ENDPOINT = "https://huggingface.co"
-COMPONENT_FILES = ("language_model", "rvq_depth_decoder", "condition_encoder", "transformer", "vocoder")
+COMPONENT_FILES = tuple(s.folder for s in COMPONENTS.values())
 
 # The published sets (SPEC section 2): the type of each component file.
 SETS = {
@@ -36,8 +39,11 @@ SETS = {
 CHUNK = 1 << 20
 
 
-class DownloadError(RuntimeError):
-    pass
+class DownloadError(MM3Error, RuntimeError):
+    """A file that could not be fetched or verified (offline, missing, checksum); nothing is left
+    under the final name."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -176,12 +182,8 @@ def run(args) -> int:
         if done >= total:
             bar.close()
 
-    try:
-        paths = download_set(args.set, args.dir, endpoint=args.endpoint, revision=args.revision,
-                             progress=progress, log=lambda m: print(m, file=sys.stderr))
-    except DownloadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    paths = download_set(args.set, args.dir, endpoint=args.endpoint, revision=args.revision,
+                         progress=progress, log=lambda m: print(m, file=sys.stderr))
     for p in paths:
         print(p)
     return 0
