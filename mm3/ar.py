@@ -1,40 +1,71 @@
-"""The autoregressive stage: prompt -> audio codes and frame hiddens (SPEC section 4).
+"""The autoregressive stage: prompt -> audio codes and frame hiddens.
 
-`plan` samples frame by frame exactly as diffusers' `MiniMaxMusic3AutoregressiveStep`: the LM
-(batch of [cond, uncond] rows per song) proposes the semantic code under CFG with a conditional
-top-k pre-filter, the depth decoder samples the 7 acoustic codes under CFG, and the frame is fed
-back as one summed embedding. Each song of a batch has its own generator (`lm_seed + i`), so a song
-is the same alone or in a batch. `replay` rebuilds the frame hiddens of known codes by teacher
-forcing (one LM pass over the fed-back frames, one depth pass per frame), without sampling.
+`plan` samples frame by frame as diffusers' `MiniMaxMusic3AutoregressiveStep` does: the LM (rows
+[cond, uncond] per song) proposes the semantic code under CFG with a conditional top-k pre-filter,
+the depth decoder samples the 7 acoustic codes under CFG, and the frame is fed back to the LM as one
+summed embedding. Song i draws from its own generator (`lm_seed + i`), so a song is the same alone
+or in a batch. `replay` rebuilds the frame hiddens of known codes by teacher forcing (one LM pass
+over the fed-back frames, one depth pass per frame), without sampling.
 
-Numerics: with `reference_numerics=True` every tensor op has the reference's shapes (full LM head,
-depth decoder re-run over the whole sequence at each step), which on CPU float32 reproduces its
-hidden states bit for bit, hence its codes for the same generator. The default computes only the
-LM-head rows of candidates and keeps a depth KV cache: the same numbers up to float rounding.
+There is one decode path. `FrameSampler.step` runs one frame of every song with the models' own
+forwards: the LM decodes one position of its static KV cache, written at a position held on the
+device, and the draws come in as tensors. Nothing in a frame waits for the host, so the step can be
+compiled or captured as a CUDA graph. The host loop around it (`_sample_frames`) makes the random
+draws on the songs' CPU generators, which is how the reference draws. It reads each frame's END
+flags one frame late and rewinds a generator that drew for a frame after its END.
 
-Engines: "plain" is the loop below, written with the model's own layers; "fast" runs each frame as
-one function over packed weights (`mm3.fast`: fused projections, decode-shaped products, END read
-one frame late, no host wait inside a frame), same numbers up to float rounding; "auto" (default)
-takes "fast" unless `reference_numerics` is set or the models use other `ops` layers.
+The models' numerics, chosen when they are loaded (`Qwen3LM.load(numerics=...)`), decide the op
+shapes:
+- "reference": separate products, the whole LM head, and the depth decoder re-run over the whole
+  sequence at each step, as the reference does. On the CPU in float32 this reproduces the
+  reference's hidden states bit for bit, hence its codes for the same generator.
+- "fast": fused products, only the head rows the sampler can draw, and a depth KV cache. The
+  numbers are the same up to float rounding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .codes import AudioCodes
-from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES
+from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
+from .device import ar_weight_budget, model_device
 from .errors import RunError
-from .fast.onednn import onednn_matmul
+from .gguf.ops import cache_dequantized, dequantized_nbytes, release_dequantized
+from .matmul import CPU_SCRATCH, onednn_matmul
 from .models.depth import RVQDepthDecoder
-from .models.lm import Qwen3LM
+from .models.lm import KVCache, Qwen3LM
 from .progress import Cancelled, Progress
 from .prompt import Prompt
-from .sampling import guide, make_generator, resolve_seed, sample_top_k, semantic_logits
+from .sampling import exponential_draws, exponential_tail, guide, kth_largest, make_generator, resolve_seed, top_k_probs
+
+_NEG_INF = -float("inf")
+MIN_KV_BUCKET = 256  # shortest attention length of a compiled step (lengths go up in powers of two)
 
 
 class ZeroFramesError(RunError):
     """The LM chose END before emitting any frame."""
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What decides a plan besides the prompt: the duration cap, guidance, top-k, how many songs
+    and the seed of song 0 (None or negative: random, recorded in the result)."""
+
+    duration: float
+    lm_seed: int | None = None
+    lm_cfg: float = DEFAULT_LM_CFG
+    top_k: int = DEFAULT_TOP_K
+    songs: int = 1
+    frame_rate: float = FRAME_RATE
+
+    def __post_init__(self):
+        if self.top_k < 1:
+            raise ValueError(f"lm_top_k must be at least 1, got {self.top_k}")
+        if not 1 <= self.songs <= MAX_SONGS:
+            raise ValueError(f"lm_batch_size must be between 1 and {MAX_SONGS}, got {self.songs}")
 
 
 def max_frames_for(duration: float, prompt_tokens: int, lm_context: int, frame_rate: float = FRAME_RATE) -> int:
@@ -57,17 +88,13 @@ def _check_pair(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt):
     if prompt.codes.lm_vocab_size != lm.vocab_size:
         raise ValueError(f"the prompt was built for an LM vocabulary of {prompt.codes.lm_vocab_size}, "
                          f"this LM has {lm.vocab_size}")
+    if lm.numerics != depth.numerics:
+        raise ValueError(f"the LM was loaded for {lm.numerics!r} numerics and the depth decoder for "
+                         f"{depth.numerics!r}; load both the same way")
 
 
-class _Song:
-    def __init__(self, generator, seed):
-        self.generator, self.seed = generator, seed
-        self.codes: list[torch.Tensor] = []  # [num_codebooks] per sampled frame (frame 0 included)
-        self.hiddens: list[torch.Tensor] = []  # [num_codebooks, H] per emitted frame
-        self.active, self.ended = True, False
-
-
-def _frame_feedback(lm, depth, frame_codes: torch.Tensor, off: int, dtype) -> torch.Tensor:
+def frame_feedback(lm: Qwen3LM, depth: RVQDepthDecoder, frame_codes: torch.Tensor, off: int,
+                   dtype: torch.dtype) -> torch.Tensor:
     """[rows, num_codebooks] codes -> LM input [rows, 1, H]: (LM embedding of the semantic id + the
     acoustic embeddings) * num_codebooks ** -0.5, in the reference's operation order."""
     emb = lm.embed(frame_codes[:, :1] + off, dtype)  # [rows, 1, H]
@@ -76,187 +103,297 @@ def _frame_feedback(lm, depth, frame_codes: torch.Tensor, off: int, dtype) -> to
     return (emb + extra.to(emb.dtype)) * depth.num_codebooks ** -0.5
 
 
-@torch.no_grad()
-def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, *, duration: float, lm_seed: int | None = None,
-         lm_cfg: float = DEFAULT_LM_CFG, top_k: int = DEFAULT_TOP_K, lm_batch_size: int = 1,
-         generators: list[torch.Generator] | torch.Generator | None = None, progress: Progress | None = None,
-         dtype: torch.dtype = torch.float32, reference_numerics: bool = False,
-         frame_rate: float = FRAME_RATE, engine: str = "auto", cache_budget: int | None = None,
-         compile: bool = False) -> list[AudioCodes]:
-    """Sample `lm_batch_size` songs for `prompt`; returns one AudioCodes per song (codes [F+1, ncb],
-    frame hiddens [F, ncb, H] in `dtype`, `ended_naturally` when the LM chose END before the cap).
+class FrameSampler:
+    """One AR frame of every song of a batch: rows [cond_0, uncond_0, cond_1, ...] of `cache`.
 
-    Song i draws from `generators[i]` if given, else from a CPU generator seeded `lm_seed + i`
-    (`lm_seed` None or negative: random, recorded in the result); a CPU generator reproduces the
-    reference's draws, and the same generator can go on to draw the DiT noise afterwards. `duration` caps the frames
-    (see `max_frames_for`). `progress.on_progress("ar", frames, max_frames, info)` runs after every
-    frame and `progress.should_stop()` before every frame (True raises `Cancelled`). `engine`:
-    "auto", "fast" or "plain" (module docstring); `cache_budget` (bytes of dequantized weight
-    copies, None = automatic) and `compile` (torch.compile the frame step) apply to "fast".
+    `last` [rows, H] is the state between frames (the final-normed LM hidden of every row).
+    `step(q_sem [songs, C], q_dep [songs, ncb - 1, audio_vocab])` samples a frame for every song
+    from those Exponential(1) draws (`torch.multinomial`'s draw: argmax(p / q)), feeds it back
+    through the LM and returns (codes [songs, ncb] int64, end [songs] bool, hidden [songs, ncb, H]:
+    the LM hidden that predicted the frame, then the 7 conditional depth states). C = the head rows
+    `lm.head_ids`; ids there that are neither END nor a semantic code are never drawn.
     """
-    if top_k < 1:
-        raise ValueError(f"lm_top_k must be at least 1, got {top_k}")
-    if lm_batch_size < 1:
-        raise ValueError(f"lm_batch_size must be at least 1, got {lm_batch_size}")
+
+    def __init__(self, lm: Qwen3LM, depth: RVQDepthDecoder, codes, cache: KVCache, settings: PlanSettings,
+                 dtype: torch.dtype, device: torch.device):
+        self.lm, self.depth, self.cache, self.dtype = lm, depth, cache, dtype
+        self.cfg, self.top_k = float(settings.lm_cfg), int(settings.top_k)
+        self.code_offset, self.end_id = codes.code_offset, codes.end_id
+        self.head_start, head_stop = lm.head_ids
+        ids = torch.arange(self.head_start, head_stop)
+        candidate = (ids == codes.end_id) | ((ids >= codes.code_offset) & (ids < codes.code_offset + codes.num_semantic))
+        self.not_candidate = None if bool(candidate.all()) else (~candidate).to(device)
+        rows = cache.rows
+        self.ncb = depth.num_codebooks
+        # The reference re-runs the depth decoder over the whole sequence at every step.
+        self.depth_cache = None if depth.numerics == "reference" else depth.new_cache(rows, dtype, device)
+        self.last = torch.zeros(rows, lm.hidden_size, dtype=dtype, device=device)
+
+    def _semantic(self, q_sem: torch.Tensor):
+        """CFG over the head rows, kept where the conditional logit is in its top-k (ties kept)."""
+        logits = self.lm.head(self.last).float()  # [rows, C]
+        c, u = logits[0::2], logits[1::2]
+        mask = self.not_candidate
+        if mask is not None:
+            c, u = c.masked_fill(mask, _NEG_INF), u.masked_fill(mask, _NEG_INF)
+        guided = guide(c, u, self.cfg).masked_fill(c < kth_largest(c, self.top_k), _NEG_INF)
+        if mask is not None:  # guidance of two -inf values is NaN
+            guided = guided.masked_fill(mask, _NEG_INF)
+        pick = torch.argmax(top_k_probs(guided, self.top_k) / q_sem, dim=-1)  # [songs]
+        return pick + self.head_start
+
+    def _depth(self, x: torch.Tensor, seq: list[torch.Tensor]) -> torch.Tensor:
+        """The depth state after appending x [rows, s, H] to the sequence: [rows, H]."""
+        if self.depth_cache is None:
+            seq.append(x)
+            return self.depth(torch.cat(seq, dim=1))[:, -1]
+        return self.depth(x, self.depth_cache)[:, -1]
+
+    def step(self, q_sem: torch.Tensor, q_dep: torch.Tensor):
+        lm, depth, dt, last = self.lm, self.depth, self.dtype, self.last
+        token = self._semantic(q_sem)
+        end = token == self.end_id
+        sem = (token - self.code_offset).clamp_min(0)  # an END row carries code 0; the host drops it
+        # Acoustic codes c1..c7: the depth sequence [proj(last), proj(c0 embedding), proj(c1), ...].
+        sem_emb = lm.embed(sem.repeat_interleave(2) + self.code_offset, dt)  # [rows, H]
+        x = torch.cat((depth.projection(last)[:, None], depth.projection(sem_emb)[:, None]), dim=1)
+        seq: list[torch.Tensor] = []
+        if self.depth_cache is not None:
+            self.depth_cache.reset()
+        codes, hiddens = [sem], []
+        for j in range(1, self.ncb):
+            h = self._depth(x, seq)  # [rows, H]
+            hiddens.append(h[0::2])
+            lg = depth.audio_heads[j - 1](h).float()  # [rows, audio_vocab]
+            code = torch.argmax(top_k_probs(guide(lg[0::2], lg[1::2], self.cfg), self.top_k) / q_dep[:, j - 1],
+                                dim=-1)  # [songs]
+            codes.append(code)
+            if j < self.ncb - 1:
+                x = depth.projection(depth.code_embedding(code.repeat_interleave(2), j, dt))[:, None]
+        frame = torch.stack(codes, dim=1)  # [songs, ncb]
+        hidden = torch.cat((last[0::2, None], torch.stack(hiddens, dim=1)), dim=1)  # [songs, ncb, H]
+        # Feedback at the next position of every row.
+        fed = frame_feedback(lm, depth, frame.repeat_interleave(2, dim=0), self.code_offset, dt)
+        self.last = lm(fed, self.cache)[:, -1]
+        return frame, end, hidden
+
+
+def kv_bucket(n_keys: int, max_len: int) -> int:
+    """Attention length of a compiled step for `n_keys` filled positions: a power of two >= it."""
+    b = MIN_KV_BUCKET
+    while b < n_keys:
+        b *= 2
+    return min(b, max_len)
+
+
+class _EndFlags:
+    """END flags of launched frames, copied to the host without waiting for them."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.pending = device, {}
+
+    def put(self, frame: int, end: torch.Tensor):
+        if self.device.type == "cuda":
+            host = torch.empty(end.shape, dtype=end.dtype, pin_memory=True)
+            host.copy_(end, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending[frame] = (host, event)
+        else:
+            self.pending[frame] = (end.to("cpu"), None)
+
+    def take(self, frame: int) -> list[bool]:
+        host, event = self.pending.pop(frame)
+        if event is not None:
+            event.synchronize()
+        return host.tolist()
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class _Draws:
+    """Each frame's Exponential(1) draws for every song, made on the songs' CPU generators exactly as
+    the reference consumes them: one over the whole LM vocabulary for the semantic code (only the
+    head rows' part is kept; the rest is skipped cheaply where that is exact) and one over the
+    audio vocabulary per acoustic code."""
+
+    def __init__(self, generators: list[torch.Generator], vocab: int, head: tuple[int, int], ncb: int, audio_vocab: int):
+        self.generators, self.vocab, self.ncb, self.audio_vocab = generators, vocab, ncb, audio_vocab
+        self.start, self.width = head[0], head[1] - head[0]
+        self.ones_sem, self.ones_dep = torch.ones(1, self.width), torch.ones(ncb - 1, audio_vocab)
+
+    def semantic(self, g: torch.Generator) -> torch.Tensor:
+        return exponential_tail(self.vocab, self.start, g)[:, :self.width]
+
+    def frame(self, active: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        sem, dep = [], []
+        for g, on in zip(self.generators, active):
+            if not on:  # an ended song draws nothing; its rows compute on placeholders
+                sem.append(self.ones_sem)
+                dep.append(self.ones_dep)
+                continue
+            sem.append(self.semantic(g))
+            dep.append(torch.cat([exponential_draws(self.audio_vocab, g) for _ in range(self.ncb - 1)]))
+        return torch.cat(sem), torch.stack(dep)  # [songs, C], [songs, ncb - 1, audio_vocab]
+
+
+def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, device: torch.device,
+                   progress: Progress, compile: bool = False,
+                   static_shapes: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Frames 0 .. max_frames (frame 0 is fed back, not emitted) of every song until it ends.
+    Returns per song (codes [n + 1, ncb] on the CPU, frame hiddens [n, ncb, H], ended_naturally).
+    `static_shapes` (implied by `compile`): the LM attends over power-of-two lengths of its cache
+    with the unfilled positions masked, so the step's shapes change only at those lengths."""
+    gens, cache = draws.generators, sampler.cache
+    n_songs, ncb, hidden_size = len(gens), sampler.ncb, sampler.lm.hidden_size
+    codes_buf = torch.zeros(max_frames + 1, n_songs, ncb, dtype=torch.long, device=device)
+    hid_buf = torch.zeros(max_frames + 1, n_songs, ncb, hidden_size, dtype=sampler.dtype, device=device)
+    step = sampler.step
+    if compile:
+        step = torch.compile(sampler.step, mode="reduce-overhead" if device.type == "cuda" else None, dynamic=False)
+
+    active, ended = [True] * n_songs, [False] * n_songs
+    emitted, last_frame = [0] * n_songs, [-1] * n_songs
+    snaps: dict[int, list] = {}  # frame -> each song's generator state before that frame's draws
+    flags = _EndFlags(device)
+
+    def launch(f: int):
+        snaps[f] = [g.get_state() if active[i] else None for i, g in enumerate(gens)]
+        q_sem, q_dep = draws.frame(active)
+        if compile or static_shapes:
+            cache.bucket = kv_bucket(cache.length + 1, cache.max_len)
+        codes, end, hidden = step(_to_device(q_sem, device), _to_device(q_dep, device))
+        codes_buf[f].copy_(codes)
+        hid_buf[f].copy_(hidden)
+        flags.put(f, end)
+
+    def process(f: int):
+        end = flags.take(f)
+        recorded = False
+        for i, g in enumerate(gens):
+            if not active[i] or snaps[f][i] is None:
+                continue
+            if end[i]:  # undo this frame's depth draws and any later frame's, keep the semantic draw
+                g.set_state(snaps[f][i])
+                draws.semantic(g)
+                active[i], ended[i] = False, True
+                continue
+            last_frame[i], recorded = f, True
+            if f > 0:
+                emitted[i] += 1
+                active[i] = emitted[i] < max_frames
+        snaps.pop(f - 1, None)
+        if recorded:
+            progress.on_progress("ar", max(emitted), max_frames,
+                                 {"frame": f, "songs": n_songs, "active": sum(active)})
+
+    launched = done = 0
+    try:
+        while True:
+            can_launch = launched <= max_frames and any(active)
+            if not can_launch and done >= launched:
+                break
+            if progress.should_stop():
+                raise Cancelled(f"AR cancelled before frame {done} of {max_frames}")
+            if can_launch:
+                launch(launched)
+                launched += 1
+                if done < launched - 1:  # the previous frame's flags: one frame late
+                    process(done)
+                    done += 1
+            else:
+                process(done)
+                done += 1
+    finally:
+        cache.bucket = None
+    codes_cpu = codes_buf[:max(launched, 1)].cpu()
+    out = []
+    for i in range(n_songs):
+        n = last_frame[i] + 1  # frames 0 .. last recorded
+        hiddens = hid_buf[1:n, i]
+        whole = n_songs == 1 and n == hid_buf.shape[0]  # then a contiguous view of nearly all the buffer
+        out.append((codes_cpu[:n, i].clone(), hiddens if whole else hiddens.clone(), ended[i]))
+    return out
+
+
+@torch.no_grad()
+def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings, *,
+         device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+         generators: list[torch.Generator] | torch.Generator | None = None, progress: Progress | None = None,
+         weight_budget: int | None = None, compile: bool = False) -> list[AudioCodes]:
+    """Sample `settings.songs` songs for `prompt`; returns one AudioCodes per song (codes [F+1, ncb],
+    frame hiddens [F, ncb, H] in `dtype` on `device`, `ended_naturally` when the LM chose END before
+    the cap).
+
+    Song i draws from `generators[i]` if given (CPU generators reproduce the reference's draws, and
+    the same generator can go on to draw the DiT noise), else from a CPU generator seeded
+    `lm_seed + i`. The duration caps the frames (`max_frames_for`). `device`: where to compute
+    (default: where the LM's first weight lives; weights elsewhere are fetched per use).
+    `progress.on_progress("ar", frames, max_frames, info)` runs after every frame and
+    `progress.should_stop()` before every frame (True raises `Cancelled`). `weight_budget`: bytes of
+    dequantized weight copies to keep for the call (None: `mm3.device.ar_weight_budget`, 0: none).
+    `compile`: run the frame step through torch.compile (static shapes; CUDA graphs on CUDA).
+    """
     _check_pair(lm, depth, prompt)
-    fast = _use_fast(engine, reference_numerics, lm, depth)
+    device = model_device(lm) if device is None else torch.device(device)
     progress = progress or Progress()
-    n_songs = lm_batch_size
+    n_songs = settings.songs
     if generators is not None:
         gens = [generators] if isinstance(generators, torch.Generator) else list(generators)
         if len(gens) != n_songs:
             raise ValueError(f"{len(gens)} generators for lm_batch_size {n_songs}")
-        seeds = [None if lm_seed is None else lm_seed + i for i in range(n_songs)]
+        seeds = [None if settings.lm_seed is None else settings.lm_seed + i for i in range(n_songs)]
     else:
-        base = resolve_seed(lm_seed)
+        base = resolve_seed(settings.lm_seed)
         seeds = [base + i for i in range(n_songs)]
         gens = [make_generator(s) for s in seeds]
-    songs = [_Song(g, s) for g, s in zip(gens, seeds)]
 
     cs = prompt.codes
-    device = lm.device
     n_prompt = prompt.num_tokens
-    max_frames = max_frames_for(duration, n_prompt, lm.max_positions, frame_rate)
-
-    # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
-    # One spare position: the fast engine feeds back the last frame too.
-    cache = lm.new_cache(2, n_prompt + max_frames + 1, dtype)
-    last = lm(lm.embed(prompt.ids.to(device), dtype), cache)[:, -1]  # [2, H], final-normed
-    if n_songs > 1:
-        cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
-    if fast:
-        from .fast.plan import sample_frames
-
-        results = sample_frames(lm, depth, cs, cache, last, gens, max_frames=max_frames, lm_cfg=lm_cfg, top_k=top_k,
-                                dtype=dtype, progress=progress, cache_budget=cache_budget, compile=compile)
-        for song, (codes, hiddens, ended) in zip(songs, results):
-            song.codes, song.hiddens, song.ended = codes, hiddens, ended  # whole tensors: nothing to stack
-        return _results(songs, prompt)
-
-    if reference_numerics:
-        mask = torch.ones(lm.vocab_size, dtype=torch.bool, device=device)
-        mask[cs.code_offset:cs.code_offset + cs.num_semantic] = False
-        mask[cs.end_id] = False
-        columns, ranges, candidate_ids = None, None, None
-    else:  # only END and the code rows of the head: same candidates, ~12x fewer rows for the released LM
-        ranges = sorted([(cs.end_id, cs.end_id + 1), (cs.code_offset, cs.code_offset + cs.num_semantic)])
-        columns = torch.cat([torch.arange(a, b) for a, b in ranges])  # CPU: it indexes the CPU draws
-        candidate_ids = columns.tolist()
-        mask = None
-    depth_cache = None if reference_numerics else depth.new_cache(2 * n_songs, dtype)
-
-    for fi in range(max_frames + 1):
-        if progress.should_stop():
-            raise Cancelled(f"AR cancelled before frame {fi} of {max_frames}")
-        # 1. semantic code per song
-        if reference_numerics:
-            logits = lm.logits(last).float()
-        else:
-            logits = lm.logits_rows(last, ranges).float()
-        sem = torch.zeros(2 * n_songs, dtype=torch.long, device=device)
-        for i, song in enumerate(songs):
-            if not song.active:
-                continue
-            guided = semantic_logits(logits[2 * i:2 * i + 1], logits[2 * i + 1:2 * i + 2], mask, lm_cfg, top_k)
-            tok = int(sample_top_k(guided, top_k, song.generator, columns, lm.vocab_size).item())
-            if columns is not None:
-                tok = candidate_ids[tok]
-            if tok == cs.end_id:
-                song.active, song.ended = False, True
-                continue
-            sem[2 * i:2 * i + 2] = tok - cs.code_offset
-        if not any(s.active for s in songs):
-            break
-
-        # 2. acoustic codes c1..c7 with the depth decoder (all rows; inactive songs carry dummy codes)
-        frame_codes, depth_hidden = _depth_frame(lm, depth, last, sem, cs.code_offset, songs, lm_cfg, top_k, dtype,
-                                                depth_cache)
-
-        # 3. record; frame 0 is fed back but not emitted
-        for i, song in enumerate(songs):
-            if not song.active:
-                continue
-            song.codes.append(frame_codes[2 * i])
-            if fi > 0:
-                song.hiddens.append(torch.cat([last[2 * i:2 * i + 1], depth_hidden[2 * i]]))  # [ncb, H]
-                if len(song.hiddens) >= max_frames:
-                    song.active = False
-        progress.on_progress("ar", max(len(s.hiddens) for s in songs), max_frames,
-                             {"frame": fi, "songs": n_songs, "active": sum(s.active for s in songs)})
-        if not any(s.active for s in songs):
-            break
-
-        # 4. feedback: the frame's summed embedding at the next position of every row
-        last = lm(_frame_feedback(lm, depth, frame_codes, cs.code_offset, dtype), cache)[:, -1]
-
-    return _results(songs, prompt)
-
-
-ENGINES = ("auto", "fast", "plain")
-
-
-def _use_fast(engine: str, reference_numerics: bool, lm, depth) -> bool:
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "plain" or (engine == "auto" and reference_numerics):
-        return False
-    from .fast.frame import supports
-
-    why = supports(lm, depth)
-    if engine == "fast" and (reference_numerics or why):
-        raise ValueError("engine 'fast' cannot run " + ("with reference_numerics" if reference_numerics else why))
-    return why is None
-
-
-def _results(songs: list[_Song], prompt: Prompt) -> list[AudioCodes]:
+    max_frames = max_frames_for(settings.duration, n_prompt, lm.max_positions, settings.frame_rate)
+    budget = ar_weight_budget(device) if weight_budget is None else int(weight_budget)
+    own = budget > 0 and dequantized_nbytes([depth, lm]) == 0  # copies someone else keeps are left alone
+    if own:  # the depth decoder runs 7 times a frame: its weights first
+        cache_dequantized([depth, lm], dtype, budget, device)
+    try:
+        # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
+        # One spare position: the last frame is fed back too.
+        cache = lm.new_cache(2, n_prompt + max_frames + 1, dtype, device)
+        last = lm(lm.embed(prompt.ids.to(device), dtype), cache)[:, -1]  # [2, H], final-normed
+        if n_songs > 1:
+            cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
+        sampler = FrameSampler(lm, depth, cs, cache, settings, dtype, device)
+        sampler.last = last
+        draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab)
+        results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
+                                 compile=compile)
+    finally:
+        if own:
+            release_dequantized([depth, lm])
+        CPU_SCRATCH.clear()
     out = []
-    for i, song in enumerate(songs):
-        if len(song.hiddens) == 0:
-            raise ZeroFramesError(f"song {i} (lm_seed {song.seed}) generated zero audio frames: the LM ended "
+    for i, (codes, hiddens, ended) in enumerate(results):
+        if hiddens.shape[0] == 0:
+            raise ZeroFramesError(f"song {i} (lm_seed {seeds[i]}) generated zero audio frames: the LM ended "
                                   "the song at once; try another seed or prompt")
-        stack = (lambda x: x) if isinstance(song.codes, torch.Tensor) else torch.stack
-        codes = stack(song.codes).cpu()  # [F + 1, ncb]
-        out.append(AudioCodes(codes, stack(song.hiddens), prompt, song.seed, song.ended))
+        out.append(AudioCodes(codes, hiddens, prompt, seeds[i], ended))
     return out
-
-
-def _depth_frame(lm, depth, last, sem, off, songs, lm_cfg, top_k, dtype, cache):
-    """Acoustic codes of one frame for every row pair. Returns codes [rows, ncb] (rows of a pair
-    equal) and the conditional depth hiddens [rows, ncb - 1, H] (valid at even rows)."""
-    rows, ncb = last.shape[0], depth.num_codebooks
-    codes = torch.zeros(rows, ncb, dtype=torch.long, device=last.device)
-    codes[:, 0] = sem
-    seq = [depth.projection(last)[:, None], depth.projection(lm.embed(sem + off, dtype))[:, None]]
-    if cache is not None:
-        cache.reset()
-        new = torch.cat(seq, dim=1)
-    hiddens = []
-    for j in range(1, ncb):
-        if cache is None:
-            h = depth(torch.cat(seq, dim=1))[:, -1]  # the reference re-runs the whole sequence
-        else:
-            h = depth.extend(new, cache)[:, -1]
-        hiddens.append(h)
-        logits = depth.audio_heads[j - 1](h)
-        for i, song in enumerate(songs):
-            if song.active:
-                c, u = logits[2 * i:2 * i + 1].float(), logits[2 * i + 1:2 * i + 2].float()
-                codes[2 * i:2 * i + 2, j] = sample_top_k(guide(c, u, lm_cfg), top_k, song.generator)
-        if j < ncb - 1:
-            new = depth.projection(depth.code_embedding(codes[:, j], j, dtype))[:, None]
-            seq.append(new)
-    return codes, torch.stack(hiddens, dim=1)
 
 
 @torch.no_grad()
 def replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, codes: torch.Tensor, *,
-           dtype: torch.dtype = torch.float32, chunk: int = 512, progress: Progress | None = None,
-           lm_seed: int | None = None) -> AudioCodes:
+           device: torch.device | None = None, dtype: torch.dtype = torch.float32, chunk: int = 512,
+           progress: Progress | None = None, lm_seed: int | None = None, ended: bool = False) -> AudioCodes:
     """Frame hiddens of known codes [F + 1, ncb] by teacher forcing: prefill the conditional prompt,
     one LM pass over the fed-back frames 0 .. F - 1 (the hidden after frame k - 1 predicted frame k),
     then for each frame k >= 1 one causal depth pass over [LM hidden, c0, c1 .. c6] whose positions
     1 .. 7 are the depth states. Processed in chunks of `chunk` frames (cancel check between them)."""
     _check_pair(lm, depth, prompt)
+    device = model_device(lm) if device is None else torch.device(device)
     progress = progress or Progress()
     cs, ncb = prompt.codes, depth.num_codebooks
     codes = codes.cpu().long()
@@ -265,28 +402,45 @@ def replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, codes: torch.Ten
     limits = torch.tensor([cs.num_semantic] + [depth.audio_vocab] * (ncb - 1))
     if ((codes < 0) | (codes >= limits)).any():
         raise ValueError(f"codes out of range (c0 < {cs.num_semantic}, c1.. < {depth.audio_vocab})")
-    device, n = lm.device, codes.shape[0] - 1
+    n = codes.shape[0] - 1
     n_prompt = prompt.num_tokens
     if n_prompt + n > lm.max_positions:
         raise ValueError(f"{n} frames after a {n_prompt}-token prompt exceed the LM context {lm.max_positions}")
     codes_d = codes.to(device)
-    with onednn_matmul(device):  # chunks of frames: GEMMs, where oneDNN beats MKL (mm3.fast.onednn)
-        cache = lm.new_cache(1, n_prompt + n, dtype)
-        lm(lm.embed(prompt.ids[:1].to(device), dtype), cache)
+    try:
+        with onednn_matmul(device):  # chunks of frames: GEMMs, where oneDNN beats MKL (mm3.matmul)
+            cache = lm.new_cache(1, n_prompt + n, dtype, device)
+            lm(lm.embed(prompt.ids[:1].to(device), dtype), cache)
 
-        out = torch.empty(n, ncb, lm.hidden_size, dtype=dtype, device=device)
-        for a in range(0, n, chunk):
-            if progress.should_stop():
-                raise Cancelled(f"replay cancelled at frame {a} of {n}")
-            b = min(a + chunk, n)
-            fed = _frame_feedback(lm, depth, codes_d[a:b], cs.code_offset, dtype)  # frames a .. b-1: [m, 1, H]
-            hid = lm(fed.transpose(0, 1), cache)[0]  # [m, H]: hidden after frame k predicts frame k + 1
-            nxt = codes_d[a + 1:b + 1]  # the frames those hiddens predicted
-            seq = [depth.projection(hid)[:, None],
-                   depth.projection(lm.embed(nxt[:, 0] + cs.code_offset, dtype))[:, None]]
-            seq += [depth.projection(depth.code_embedding(nxt[:, j], j, dtype))[:, None] for j in range(1, ncb - 1)]
-            states = depth(torch.cat(seq, dim=1))  # [m, ncb, H]
-            out[a:b, 0] = hid
-            out[a:b, 1:] = states[:, 1:]
-            progress.on_progress("replay", b, n, {"frames": n})
-    return AudioCodes(codes.cpu(), out, prompt, lm_seed, False)
+            out = torch.empty(n, ncb, lm.hidden_size, dtype=dtype, device=device)
+            for a in range(0, n, chunk):
+                if progress.should_stop():
+                    raise Cancelled(f"replay cancelled at frame {a} of {n}")
+                b = min(a + chunk, n)
+                fed = frame_feedback(lm, depth, codes_d[a:b], cs.code_offset, dtype)  # frames a .. b-1: [m, 1, H]
+                hid = lm(fed.transpose(0, 1), cache)[0]  # [m, H]: hidden after frame k predicts frame k + 1
+                nxt = codes_d[a + 1:b + 1]  # the frames those hiddens predicted
+                seq = [depth.projection(hid)[:, None],
+                       depth.projection(lm.embed(nxt[:, 0] + cs.code_offset, dtype))[:, None]]
+                seq += [depth.projection(depth.code_embedding(nxt[:, j], j, dtype))[:, None] for j in range(1, ncb - 1)]
+                states = depth(torch.cat(seq, dim=1))  # [m, ncb, H]
+                out[a:b, 0] = hid
+                out[a:b, 1:] = states[:, 1:]
+                progress.on_progress("replay", b, n, {"frames": n})
+    finally:
+        CPU_SCRATCH.clear()
+    return AudioCodes(codes, out, prompt, lm_seed, ended)
+
+
+def plan_and_replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings, *,
+                    device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                    progress: Progress | None = None, weight_budget: int | None = None) -> list[AudioCodes]:
+    """Sample the songs, then rebuild each one's hiddens from its codes by teacher forcing.
+
+    The synthesis then depends on the codes alone (sampled and replayed hiddens differ by float
+    rounding of the batch shape only), so a song's codes, saved and rendered again, give the same
+    audio bit for bit."""
+    songs = plan(lm, depth, prompt, settings, device=device, dtype=dtype, progress=progress,
+                 weight_budget=weight_budget)
+    return [replay(lm, depth, prompt, s.codes, device=device, dtype=dtype, progress=progress, lm_seed=s.lm_seed,
+                   ended=s.ended_naturally) for s in songs]

@@ -35,20 +35,23 @@ def stitched_length(latent_lengths: list[int], hop: int) -> int:
 
 @torch.no_grad()
 def decode_windows(vocoder, windows: list[torch.Tensor], *, hop: int | None = None, max_rows: int = 2,
-                   dtype: torch.dtype | None = None, progress: Progress | None = None) -> torch.Tensor:
-    """Decode each window's latents [B, C, L_k] and stitch them: -> [B, 2, T] float32 on the latents' device.
+                   device=None, dtype: torch.dtype | None = None,
+                   progress: Progress | None = None) -> list[torch.Tensor]:
+    """Decode each window's latents [B, C, L_k] whole: -> per window [B, 2, hop * L_k] float32 on
+    `device` (default: the latents'), for `stitch`.
 
     hop: the condition encoder's output_hop_length (the reference crops in its units); it must equal
     the vocoder's upsampling factor. max_rows: most mono streams (B x 2 sides) per vocoder call.
     The default 2 decodes each song's two sides together, the batch the reference uses, so a
     variation decodes to the same samples alone or in a batch (CPU convolutions pick kernels by
     batch size, and rounding differences grow through the layers); 1 halves the peak memory.
+    dtype: the vocoder's compute dtype (default: its weights' float type, else float32).
     """
     if hop is not None and hop != vocoder.hop:
         raise ValueError(f"condition encoder hop {hop} != vocoder upsampling factor {vocoder.hop}")
     progress = progress or Progress()
     if dtype is None:
-        dtype = next(iter(vocoder.buffers())).dtype
+        dtype = next(iter(vocoder.parameters())).dtype
         dtype = dtype if dtype.is_floating_point else torch.float32
     waves = []
     for k, lat in enumerate(windows):
@@ -57,12 +60,13 @@ def decode_windows(vocoder, windows: list[torch.Tensor], *, hop: int | None = No
         b, c, length = lat.shape
         if c != vocoder.latent_channels:
             raise ValueError(f"window {k} latents have {c} channels, the vocoder expects {vocoder.latent_channels}")
-        rows = lat.to(dtype).reshape(b * 2, c // 2, length)  # row 2b = left, 2b + 1 = right
+        at = lat.device if device is None else torch.device(device)
+        rows = lat.to(device=at, dtype=dtype).reshape(b * 2, c // 2, length)  # row 2b = left, 2b + 1 = right
         step = max(1, int(max_rows))
         out = torch.cat([vocoder.decode_sides(rows[r:r + step]) for r in range(0, rows.shape[0], step)])
-        waves.append(out.reshape(b, 2, -1))
+        waves.append(out.reshape(b, 2, -1).float())
         progress.on_progress("vae", k + 1, len(windows), {"window": k, "windows": len(windows)})
-    return stitch(waves, vocoder.hop)
+    return waves
 
 
 @torch.no_grad()
@@ -81,7 +85,7 @@ def encode_audio(vocoder, audio: torch.Tensor, sample_rate: int, *, dtype: torch
                          f"{audio.shape[-1]} samples")
     if vocoder.encoder is None:
         return vocoder.encode(audio)  # raises: names the file without an encoder
-    x = audio.to(device=next(iter(vocoder.encoder.buffers())).device, dtype=torch.float32)
+    x = audio.to(device=next(iter(vocoder.encoder.parameters())).device, dtype=torch.float32)
     if int(sample_rate) != vocoder.sampling_rate:
         import torchaudio.functional as AF  # only this path needs torchaudio
 

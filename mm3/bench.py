@@ -250,7 +250,7 @@ def _check_room(name: str, ckpt_cfgs: dict, lm_cfg: dict, device: torch.device, 
     if free < need:
         raise SystemExit(f"config real needs about {need / 2**30:.0f} GiB of free GPU memory, {device} has "
                          f"{free / 2**30:.0f} GiB")
-    from .fast.budget import free_bytes
+    from .device import free_bytes
 
     ram, lm_ram = free_bytes(torch.device("cpu")), param_bytes({}, lm_cfg, 6)  # f32 draws + bf16 copy
     if ram is not None and ram < lm_ram:

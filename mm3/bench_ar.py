@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .ar import plan
+from .ar import PlanSettings, plan
 from .bench import PeakMemory, ratio, sync
 from .constants import FRAME_RATE
 from .progress import Progress
@@ -23,15 +23,16 @@ from .progress import Progress
 WARMUP_FRAMES = 4
 
 
-def _ours(ctx, frames: int, **kwargs):
-    """(seconds per frame, codes) of one `plan` run."""
+def _ours(ctx, frames: int, numerics: str = "fast", **kwargs):
+    """(seconds per frame, codes) of one `plan` run with the models loaded for `numerics`."""
     stamps = []
 
     def tick(*_):
         sync(ctx.device)
         stamps.append(time.perf_counter())
 
-    (song,) = plan(ctx.ours("lm"), ctx.ours("depth"), ctx.prompt(), duration=frames / FRAME_RATE, lm_seed=ctx.seed,
+    settings = PlanSettings(duration=frames / FRAME_RATE, lm_seed=ctx.seed)
+    (song,) = plan(ctx.ours("lm", numerics), ctx.ours("depth", numerics), ctx.prompt(), settings, device=ctx.device,
                    dtype=ctx.dtype, progress=Progress(on_progress=tick), **kwargs)
     return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1), song.codes
 
@@ -68,12 +69,12 @@ def _reference(ctx, frames: int):
 
 def measure(ctx, frames: int) -> dict:
     """ms per frame for each side (best of ctx.repeat interleaved runs of `frames` frames)."""
-    from .fast.budget import ar_weight_budget
+    from .device import ar_weight_budget
 
     runs = {"ours": lambda n: _ours(ctx, n, compile=ctx.compile),
-            "ours_plain": lambda n: _ours(ctx, n, engine="plain")}
+            "ours_reference_numerics": lambda n: _ours(ctx, n, "reference")}
     if ctx.ckpt.quant != ctx.ckpt.native:  # quantized: also without kept dequantized copies
-        runs["ours_per_product_dequant"] = lambda n: _ours(ctx, n, cache_budget=0)
+        runs["ours_per_product_dequant"] = lambda n: _ours(ctx, n, weight_budget=0)
     if ctx.have_reference:
         runs["diffusers"] = lambda n: _reference(ctx, n)
     for fn in runs.values():
@@ -115,7 +116,7 @@ def frame_weight_bytes(lm, depth, head_rows: int) -> int:
     from .gguf.ops import compressed_nbytes
 
     head = lm.model.embed_tokens if lm.tied else lm.lm_head
-    row = compressed_nbytes(head) // lm.vocab_size  # a GGUF row is whole blocks
+    row = compressed_nbytes(head) // (lm.vocab_size if lm.tied else head.out_features)  # a GGUF row is whole blocks
     steps = depth.num_codebooks - 1
     per_step = sum(compressed_nbytes(b) for b in depth.layers) + compressed_nbytes(depth.projection) + \
         compressed_nbytes(depth.audio_heads[0])

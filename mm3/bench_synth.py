@@ -39,12 +39,13 @@ class Context:
             c.close()
         raise FileNotFoundError(f"no {kind} file in {self.ckpt.models}")
 
-    def ours(self, kind: str):
-        if kind not in self._ours:
-            from .store import build_model
+    def ours(self, kind: str, numerics: str = "fast"):
+        key = kind if numerics == "fast" else f"{kind}:{numerics}"
+        if key not in self._ours:
+            from .models import build_model
 
-            self._ours[kind] = build_model(self.file(kind)).to(self.device).eval()
-        return self._ours[kind]
+            self._ours[key] = build_model(self.file(kind), numerics=numerics).to(self.device)
+        return self._ours[key]
 
     def prompt(self):
         from .prompt import build_prompt
@@ -114,7 +115,8 @@ class Context:
 
     def release(self, *names: str):
         for n in names:
-            self._ours.pop(n, None)
+            for key in [k for k in self._ours if k == n or k.startswith(n + ":")]:
+                self._ours.pop(key)
             self._ref.pop(n, None)
 
 
@@ -152,9 +154,9 @@ def measure_dit(ctx: Context) -> dict:
     """ms per DiT step of one full window (the CFG pair). "ours" is what mm3.flow.sample_latents
     runs by default (weights kept dequantized within the budget, oneDNN products on the CPU);
     "ours_mkl" the same with torch's default CPU GEMM; "ours_per_step_dequant" neither."""
-    from .fast.budget import dit_weight_budget
-    from .fast.onednn import onednn_matmul, pays_for
+    from .device import dit_weight_budget
     from .gguf.ops import cache_dequantized, release_dequantized
+    from .matmul import onednn_matmul, pays_for
 
     dit = ctx.ours("dit")
     x, t, cond = _window_inputs(ctx)

@@ -17,15 +17,16 @@ that drove the AR stage reproduces the reference run.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .constants import DEFAULT_DIT_CFG, DEFAULT_STEPS, MAX_VARIATIONS
 from .errors import RunError
-from .fast.budget import dit_weight_budget
-from .fast.onednn import onednn_matmul, pays_for
+from .device import dit_weight_budget, model_device
 from .gguf.ops import cache_dequantized, dequantized_nbytes, release_dequantized
+from .matmul import CPU_SCRATCH, onednn_matmul, pays_for
 from .progress import Cancelled, Progress
 
 WINDOW_FRAMES = 200  # before_denoise.py: 200-frame windows ...
@@ -83,14 +84,57 @@ def _check_args(steps, dit_cfg, seed, generator, variations):
 
 
 @torch.no_grad()
-def sample_latents(cond_encoder, dit, frame_hiddens: torch.Tensor, *, steps: int = DEFAULT_STEPS,
+def encode_conditions(cond_encoder, frame_hiddens: torch.Tensor, *, device=None, dtype: torch.dtype = torch.float32,
+                      progress: Progress | None = None) -> list[torch.Tensor]:
+    """The DiT condition of every window: [1, L_k, D] in `dtype` on `device` (default: where the
+    encoder's first weight lives), window k from the frame hiddens of window k alone (the encoder's
+    k=3 conv sees the window's edges). frame_hiddens: one song's [F, layers, hidden] (as
+    `AudioCodes.frame_hiddens`) or [F, layers * hidden], layer-major. Cancel check before every window."""
+    progress = progress or Progress()
+    device = model_device(cond_encoder) if device is None else torch.device(device)
+    if frame_hiddens.dim() not in (2, 3):
+        raise ValueError(f"frame_hiddens must be [F, layers, hidden] or [F, layers * hidden], got "
+                         f"{list(frame_hiddens.shape)}")
+    fh = frame_hiddens.reshape(frame_hiddens.shape[0], -1).unsqueeze(0)  # [1, F, layers * hidden]
+    bounds = window_bounds(fh.shape[1])
+    out = []
+    for k, (s, e) in enumerate(bounds):
+        if progress.should_stop():
+            raise Cancelled(f"condition encoding cancelled at window {k + 1}/{len(bounds)}")
+        out.append(cond_encoder(fh[:, s:e].to(device=device, dtype=dtype)).to(dtype))  # [1, L_k, D]
+        progress.on_progress("cond", k + 1, len(bounds), {"window": k, "windows": len(bounds)})
+    return out
+
+
+@dataclass
+class _Run:
+    """What every window of one `sample_latents` call shares."""
+
+    dit: torch.nn.Module
+    sigmas: torch.Tensor  # [steps + 1] on the device
+    dit_cfg: float
+    cfg_batch: bool
+    group: int  # variations per DiT call
+    device: torch.device
+    dtype: torch.dtype
+    progress: Progress
+    windows: int
+    total: int  # progress units: windows x groups x steps
+
+    @property
+    def steps(self) -> int:
+        return self.sigmas.shape[0] - 1
+
+
+@torch.no_grad()
+def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_STEPS,
                    dit_cfg: float = DEFAULT_DIT_CFG, seed: int | None = None, generator=None,
                    variations: int = 1, variation_batch: int = 1, cfg_batch: bool = True, device=None,
                    dtype: torch.dtype = torch.float32, progress: Progress | None = None,
                    weight_cache: int | None = None, fast_matmul: bool | None = None) -> list[torch.Tensor]:
     """Denoise every window; returns one latent [variations, C, L_k] per window (uncropped).
 
-    frame_hiddens: [F, layers * hidden] or [1, F, layers * hidden] from the AR stage.
+    conditions: the condition of every window, [1, L_k, D] (`encode_conditions`); not modified.
     seed: variation j draws its noise from a fresh CPU generator seeded seed + j; or `generator`:
     a CPU generator (or a list, one per variation) consumed in window order, the reference's RNG
     mode. variation_batch: most variations per DiT call. The default 1 keeps every variation
@@ -101,57 +145,51 @@ def sample_latents(cond_encoder, dit, frame_hiddens: torch.Tensor, *, steps: int
     progress: per-step callback ("dit", done, total, info) and a cancel check before every step
     (raises `Cancelled`). weight_cache: bytes of dequantized DiT weights kept for the duration of
     the call instead of dequantizing every weight at every step (same numbers); None = automatic
-    (`mm3.fast.budget.dit_weight_budget`), 0 = off. Only quantized or re-typed weights take room.
+    (`mm3.device.dit_weight_budget`), 0 = off. Only quantized or re-typed weights take room.
     fast_matmul: on the CPU, float32 products through oneDNN where that is float32-accurate
-    (`mm3.fast.onednn`; ~1.7x on a DiT step, ~1e-6 relative rounding differences); None = on
-    unless `cfg_batch` is False (the bit-exact reference mode) or the heads are narrow (`pays_for`).
+    (`mm3.matmul.onednn_matmul`; ~1.7x on a DiT step, ~1e-6 relative rounding differences); None =
+    on unless `cfg_batch` is False (the bit-exact reference mode) or the heads are narrow (`pays_for`).
     """
     gens = _check_args(steps, dit_cfg, seed, generator, variations)
-    sig_cpu = flow_sigmas(steps)
-    progress = progress or Progress()
-    if device is None:
-        device = next(iter(dit.buffers())).device
-    fh = frame_hiddens if frame_hiddens.dim() == 3 else frame_hiddens.unsqueeze(0)
-    if fh.shape[0] != 1:
-        raise ValueError(f"frame_hiddens must hold one song ([F, W] or [1, F, W]), got {list(frame_hiddens.shape)}")
-    bounds = window_bounds(fh.shape[1])
-    sig = sig_cpu.to(device)
+    if not conditions:
+        raise ValueError("no window conditions to sample (encode_conditions returns one per window)")
+    device = model_device(dit) if device is None else torch.device(device)
     group = max(1, min(int(variation_batch), variations))
     n_groups = -(-variations // group)
-    channels, total = dit.in_channels, len(bounds) * n_groups * steps
+    run = _Run(dit, flow_sigmas(steps).to(device), float(dit_cfg), cfg_batch, group, device, dtype,
+               progress or Progress(), len(conditions), len(conditions) * n_groups * steps)
     budget = dit_weight_budget(device) if weight_cache is None else int(weight_cache)
     own = budget > 0 and dequantized_nbytes(dit) == 0  # copies someone else keeps are left alone
     if own:
-        cache_dequantized(dit, dtype, budget)
+        cache_dequantized(dit, dtype, budget, device)
     try:
         with onednn_matmul(device, (cfg_batch and pays_for(dit)) if fast_matmul is None else fast_matmul):
-            return _sample_windows(cond_encoder, dit, fh, bounds, gens, sig, dit_cfg, cfg_batch, group, n_groups,
-                                   channels, total, steps, device, dtype, progress)
+            return _sample_windows(run, conditions, gens)
     finally:
         if own:
             release_dequantized(dit)
+        CPU_SCRATCH.clear()
 
 
-def _sample_windows(cond_encoder, dit, fh, bounds, gens, sig, dit_cfg, cfg_batch, group, n_groups, channels, total,
-                    steps, device, dtype, progress) -> list[torch.Tensor]:
-    variations = len(gens)
+def _sample_windows(run: _Run, conditions: list[torch.Tensor], gens: list[torch.Generator]) -> list[torch.Tensor]:
+    variations, channels = len(gens), run.dit.in_channels
+    n_groups = -(-variations // run.group)
     out, prev_lat, prev_cond = [], None, None
-    for k, (s, e) in enumerate(bounds):
-        cond = cond_encoder(fh[:, s:e].to(device=device, dtype=dtype)).to(dtype)  # [1, L, D]
+    for k, given in enumerate(conditions):
+        cond = given.to(device=run.device, dtype=run.dtype, copy=True)  # [1, L, D]; the carry writes into it
         length = cond.shape[1]
         ov = 0
         if prev_lat is not None:
             ov = min(prev_lat.shape[-1], length)
             cond[:, :ov] = prev_cond[:, :ov]
         noise = torch.cat([torch.randn((1, channels, length), generator=g) for g in gens])  # CPU, float32
-        noise = noise.to(device=device, dtype=dtype)
+        noise = noise.to(device=run.device, dtype=run.dtype)
         lat = []
         for gi in range(n_groups):
-            sl = slice(gi * group, min((gi + 1) * group, variations))
-            ctx = dict(window=k, windows=len(bounds), variations=(sl.start, sl.stop))
-            lat.append(_denoise_window(dit, noise[sl], cond, None if prev_lat is None else prev_lat[sl], ov,
-                                       sig, dit_cfg, cfg_batch, progress, ctx, (k * n_groups + gi) * steps,
-                                       total))
+            sl = slice(gi * run.group, min((gi + 1) * run.group, variations))
+            ctx = dict(window=k, windows=run.windows, variations=(sl.start, sl.stop))
+            lat.append(_denoise_window(run, noise[sl], cond, None if prev_lat is None else prev_lat[sl], ov, ctx,
+                                       (k * n_groups + gi) * run.steps))
         x = torch.cat(lat)
         a = max(0, length - 2 * OVERLAP_LATENTS)
         b = max(a, length - OVERLAP_LATENTS)
@@ -160,18 +198,19 @@ def _sample_windows(cond_encoder, dit, fh, bounds, gens, sig, dit_cfg, cfg_batch
     return out
 
 
-def _denoise_window(dit, x, cond, prev, ov, sig, dit_cfg, cfg_batch, progress, ctx, done0, total):
+def _denoise_window(run: _Run, x, cond, prev, ov, ctx, done0):
     """Euler steps of one window for a group of variations x [V, C, L] sharing `cond` [1, L, D]."""
-    v_n, steps = x.shape[0], sig.shape[0] - 1
+    dit, sig, dit_cfg, steps = run.dit, run.sigmas, run.dit_cfg, run.steps
+    v_n = x.shape[0]
     noise_prompt = x[..., :ov].clone()
     # A guidance scale of 1 is the conditional prediction alone: the reference guider then skips the
     # unconditional call, and so do we.
     guided = not math.isclose(dit_cfg, 1.0)
     cond_in = cond.expand(v_n, -1, -1)
     uncond = torch.zeros_like(cond_in)
-    pair = torch.cat([cond_in, uncond]) if guided and cfg_batch else None
+    pair = torch.cat([cond_in, uncond]) if guided and run.cfg_batch else None
     for i in range(steps):
-        if progress.should_stop():
+        if run.progress.should_stop():
             raise Cancelled(f"cancelled at window {ctx['window'] + 1}/{ctx['windows']}, step {i + 1}/{steps}")
         t = sig[i]
         if ov > 0:
@@ -193,7 +232,7 @@ def _denoise_window(dit, x, cond, prev, ov, sig, dit_cfg, cfg_batch, progress, c
             raise NonFiniteError(
                 f"non-finite DiT {what} at window {ctx['window'] + 1}/{ctx['windows']}, step {i + 1}/{steps} "
                 f"(variations {ctx['variations'][0]}..{ctx['variations'][1] - 1})")
-        progress.on_progress("dit", done0 + i + 1, total, dict(ctx, step=i + 1, steps=steps))
+        run.progress.on_progress("dit", done0 + i + 1, run.total, dict(ctx, step=i + 1, steps=steps))
     if ov > 0:
         x[..., :ov] = prev[..., :ov]
     return x

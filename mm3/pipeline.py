@@ -19,15 +19,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .ar import max_frames_for, plan, replay
-from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows
+from .ar import PlanSettings, max_frames_for, plan, plan_and_replay, replay
+from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
 from .constants import RNG_MODES
 from .device import empty_cache, pick_device, pick_dtype
 from .errors import RunError
 from .fingerprint import file_fingerprint
-from .flow import NonFiniteError, sample_latents
+from .flow import NonFiniteError, encode_conditions, sample_latents
 from .progress import Cancelled, Progress
 from .prompt import Prompt, PromptError, build_prompt
 from .registry import Registry
@@ -207,29 +207,39 @@ class Pipeline:
         except PromptError as e:
             raise RequestError(str(e)) from None
 
-    def _ar_models(self, request: MM3Request):
-        return self.store.model("lm", request.lm_model), self.store.model("depth", request.depth_model)
+    def _ar_models(self, request: MM3Request, numerics: str = "fast"):
+        return (self.store.model("lm", request.lm_model, numerics),
+                self.store.model("depth", request.depth_model, numerics))
+
+    @staticmethod
+    def _plan_settings(request: MM3Request) -> PlanSettings:
+        return PlanSettings(duration=request.duration, lm_seed=request.lm_seed, lm_cfg=request.lm_cfg,
+                            top_k=request.lm_top_k, songs=request.lm_batch_size)
 
     def plan(self, request: MM3Request, progress: Progress | None = None,
              rng: str | None = None) -> tuple[list[AudioCodes], list[torch.Generator] | None]:
-        """Sample the request's songs (`rng` overrides `request.rng`); in the reference mode also
-        returns each song's generator, left where the AR stage stopped drawing (the DiT noise
-        continues from there)."""
+        """Sample the request's songs (`rng` overrides `request.rng`). Independent streams: each
+        song's hiddens are then those its codes replay to (`plan_and_replay`), so its replay request
+        renders the same audio. The reference mode samples with the reference's op shapes (its exact
+        hiddens) and also returns each song's generator, left where the AR stage stopped drawing
+        (the DiT noise continues from there)."""
         rng = request.rng if rng is None else rng
         if rng not in RNG_MODES:
             raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
         prompt = self.prompt(request)
         progress = self._track(progress)
+        settings = self._plan_settings(request)
         with self._stage("ar"):
-            lm, depth = self._ar_models(request)
+            lm, depth = self._ar_models(request, "reference" if rng == "reference" else "fast")
             start = time.perf_counter()
-            gens = None
             if rng == "reference":
                 gens = [make_generator(request.lm_seed + i) for i in range(request.lm_batch_size)]
-            songs = plan(lm, depth, prompt, duration=request.duration, lm_seed=request.lm_seed,
-                         lm_cfg=request.lm_cfg, top_k=request.lm_top_k, lm_batch_size=request.lm_batch_size,
-                         generators=gens, progress=progress, dtype=self.dtype,
-                         reference_numerics=rng == "reference")  # the reference's op shapes: its exact hiddens
+                songs = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype, generators=gens,
+                             progress=progress)
+            else:
+                gens = None
+                songs = plan_and_replay(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
+                                        progress=progress)
         for song in songs:
             _check_hiddens(song, "planning")
         self.timings.add("plan", time.perf_counter() - start)
@@ -252,7 +262,7 @@ class Pipeline:
                 raise RequestError(f"audio_codes has {codes.shape[1]} codes per frame, the depth decoder "
                                    f"makes {depth.num_codebooks}")
             start = time.perf_counter()
-            song = replay(lm, depth, prompt, codes, dtype=self.dtype, progress=progress,
+            song = replay(lm, depth, prompt, codes, device=self.device, dtype=self.dtype, progress=progress,
                           lm_seed=request.lm_seed if lm_seed is None else lm_seed)
         _check_hiddens(song, "replaying codes")
         self.timings.add("replay", time.perf_counter() - start)
@@ -276,17 +286,19 @@ class Pipeline:
             cond = self.store.model("cond", request.cond_model)
             dit = self.store.model("dit", request.dit_model)
             start = time.perf_counter()
-            frame_hiddens = song.frame_hiddens.reshape(song.frames, -1)  # [F, layers * hidden], layer-major
-            latents = sample_latents(cond, dit, frame_hiddens, steps=request.steps, dit_cfg=request.dit_cfg,
+            conditions = encode_conditions(cond, song.frame_hiddens, device=self.device, dtype=self.dtype,
+                                           progress=progress)
+            latents = sample_latents(dit, conditions, steps=request.steps, dit_cfg=request.dit_cfg,
                                      seed=None if generator is not None else request.seed, generator=generator,
                                      variations=request.synth_batch_size, device=self.device, dtype=self.dtype,
                                      progress=progress, cfg_batch=generator is None)  # reference: its two CFG calls
+            del conditions
             hop = int(cond.hp["output_hop_length"])
         self.timings.add("dit", time.perf_counter() - start)
         with self._stage("vae"):
             vae = self.store.model("vae", request.vae_model)
             start = time.perf_counter()
-            audio = decode_windows(vae, latents, hop=hop, progress=progress)
+            audio = stitch(decode_windows(vae, latents, hop=hop, device=self.device, progress=progress), hop)
             _check_audio(audio, [lat.shape[-1] for lat in latents], hop)
         self.timings.add("vae", time.perf_counter() - start)
         return audio.float().cpu()
@@ -328,11 +340,6 @@ class Pipeline:
                 songs, gens = [self.replay(request, progress)], None
         else:
             songs, gens = self.plan(request, progress, rng)
-            if rng == "independent":
-                # Synthesise from the hiddens the codes replay to, so rendering a track's replay
-                # request gives the same audio bit for bit (sampled and replayed hiddens differ by
-                # float rounding of the batch shape only).
-                songs = [self.replay(request, progress, codes=s.codes, lm_seed=s.lm_seed) for s in songs]
         tracks = []
         sample_rate = None
         for i, song in enumerate(songs):

@@ -14,44 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .components import DESCRIPTIONS, GROUP_OF, Component, check_compatible, check_loadable, open_component
+from .components import GROUP_OF, Component, check_compatible, open_component
 from .device import empty_cache
 from .gguf.errors import ComponentError, GGUFFormatError
+from .models import build_model
 from .registry import Registry
-
-
-def _builder(kind: str, with_encoder: bool):
-    if kind == "lm":
-        from .models.lm import Qwen3LM as cls
-    elif kind == "depth":
-        from .models.depth import RVQDepthDecoder as cls
-    elif kind == "cond":
-        from .models.cond import ConditionEncoder as cls
-    elif kind == "dit":
-        from .models.dit import FlowDiT as cls
-    else:
-        from .models.vocoder import Vocoder
-
-        return lambda component: Vocoder.load(component, with_encoder=with_encoder)
-    return cls.load
-
-
-def build_model(component: Component, with_encoder: bool = False) -> torch.nn.Module:
-    """The engine model of an opened component, on the CPU with its weights still compressed (the
-    CLI and the nodes share this builder). `with_encoder`: also build the vocoder's encoder (audio
-    -> latents); generation only decodes.
-
-    Every failure caused by the file is a `ComponentError` naming it: unsupported tensor types and
-    implausible sizes are refused before anything is built, and what the model classes raise about
-    inconsistent hyper-parameters (heads that do not divide the width, ...) is re-raised as one."""
-    check_loadable(component)
-    try:
-        return _builder(component.kind, with_encoder)(component)
-    except (ComponentError, GGUFFormatError, torch.OutOfMemoryError):
-        raise
-    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RuntimeError) as e:
-        raise ComponentError(f"{component.path}: cannot build the {DESCRIPTIONS[component.kind]} from this file "
-                             f"({type(e).__name__}: {e})") from e
 
 
 @dataclass
@@ -59,6 +26,7 @@ class Loaded:
     component: Component
     model: torch.nn.Module
     seconds: float
+    numerics: str
 
 
 @dataclass
@@ -71,14 +39,15 @@ class ModelStore:
     load_seconds: float = 0.0
     loading: str | None = None  # the file being loaded, or whose loading failed (for error messages)
 
-    def model(self, kind: str, name: str = ""):
-        """The engine model of `kind` from file `name` ("" = first of its bucket), on the device."""
+    def model(self, kind: str, name: str = "", numerics: str = "fast"):
+        """The engine model of `kind` from file `name` ("" = first of its bucket), on the device;
+        the LM and the depth decoder in `numerics` (`mm3.models.build_model`)."""
         path = self.registry.resolve(kind, name)
         have = self.loaded.get(kind)
-        if have is not None and have.component.path == path:
+        if have is not None and have.component.path == path and have.numerics == numerics:
             return have.model
         if have is not None:
-            self._release(kind)  # another quant of the same component
+            self._release(kind)  # another quant of the same component, or other numerics
         if not self.keep_loaded:
             group = GROUP_OF[kind]
             others = [k for k in self.loaded if GROUP_OF[k] != group]
@@ -89,14 +58,14 @@ class ModelStore:
         component = open_component(path, expect=kind)
         try:
             check_compatible({k: v.component for k, v in self.loaded.items()} | {kind: component})
-            model = build_model(component).to(self.device).eval()
+            model = build_model(component, numerics=numerics).to(self.device)
         except BaseException:
             component.close()
             raise  # `loading` still names the file, for the caller's error message
         self.loading = None
         seconds = time.perf_counter() - start
         self.load_seconds += seconds
-        self.loaded[kind] = Loaded(component, model, seconds)
+        self.loaded[kind] = Loaded(component, model, seconds, numerics)
         return model
 
     def tokenizer(self, name: str = ""):

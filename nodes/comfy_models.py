@@ -1,11 +1,13 @@
 """Engine models under ComfyUI's memory manager, and the `models/mm3` folder.
 
-Each component handle gets one `MM3Patcher` (a `ModelPatcher` whose size is the weights' stored,
-compressed size; load device from `comfy.model_management`, offload device the CPU) and
-`comfy.model_management.load_models_gpu` moves it. The engine keeps its weights as buffers, which
-ModelPatcher's weight mover does not handle, so the patcher moves them with `Placement`: whole
-when they fit, else module by module up to ComfyUI's budget with the rest streamed per use
-(--lowvram, --novram), and unloading puts the original CPU tensors back.
+Each component handle gets one `MM3Patcher`, a `ModelPatcher` whose size is the weights' stored
+(compressed) size, with the load device from `comfy.model_management` and the CPU as the offload
+device; `comfy.model_management.load_models_gpu` moves it. The engine's weights are parameters of
+leaf layers, so ComfyUI's own code moves them: whole when they fit, module by module up to its
+budget otherwise (--lowvram, --novram), and back on unload. A layer left on the offload device
+still works: the engine fetches its (compressed) weight to the input's device for each use.
+Moving a layer back to the CPU gives back the view of the GGUF file's mapping it was built on,
+so unloading copies nothing off the device.
 
 Memory policy: the AR group {LM, depth} and the synthesis group {cond, DiT, vocoder} are never
 needed together, so loading one group first unloads the other group's models (strict), except
@@ -23,7 +25,8 @@ import comfy.model_patcher
 import folder_paths
 import torch
 
-from ..mm3.components import GROUPS
+from mm3.components import GROUPS
+from mm3.gguf.ops import compressed_nbytes
 from .handles import ComponentHandle, classify
 
 log = logging.getLogger("mm3")
@@ -68,8 +71,8 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 # -- the patcher --------------------------------------------------------------------------------
 class MM3Module(torch.nn.Module):
-    """What ModelPatcher holds: the engine model plus the plain attributes ComfyUI sets on it (the
-    engine models have a read-only `device` property)."""
+    """What ModelPatcher holds: the engine model plus the plain attributes ComfyUI sets on the model
+    it manages (device, loaded bytes, ...), which stay off the engine's own modules."""
 
     def __init__(self, engine: torch.nn.Module, kind: str, name: str):
         super().__init__()
@@ -79,16 +82,20 @@ class MM3Module(torch.nn.Module):
 
 
 class MM3Patcher(comfy.model_patcher.ModelPatcher):
-    """A ModelPatcher whose weights move through `Placement` (see the module docstring)."""
+    """ComfyUI's ModelPatcher over an engine model (see the module docstring). What it adds:
+    - a subclass stays on ComfyUI's classic loading path (newer ComfyUI's dynamic VRAM manages
+      `comfy.ops` layers, which the engine's layers are not);
+    - the bytes really resident: ComfyUI counts only its cast layers as partly loaded, and a layer
+      of ours that did not fit stays on the CPU and streams per use;
+    - no pinning of offloaded weights: they are views of the GGUF file's mapping."""
 
-    def __init__(self, model, load_device, offload_device, size=0, *args, placement=None, handle=None, **kwargs):
+    def __init__(self, model, load_device, offload_device, size=0, *args, handle=None, **kwargs):
         super().__init__(model, load_device, offload_device, size, *args, **kwargs)
-        self.placement = placement
         self.mm3_handle = weakref.ref(handle) if handle is not None else (lambda: None)
 
-    def clone(self):
-        n = super().clone()
-        n.placement, n.mm3_handle = self.placement, self.mm3_handle
+    def clone(self, *args, **kwargs):
+        n = super().clone(*args, **kwargs)
+        n.mm3_handle = self.mm3_handle
         return n
 
     @property
@@ -96,33 +103,28 @@ class MM3Patcher(comfy.model_patcher.ModelPatcher):
         h = self.mm3_handle()
         return bool(h and h.keep_loaded)
 
-    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
-        device = device_to if device_to is not None else self.load_device
-        budget = float("inf") if full_load or not lowvram_model_memory else lowvram_model_memory
-        loaded = self.placement.load(device, budget)
+    def _account(self) -> None:
         m = self.model
-        m.device = device
-        m.model_loaded_weight_memory = loaded
-        m.model_lowvram = self.placement.streaming
-        m.lowvram_patch_counter = 0
-        m.model_offload_buffer_memory = 0
-        m.current_weight_patches_uuid = self.patches_uuid
+        m.model_loaded_weight_memory = compressed_nbytes(m, m.device)
+        m.model_lowvram = m.model_loaded_weight_memory < self.model_size()
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, **kwargs)
+        self._account()
+        m = self.model
         if m.model_lowvram:
-            log.info("MM3 %s: %.1f MB on %s, %.1f MB streamed per use", m.mm3_name, loaded / 2**20, device,
-                     (self.placement.total_bytes - loaded) / 2**20)
+            log.info("MM3 %s: %.1f MB on %s, %.1f MB streamed per use", m.mm3_name,
+                     m.model_loaded_weight_memory / 2**20, m.device,
+                     (self.model_size() - m.model_loaded_weight_memory) / 2**20)
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False, **kwargs):
-        freed = self.placement.unload(memory_to_free)
-        self.model.model_loaded_weight_memory = self.placement.loaded_bytes
-        self.model.model_lowvram = self.placement.streaming
-        return freed
+        before = self.model.model_loaded_weight_memory
+        super().partially_unload(device_to, memory_to_free, force_patch_weights, **kwargs)
+        self._account()
+        return before - self.model.model_loaded_weight_memory
 
-    def unpatch_model(self, device_to=None, unpatch_weights=True, **kwargs):
-        if unpatch_weights:
-            self.placement.unload()  # the original CPU tensors come back; nothing is copied off the device
-        super().unpatch_model(device_to, unpatch_weights, **kwargs)
-        if unpatch_weights:
-            self.model.device = self.offload_device
+    def pin_weight_to_device(self, key, *args, **kwargs):
+        return None
 
 
 # One subclass per component, so ComfyUI's log ("Requested to load ...") says which model moves.
@@ -135,8 +137,7 @@ def patcher(handle: ComponentHandle) -> MM3Patcher:
     """The handle's patcher, built once (the engine model is built on the CPU over the file's mmap)."""
     if handle.patcher is None:
         module = MODULE_CLASSES[handle.kind](handle.model(), handle.kind, handle.name)
-        handle.patcher = MM3Patcher(module, load_device(handle.kind), OFFLOAD, size=handle.nbytes(),
-                                    placement=handle.placement, handle=handle)
+        handle.patcher = MM3Patcher(module, load_device(handle.kind), OFFLOAD, size=handle.nbytes(), handle=handle)
     return handle.patcher
 
 
@@ -183,7 +184,7 @@ def spare_bytes(handles: list[ComponentHandle], need: int = 0) -> int | None:
     CPU (the engine's rule: RAM is not ComfyUI's concern there), 0 while a model streams (copies of
     weights that are not resident would be dropped at once)."""
     ps = [patcher(h) for h in handles]
-    if any(p.placement.streaming for p in ps):
+    if any(p.model.model_lowvram for p in ps):
         return 0
     device = ps[0].load_device
     if mm.is_device_cpu(device):

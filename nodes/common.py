@@ -9,7 +9,7 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from ..mm3.progress import Cancelled, Progress
+from mm3.progress import Cancelled, Progress
 
 CATEGORY = "MiniMax Music 3 (GGUF)"
 

@@ -16,25 +16,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..mm3.codes import AudioCodes
-from ..mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable, open_component, read_component
-from ..mm3.fingerprint import file_fingerprint as content_fingerprint
-from ..mm3.gguf.errors import ComponentError
-from ..mm3.gguf.ops import compressed_nbytes
-from ..mm3.gguf.reader import read_architecture
-from ..mm3.prompt import Prompt
-from ..mm3.request import MM3Request
-from ..mm3.store import build_model
-from .placement import Placement
-
-# Modules the engine reads a model's device from (Qwen3LM.device, RVQDepthDecoder.device).
-ANCHORS = {"lm": ("model.embed_tokens",), "depth": ("projection",)}
+from mm3.codes import AudioCodes
+from mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable, open_component, read_component
+from mm3.fingerprint import file_fingerprint as content_fingerprint
+from mm3.gguf.errors import ComponentError
+from mm3.gguf.ops import compressed_nbytes
+from mm3.gguf.reader import read_architecture
+from mm3.models import build_model
+from mm3.prompt import Prompt
+from mm3.request import MM3Request
 
 
 def classify(path: str) -> str | None:
     """The component kind of a GGUF file from its `general.architecture`, or None (header read,
     cached by path, size and mtime)."""
-    from ..mm3.components import ARCHITECTURES
+    from mm3.components import ARCHITECTURES
 
     try:
         return ARCHITECTURES.get(read_architecture(path))
@@ -58,7 +54,6 @@ class ComponentHandle:
         self.kind, self.name, self.path, self.keep_loaded = kind, name, path, keep_loaded
         self._component: Component | None = None
         self._model: torch.nn.Module | None = None
-        self.placement: Placement | None = None
         self.patcher = None  # set by the ComfyUI layer
 
     def __repr__(self):
@@ -79,9 +74,9 @@ class ComponentHandle:
         return self.component().hparams
 
     def model(self) -> torch.nn.Module:
+        """The engine model (the CLI's builder, fast numerics), on the CPU over the file's mapping."""
         if self._model is None:
-            self._model = build_model(self.component()).eval()
-            self.placement = Placement(self._model, ANCHORS.get(self.kind, ()))
+            self._model = build_model(self.component())
         return self._model
 
     @property
@@ -90,7 +85,7 @@ class ComponentHandle:
         return content_fingerprint(self.path)
 
     def nbytes(self) -> int:
-        """The weights' stored size (buffers are non-persistent, so a state_dict sees none)."""
+        """The weights' stored (compressed) size, a tensor shared by two layers counted once."""
         return compressed_nbytes(self.model())
 
 
@@ -171,7 +166,6 @@ class ConditionBundle:
     """MM3_CONDITION: the DiT condition of every window [1, L_k, D] (CPU), in window order."""
 
     song: PlannedSong
-    bounds: list[tuple[int, int]]
     conds: list[torch.Tensor]
     hop: int  # the condition encoder's output_hop_length: audio samples per latent
     request: MM3Request

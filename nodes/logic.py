@@ -1,11 +1,11 @@
-"""The work of each MM3 node as a plain function over engine models, without ComfyUI.
+"""What each MM3 node does besides its schema, without ComfyUI: one call of the engine's stage API
+(`mm3.ar.plan_and_replay`, `mm3.flow.encode_conditions`, `mm3.flow.sample_latents`,
+`mm3.audio.decode_windows`, `mm3.audio.stitch`, the very calls `mm3.pipeline.Pipeline` makes), plus
+the request each result carries so the last node can write the replay JSON, and the checks of a
+song's files against those a replay file records. Results wait between nodes on the CPU.
 
 The node classes fetch their models from ComfyUI's memory manager and call these; the tests call
-them directly. The chain prompt -> plan (+ replay) -> condition -> sample -> decode -> stitch makes
-the same numbers as `mm3.pipeline.Pipeline.run` for the same request: the AR hiddens are those the
-codes replay to, each window's condition is the encoder's output on that window, the DiT noise
-comes from `seed + variation`, and decoding one window at a time then stitching equals decoding
-them all at once (the stitch only crops, joins and clamps).
+them directly.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from pathlib import Path
 
 import torch
 
-from ..mm3.ar import plan, replay
-from ..mm3.audio import decode_windows, stitch
-from ..mm3.codes import AudioCodes, parse_audio_codes
-from ..mm3.components import check_compatible
-from ..mm3.constants import MAX_PROMPT_TOKENS
-from ..mm3.flow import sample_latents, window_bounds
-from ..mm3.output import atomic_write, write_audio
-from ..mm3.progress import Cancelled, Progress
-from ..mm3.prompt import build_prompt
-from ..mm3.request import MM3Request, RequestError
-from ..mm3.tokenizer import MM3Tokenizer
+from mm3.ar import PlanSettings, plan_and_replay, replay
+from mm3.audio import decode_windows, stitch
+from mm3.codes import AudioCodes, parse_audio_codes
+from mm3.components import check_compatible
+from mm3.constants import MAX_PROMPT_TOKENS
+from mm3.flow import encode_conditions, sample_latents
+from mm3.output import atomic_write, write_audio
+from mm3.progress import Progress
+from mm3.prompt import build_prompt
+from mm3.request import MM3Request, RequestError
+from mm3.tokenizer import MM3Tokenizer
 from .handles import ComponentHandle, ConditionBundle, LatentsBundle, PlannedSong, PromptBundle, WindowsBundle, part
 
 STORE = torch.device("cpu")  # where stage results wait between nodes
@@ -83,29 +83,32 @@ def assemble_prompt(lm: ComponentHandle, caption: str, lyrics: str) -> PromptBun
                         lm.name)
 
 
+def _stored(song: AudioCodes) -> AudioCodes:
+    return AudioCodes(song.codes, song.frame_hiddens.to(STORE), song.prompt, song.lm_seed, song.ended_naturally)
+
+
 @torch.no_grad()
-def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandle, prompt: PromptBundle, *,
-               duration: float, lm_seed: int, lm_cfg: float, lm_top_k: int, songs: int, dtype: torch.dtype,
-               progress: Progress | None = None, cache_budget: int | None = None) -> list[PlannedSong]:
-    """Sample `songs` songs (song i from lm_seed + i), then replay each one's codes for the hiddens
-    the synthesis uses (as the pipeline does, so a saved codes file renders the same audio).
-    `cache_budget`: bytes of dequantized weight copies the AR engine may keep (None: its own rule)."""
+def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandle, prompt: PromptBundle,
+               settings: PlanSettings, *, device, dtype: torch.dtype, progress: Progress | None = None,
+               weight_budget: int | None = None) -> list[PlannedSong]:
+    """`mm3.ar.plan_and_replay`: the songs of `settings` (song i from lm_seed + i) with the hiddens
+    their codes replay to, as the command line makes them, so a saved codes file renders the same
+    audio. `weight_budget`: bytes of dequantized weight copies the AR stage may keep (None: its
+    own rule)."""
     parts = check_parts({}, lm=lm, depth=depth)
-    request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, duration=float(duration), lm_seed=lm_seed,
-                         lm_cfg=float(lm_cfg), lm_top_k=int(lm_top_k))
+    request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, duration=float(settings.duration),
+                         lm_seed=settings.lm_seed, lm_cfg=float(settings.lm_cfg), lm_top_k=int(settings.top_k))
     request = with_model(with_model(request, "lm_model", lm), "depth_model", depth)
     try:
         request.validate()
     except RequestError as e:
         raise ValueError(str(e)) from None
-    sampled = plan(lm_model, depth_model, prompt.prompt, duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg,
-                   top_k=lm_top_k, lm_batch_size=songs, progress=progress, dtype=dtype, cache_budget=cache_budget)
+    songs = plan_and_replay(lm_model, depth_model, prompt.prompt, settings, device=device, dtype=dtype,
+                            progress=progress, weight_budget=weight_budget)
     out = []
-    for i, s in enumerate(sampled):
-        r = replay(lm_model, depth_model, prompt.prompt, s.codes, dtype=dtype, progress=progress, lm_seed=s.lm_seed)
-        codes = AudioCodes(r.codes, r.frame_hiddens.to(STORE), prompt.prompt, s.lm_seed, s.ended_naturally)
-        req = replace(request, lm_seed=s.lm_seed, audio_codes=codes.to_request_codes())
-        out.append(PlannedSong(codes, req, parts, i, len(sampled)))
+    for i, s in enumerate(songs):
+        req = replace(request, lm_seed=s.lm_seed, audio_codes=s.to_request_codes())
+        out.append(PlannedSong(_stored(s), req, parts, i, len(songs)))
     return out
 
 
@@ -143,15 +146,15 @@ def codes_file_problems(request: MM3Request, lm: ComponentHandle, depth: Compone
 
 @torch.no_grad()
 def replay_codes(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandle, request: MM3Request,
-                 prompt: PromptBundle, codes: torch.Tensor, *, dtype: torch.dtype,
+                 prompt: PromptBundle, codes: torch.Tensor, *, device, dtype: torch.dtype,
                  progress: Progress | None = None, model_check: str = "warn") -> PlannedSong:
     """The song of a replay file: its codes' frame hiddens by teacher forcing. The file's request
     (with the files and fingerprints it records for cond/DiT/vocoder) travels on, so the later
     nodes check their own files against it (`model_check`: "warn" or "refuse")."""
     if model_check not in MODEL_CHECKS:
         raise ValueError(f"model_check must be one of {', '.join(MODEL_CHECKS)}, got {model_check!r}")
-    r = replay(lm_model, depth_model, prompt.prompt, codes, dtype=dtype, progress=progress, lm_seed=request.lm_seed)
-    song = AudioCodes(r.codes, r.frame_hiddens.to(STORE), prompt.prompt, request.lm_seed, False)
+    song = _stored(replay(lm_model, depth_model, prompt.prompt, codes, device=device, dtype=dtype, progress=progress,
+                          lm_seed=request.lm_seed))
     req = replace(request, lm_batch_size=1, synth_batch_size=1)
     req = with_model(with_model(req, "lm_model", lm), "depth_model", depth)
     return PlannedSong(song, req, check_parts({}, lm=lm, depth=depth), model_check=model_check)
@@ -160,53 +163,28 @@ def replay_codes(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHan
 @torch.no_grad()
 def encode_condition(cond_model, cond: ComponentHandle, song: PlannedSong, *, device, dtype: torch.dtype,
                      progress: Progress | None = None) -> ConditionBundle:
-    """The condition of every DiT window, computed as `sample_latents` would (same slices, device
-    and dtype), kept on the CPU."""
+    """`mm3.flow.encode_conditions`: the condition of every DiT window, kept on the CPU."""
     if song.codes.frame_hiddens is None:
         raise ValueError("these audio codes carry no frame hiddens; load codes with Load Audio Codes (it replays them)")
     parts = check_parts(song.parts, cond=cond)
-    progress = progress or Progress()
-    fh = song.codes.frame_hiddens.reshape(song.frames, -1).unsqueeze(0)  # [1, F, layers * hidden]
-    bounds = window_bounds(song.frames)
-    conds = []
-    for k, (s, e) in enumerate(bounds):
-        if progress.should_stop():
-            raise Cancelled(f"condition encoding cancelled at window {k + 1}/{len(bounds)}")
-        c = cond_model(fh[:, s:e].to(device=device, dtype=dtype)).to(dtype)  # [1, L_k, D]
-        conds.append(c.to(STORE))
-        progress.on_progress("cond", k + 1, len(bounds), {"window": k})
+    conds = encode_conditions(cond_model, song.codes.frame_hiddens, device=device, dtype=dtype, progress=progress)
     hop = int(cond.hparams["output_hop_length"])
     warnings = check_models(song, song.request, cond_model=cond)
-    return ConditionBundle(song, bounds, conds, hop, with_model(song.request, "cond_model", cond), parts, warnings)
-
-
-class PrecomputedCondition:
-    """Stands in for the condition encoder inside `sample_latents`: the k-th call (window k, in
-    order) returns a fresh copy of window k's condition (the sampler writes into it)."""
-
-    def __init__(self, condition: ConditionBundle, device):
-        self.condition, self.device, self.calls = condition, device, 0
-
-    def __call__(self, window_frames: torch.Tensor) -> torch.Tensor:
-        k = self.calls
-        s, e = self.condition.bounds[k]
-        if window_frames.shape[1] != e - s:
-            raise RuntimeError(f"window {k} has {window_frames.shape[1]} frames, its condition was made for {e - s}")
-        self.calls += 1
-        return self.condition.conds[k].to(self.device, copy=True)
+    return ConditionBundle(song, [c.to(STORE) for c in conds], hop, with_model(song.request, "cond_model", cond),
+                           parts, warnings)
 
 
 @torch.no_grad()
 def sample(dit_model, dit: ComponentHandle, condition: ConditionBundle, *, seed: int, steps: int, dit_cfg: float,
            variations: int, device, dtype: torch.dtype, progress: Progress | None = None,
            weight_cache: int | None = None) -> LatentsBundle:
-    """`weight_cache`: bytes of dequantized DiT weights the sampler may keep (None: its own rule)."""
+    """`mm3.flow.sample_latents` over the bundle's conditions. `weight_cache`: bytes of dequantized
+    DiT weights the sampler may keep (None: its own rule)."""
     parts = check_parts(condition.parts, dit=dit)
     warnings = check_models(condition.song, condition.song.request, dit_model=dit)
-    frames = condition.song.frames
-    latents = sample_latents(PrecomputedCondition(condition, device), dit_model, torch.zeros(frames, 0), steps=steps,
-                             dit_cfg=dit_cfg, seed=seed, variations=variations, device=device, dtype=dtype,
-                             progress=progress, weight_cache=weight_cache)
+    latents = sample_latents(dit_model, condition.conds, steps=steps, dit_cfg=dit_cfg, seed=seed,
+                             variations=variations, device=device, dtype=dtype, progress=progress,
+                             weight_cache=weight_cache)
     request = replace(condition.request, seed=int(seed), steps=int(steps), dit_cfg=float(dit_cfg),
                       synth_batch_size=int(variations))
     return LatentsBundle(condition, [x.to(STORE) for x in latents], with_model(request, "dit_model", dit), parts,
@@ -216,19 +194,14 @@ def sample(dit_model, dit: ComponentHandle, condition: ConditionBundle, *, seed:
 @torch.no_grad()
 def decode(vae_model, vae: ComponentHandle, latents: LatentsBundle, *, device,
            progress: Progress | None = None) -> WindowsBundle:
-    """Decode window by window (each alone is `decode_windows` of one window: whole, clamped)."""
+    """`mm3.audio.decode_windows`: each window decoded whole, kept on the CPU for Stitch."""
     check_parts(latents.parts, vae=vae)
     warnings = check_models(latents.condition.song, latents.condition.song.request, vae_model=vae)
-    progress = progress or Progress()
-    quiet = Progress(should_stop=progress.should_stop)
     hop = latents.condition.hop
-    waves = []
-    for k, lat in enumerate(latents.latents):
-        w = decode_windows(vae_model, [lat.to(device)], hop=hop, progress=quiet)  # [V, 2, hop * L_k]
-        waves.append(w.to(STORE))
-        progress.on_progress("vae", k + 1, len(latents.latents), {"window": k})
+    waves = decode_windows(vae_model, latents.latents, hop=hop, device=device, progress=progress)
     sample_rate = int(vae.hparams["sampling_rate"])
-    return WindowsBundle(waves, hop, sample_rate, with_model(latents.request, "vae_model", vae), warnings)
+    return WindowsBundle([w.to(STORE) for w in waves], hop, sample_rate, with_model(latents.request, "vae_model", vae),
+                         warnings)
 
 
 def stitch_audio(windows: WindowsBundle) -> dict:

@@ -9,8 +9,8 @@ from pathlib import Path
 import folder_paths
 from comfy_api.latest import io, ui
 
-from ..mm3.constants import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
-from ..mm3.output import atomic_write
+from mm3.constants import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
+from mm3.output import atomic_write
 from . import logic
 from .comfy_models import compute_dtype, load, patcher
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress
@@ -111,7 +111,7 @@ class MM3LoadAudioCodes(io.ComfyNode):
         with interruptible():
             device = patcher(lm).load_device
             lm_model, depth_model = load([lm, depth])
-            song = logic.replay_codes(lm_model, depth_model, lm, depth, request, prompt, codes,
+            song = logic.replay_codes(lm_model, depth_model, lm, depth, request, prompt, codes, device=device,
                                       dtype=compute_dtype(device), progress=node_progress(), model_check=model_check)
         text = f"{song.frames} frames, lm_seed {request.lm_seed}; file settings: seed {request.seed}, steps " \
                f"{request.steps}, dit_cfg {request.dit_cfg:g}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..mm3.components import ARCH_OF, COMPONENTS, DESCRIPTIONS, KINDS
+from mm3.components import ARCH_OF, COMPONENTS, DESCRIPTIONS, KINDS
 from .comfy_models import files_of, full_path
 from .common import ADVANCED, CATEGORY, COMPONENT_TYPES
 from .handles import file_fingerprint, handle_for

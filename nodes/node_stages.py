@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..mm3.constants import (
+from mm3.constants import (
     DEFAULT_DIT_CFG,
     DEFAULT_DURATION,
     DEFAULT_LM_CFG,
@@ -24,6 +24,7 @@ from ..mm3.constants import (
     SEED_MAX,
     SEMANTIC_VOCAB_SIZE,
 )
+from mm3.ar import PlanSettings
 from . import logic
 from .comfy_models import compute_dtype, load, patcher, spare_bytes
 from .common import (
@@ -105,13 +106,13 @@ class MM3ARPlan(io.ComfyNode):
     def execute(cls, lm, depth, prompt, duration: float, lm_seed: int, lm_cfg: float, lm_top_k: int,
                 songs: int) -> io.NodeOutput:
         frames = min(int(duration * FRAME_RATE), MAX_AUDIO_FRAMES)
+        settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=lm_top_k, songs=songs)
         with interruptible():
-            _, dtype = _device_dtype(lm)
+            device, dtype = _device_dtype(lm)
             need = ar_memory(lm.hparams, depth.hparams, prompt.prompt.num_tokens, frames, songs, dtype_bytes(dtype))
             lm_model, depth_model = load([lm, depth], memory_required=need)
-            planned = logic.plan_songs(lm_model, depth_model, lm, depth, prompt, duration=duration, lm_seed=lm_seed,
-                                       lm_cfg=lm_cfg, lm_top_k=lm_top_k, songs=songs, dtype=dtype,
-                                       progress=node_progress(), cache_budget=spare_bytes([lm, depth], need))
+            planned = logic.plan_songs(lm_model, depth_model, lm, depth, prompt, settings, device=device, dtype=dtype,
+                                       progress=node_progress(), weight_budget=spare_bytes([lm, depth], need))
         text = "\n".join(s.summary(FRAME_RATE) for s in planned)
         return io.NodeOutput(planned, ui={"text": [text]})
 

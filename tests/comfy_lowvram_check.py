@@ -1,10 +1,13 @@
 """Low-VRAM loading of the pack's MM3Patcher through ComfyUI's own LoadedModel, without a GPU.
 
 ComfyUI refuses --lowvram / --novram together with --cpu, and a machine without a GPU needs --cpu,
-so the test drives the same calls `load_models_gpu` makes in those modes (`model_load` with a
+so the check drives the same calls `load_models_gpu` makes in those modes (`model_load` with a
 byte budget: a fraction of the model for --lowvram, 0.1 for --novram; `model_unload` with bytes
-to free, then in full) with the `meta` device standing in for the GPU: any op that mixed the
-streamed CPU weights with device tensors would raise. Prints one JSON line of findings.
+to free, then in full) with the `meta` device standing in for the GPU: any op that mixed the CPU
+weights ComfyUI left behind with device tensors would raise. ComfyUI's own ModelPatcher code moves
+the weights. With the LM partly resident, one AR frame runs through `mm3.ar.FrameSampler.step`,
+the function the command line's pipeline runs for every frame (it is counted in both). Prints one
+JSON line of findings.
 
 Run with ComfyUI's interpreter: python tests/comfy_lowvram_check.py COMFYUI_PATH MODELS_DIR
 """
@@ -22,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(comfy_path: str, models_dir: str) -> dict:
     sys.path.insert(0, comfy_path)
+    sys.path.append(str(ROOT))
     sys.argv = [sys.argv[0], "--cpu"]
     import comfy.options
 
@@ -36,32 +40,63 @@ def main(comfy_path: str, models_dir: str) -> dict:
     spec.loader.exec_module(pack)
     cm = importlib.import_module("mm3pack.nodes.comfy_models")
     handles = importlib.import_module("mm3pack.nodes.handles")
-    read_architecture = importlib.import_module("mm3pack.mm3.gguf.reader").read_architecture
+    from mm3 import ar
+    from mm3.ar import PlanSettings
+    from mm3.gguf.reader import read_architecture
+    from mm3.pipeline import Pipeline
+    from mm3.request import MM3Request
 
-    lm_file = next(p for p in sorted(Path(models_dir).glob("*.gguf")) if read_architecture(p) == "mm3-lm")
+    steps = {"count": 0}
+    real_step = ar.FrameSampler.step
+
+    def counted(self, *args):
+        steps["count"] += 1
+        return real_step(self, *args)
+
+    ar.FrameSampler.step = counted
+    files = {read_architecture(p): p for p in sorted(Path(models_dir).glob("*.gguf"))}
     meta = torch.device("meta")
     out = {}
-    for mode, fraction in (("lowvram", 1 / 3), ("novram", None)):
-        h = handles.ComponentHandle("lm", lm_file.name, str(lm_file))
-        model = h.model()
-        before = {n: b for n, b in model.named_buffers()}
-        p = cm.MM3Patcher(cm.MM3Module(model, "lm", h.name), meta, cm.OFFLOAD, size=h.nbytes(),
-                          placement=h.placement, handle=h)
+    for mode, fraction in (("lowvram", 3 / 4), ("novram", None)):
+        h = handles.ComponentHandle("lm", files["mm3-lm"].name, str(files["mm3-lm"]))
+        d = handles.ComponentHandle("depth", files["mm3-depth"].name, str(files["mm3-depth"]))
+        lm, depth = h.model(), d.model()
+        homes = {n: p.data_ptr() for n, p in lm.named_parameters()}
+        p = cm.MM3Patcher(cm.MM3Module(lm, "lm", h.name), meta, cm.OFFLOAD, size=h.nbytes(), handle=h)
         loaded = mm.LoadedModel(p)
         budget = 0.1 if fraction is None else fraction * p.model_size()  # what load_models_gpu passes
         loaded.model_load(lowvram_model_memory=budget)
-        cache = model.new_cache(2, 8, torch.float32)
-        hidden = model(model.embed(torch.tensor([[1, 2, 3], [1, 4, 3]], device=meta), torch.float32), cache)
-        logits = model.logits_rows(hidden[:, -1], [(0, 4)])
+        on_meta = {n for n, t in lm.named_parameters() if t.device == meta}
+        cache = lm.new_cache(2, 8, torch.float32, meta)
+        hidden = lm(torch.randn(2, 3, lm.hidden_size, device=meta), cache)
+        logits = lm.head(hidden[:, -1])
         partial = {"loaded_bytes": p.loaded_size(), "size": p.model_size(), "lowvram": p.model.model_lowvram,
-                   "device": str(p.current_loaded_device()), "hidden": str(hidden.device), "logits": str(logits.device)}
+                   "resident_tensors": len(on_meta), "tensors": len(homes), "device": str(p.current_loaded_device()),
+                   "hidden": str(hidden.device), "logits": str(logits.device)}
+        if "model.embed_tokens.weight" in on_meta:  # token lookups on the device: a whole AR frame runs there
+            depth.to(meta)
+            prompt_codes = type("Codes", (), {"code_offset": lm.head_ids[0], "num_semantic": 1,
+                                              "end_id": lm.head_ids[1] - 1})
+            sampler = ar.FrameSampler(lm, depth, prompt_codes, cache, PlanSettings(duration=1.0), torch.float32, meta)
+            width = lm.head_ids[1] - lm.head_ids[0]
+            before = steps["count"]
+            codes, end, frame_hidden = sampler.step(torch.ones(1, width, device=meta),
+                                                    torch.ones(1, depth.num_codebooks - 1, depth.audio_vocab,
+                                                               device=meta))
+            partial["frame_step"] = {"calls": steps["count"] - before, "codes": str(codes.device),
+                                     "hidden": list(frame_hidden.shape)}
+            depth.to("cpu")
         gone = loaded.model_unload(memory_to_free=1)  # ComfyUI asks for a little memory back
         partial["after_partial_unload"] = {"unloaded": gone, "loaded_bytes": p.loaded_size()}
         if not gone:
             loaded.model_unload()  # and then everything
-        partial["restored"] = all(b is before[n] for n, b in model.named_buffers())
+        partial["restored"] = all(t.data_ptr() == homes[n] for n, t in lm.named_parameters())
         partial["final_device"] = str(p.current_loaded_device())
         out[mode] = partial
+    # The command line's pipeline on the CPU: the same frame step, counted.
+    before = steps["count"]
+    Pipeline(models_dir).plan(MM3Request(caption="c", lyrics="[verse]\nla", duration=0.2, lm_seed=1))
+    out["pipeline_frame_steps"] = steps["count"] - before
     return out
 
 

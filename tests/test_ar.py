@@ -9,14 +9,14 @@ import types
 import pytest
 import torch
 
-from mm3.ar import ZeroFramesError, max_frames_for, plan, replay
+from mm3.ar import PlanSettings, ZeroFramesError, max_frames_for, plan, replay
 from mm3.constants import MAX_AUDIO_FRAMES
 from mm3.codes import AudioCodes, AudioCodesError, parse_audio_codes
 from mm3.components import open_component
 from mm3.gguf import ops as gguf_ops
 from mm3.gguf.reader import compressed_from_torch
 from mm3.models.depth import RVQDepthDecoder
-from mm3.models.lm import Qwen3LM
+from mm3.models.lm import Qwen3LM, set_numerics
 from mm3.progress import Cancelled, Progress
 from mm3.prompt import build_prompt
 from mm3.sampling import draw_index, make_generator, sample_top_k
@@ -37,6 +37,8 @@ def ours(tiny):
     lm_c, d_c = open_component(tiny.file("mm3-lm"), expect="lm"), open_component(tiny.file("mm3-depth"), expect="depth")
     tok = MM3Tokenizer.from_component(lm_c)
     yield types.SimpleNamespace(lm=Qwen3LM.load(lm_c), depth=RVQDepthDecoder.load(d_c), tok=tok,
+                                lm_ref=Qwen3LM.load(lm_c, numerics="reference"),
+                                depth_ref=RVQDepthDecoder.load(d_c, numerics="reference"),
                                 prompt=build_prompt(tok, CAPTION, LYRICS))
     lm_c.close()
     d_c.close()
@@ -58,7 +60,7 @@ def test_prompt_ids_equal_reference(ours, ref):
 @pytest.mark.parametrize("song", list(DURATIONS))
 def test_plan_reference_numerics_is_bit_exact(ours, ref, one_thread, song):
     rr, g = ref.runs[song], make_generator(SEEDS[song])
-    (ac,) = plan(ours.lm, ours.depth, ours.prompt, duration=DURATIONS[song], generators=g, reference_numerics=True)
+    (ac,) = plan(ours.lm_ref, ours.depth_ref, ours.prompt, PlanSettings(duration=DURATIONS[song]), generators=g)
     assert ac.frames == int(DURATIONS[song] * 25) == rr.frame_hiddens.shape[0]
     assert torch.equal(ac.codes, rr.codes)  # frame 0 included
     assert torch.equal(ac.frame_hiddens, rr.frame_hiddens)
@@ -69,7 +71,7 @@ def test_plan_reference_numerics_is_bit_exact(ours, ref, one_thread, song):
 @pytest.mark.parametrize("song", list(DURATIONS))
 def test_plan_fast_path_matches_reference(ours, ref, one_thread, song):
     rr = ref.runs[song]
-    (ac,) = plan(ours.lm, ours.depth, ours.prompt, duration=DURATIONS[song], lm_seed=SEEDS[song])
+    (ac,) = plan(ours.lm, ours.depth, ours.prompt, PlanSettings(duration=DURATIONS[song], lm_seed=SEEDS[song]))
     assert ac.lm_seed == SEEDS[song]
     assert torch.equal(ac.codes, rr.codes)
     lm_hidden, depth_hidden = ac.frame_hiddens[:, 0], ac.frame_hiddens[:, 1:]
@@ -88,9 +90,9 @@ def test_replay_matches_sampled_hiddens(ours, ref, one_thread):
 
 
 def test_batch_of_two_equals_songs_alone(ours, one_thread):
-    batch = plan(ours.lm, ours.depth, ours.prompt, duration=2.0, lm_seed=7, lm_batch_size=2)
+    batch = plan(ours.lm, ours.depth, ours.prompt, PlanSettings(duration=2.0, lm_seed=7, songs=2))
     for i, song in enumerate(batch):
-        (alone,) = plan(ours.lm, ours.depth, ours.prompt, duration=2.0, lm_seed=7 + i)
+        (alone,) = plan(ours.lm, ours.depth, ours.prompt, PlanSettings(duration=2.0, lm_seed=7 + i))
         assert song.lm_seed == alone.lm_seed == 7 + i
         assert torch.equal(song.codes, alone.codes)
         assert rel(song.frame_hiddens, alone.frame_hiddens) < 1e-5  # batch GEMMs round differently on CPU
@@ -101,14 +103,14 @@ def test_progress_and_cancel_between_frames(ours):
     calls = []
     prog = Progress(on_progress=lambda *a: calls.append(a), should_stop=lambda: len(calls) >= 5)
     with pytest.raises(Cancelled, match="before frame 5"):
-        plan(ours.lm, ours.depth, ours.prompt, duration=2.0, lm_seed=0, progress=prog)
+        plan(ours.lm, ours.depth, ours.prompt, PlanSettings(duration=2.0, lm_seed=0), progress=prog)
     assert [c[:3] for c in calls] == [("ar", n, 50) for n in range(5)]  # frame 0 emits nothing
     assert calls[-1][3]["frame"] == 4
 
 
 def test_end_token_stops_the_song(ours, monkeypatch):
-    lm, end = ours.lm, ours.tok.special.audio_end
-    real = lm.logits
+    lm, end = ours.lm_ref, ours.tok.special.audio_end
+    real = lm.head
 
     def end_from(k):  # END becomes certain from the k-th sampled frame on
         count = [0]
@@ -121,12 +123,12 @@ def test_end_token_stops_the_song(ours, monkeypatch):
             return out
         return logits
 
-    monkeypatch.setattr(lm, "logits", end_from(4))
-    (ac,) = plan(lm, ours.depth, ours.prompt, duration=2.0, lm_seed=3, reference_numerics=True)
+    monkeypatch.setattr(lm, "head", end_from(4))
+    (ac,) = plan(lm, ours.depth_ref, ours.prompt, PlanSettings(duration=2.0, lm_seed=3))
     assert ac.ended_naturally and ac.frames == 2 and ac.codes.shape == (3, 8)
-    monkeypatch.setattr(lm, "logits", end_from(2))  # END right after frame 0: nothing emitted
+    monkeypatch.setattr(lm, "head", end_from(2))  # END right after frame 0: nothing emitted
     with pytest.raises(ZeroFramesError, match=r"song 0 \(lm_seed 3\) generated zero audio frames"):
-        plan(lm, ours.depth, ours.prompt, duration=2.0, lm_seed=3, reference_numerics=True)
+        plan(lm, ours.depth_ref, ours.prompt, PlanSettings(duration=2.0, lm_seed=3))
 
 
 def test_frame_limits():
@@ -144,23 +146,24 @@ def test_lm_and_depth_modules_match_reference(ours, ref, one_thread):
     whole-sequence and with its incremental cache."""
     emb = ref.model.language_model.model.embed_tokens(ref.ids)
     out = ref.model.language_model.model(inputs_embeds=emb, use_cache=True)
-    cache = ours.lm.new_cache(2, ref.ids.shape[1] + 3, torch.float32)
-    assert torch.equal(ours.lm(ours.lm.embed(ref.ids, torch.float32), cache), out.last_hidden_state)
+    lm = ours.lm_ref
+    cache = lm.new_cache(2, ref.ids.shape[1] + 3, torch.float32, "cpu")
+    assert torch.equal(lm(lm.embed(ref.ids, torch.float32), cache), out.last_hidden_state)
     past = out.past_key_values
     g = torch.Generator().manual_seed(5)
     for _ in range(3):
-        x = torch.randn(2, 1, ours.lm.hidden_size, generator=g)
+        x = torch.randn(2, 1, lm.hidden_size, generator=g)
         out = ref.model.language_model.model(inputs_embeds=x, past_key_values=past, use_cache=True)
         past = out.past_key_values
-        assert torch.equal(ours.lm(x, cache), out.last_hidden_state)
-    assert torch.equal(ours.lm.logits(out.last_hidden_state[:, -1]),
+        assert torch.equal(lm(x, cache), out.last_hidden_state)
+    assert torch.equal(lm.head(out.last_hidden_state[:, -1]),
                        ref.model.language_model.lm_head(out.last_hidden_state[:, -1]))
 
     seq = torch.randn(2, 8, ours.depth.hidden_size, generator=g)
-    full = ours.depth(seq)
+    full = ours.depth_ref(seq)
     assert torch.equal(full, ref.model.rvq_depth_decoder(seq))
-    dc = ours.depth.new_cache(2, torch.float32)
-    steps = [ours.depth.extend(seq[:, :2], dc)] + [ours.depth.extend(seq[:, j:j + 1], dc) for j in range(2, 8)]
+    dc = ours.depth.new_cache(2, torch.float32, "cpu")
+    steps = [ours.depth(seq[:, :2], dc)] + [ours.depth(seq[:, j:j + 1], dc) for j in range(2, 8)]
     assert rel(torch.cat(steps, 1), full) < 1e-6
 
 
@@ -175,17 +178,18 @@ def test_ops_seam_and_head_rows(ours):
 
     ops = types.SimpleNamespace(**{k: getattr(gguf_ops, k) for k in ("Embedding", "Vector", "Linear")})
     ops.Linear = CountingLinear
-    lm_src = ours.lm
+    lm_src = ours.lm_ref
     tensors = {n: compressed_from_torch(n, b) for n, b in _float_state(lm_src).items()}
     lm = Qwen3LM(lm_src.cfg, ops)
     gguf_ops.load_tensors(lm, tensors, source="test")
     h = torch.randn(2, lm.hidden_size, generator=torch.Generator().manual_seed(0))
     cs = ours.prompt.codes
-    rows = lm.logits_rows(h, [(cs.end_id, cs.end_id + 1), (cs.code_offset, cs.code_offset + 5)])
-    full = lm.logits(h)
-    assert torch.allclose(rows, torch.cat([full[:, cs.end_id:cs.end_id + 1],
-                                           full[:, cs.code_offset:cs.code_offset + 5]], dim=1), atol=1e-6, rtol=1e-5)
-    assert seen == [lm.vocab_size]
+    full = lm.head(h)
+    lo, hi = min(cs.end_id, cs.code_offset), cs.code_offset + 5
+    lm.keep_head_rows(lo, hi)
+    assert lm.head_ids == (lo, hi) and isinstance(lm.lm_head, CountingLinear)
+    assert torch.allclose(lm.head(h), full[:, lo:hi], atol=1e-6, rtol=1e-5)
+    assert seen == [lm.vocab_size, hi - lo]
 
 
 def _float_state(module):
@@ -255,8 +259,9 @@ def test_real_id_layout_matches_reference(tiny_real_ids, one_thread):
         lm, depth = Qwen3LM.load(lm_c), RVQDepthDecoder.load(d_c)
         prompt = build_prompt(MM3Tokenizer.from_component(lm_c), CAPTION, LYRICS)
         assert torch.equal(prompt.ids, ids) and prompt.codes.end_id == 151670
-        (exact,) = plan(lm, depth, prompt, duration=1.0, lm_seed=4, reference_numerics=True)
-        (fast,) = plan(lm, depth, prompt, duration=1.0, lm_seed=4)
+        lm_ref, depth_ref = Qwen3LM.load(lm_c, numerics="reference"), RVQDepthDecoder.load(d_c, numerics="reference")
+        (exact,) = plan(lm_ref, depth_ref, prompt, PlanSettings(duration=1.0, lm_seed=4))
+        (fast,) = plan(lm, depth, prompt, PlanSettings(duration=1.0, lm_seed=4))
         assert torch.equal(exact.codes, rr.codes) and torch.equal(exact.frame_hiddens, rr.frame_hiddens)
         assert torch.equal(fast.codes, rr.codes) and rel(fast.frame_hiddens, rr.frame_hiddens) < 1e-5
     finally:
@@ -293,16 +298,16 @@ def test_quantized_weights_equal_their_dequantized_floats(tiny, ours, one_thread
         comp.close()
         models[kind] = pair
     assert models["lm"][0].lm_head.qtype("weight") == q8
-    for exact in (False, True):
-        (a,) = plan(models["lm"][0], models["depth"][0], ours.prompt, duration=1.0, lm_seed=2,
-                    reference_numerics=exact)
-        (b,) = plan(models["lm"][1], models["depth"][1], ours.prompt, duration=1.0, lm_seed=2,
-                    reference_numerics=exact)
+    for numerics in ("fast", "reference"):
+        for m in models["lm"] + models["depth"]:
+            set_numerics(m, numerics)
+        (a,) = plan(models["lm"][0], models["depth"][0], ours.prompt, PlanSettings(duration=1.0, lm_seed=2))
+        (b,) = plan(models["lm"][1], models["depth"][1], ours.prompt, PlanSettings(duration=1.0, lm_seed=2))
         assert torch.equal(a.codes, b.codes) and torch.equal(a.frame_hiddens, b.frame_hiddens)
 
 
 def test_bfloat16_compute_runs(ours):
-    (ac,) = plan(ours.lm, ours.depth, ours.prompt, duration=0.4, lm_seed=0, dtype=torch.bfloat16)
+    (ac,) = plan(ours.lm, ours.depth, ours.prompt, PlanSettings(duration=0.4, lm_seed=0), dtype=torch.bfloat16)
     assert ac.frame_hiddens.dtype == torch.bfloat16 and ac.frame_hiddens.shape == (10, 8, ours.lm.hidden_size)
     rp = replay(ours.lm, ours.depth, ours.prompt, ac.codes, dtype=torch.bfloat16)
     err = (rp.frame_hiddens.float() - ac.frame_hiddens.float()).norm() / ac.frame_hiddens.float().norm()

@@ -1,8 +1,8 @@
 """The ComfyUI node layer.
 
 Part 1 needs no ComfyUI: the node logic (`nodes/logic.py`) chained as the nodes chain it gives the
-same audio as `mm3.pipeline.Pipeline.run` (itself checked against diffusers), weight placement and
-streaming keep every op on one device, and Save Song's files read back right.
+same audio as `mm3.pipeline.Pipeline.run` (itself checked against diffusers), and Save Song's files
+read back right.
 
 Part 2 starts a real ComfyUI (COMFYUI_PATH, interpreter COMFYUI_PYTHON) once for the module, with
 this pack linked into its custom_nodes and tiny GGUFs in models/mm3, and drives it over HTTP and
@@ -28,6 +28,12 @@ import torch
 from comfy_server import ComfyServer, cached_nodes, executed_nodes
 from comfy_workflows import api_from_ui, schema_problems
 
+from mm3.ar import PlanSettings
+from mm3.codes import AudioCodes
+from mm3.gguf.errors import ComponentError
+from mm3.pipeline import Pipeline
+from mm3.request import MM3Request
+
 ROOT = Path(__file__).resolve().parents[1]
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
 CAPTION = "Warm lo-fi hip hop, dusty drums, mellow Rhodes, vinyl crackle, 80 BPM"
@@ -37,7 +43,8 @@ LYRICS = "[verse]\nRain on the window, coffee in my hand\n[chorus]\nSlow it down
 # -- part 1: node logic without ComfyUI ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pack():
-    """The repository imported as a package (as ComfyUI imports it), so `nodes` reaches `..mm3`."""
+    """The repository imported as a package, as ComfyUI imports it (the node layer imports the
+    engine as `mm3`, the very modules the tests use)."""
     name = "mm3_pack_under_test"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py",
@@ -59,11 +66,10 @@ def test_node_chain_matches_pipeline(pack, tiny):
     """Prompt -> plan -> condition -> sample -> decode -> stitch, as the nodes run it, equals the
     pipeline's tracks bit for bit (2 songs x 2 variations), and each replay request renders its track."""
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
-    Pipeline, MM3Request = pack("mm3.pipeline").Pipeline, pack("mm3.request").MM3Request
     m = {k: h.model() for k, h in hs.items()}
     prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
-    songs = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt, duration=0.8, lm_seed=11,
-                             lm_cfg=1.5, lm_top_k=50, songs=2, dtype=torch.float32)
+    songs = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
+                             PlanSettings(duration=0.8, lm_seed=11, songs=2), device="cpu", dtype=torch.float32)
     ours = []
     for song in songs:
         cond = logic.encode_condition(m["cond"], hs["cond"], song, device="cpu", dtype=torch.float32)
@@ -91,8 +97,6 @@ def test_split_synthesis_matches_pipeline_over_windows(pack, tiny):
     sampler fed from them, windows decoded one by one and then stitched, equal the pipeline's
     synthesis (overlap carry, crops and all). Frame hiddens are random: no AR needed."""
     logic, handles, hs = pack("nodes.logic"), pack("nodes.handles"), _handles(pack, tiny)
-    Pipeline, MM3Request = pack("mm3.pipeline").Pipeline, pack("mm3.request").MM3Request
-    AudioCodes = pack("mm3.codes").AudioCodes
     m = {k: h.model() for k, h in hs.items() if k in ("cond", "dit", "vae")}
     dp = hs["depth"].hparams
     frames = 210  # windows [0, 200) and [100, 210)
@@ -133,7 +137,7 @@ def test_loader_refuses_what_the_command_line_refuses(pack, tiny, tmp_path):
     h = pack("nodes.handles")
     bad = rewrite(tiny.file("mm3-dit"), tmp_path / "bad-dit.gguf", drop={"proj_in.weight"},
                   tensors={"proj_in.weight": (gguf.GGMLQuantizationType.Q8_1, np.zeros((64, 80), np.uint8))})
-    with pytest.raises(pack("mm3.gguf.errors").ComponentError,
+    with pytest.raises(ComponentError,
                        match=r"bad-dit.gguf: tensor proj_in.weight is Q8_1, which this engine cannot dequantize"):
         h.handle_for("dit", "bad-dit.gguf", str(bad))
 
@@ -146,8 +150,8 @@ def test_loaded_codes_check_the_files_that_made_them(pack, tiny, tmp_path):
     logic, hs, handles = pack("nodes.logic"), _handles(pack, tiny), pack("nodes.handles")
     m = {k: hs[k].model() for k in ("lm", "depth", "cond")}
     prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
-    (song,) = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt, duration=0.4, lm_seed=3,
-                               lm_cfg=1.5, lm_top_k=50, songs=1, dtype=torch.float32)
+    (song,) = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
+                               PlanSettings(duration=0.4, lm_seed=3), device="cpu", dtype=torch.float32)
     req = song.request
     assert req.model_fingerprints == {"lm_model": hs["lm"].fingerprint, "depth_model": hs["depth"].fingerprint}
     req = logic.with_model(req, "cond_model", hs["cond"])
@@ -161,7 +165,7 @@ def test_loaded_codes_check_the_files_that_made_them(pack, tiny, tmp_path):
     _, prompt2, codes = logic.read_codes_request(req.to_json(), "f.json", hs["lm"], hs["depth"])
     for check, same in (("warn", hs["cond"]), ("warn", other_h), ("refuse", other_h)):
         loaded = logic.replay_codes(m["lm"], m["depth"], hs["lm"], hs["depth"], req, prompt2, codes,
-                                    dtype=torch.float32, model_check=check)
+                                    device="cpu", dtype=torch.float32, model_check=check)
         if check == "refuse":
             with pytest.raises(ValueError, match="cond_model: other-cond.gguf .* is not the file that made this song"):
                 logic.encode_condition(other_h.model(), other_h, loaded, device="cpu", dtype=torch.float32)
@@ -175,39 +179,10 @@ def test_loaded_codes_check_the_files_that_made_them(pack, tiny, tmp_path):
     assert "reference RNG" in logic.codes_file_problems(replace(req, rng="reference"), hs["lm"], hs["depth"])[0]
 
 
-def test_placement_streams_what_does_not_fit(pack, tiny):
-    """With a budget below the model size, some layers stay on the CPU and stream per use; on the
-    `meta` device (a stand-in for a GPU) any op mixing devices would raise. Unloading restores the
-    very tensors the model was built with, and the layers' own classes (which the engine's fast AR
-    path requires)."""
-    hs = _handles(pack, tiny)
-    lm = hs["lm"].model()
-    placement = hs["lm"].placement
-    supports = pack("mm3.fast.frame").supports
-    assert supports(lm, hs["depth"].model()) is None  # as built: the fast AR engine takes it
-    before = {n: b for n, b in lm.named_buffers()}
-    classes = {n: type(m) for n, m in lm.named_modules()}
-    assert placement.total_bytes == hs["lm"].nbytes()  # what ComfyUI is told the model weighs
-    loaded = placement.load(torch.device("meta"), budget=placement.total_bytes // 3)
-    assert 0 < loaded < placement.total_bytes and placement.streaming
-    assert lm.device.type == "meta"  # the anchor (token embedding) went first
-    cache = lm.new_cache(2, 8, torch.float32)
-    h = lm(lm.embed(torch.tensor([[1, 2, 3], [1, 4, 3]], device="meta"), torch.float32), cache)
-    assert h.device.type == "meta" and h.shape == (2, 3, lm.hidden_size)
-    assert lm.logits_rows(h[:, -1], [(0, 4)]).device.type == "meta"
-    assert placement.unload(1) > 0 and placement.streaming  # partial: still usable on the device
-    streamed = [n for n, m in lm.named_modules() if type(m) is not classes[n]]
-    assert streamed and all(isinstance(m, pack("nodes.placement").Streamed) for n, m in lm.named_modules()
-                            if n in streamed)
-    assert placement.unload() > 0 and placement.device is None
-    assert all(b is before[n] for n, b in lm.named_buffers())
-    assert all(type(m) is classes[n] for n, m in lm.named_modules())
-
-
 def test_write_track_reads_back(pack, tmp_path):
     logic = pack("nodes.logic")
     wave_ = torch.linspace(-0.5, 0.5, 2 * 4410).reshape(2, -1)
-    req = pack("mm3.request").MM3Request(caption="c", lyrics="l", audio_codes="1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8")
+    req = MM3Request(caption="c", lyrics="l", audio_codes="1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8")
     paths = logic.write_track(tmp_path / "a.wav", wave_, 44100, "wav16", mp3_bitrate=128, peak_clip=10,
                               request=req.to_dict())
     with wave.open(str(paths[0])) as w:
@@ -590,16 +565,21 @@ def test_ar_group_leaves_before_synthesis(comfy):
 def test_low_vram_loading_in_comfyui_classes(comfy):
     """ComfyUI rejects --lowvram / --novram with --cpu, so on a machine without a GPU the test makes
     the calls those modes make (LoadedModel.model_load with a byte budget, partial then full
-    unload) on the `meta` device: part of the LM resident, the rest streamed, every op on one
-    device, and the original CPU tensors back afterwards."""
+    unload) on the `meta` device: ComfyUI's own code leaves part of the LM on the CPU, every op
+    runs on one device, an AR frame runs through the same frame step as the command line's, and the
+    file-backed CPU tensors are back afterwards."""
     check = ROOT / "tests" / "comfy_lowvram_check.py"
     out = subprocess.run([os.environ.get("COMFYUI_PYTHON", sys.executable), str(check), COMFYUI_PATH,
                           str(comfy.base / "models" / "mm3")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
-    for mode, r in found.items():
-        assert r["lowvram"] and 0 < r["loaded_bytes"] < r["size"], (mode, r)
+    for mode in ("lowvram", "novram"):
+        r = found[mode]
+        assert r["lowvram"] and 0 <= r["loaded_bytes"] < r["size"], (mode, r)
+        assert r["resident_tensors"] < r["tensors"], (mode, r)
         assert r["device"] == r["hidden"] == r["logits"] == "meta", (mode, r)
         assert r["restored"] and r["final_device"] == "cpu", (mode, r)
     assert found["novram"]["loaded_bytes"] < found["lowvram"]["loaded_bytes"]
     assert not found["lowvram"]["after_partial_unload"]["unloaded"]  # freed a layer, stayed usable
+    assert found["lowvram"]["frame_step"]["calls"] == 1 and found["lowvram"]["frame_step"]["codes"] == "meta"
+    assert found["pipeline_frame_steps"] > 0  # one decode path: the same function in both

@@ -1,10 +1,11 @@
-"""The fast paths against the plain ones, CPU float32: packed decode products, the one-function AR
-frame step (codes, hiddens and generator states equal to the plain loop's, END read one frame late),
-the cheap skip of the semantic draw, and dequantized-weight caches of the ops layer.
+"""The fast numerics against the reference numerics, CPU float32: fused and decode-shaped products,
+the head rows of the candidates, the one AR decode path (codes, hiddens and generator states equal
+for models loaded either way, END read one frame late), the cheap skip of the semantic draw, and
+dequantized-weight caches of the ops layer.
 
-The plain AR loop is itself checked against diffusers in test_ar.py; here the fast engine must give
-the same codes on the tiny model and hiddens within float rounding (its products are shaped
-differently), and consume every generator exactly as the plain loop (hence as the reference)."""
+The reference numerics are themselves checked against diffusers in test_ar.py; here the fast models
+must give the same codes on the tiny model and hiddens within float rounding (their products are
+shaped differently), and consume every generator exactly as the reference does."""
 
 import types
 
@@ -13,17 +14,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mm3.ar import ZeroFramesError, plan
+from mm3 import ar
+from mm3 import device as budget
+from mm3.ar import PlanSettings, ZeroFramesError, plan
 from mm3.components import open_component
-from mm3.fast.frame import supports
-from mm3.fast.linear import decode_linear, pack_linears, pack_rows
-from mm3.flow import sample_latents
+from mm3.flow import encode_conditions, sample_latents
 from mm3.gguf import ops as gguf_ops
 from mm3.gguf.encode import quantize
 from mm3.gguf.reader import CompressedTensor, compressed_from_torch
+from mm3.matmul import decode_linear
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.dit import FlowDiT
-from mm3.models.lm import Qwen3LM
+from mm3.models.lm import Qwen3LM, set_numerics
 from mm3.progress import Cancelled, Progress
 from mm3.prompt import build_prompt
 from mm3.sampling import exponential_draws, exponential_tail, make_generator
@@ -41,6 +43,8 @@ def tiny_ar(tiny, one_thread):
     lm_c, d_c = open_component(tiny.file("mm3-lm"), expect="lm"), open_component(tiny.file("mm3-depth"), expect="depth")
     tok = MM3Tokenizer.from_component(lm_c)
     yield types.SimpleNamespace(lm_c=lm_c, d_c=d_c, tok=tok, lm=Qwen3LM.load(lm_c), depth=RVQDepthDecoder.load(d_c),
+                                lm_ref=Qwen3LM.load(lm_c, numerics="reference"),
+                                depth_ref=RVQDepthDecoder.load(d_c, numerics="reference"),
                                 prompt=build_prompt(tok, "warm synth pop", "[verse]\nhello there"))
     lm_c.close()
     d_c.close()
@@ -58,7 +62,7 @@ def _linear(k, n, qtype, g):
     return layer
 
 
-# -- products and packed weights ---------------------------------------------------------------------
+# -- products and fused weights ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 16, 40])
 def test_decode_linear_equals_linear(rows):
@@ -70,33 +74,50 @@ def test_decode_linear_equals_linear(rows):
 
 
 @pytest.mark.parametrize("qtypes", [(Q.F32,) * 3, (Q.Q8_0,) * 3, (Q.Q8_0, Q.Q6_K, Q.Q8_0)])
-def test_pack_linears_is_the_stacked_product_and_rebinds_in_place(qtypes):
+def test_fused_is_the_stacked_product_and_restacks_in_place(qtypes):
     g = torch.Generator().manual_seed(0)
     layers = [_linear(256, n, t, g) for n, t in zip((64, 32, 32), qtypes)]
     x = torch.randn(2, 256, generator=g)
     before = [layer(x) for layer in layers]
-    packed = pack_linears(layers)
-    assert len(packed.segments) == (1 if len(set(qtypes)) == 1 else 3)
-    after = [layer(x) for layer in layers]  # the plain forward on the rebound views: the same bytes
+    fused = gguf_ops.Fused(layers)
+    y = torch.cat(fused(x), dim=-1)
+    after = [layer(x) for layer in layers]  # each part on its own, after the fused product: the same bytes
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    y = packed.linear(x, torch.float32)
     torch.testing.assert_close(y, torch.cat(before, dim=-1), rtol=1e-5, atol=1e-5)
-    if len(set(qtypes)) == 1:  # one buffer; packing again finds the views adjacent and copies nothing
-        again = pack_linears(layers)
-        assert again.segments[0].data.data_ptr() == packed.segments[0].data.data_ptr()
-    kept = packed.cache(torch.float32)
-    assert kept == (0 if qtypes[0] == Q.F32 and len(set(qtypes)) == 1 else 128 * 256 * 4)
-    assert torch.equal(packed.linear(x, torch.float32), y)  # a kept copy is the same dequantization
+    w = fused.stacked_weight(torch.float32, "cpu")
+    if qtypes[0] == Q.F32:  # float parts became views of one stack; stacking again copies nothing
+        assert fused.stacked_weight(torch.float32, "cpu").data_ptr() == w.data_ptr() == \
+            layers[0].stored("weight").data_ptr()
+    kept = fused.keep_dequantized(torch.float32)
+    assert kept == (0 if qtypes[0] == Q.F32 else 128 * 256 * 4)
+    assert torch.equal(torch.cat(fused(x), dim=-1), y)  # a kept copy is the same dequantization
+    fused.fuse = False  # the reference's separate products
+    assert all(torch.equal(a, b) for a, b in zip(fused(x), before))
 
 
-def test_pack_rows_of_a_quantized_head():
+def test_fused_parts_not_resident_give_the_same_product():
+    """Parts that cannot serve as a resident stack (another dtype here; another device under a
+    memory manager) are written into one buffer per use: the very product of the stacked floats."""
+    g = torch.Generator().manual_seed(3)
+    layers = []
+    for n in (32, 64):
+        layer = gguf_ops.Linear(128, n, bias=False)
+        layer.set_float("weight", (torch.randn(n, 128, generator=g) / 8).half())
+        layers.append(layer)
+    x = torch.randn(2, 128, generator=g)
+    y = torch.cat(gguf_ops.Fused(layers)(x), dim=-1)
+    assert torch.equal(y, F.linear(x, torch.cat([layer.stored("weight").float() for layer in layers])))
+    assert all(layer.stored("weight").dtype == torch.float16 for layer in layers)  # nothing re-stacked
+
+
+def test_head_rows_of_a_quantized_head():
     g = torch.Generator().manual_seed(1)
     head = _linear(64, 300, Q.Q8_0, g)
     h = torch.randn(2, 64, generator=g)
-    ranges = [(7, 8), (100, 300)]
     full = head(h)
-    torch.testing.assert_close(pack_rows(head, ranges).linear(h, torch.float32),
-                               torch.cat([full[:, 7:8], full[:, 100:300]], dim=-1), rtol=1e-5, atol=1e-5)
+    rows = head.rows(100, 300)
+    assert rows.stored("weight").data_ptr() == head.stored("weight")[100].data_ptr()  # a view: nothing copied
+    torch.testing.assert_close(rows(h), full[:, 100:300], rtol=1e-5, atol=1e-5)
 
 
 def test_exponential_tail_skips_exactly():
@@ -107,94 +128,110 @@ def test_exponential_tail_skips_exactly():
         assert torch.equal(a.get_state(), b.get_state())
 
 
-# -- the AR engine ----------------------------------------------------------------------------------
+# -- the AR decode path -----------------------------------------------------------------------------
 
-def _both(t, **kw):
-    """Plain and fast engines on the same generators; returns (plain, fast, plain gens, fast gens)."""
-    n = kw.pop("lm_batch_size", 1)
-    seeds = [kw.pop("lm_seed", 0) + i for i in range(n)]
+def _both(t, duration, lm_seed=0, songs=1, lm=None, lm_ref=None):
+    """Reference and fast numerics on the same generators; returns (ref, fast, ref gens, fast gens)."""
+    seeds = [lm_seed + i for i in range(songs)]
     out = []
-    for engine in ("plain", "fast"):
+    for lm_, depth in ((lm_ref or t.lm_ref, t.depth_ref), (lm or t.lm, t.depth)):
         gens = [make_generator(s) for s in seeds]
-        songs = plan(t.lm, t.depth, t.prompt, lm_batch_size=n, generators=gens, engine=engine, **kw)
-        out.append((songs, gens))
+        out.append((plan(lm_, depth, t.prompt, PlanSettings(duration=duration, songs=songs), generators=gens), gens))
     return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
-def _assert_same(plain, fast, gp, gf):
-    for a, b in zip(plain, fast):
+def _assert_same(ref, fast, gr, gf):
+    for a, b in zip(ref, fast):
         assert torch.equal(a.codes, b.codes)
         assert a.ended_naturally == b.ended_naturally
         assert a.frame_hiddens.shape == b.frame_hiddens.shape
         assert rel(b.frame_hiddens, a.frame_hiddens) < 1e-5
-    for a, b in zip(gp, gf):
+    for a, b in zip(gr, gf):
         assert torch.equal(a.get_state(), b.get_state())
 
 
 @pytest.mark.parametrize("songs", [1, 3])
-def test_fast_engine_equals_plain(tiny_ar, songs):
-    _assert_same(*_both(tiny_ar, duration=2.0, lm_seed=5, lm_batch_size=songs))
+def test_fast_numerics_equal_reference_numerics(tiny_ar, songs):
+    _assert_same(*_both(tiny_ar, 2.0, lm_seed=5, songs=songs))
 
 
-def test_static_shapes_step_equals_plain(tiny_ar):
+def test_fast_lm_keeps_only_the_candidate_head_rows(tiny_ar):
+    cs, lm = tiny_ar.prompt.codes, tiny_ar.lm
+    lo, hi = lm.head_ids
+    assert (lo, hi) == (min(cs.end_id, cs.code_offset), max(cs.end_id + 1, cs.code_offset + cs.num_semantic))
+    assert lm.lm_head.out_features == hi - lo < lm.vocab_size
+    assert tiny_ar.lm_ref.head_ids == (0, lm.vocab_size)
+
+
+def test_static_shapes_step_equals_reference(tiny_ar):
     """The masked, bucketed attention a compiled step uses, run eagerly."""
-    from mm3.fast import plan as fast_plan
-
     t = tiny_ar
-    (ref,) = plan(t.lm, t.depth, t.prompt, duration=1.0, lm_seed=2, engine="plain")
+    (ref,) = plan(t.lm_ref, t.depth_ref, t.prompt, PlanSettings(duration=1.0, lm_seed=2))
     prompt = t.prompt
-    cache = t.lm.new_cache(2, prompt.num_tokens + 26, torch.float32)
+    cache = t.lm.new_cache(2, prompt.num_tokens + 26, torch.float32, "cpu")
     last = t.lm(t.lm.embed(prompt.ids, torch.float32), cache)[:, -1]
-    ((codes, hiddens, ended),) = fast_plan.sample_frames(
-        t.lm, t.depth, prompt.codes, cache, last, [make_generator(2)], max_frames=25, lm_cfg=1.5, top_k=50,
-        dtype=torch.float32, progress=Progress(), static_shapes=True)
+    sampler = ar.FrameSampler(t.lm, t.depth, prompt.codes, cache, PlanSettings(duration=1.0), torch.float32,
+                              torch.device("cpu"))
+    sampler.last = last
+    draws = ar._Draws([make_generator(2)], t.lm.vocab_size, t.lm.head_ids, 8, t.depth.audio_vocab)
+    ((codes, hiddens, ended),) = ar._sample_frames(sampler, draws, max_frames=25, device=torch.device("cpu"),
+                                                   progress=Progress(), static_shapes=True)
     assert torch.equal(codes, ref.codes) and rel(hiddens, ref.frame_hiddens) < 1e-5
 
 
+def _set_head_row(lm: Qwen3LM, token: int, row: torch.Tensor):
+    """Set the LM-head row of vocabulary id `token` (the head may hold only a range of rows)."""
+    w = lm.lm_head.get("weight", torch.float32).clone()
+    w[token - lm.head_ids[0]] = row
+    lm.lm_head.set_float("weight", w)
+
+
+def _head_row(lm: Qwen3LM, token: int) -> torch.Tensor:
+    return lm.lm_head.get("weight", torch.float32)[token - lm.head_ids[0]]
+
+
 @pytest.fixture()
-def ending_lm(tiny_ar):
-    """The tiny LM with its END head row set to a multiple of one code's row: END then comes when
+def ending_lms(tiny_ar):
+    """The tiny LM (both numerics) with its END head row set to one code's row: END then comes when
     that code would, at different frames for different seeds."""
-    lm = Qwen3LM.load(tiny_ar.lm_c)
     cs = tiny_ar.prompt.codes
-    w = lm.lm_head.get("weight", torch.float32).clone()
-    w[cs.end_id] = w[cs.code_offset + 10]  # seeds 0..3: END after 25 and 3 frames, two songs run to the cap
-    lm.lm_head.set_float("weight", w)
-    return types.SimpleNamespace(**{**vars(tiny_ar), "lm": lm})
+    lms = [Qwen3LM.load(tiny_ar.lm_c, numerics=n) for n in ("reference", "fast")]
+    for lm in lms:
+        _set_head_row(lm, cs.end_id, _head_row(lm, cs.code_offset + 10).clone())  # seeds 0..3: two songs end
+    return lms
 
 
-def test_end_one_frame_late_equals_plain(ending_lm):
-    plain, fast, gp, gf = _both(ending_lm, duration=2.0, lm_seed=0, lm_batch_size=4)
-    ended = [s.ended_naturally for s in plain]
+def test_end_one_frame_late_equals_reference(tiny_ar, ending_lms):
+    lm_ref, lm = ending_lms
+    ref, fast, gr, gf = _both(tiny_ar, 2.0, lm_seed=0, songs=4, lm=lm, lm_ref=lm_ref)
+    ended = [s.ended_naturally for s in ref]
     assert any(ended) and not all(ended)  # a song stopped early while the batch went on
-    _assert_same(plain, fast, gp, gf)
+    _assert_same(ref, fast, gr, gf)
 
 
-def test_end_at_once_is_zero_frames(ending_lm):
-    lm, prompt = ending_lm.lm, ending_lm.prompt
-    cache = lm.new_cache(2, prompt.num_tokens, torch.float32)
-    last = lm(lm.embed(prompt.ids, torch.float32), cache)[0, -1]  # the conditional hidden of frame 0
-    w = lm.lm_head.get("weight", torch.float32).clone()
-    w[prompt.codes.end_id] = 100 * last / last.norm()  # END wins the first draw
-    lm.lm_head.set_float("weight", w)
+def test_end_at_once_is_zero_frames(tiny_ar, ending_lms):
+    prompt = tiny_ar.prompt
     states = []
-    for engine in ("plain", "fast"):
+    for lm, depth in zip(ending_lms, (tiny_ar.depth_ref, tiny_ar.depth)):
+        cache = lm.new_cache(2, prompt.num_tokens, torch.float32, "cpu")
+        last = lm(lm.embed(prompt.ids, torch.float32), cache)[0, -1]  # the conditional hidden of frame 0
+        _set_head_row(lm, prompt.codes.end_id, 100 * last / last.norm())  # END wins the first draw
         g = make_generator(1)
         with pytest.raises(ZeroFramesError, match="song 0"):
-            plan(ending_lm.lm, ending_lm.depth, ending_lm.prompt, duration=1.0, generators=g, engine=engine)
+            plan(lm, depth, prompt, PlanSettings(duration=1.0), generators=g)
         states.append(g.get_state())
     assert torch.equal(*states)  # one semantic draw consumed, as the reference
 
 
-def test_fast_progress_and_cancel(tiny_ar):
+def test_reference_numerics_progress_and_cancel(tiny_ar):
     calls = []
     prog = Progress(on_progress=lambda *a: calls.append(a), should_stop=lambda: len(calls) >= 5)
     with pytest.raises(Cancelled, match="before frame 5"):
-        plan(tiny_ar.lm, tiny_ar.depth, tiny_ar.prompt, duration=2.0, lm_seed=0, progress=prog, engine="fast")
+        plan(tiny_ar.lm_ref, tiny_ar.depth_ref, tiny_ar.prompt, PlanSettings(duration=2.0, lm_seed=0), progress=prog)
     assert [c[:3] for c in calls] == [("ar", n, 50) for n in range(5)]
 
 
-def test_quantized_fast_engine_and_weight_cache(tiny_ar):
+def test_quantized_weights_and_weight_cache(tiny_ar):
     """Q8_0 depth: kept dequantized copies give the very same numbers as per-product dequantization."""
     tensors = {}
     for name, t in tiny_ar.d_c.tensors.items():
@@ -202,23 +239,35 @@ def test_quantized_fast_engine_and_weight_cache(tiny_ar):
         tensors[name] = _quantized(values, Q.Q8_0) if len(t.shape) == 2 else compressed_from_torch(name, values)
     depth = RVQDepthDecoder(tiny_ar.d_c.hparams)
     gguf_ops.load_tensors(depth, tensors, source="q8")
-    runs = [plan(tiny_ar.lm, depth, tiny_ar.prompt, duration=1.0, lm_seed=4, engine="fast", cache_budget=b)[0]
+    set_numerics(depth, "fast")
+    runs = [plan(tiny_ar.lm, depth, tiny_ar.prompt, PlanSettings(duration=1.0, lm_seed=4), weight_budget=b)[0]
             for b in (0, 1 << 40)]
     assert torch.equal(runs[0].codes, runs[1].codes) and torch.equal(runs[0].frame_hiddens, runs[1].frame_hiddens)
+    assert gguf_ops.dequantized_nbytes(depth) == 0  # released after the call
 
 
-def test_other_ops_layers_fall_back_to_plain(tiny_ar):
+def test_other_ops_layers_run_the_same_decode_path(tiny_ar, monkeypatch):
+    """Another `ops` implementation (a ComfyUI cast layer, a fused kernel) is a subclass: the same
+    frame step runs over it and gives the same codes."""
+    calls = []
+
     class Counting(gguf_ops.Linear):
-        pass
+        def forward(self, x):
+            calls.append(self.out_features)
+            return super().forward(x)
 
     ops = types.SimpleNamespace(Linear=Counting, Embedding=gguf_ops.Embedding, Vector=gguf_ops.Vector)
     depth = RVQDepthDecoder(tiny_ar.d_c.hparams, ops)
     gguf_ops.load_tensors(depth, tiny_ar.d_c.tensors, source="test")
-    assert "Counting" in supports(tiny_ar.lm, depth)
-    with pytest.raises(ValueError, match="engine 'fast' cannot run"):
-        plan(tiny_ar.lm, depth, tiny_ar.prompt, duration=0.4, lm_seed=0, engine="fast")
-    (song,) = plan(tiny_ar.lm, depth, tiny_ar.prompt, duration=0.4, lm_seed=0)  # auto: the plain loop
-    assert song.frames == 10
+    set_numerics(depth, "fast")
+    steps = []
+    real_step = ar.FrameSampler.step
+    monkeypatch.setattr(ar.FrameSampler, "step", lambda self, *a: steps.append(1) or real_step(self, *a))
+    settings = PlanSettings(duration=0.4, lm_seed=0)
+    (song,) = plan(tiny_ar.lm, depth, tiny_ar.prompt, settings)
+    (same,) = plan(tiny_ar.lm, tiny_ar.depth, tiny_ar.prompt, settings)
+    assert song.frames == 10 and torch.equal(song.codes, same.codes)
+    assert len(steps) == 2 * 11 and calls  # frames 0..10 of each run, all through FrameSampler.step
 
 
 # -- dequantized-weight cache of the ops layer -------------------------------------------------------
@@ -237,9 +286,10 @@ def test_dit_weight_cache_keeps_numbers(tiny):
         dit = FlowDiT(comp.hparams)
         gguf_ops.load_tensors(dit, tensors, source="q8")
         cond = ConditionEncoder.load(cond_c)
-        fh = torch.randn(1, 30, cond.num_layers * cond.hidden_dim, generator=torch.Generator().manual_seed(0))
-        plain = sample_latents(cond, dit, fh, steps=3, seed=1, weight_cache=0)
-        kept = sample_latents(cond, dit, fh, steps=3, seed=1, weight_cache=1 << 40)
+        fh = torch.randn(30, cond.num_layers * cond.hidden_dim, generator=torch.Generator().manual_seed(0))
+        conditions = encode_conditions(cond, fh)
+        plain = sample_latents(dit, conditions, steps=3, seed=1, weight_cache=0)
+        kept = sample_latents(dit, conditions, steps=3, seed=1, weight_cache=1 << 40)
         assert all(torch.equal(a, b) for a, b in zip(plain, kept))
         assert gguf_ops.dequantized_nbytes(dit) == 0  # released after the call
         used = gguf_ops.cache_dequantized(dit, torch.float32, budget_bytes=40_000)
@@ -253,8 +303,6 @@ def test_dit_weight_cache_keeps_numbers(tiny):
 def test_weight_budget_on_mps_and_xpu(monkeypatch):
     """Apple silicon and Intel GPUs get a budget from their own memory APIs (with none, every AR
     product would dequantize its whole weight again)."""
-    from mm3.fast import budget
-
     gib = 1 << 30
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 * gib, raising=False)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 5 * gib, raising=False)

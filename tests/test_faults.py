@@ -169,7 +169,7 @@ def expected(tiny):
     ((Qwen3LM, "forward"), "planning (LM + depth decoder)", "before its first frame"),
     ((FlowDiT, "forward"), "DiT sampling (condition encoder + DiT)", "before its first step"),
     ((Vocoder, "decode_sides"), "vocoder decoding", "before its first window"),
-    (("mm3.store.build_model", None), "DiT sampling (condition encoder + DiT)", "while loading "),
+    (("mm3.models.build_model", None), "DiT sampling (condition encoder + DiT)", "while loading "),
 ])
 @pytest.mark.parametrize("keep_loaded", [False, True])
 def test_out_of_memory_names_the_stage_and_recovers(tiny, monkeypatch, expected, target, stage, where, keep_loaded):
@@ -178,14 +178,14 @@ def test_out_of_memory_names_the_stage_and_recovers(tiny, monkeypatch, expected,
     if target[1] is None:  # loading: fail when the DiT is built
         from mm3 import store
         real = store.build_model
-        monkeypatch.setattr(store, "build_model", lambda c: _oom() if c.kind == "dit" else real(c))
+        monkeypatch.setattr(store, "build_model", lambda c, **kw: _oom() if c.kind == "dit" else real(c, **kw))
     else:
         monkeypatch.setattr(*target, _oom)
     refs = []
     real_model = pipe.store.model
 
-    def model(kind, name=""):
-        m = real_model(kind, name)
+    def model(kind, name="", numerics="fast"):
+        m = real_model(kind, name, numerics)
         refs.append(weakref.ref(m))
         return m
 

@@ -111,3 +111,24 @@ def test_missing_misshaped_and_unexpected_tensors(tmp_path, model_file):
 def test_unloaded_slot_is_a_clear_error():
     with pytest.raises(ComponentError, match="never loaded"):
         ops.Linear(4, 4)(torch.randn(1, 4))
+
+
+def test_weights_on_another_device_are_fetched_per_use_and_come_home(model_file):
+    """Layers a memory manager left behind still compute on the input's device (the `meta` device
+    stands in for an accelerator: any op mixing devices would raise), and moving a layer back puts
+    the very tensor it was built with (the file mapping's view) back, nothing copied."""
+    f = GGUFFile(model_file)
+    m = Tiny()
+    load_tensors(m, f.tensors, source=f.path)
+    homes = {n: p for n, p in m.named_parameters()}
+    m.proj.to("meta")  # resident on the "device"; the others stay on the CPU
+    assert m.proj.weight.device.type == "meta" and m.conv.weight.device.type == "cpu"
+    x = torch.randn(3, 64, device="meta")
+    assert m.proj(x).device.type == "meta"
+    assert m.conv(torch.randn(2, 6, 10, device="meta")).device.type == "meta"  # CPU weight fetched for this use
+    # a table left on the CPU expands only the rows asked for there; the rows then go to the device
+    assert m.table.lookup(torch.tensor([1, 2]), torch.float32, "meta").device.type == "meta"
+    assert m.scale(torch.float32, "meta").device.type == "meta"
+    assert m.conv.weight.device.type == "cpu"  # the fetch left the weight where it was
+    m.to("cpu")
+    assert all(p.data_ptr() == homes[n].data_ptr() and p.dtype == homes[n].dtype for n, p in m.named_parameters())

@@ -13,7 +13,7 @@ import torch
 
 from mm3.audio import decode_windows, encode_audio, stitch, stitched_length
 from mm3.components import open_component
-from mm3.flow import NonFiniteError, flow_sigmas, sample_latents, window_bounds
+from mm3.flow import NonFiniteError, encode_conditions, flow_sigmas, sample_latents, window_bounds
 from mm3.gguf.errors import ComponentError
 from mm3.gguf.ops import load_tensors
 from mm3.gguf.reader import compressed_from_torch
@@ -29,6 +29,16 @@ REL = 1e-5  # latents, velocities, conditions: relative to the largest reference
 ABS_AUDIO = 1e-6
 ALPHA = 1e-5  # Snake alpha of the pass-through vocoder: x + sin(a x)^2 / a ~ x + a x^2
 STEPS, NOISE_SEED, HIDDEN_SEED = 3, 5, 1234
+
+
+def sample(cond, dit, fh, **kwargs):
+    """The flow sampler on the per-window conditions of one song's frame hiddens fh ([1, F, W] or [F, W])."""
+    return sample_latents(dit, encode_conditions(cond, fh.reshape(-1, fh.shape[-1])), **kwargs)
+
+
+def decode(voc, windows, **kwargs):
+    """Each window decoded, then stitched (hop 512)."""
+    return stitch(decode_windows(voc, windows, **kwargs), 512)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,7 +122,7 @@ def test_every_dit_velocity_batched_cfg(case, ours):
 def test_latents_per_window(case, ours):
     cond, dit, _ = ours
     events = []
-    got = sample_latents(cond, dit, case["fh"], steps=STEPS, generator=torch.Generator().manual_seed(NOISE_SEED),
+    got = sample(cond, dit, case["fh"], steps=STEPS, generator=torch.Generator().manual_seed(NOISE_SEED),
                          progress=Progress(on_progress=lambda *a: events.append(a)))
     assert len(got) == len(case["chunks"])
     for a, b in zip(got, case["chunks"]):
@@ -125,12 +135,12 @@ def test_latents_per_window(case, ours):
     assert [(e[0], e[1], e[2]) for e in events] == [("dit", i + 1, total) for i in range(total)]
     assert events[-1][3]["step"] == STEPS and events[-1][3]["window"] == len(got) - 1
     # the same noise comes from a seed: a fresh generator seeded the same
-    again = sample_latents(cond, dit, case["fh"], steps=STEPS, seed=NOISE_SEED)
+    again = sample(cond, dit, case["fh"], steps=STEPS, seed=NOISE_SEED)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
     # two batch-1 CFG calls, as the reference makes them: bit for bit, and so is the audio
-    exact = sample_latents(cond, dit, case["fh"], steps=STEPS, seed=NOISE_SEED, cfg_batch=False)
+    exact = sample(cond, dit, case["fh"], steps=STEPS, seed=NOISE_SEED, cfg_batch=False)
     assert all(torch.equal(a, b) for a, b in zip(exact, case["chunks"]))
-    assert torch.equal(decode_windows(ours[2], exact), case["audio"])
+    assert torch.equal(decode(ours[2], exact), case["audio"])
 
 
 @pytest.mark.parametrize("cfg", [1.0, 2.5])
@@ -139,13 +149,13 @@ def test_other_guidance_scales(ours, ref, cfg):
     fh = torch.randn(1, 60, 512, generator=torch.Generator().manual_seed(4))
     _, chunks, rec = reference_denoise(ref, fh, 2, torch.Generator().manual_seed(9), guidance=cfg)
     assert len(rec.dit_calls) == (2 if cfg == 1.0 else 4)
-    got = sample_latents(ours[0], ours[1], fh, steps=2, dit_cfg=cfg, seed=9)
+    got = sample(ours[0], ours[1], fh, steps=2, dit_cfg=cfg, seed=9)
     assert rel_err(got[0], chunks[0]) < REL
 
 
 def test_decode_and_stitch(case, ours):
     voc = ours[2]
-    got = decode_windows(voc, case["chunks"], hop=512)
+    got = decode(voc, case["chunks"], hop=512)
     want = case["audio"]
     expected = {200: 352768, 250: 440832}[case["frames"]]
     assert got.shape == want.shape == (1, 2, expected)
@@ -156,21 +166,21 @@ def test_decode_and_stitch(case, ours):
     # batch-size-dependent conv rounding to ~1e-3, so this compares against per-row decoding)
     rows = [voc.decode_sides(c.reshape(2, c.shape[1] // 2, -1)[r:r + 1]) for c in case["chunks"] for r in (0, 1)]
     by_row = [torch.cat(rows[2 * k:2 * k + 2]).reshape(1, 2, -1) for k in range(len(case["chunks"]))]
-    assert torch.equal(decode_windows(voc, case["chunks"], max_rows=1), stitch(by_row, 512))
+    assert torch.equal(decode(voc, case["chunks"], max_rows=1), stitch(by_row, 512))
     # variations decode as they would alone
     pair = [torch.cat([c, c.flip(-1)]) for c in case["chunks"]]
-    both = decode_windows(voc, pair)
+    both = decode(voc, pair)
     assert torch.equal(both[:1], got)
-    assert torch.equal(both[1:], decode_windows(voc, [c.flip(-1) for c in case["chunks"]]))
+    assert torch.equal(both[1:], decode(voc, [c.flip(-1) for c in case["chunks"]]))
 
 
 def test_variations_use_seed_plus_j(ours, ref):
     cond, dit, _ = ours
     fh = torch.randn(230, 512, generator=torch.Generator().manual_seed(7))
-    batch = sample_latents(cond, dit, fh, steps=2, seed=11, variations=3)
-    wide = sample_latents(cond, dit, fh, steps=2, seed=11, variations=3, variation_batch=3)
+    batch = sample(cond, dit, fh, steps=2, seed=11, variations=3)
+    wide = sample(cond, dit, fh, steps=2, seed=11, variations=3, variation_batch=3)
     for j in range(3):
-        alone = sample_latents(cond, dit, fh, steps=2, seed=11 + j)
+        alone = sample(cond, dit, fh, steps=2, seed=11 + j)
         for a, b, w in zip(batch, alone, wide):
             assert torch.equal(a[j:j + 1], b)  # identical alone or among variations
             assert rel_err(w[j:j + 1], b) < REL  # one DiT batch of 6: same within rounding
@@ -188,14 +198,14 @@ def test_variations_use_seed_plus_j(ours, ref):
 ])
 def test_sampler_argument_errors(ours, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        sample_latents(ours[0], ours[1], torch.zeros(10, 512), **kwargs)
+        sample(ours[0], ours[1], torch.zeros(10, 512), **kwargs)
 
 
 def test_cancel_between_steps(ours):
     calls = []
     progress = Progress(on_progress=lambda *a: calls.append(a), should_stop=lambda: len(calls) >= 2)
     with pytest.raises(Cancelled, match="step 3/3"):
-        sample_latents(ours[0], ours[1], torch.zeros(50, 512), steps=3, seed=0, progress=progress)
+        sample(ours[0], ours[1], torch.zeros(50, 512), steps=3, seed=0, progress=progress)
     assert len(calls) == 2
 
 
@@ -215,7 +225,7 @@ class _NaNAt(torch.nn.Module):
 def test_non_finite_velocity_names_window_and_step(ours):
     fh = torch.randn(250, 512, generator=torch.Generator().manual_seed(3))
     with pytest.raises(NonFiniteError, match="velocity at window 2/2, step 2/3"):
-        sample_latents(ours[0], _NaNAt(ours[1], 4), fh, steps=3, seed=0)  # calls: 3 in window 1, then 2nd
+        sample(ours[0], _NaNAt(ours[1], 4), fh, steps=3, seed=0)  # calls: 3 in window 1, then 2nd
 
 
 # ------------------------------------------------------------------------------------------------

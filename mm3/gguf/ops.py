@@ -1,14 +1,20 @@
-"""The operations seam: layers whose weights stay GGUF-compressed until they reach the compute device.
+"""The operations seam: layers whose weights stay GGUF-compressed until they are used.
 
-Every weight is a buffer holding either the raw block bytes (uint8) of a quantized tensor or the
-float tensor of an F32/F16/BF16 one; `nn.Module.to(device)` moves the compressed bytes, and each
-forward dequantizes on the input's device to the input's dtype. Models are written against these
-classes only, so another implementation (fused quantized matmuls, a ComfyUI cast layer) can be
-swapped in without touching model code.
+Every weight is a parameter (never trained) holding either the raw block bytes of a quantized
+tensor, as uint8 rows [rows, row_bytes] (a GGUF row is whole blocks, so a row range is a byte
+range), or the float tensor of an F32/F16/BF16 one in its own shape. The GGML type and the logical
+shape are kept on the layer. Each use moves the weight to the input's device (a no-op once it is
+there) and dequantizes it to the input's dtype, so a model works whatever part of it a memory
+manager left on the CPU. Models are written against these classes only; another implementation
+(ComfyUI's cast layers, fused quantized kernels) is a subclass passed as `ops`.
 
-Dequantizing on every forward costs a full write and read of the float weight. Where memory allows,
-`cache_dequantized(model, dtype, budget)` keeps float copies that `get` returns instead (the DiT
-reuses every weight 2 x steps times per window); `release_dequantized` drops them.
+Memory: weights built from a file are views of its mapping (their "home"). Moving a layer back to
+the home's device and dtype puts the home view back instead of copying device memory to the host
+(`WeightSlots._apply`), so unloading a model costs nothing and leaves no anonymous copy behind.
+
+Dequantizing on every use costs a full write and read of the float weight. Where memory allows,
+`cache_dequantized(modules, dtype, budget)` keeps float copies that are used instead (the DiT reuses
+every weight 2 x steps times per window, the AR stage every frame); `release_dequantized` drops them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from ..matmul import CPU_SCRATCH, decode_linear
 from .errors import ComponentError
 from .reader import CompressedTensor
 
@@ -28,73 +35,124 @@ FLOAT_TYPES = {
     GGMLQuantizationType.F16: torch.float16,
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
+_GGML_OF = {v: k for k, v in FLOAT_TYPES.items()}
+
+
+def _stored(qtype: GGMLQuantizationType, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """How a slot holds a tensor: floats in their shape, quantized bytes as rows of blocks."""
+    if qtype in FLOAT_TYPES:
+        return raw.view(FLOAT_TYPES[qtype]).view(shape)
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    return raw.reshape(rows, -1)
 
 
 class WeightSlots(nn.Module):
-    """A module with named tensor slots filled from GGUF tensors by `load_tensors`."""
+    """A module with named weight slots filled from GGUF tensors by `load_tensors`."""
 
     def __init__(self):
         super().__init__()
         self._slot_shapes: dict[str, tuple[int, ...]] = {}
         self._slot_types: dict[str, GGMLQuantizationType] = {}
-        self._dequantized: dict[str, torch.Tensor] = {}  # see cache_dequantized
+        self._homes: dict[str, torch.Tensor] = {}  # slot -> the tensor it was filled with (see _apply)
+        self._dequantized: dict[str, torch.Tensor] = {}  # slot -> kept float copy (cache_dequantized)
 
+    # -- filling ---------------------------------------------------------------------------------
     def declare(self, name: str, *shape: int):
         self._slot_shapes[name] = tuple(int(s) for s in shape)
-        self.register_buffer(name, torch.empty(0), persistent=False)
+        self.register_parameter(name, None)
+
+    def _set(self, name: str, qtype: GGMLQuantizationType, value: torch.Tensor):
+        self._parameters[name] = nn.Parameter(value, requires_grad=False)
+        self._slot_types[name] = qtype
+        self._homes[name] = value
+        self._dequantized.pop(name, None)
 
     def fill(self, name: str, tensor: CompressedTensor):
         expected = self._slot_shapes[name]
         got = tuple(tensor.shape)
         if got != expected:
             raise ComponentError(f"tensor {tensor.name} has shape {list(got)}, expected {list(expected)}")
-        if tensor.qtype in FLOAT_TYPES:
-            value = tensor.raw.view(FLOAT_TYPES[tensor.qtype]).view(expected)
-        else:
-            value = tensor.raw
-        setattr(self, name, value)
-        self._slot_types[name] = tensor.qtype
-        self._dequantized.pop(name, None)
+        self._set(name, tensor.qtype, _stored(tensor.qtype, tensor.raw, expected))
 
     def set_float(self, name: str, value: torch.Tensor):
         """Fill a slot with a computed float tensor (folded constants, tests)."""
         if tuple(value.shape) != self._slot_shapes[name]:
             raise ComponentError(f"{name}: shape {list(value.shape)}, expected {list(self._slot_shapes[name])}")
-        setattr(self, name, value)
-        self._slot_types[name] = {v: k for k, v in FLOAT_TYPES.items()}[value.dtype]
-        self._dequantized.pop(name, None)
+        self._set(name, _GGML_OF[value.dtype], value)
 
-    def rebind(self, name: str, value: torch.Tensor):
-        """Point a filled slot at `value`, a tensor of the same shape and dtype holding the same
-        bytes (mm3.fast packs the rows of several layers into one buffer and rebinds each slot to
-        its view, so the packed copy replaces the originals instead of doubling the memory)."""
-        old = getattr(self, name)
-        if value.shape != old.shape or value.dtype != old.dtype or value.device != old.device:
-            raise ValueError(f"{type(self).__name__}.{name}: cannot rebind {old.dtype} {list(old.shape)} on "
-                             f"{old.device} to {value.dtype} {list(value.shape)} on {value.device}")
-        setattr(self, name, value)
-        self._dequantized.pop(name, None)
+    def set_stored(self, name: str, qtype: GGMLQuantizationType, value: torch.Tensor):
+        """Fill a slot with a tensor already in its stored form (float in shape, or byte rows)."""
+        self._set(name, qtype, value)
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The slot's tensor, dequantized on its current device to `dtype`."""
-        qtype = self._slot_types.get(name)
-        if qtype is None:
+    def stored(self, name: str) -> torch.Tensor:
+        """The slot's tensor as held (float in its shape, or uint8 rows of blocks)."""
+        value = self._parameters.get(name)
+        if value is None:
             raise ComponentError(f"{type(self).__name__}.{name} was never loaded")
-        value = getattr(self, name)
-        cached = self._dequantized.get(name)
-        if cached is not None and cached.dtype == dtype and cached.device == value.device:
-            return cached
-        if qtype in FLOAT_TYPES:
-            return value.to(dtype)
-        from .quants import dequantize
-
-        return dequantize(value, qtype, self._slot_shapes[name], dtype)
+        return value
 
     def qtype(self, name: str) -> GGMLQuantizationType | None:
         return self._slot_types.get(name)
 
+    # -- using -----------------------------------------------------------------------------------
+    def fetch(self, name: str, device: torch.device | None) -> torch.Tensor:
+        """The slot's stored tensor on `device` (a copy for this use when it lives elsewhere)."""
+        value = self.stored(name)
+        return value if device is None or value.device == torch.device(device) else value.to(device, non_blocking=True)
+
+    def get(self, name: str, dtype: torch.dtype, device: torch.device | None = None, *,
+            scratch: bool = False) -> torch.Tensor:
+        """The slot's tensor dequantized to `dtype` on `device` (default: where it lives). A kept
+        copy (`cache_dequantized`) is returned when it matches; `scratch` dequantizes a CPU weight
+        into the shared scratch buffer (valid until the next such call)."""
+        qtype = self._slot_types.get(name)
+        if qtype is None:
+            raise ComponentError(f"{type(self).__name__}.{name} was never loaded")
+        target = self.stored(name).device if device is None else torch.device(device)
+        cached = self._dequantized.get(name)
+        if cached is not None and cached.dtype == dtype and cached.device == target:
+            return cached
+        value = self.fetch(name, target)
+        shape = self._slot_shapes[name]
+        if qtype in FLOAT_TYPES:
+            return value.to(dtype)
+        from .quants import dequantize
+
+        out = CPU_SCRATCH.take(shape, dtype) if scratch and target.type == "cpu" else None
+        return dequantize(value, qtype, shape, dtype, out=out)
+
+    # -- moving ----------------------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """`Module.to()` and friends, except that a slot sent back to its home's device and dtype
+        gets the home tensor back (the file mapping) instead of a copy. Kept float copies are
+        dropped: they belong to the device they were made on."""
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        for name, value in list(self._parameters.items()):
+            if value is None:
+                continue
+            probe = fn(torch.empty(0, dtype=value.dtype))  # where and as what `fn` sends a tensor
+            home = self._homes.get(name)
+            if home is not None and probe.device == home.device and probe.dtype == home.dtype:
+                moved = home
+            else:
+                with torch.no_grad():
+                    moved = fn(value)
+            self._parameters[name] = nn.Parameter(moved, requires_grad=False)
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[name] = fn(buf)
+        self._dequantized.clear()
+        return self
+
 
 class Linear(WeightSlots):
+    """`forward(x [..., in]) -> [..., out]`. `decode_products`: few-row products in the fastest form
+    for the device (`mm3.matmul.decode_linear`); off, every product is `F.linear` (the reference's)."""
+
+    decode_products = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -104,50 +162,161 @@ class Linear(WeightSlots):
             self.declare("bias", out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = self.get("bias", x.dtype) if self.has_bias else None
-        return F.linear(x, self.get("weight", x.dtype), b)
+        b = self.get("bias", x.dtype, x.device) if self.has_bias else None
+        w = self.get("weight", x.dtype, x.device, scratch=True)
+        return decode_linear(x, w, b) if self.decode_products else F.linear(x, w, b)
 
-    def rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Weight rows [start, stop) in `dtype`, dequantizing only those (a GGUF row is whole blocks,
-        so a row range is a byte range); float rows are views when no cast is needed."""
-        qtype = self._slot_types.get("weight")
-        if qtype is None:
-            raise ComponentError("Linear.weight was never loaded")
-        if qtype in FLOAT_TYPES:
-            return self.weight[start:stop].to(dtype)
+    def rows(self, start: int, stop: int) -> "Linear":
+        """A Linear of weight rows [start, stop): views of this layer's tensors, nothing copied."""
+        out = type(self)(self.in_features, stop - start, bias=self.has_bias)
+        out.decode_products = self.decode_products
+        for name in ("weight", "bias") if self.has_bias else ("weight",):
+            out.set_stored(name, self._slot_types[name], self.stored(name)[start:stop])
+        return out
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> bool:
+    """True when the tensors are consecutive contiguous pieces of one storage."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset or t.dtype != first.dtype or t.device != first.device):
+            return False
+        offset += t.numel()
+    return True
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The row-wise concatenation of adjacent 2-D tensors, as a view."""
+    n = sum(t.shape[0] for t in tensors)
+    first = tensors[0]
+    return first.as_strided((n, first.shape[1]), (first.shape[1], 1), first.storage_offset())
+
+
+class Fused:
+    """Linear layers that share their input (q, k, v; gate, up): `fused(x) -> one output per part`.
+
+    Not a module: the parts stay children of their own parents under their file names (so a state
+    dict, a memory manager and `load_tensors` see the GGUF names); this only runs them. With
+    `fuse` the parts run as one product over their stacked weight rows: float weights resident on
+    the input's device are stacked once and each part's weight becomes a view of the stack (its
+    file view stays its home); otherwise the parts are written into one temporary buffer per use
+    (dequantized, or copied from wherever a memory manager left them), so the numbers do not
+    depend on where the weights live. Without `fuse` every part keeps its own product: the op
+    shapes, hence the numerics, of the reference."""
+
+    def __init__(self, parts: list[Linear], fuse: bool = True):
+        self.parts = list(parts)
+        self.fusable = len(parts) > 1 and not any(p.has_bias for p in parts) and \
+            len({p.in_features for p in parts}) == 1
+        self.fuse = fuse and self.fusable
+        self.sizes = [p.out_features for p in parts]
+        self.in_features = parts[0].in_features
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if not self.fuse:
+            return [p(x) for p in self.parts]
+        w = self.stacked_weight(x.dtype, x.device)
+        y = decode_linear(x, w) if self.parts[0].decode_products else F.linear(x, w)
+        return list(y.split(self.sizes, dim=-1))
+
+    def stacked_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[sum(out), in] in `dtype` on `device`."""
+        device = torch.device(device)
+        kept = [p._dequantized.get("weight") for p in self.parts]
+        if all(k is not None and k.dtype == dtype and k.device == device for k in kept) and _adjacent(kept):
+            return _stacked(kept)
+        stored = [p.stored("weight") for p in self.parts]
+        floats = all(p.qtype("weight") in FLOAT_TYPES for p in self.parts)
+        if floats and all(s.dtype == dtype and s.device == device for s in stored):
+            if not _adjacent(stored):  # once per device: the parts become views of one stack
+                stack = torch.cat(stored)
+                start = 0
+                for p, s in zip(self.parts, stored):
+                    p._parameters["weight"] = nn.Parameter(stack[start:start + s.shape[0]], requires_grad=False)
+                    start += s.shape[0]
+                stored = [p.stored("weight") for p in self.parts]
+            return _stacked(stored)
+        shape = (sum(self.sizes), self.in_features)
+        out = CPU_SCRATCH.take(shape, dtype) if device.type == "cpu" else torch.empty(shape, dtype=dtype,
+                                                                                       device=device)
+        self._write_parts(out)
+        return out
+
+    def _write_parts(self, out: torch.Tensor) -> None:
         from .quants import dequantize
 
-        raw = self.weight.view(self.out_features, -1)[start:stop]
-        return dequantize(raw, qtype, (stop - start, self.in_features), dtype)
+        start = 0
+        for p, n in zip(self.parts, self.sizes):
+            qtype, piece = p.qtype("weight"), out[start:start + n]
+            value = p.fetch("weight", out.device)
+            if qtype in FLOAT_TYPES:
+                piece.copy_(value)
+            else:
+                dequantize(value, qtype, (n, self.in_features), out.dtype, out=piece)
+            start += n
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        return sum(self.sizes) * self.in_features * torch.empty(0, dtype=dtype).element_size()
+
+    def keep_dequantized(self, dtype: torch.dtype) -> int:
+        """Keep one float copy of the stacked weight where the parts live (each part's kept copy a
+        view of it); returns its bytes, 0 when the parts' own weights already serve."""
+        stored = [p.stored("weight") for p in self.parts]
+        if all(p.qtype("weight") in FLOAT_TYPES and s.dtype == dtype for p, s in zip(self.parts, stored)):
+            return 0
+        out = torch.empty(sum(self.sizes), self.in_features, dtype=dtype, device=stored[0].device)
+        self._write_parts(out)
+        start = 0
+        for p, n in zip(self.parts, self.sizes):
+            p._dequantized["weight"] = out[start:start + n]
+            start += n
+        return out.numel() * out.element_size()
+
+
+def fused_layers(modules) -> list[Fused]:
+    """Every `Fused` helper held by a module under `modules`."""
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    return [v for m in modules for sub in m.modules() for v in vars(sub).values() if isinstance(v, Fused)]
 
 
 class Embedding(WeightSlots):
-    """Row lookup that dequantizes only the rows asked for (the LM table has 200000 rows)."""
+    """Row lookup that dequantizes only the rows asked for (the LM table has 200000 rows), where
+    the table lives; the rows then go to `device`."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.declare("weight", num_embeddings, embedding_dim)
 
-    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
         qtype = self._slot_types.get("weight")
         if qtype is None:
             raise ComponentError("Embedding.weight was never loaded")
-        ids = ids.to(self.weight.device)
+        table = self.stored("weight")
+        device = ids.device if device is None else torch.device(device)
+        cached = self._dequantized.get("weight")
+        if cached is not None and cached.dtype == dtype and cached.device == device:
+            return F.embedding(ids.to(device), cached)
+        at = ids.to(table.device)
         if qtype in FLOAT_TYPES:
-            return F.embedding(ids, self.weight).to(dtype)
-        from .quants import dequantize
+            rows = F.embedding(at, table).to(dtype)
+        else:
+            from .quants import dequantize
 
-        rows = self.weight.view(self.num_embeddings, -1)[ids.reshape(-1)]
-        out = dequantize(rows, qtype, (rows.shape[0], self.embedding_dim), dtype)
-        return out.view(*ids.shape, self.embedding_dim)
+            raw = table[at.reshape(-1)]
+            rows = dequantize(raw, qtype, (raw.shape[0], self.embedding_dim), dtype).view(*at.shape, -1)
+        return rows.to(device, non_blocking=True)
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.lookup(ids, dtype)
 
-    def rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows [start, stop) of the table (a tied LM head reads its candidates' rows this way)."""
-        return self.lookup(torch.arange(start, stop), dtype)
+    def rows(self, start: int, stop: int) -> Linear:
+        """Rows [start, stop) of the table as a Linear (a tied LM head's candidate rows), views."""
+        out = Linear(self.embedding_dim, stop - start, bias=False)
+        out.set_stored("weight", self._slot_types["weight"], self.stored("weight")[start:stop])
+        return out
 
 
 class Conv1d(WeightSlots):
@@ -160,8 +329,8 @@ class Conv1d(WeightSlots):
             self.declare("bias", out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = self.get("bias", x.dtype) if self.has_bias else None
-        return F.conv1d(x, self.get("weight", x.dtype), b, self.stride, self.padding, self.dilation)
+        b = self.get("bias", x.dtype, x.device) if self.has_bias else None
+        return F.conv1d(x, self.get("weight", x.dtype, x.device), b, self.stride, self.padding, self.dilation)
 
 
 class ConvTranspose1d(WeightSlots):
@@ -174,19 +343,20 @@ class ConvTranspose1d(WeightSlots):
             self.declare("bias", out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = self.get("bias", x.dtype) if self.has_bias else None
-        return F.conv_transpose1d(x, self.get("weight", x.dtype), b, self.stride, self.padding)
+        b = self.get("bias", x.dtype, x.device) if self.has_bias else None
+        return F.conv_transpose1d(x, self.get("weight", x.dtype, x.device), b, self.stride, self.padding)
 
 
 class Vector(WeightSlots):
-    """A bare weight (norm scales, Snake alphas, mixing logits) with no operation of its own."""
+    """A bare weight (norm scales, Snake alphas, mixing logits) with no operation of its own:
+    `forward(dtype, device)` returns it."""
 
     def __init__(self, *shape: int):
         super().__init__()
         self.declare("weight", *shape)
 
-    def forward(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.get("weight", dtype)
+    def forward(self, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
+        return self.get("weight", dtype, device)
 
 
 def load_tensors(module: nn.Module, tensors: dict[str, CompressedTensor], *, source: str,
@@ -222,46 +392,88 @@ def load_tensors(module: nn.Module, tensors: dict[str, CompressedTensor], *, sou
     return used
 
 
-def cache_dequantized(module: nn.Module, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
-    """Keep float copies in `dtype` of the weights of `module` that `get` would otherwise dequantize
-    or cast on every call, in module order until `budget_bytes` (None: no limit) is spent; returns
-    the bytes used. Copies sit on each weight's device and are ignored once it moves."""
+def _slots(modules) -> list[tuple[WeightSlots, str]]:
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    return [(sub, name) for m in modules for sub in m.modules() if isinstance(sub, WeightSlots)
+            for name in sub._slot_types]
+
+
+def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = None,
+                      device: torch.device | None = None) -> int:
+    """Keep float copies in `dtype` of the weights under `modules` (a module or a list, most used
+    first) that a use would otherwise dequantize or cast, in order until `budget_bytes` (None: no
+    limit) is spent; returns the bytes they take. The parts of a fused product share one copy (one
+    product); embedding tables are left out (a lookup expands only its rows). Only weights that
+    live on `device` (default: wherever they are) get a copy: a copy of a weight a memory manager
+    left elsewhere would have to travel on every use."""
     used = 0
-    for sub in module.modules():
-        if not isinstance(sub, WeightSlots):
-            continue
-        for name, qtype in sub._slot_types.items():
-            value = getattr(sub, name)
-            if qtype in FLOAT_TYPES and FLOAT_TYPES[qtype] == dtype:
-                continue  # already what get returns, no work to save
-            nbytes = math.prod(sub._slot_shapes[name]) * torch.empty(0, dtype=dtype).element_size()
-            cached = sub._dequantized.get(name)
-            if cached is not None and cached.dtype == dtype and cached.device == value.device:
-                used += nbytes
+    element = torch.empty(0, dtype=dtype).element_size()
+    want = None if device is None else torch.device(device)
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    done: set[int] = set()
+    for m in modules:
+        for sub in m.modules():
+            for fused in (v for v in vars(sub).values() if isinstance(v, Fused) and v.fuse):
+                done.update(id(p) for p in fused.parts)
+                stored = [p.stored("weight") for p in fused.parts]
+                if want is not None and any(t.device != want for t in stored):
+                    continue
+                kept = [p._dequantized.get("weight") for p in fused.parts]
+                if all(k is not None and k.dtype == dtype and k.device == stored[0].device for k in kept) \
+                        and _adjacent(kept):
+                    used += fused.nbytes(dtype)
+                elif budget_bytes is None or used + fused.nbytes(dtype) <= budget_bytes:
+                    used += fused.keep_dequantized(dtype)
+            if not isinstance(sub, WeightSlots) or isinstance(sub, Embedding) or id(sub) in done:
                 continue
-            if budget_bytes is not None and used + nbytes > budget_bytes:
-                continue  # a smaller tensor further on may still fit
-            sub._dequantized.pop(name, None)
-            sub._dequantized[name] = sub.get(name, dtype)
-            used += nbytes
+            done.add(id(sub))
+            for name, qtype in sub._slot_types.items():
+                value = sub.stored(name)
+                if want is not None and value.device != want:
+                    continue
+                if qtype in FLOAT_TYPES and FLOAT_TYPES[qtype] == dtype:
+                    continue  # already what a use returns
+                nbytes = math.prod(sub._slot_shapes[name]) * element
+                cached = sub._dequantized.get(name)
+                if cached is not None and cached.dtype == dtype and cached.device == value.device:
+                    used += nbytes
+                    continue
+                if budget_bytes is not None and used + nbytes > budget_bytes:
+                    continue  # a smaller tensor further on may still fit
+                sub._dequantized[name] = sub.get(name, dtype)
+                used += nbytes
     return used
 
 
-def dequantized_nbytes(module: nn.Module) -> int:
-    """Bytes of the copies `cache_dequantized` keeps under `module` now."""
-    return sum(t.numel() * t.element_size() for sub in module.modules() if isinstance(sub, WeightSlots)
-               for t in sub._dequantized.values())
+def dequantized_nbytes(modules) -> int:
+    """Bytes of the copies `cache_dequantized` keeps under `modules` now."""
+    return sum(t.numel() * t.element_size() for sub, name in _slots(modules)
+               for t in ([sub._dequantized[name]] if name in sub._dequantized else []))
 
 
-def release_dequantized(module: nn.Module) -> int:
-    """Drop every copy `cache_dequantized` kept under `module`; returns the bytes freed."""
-    freed = dequantized_nbytes(module)
-    for sub in module.modules():
-        if isinstance(sub, WeightSlots):
-            sub._dequantized.clear()
+def release_dequantized(modules) -> int:
+    """Drop every copy `cache_dequantized` kept under `modules`; returns the bytes freed."""
+    freed = dequantized_nbytes(modules)
+    for sub, _ in _slots(modules):
+        sub._dequantized.clear()
     return freed
 
 
-def compressed_nbytes(module: nn.Module) -> int:
-    """Bytes the module's weights occupy as stored (what a memory manager must budget)."""
-    return sum(b.numel() * b.element_size() for b in module.buffers())
+def compressed_nbytes(module: nn.Module, device: torch.device | None = None) -> int:
+    """Bytes the module's weights and buffers occupy as stored (what a memory manager must budget),
+    or only those that live on `device`; a tensor shared by two slots counts once."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if device is not None and not _on(t, torch.device(device)):
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        key = (ptr, t.storage_offset(), t.numel(), t.dtype) if ptr else ("no data", id(t))  # meta tensors: ptr 0
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether t lives on `device` ("cuda" names any CUDA device, "cuda:1" one)."""
+    return t.device.type == device.type and (device.index is None or t.device.index in (None, device.index))

@@ -6,9 +6,10 @@ attention (scale 1/sqrt(head_dim)), SwiGLU MLP, final RMSNorm. The pipeline also
 `projection` (into the decoder), `audio_embeddings` (one table for codebooks 1..7, row
 `(j - 1) * audio_vocab + code`) and `audio_heads[j - 1]` (logits of codebook j).
 
-Two ways to run it: `forward` over the whole sequence (what the reference does at every step), and
-`extend` with a `DepthCache`, which computes only the new positions; both give the same numbers up
-to float rounding (CPU GEMMs of different shapes round differently).
+Two ways to run it: `forward(x)` over the whole sequence (what the reference does at every step),
+and `forward(x, cache)`, which computes only the positions appended to a `DepthCache`; both give
+the same numbers up to float rounding (CPU GEMMs of different shapes round differently). As the
+LM, `load(numerics=...)` fuses q/k/v and gate/up ("fast") or keeps the reference's products.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..gguf import ops as default_ops
-from ..gguf.ops import load_tensors
-from .lm import rms_norm
+from ..gguf.ops import Fused, load_tensors
+from .lm import rms_norm, set_numerics
 
 NORM_EPS = 1e-6  # diffusers RMSNorm(eps=1e-6) in the depth decoder
 
@@ -32,6 +33,7 @@ class DepthAttention(nn.Module):
         self.to_k = ops.Linear(dim, dim, bias=False)
         self.to_v = ops.Linear(dim, dim, bias=False)
         self.to_out = ops.Linear(dim, dim, bias=False)
+        self.qkv = Fused([self.to_q, self.to_k, self.to_v], fuse=False)
 
     def _split(self, t):  # [B, S, dim] -> [B, heads, S, head_dim]
         b, s, _ = t.shape
@@ -39,7 +41,7 @@ class DepthAttention(nn.Module):
 
     def forward(self, x, cache=None, layer: int = 0):
         b, s, _ = x.shape
-        q, k, v = self._split(self.to_q(x)), self._split(self.to_k(x)), self._split(self.to_v(x))
+        q, k, v = (self._split(t) for t in self.qkv(x))
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -63,12 +65,13 @@ class DepthBlock(nn.Module):
         self.gate_proj = ops.Linear(dim, intermediate, bias=False)
         self.up_proj = ops.Linear(dim, intermediate, bias=False)
         self.down_proj = ops.Linear(intermediate, dim, bias=False)
+        self.gate_up = Fused([self.gate_proj, self.up_proj], fuse=False)
 
     def forward(self, x, cache=None, layer: int = 0):
-        dt = x.dtype
-        x = x + self.attn(rms_norm(x, self.input_layernorm(dt), NORM_EPS), cache, layer)
-        n = rms_norm(x, self.post_attention_layernorm(dt), NORM_EPS)
-        return x + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+        dt, dev = x.dtype, x.device
+        x = x + self.attn(rms_norm(x, self.input_layernorm(dt, dev), NORM_EPS), cache, layer)
+        gate, up = self.gate_up(rms_norm(x, self.post_attention_layernorm(dt, dev), NORM_EPS))
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 class DepthCache:
@@ -84,8 +87,8 @@ class DepthCache:
 
 
 class RVQDepthDecoder(nn.Module):
-    """`forward(inputs_embeds [B, S, H]) -> normed hidden [B, S, H]` (causal; inputs already
-    projected); `extend(new [B, s, H], cache)` does the same for positions appended to `cache`."""
+    """`forward(inputs_embeds [B, S, H], cache=None) -> normed hidden [B, S, H]` (causal; inputs
+    already projected): the whole sequence, or the positions appended to `cache`."""
 
     def __init__(self, hp: dict, ops=default_ops):
         super().__init__()
@@ -109,42 +112,36 @@ class RVQDepthDecoder(nn.Module):
         self.norm = ops.Vector(h)
         self.audio_heads = nn.ModuleList(ops.Linear(h, self.audio_vocab, bias=False)
                                          for _ in range(self.num_codebooks - 1))
+        self.numerics = "reference"  # as built; load() sets the numerics asked for
 
     @classmethod
-    def load(cls, component, ops=default_ops) -> "RVQDepthDecoder":
-        """Build from an opened `mm3-depth` component (sizes from its `mm3-depth.*` metadata)."""
+    def load(cls, component, ops=default_ops, *, numerics: str = "fast") -> "RVQDepthDecoder":
+        """Build from an opened `mm3-depth` component (sizes from its `mm3-depth.*` metadata) for
+        `numerics` (`mm3.models.lm.set_numerics`)."""
         model = cls(component.hparams, ops)
         load_tensors(model, component.tensors, source=component.path)
+        set_numerics(model, numerics)
         return model.eval()
 
-    @property
-    def device(self) -> torch.device:
-        return self.projection.weight.device
-
-    def new_cache(self, batch: int, dtype: torch.dtype, device=None) -> DepthCache:
-        return DepthCache(len(self.layers), batch, self.heads, self.max_positions, self.hidden_size // self.heads,
-                          dtype, self.device if device is None else device)
+    def new_cache(self, rows: int, dtype: torch.dtype, device) -> DepthCache:
+        return DepthCache(len(self.layers), rows, self.heads, self.max_positions, self.hidden_size // self.heads,
+                          dtype, device)
 
     def code_embedding(self, codes: torch.Tensor, codebook: int, dtype: torch.dtype) -> torch.Tensor:
         """Embedding of acoustic codes of codebook `codebook` (1 .. num_codebooks - 1)."""
-        return self.audio_embeddings.lookup(codes + (codebook - 1) * self.audio_vocab, dtype)
+        return self.audio_embeddings.lookup(codes + (codebook - 1) * self.audio_vocab, dtype, codes.device)
 
     def _positions(self, start: int, s: int, dtype, device) -> torch.Tensor:
         return self.pos_embedding.lookup(torch.arange(start, start + s, device=device), dtype)[None]
 
-    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, cache: DepthCache | None = None) -> torch.Tensor:
         s = inputs_embeds.shape[1]
-        x = inputs_embeds + self._positions(0, s, inputs_embeds.dtype, inputs_embeds.device)
-        for layer in self.layers:
-            x = layer(x)
-        return rms_norm(x, self.norm(x.dtype), NORM_EPS)
-
-    def extend(self, new: torch.Tensor, cache: DepthCache) -> torch.Tensor:
-        s = new.shape[1]
-        if cache.length + s > self.max_positions:
-            raise ValueError(f"depth sequence of {cache.length + s} positions exceeds {self.max_positions}")
-        x = new + self._positions(cache.length, s, new.dtype, new.device)
+        start = 0 if cache is None else cache.length
+        if start + s > self.max_positions:
+            raise ValueError(f"depth sequence of {start + s} positions exceeds {self.max_positions}")
+        x = inputs_embeds + self._positions(start, s, inputs_embeds.dtype, inputs_embeds.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i)
-        cache.length += s
-        return rms_norm(x, self.norm(x.dtype), NORM_EPS)
+        if cache is not None:
+            cache.length += s
+        return rms_norm(x, self.norm(x.dtype, x.device), NORM_EPS)

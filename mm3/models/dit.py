@@ -32,7 +32,8 @@ class LayerNorm(WeightSlots):
         self.declare("bias", dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (self.dim,), self.get("weight", x.dtype), self.get("bias", x.dtype), self.eps)
+        w, b = self.get("weight", x.dtype, x.device), self.get("bias", x.dtype, x.device)
+        return F.layer_norm(x, (self.dim,), w, b, self.eps)
 
 
 def rope_tables(seq_len: int, rotary_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +137,7 @@ class FlowDiT(nn.Module):
 
     def time_features(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """cat(cos a, sin a) with a = 2 pi t w, cos first: [B, fourier_embedding_dim]."""
-        w = self.time_proj.get("weight", dtype)  # [fourier/2, 1]
+        w = self.time_proj.get("weight", dtype, t.device)  # [fourier/2, 1]
         angles = 2.0 * math.pi * t.to(dtype).unsqueeze(-1) @ w.T
         return torch.cat((angles.cos(), angles.sin()), dim=-1)
 

@@ -1,13 +1,16 @@
-"""The global language model: Qwen3 (transformers `Qwen3ForCausalLM` names) with a static KV cache.
+"""The global language model: Qwen3 (transformers `Qwen3ForCausalLM` names) over a static KV cache.
 
 Decoder-only, pre-norm: RMSNorm -> attention (q_norm / k_norm over the head dim before RoPE, GQA)
 -> residual; RMSNorm -> SwiGLU MLP -> residual; final RMSNorm. Every size comes from the config
-JSON stored in the GGUF (`mm3.config_json`). The AR stage calls its parts directly: the token
-embedding, the decoder over `inputs_embeds` with the cache, and the LM head (SPEC section 4).
+JSON stored in the GGUF (`mm3.config_json`). One forward serves the prompt (many positions) and
+each decode step (one position): the cache is written at a position kept on the device, so a
+decode step reads no host value and can be captured as a CUDA graph.
 
-Numerics follow transformers 5 on purpose (float32 RMSNorm, RoPE tables computed per call with the
-same shapes, SDPA with `enable_gqa`), so that on CPU float32 the hidden states are bit-identical to
-the reference's.
+Numerics (`load(numerics=...)`): "reference" keeps the reference's op shapes (separate q/k/v and
+gate/up products, `F.linear`, the whole LM head), which on CPU float32 gives its hidden states bit
+for bit (transformers 5: float32 RMSNorm, RoPE tables from positions, SDPA with `enable_gqa`);
+"fast" runs q/k/v and gate/up as one product each, few-row products in the device's fastest form,
+and keeps only the LM-head rows the sampler can draw (END and the semantic codes, `head_ids`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import torch.nn.functional as F
 
 from ..gguf import ops as default_ops
 from ..gguf.errors import ComponentError
-from ..gguf.ops import load_tensors
+from ..gguf.ops import Fused, Linear, fused_layers, load_tensors
+
+NUMERICS = ("fast", "reference")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,21 +38,48 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def set_numerics(model: nn.Module, numerics: str) -> None:
+    """"fast": the fused products (q/k/v, gate/up) run as one product each and few-row products take
+    the device's fastest form; "reference": every product is the reference's own `F.linear`."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    fast = numerics == "fast"
+    for fused in fused_layers(model):
+        fused.fuse = fast and fused.fusable
+    for sub in model.modules():
+        if isinstance(sub, Linear):
+            sub.decode_products = fast
+    model.numerics = numerics
+
+
+@torch.compiler.disable
+def _count(cache: "KVCache", s: int) -> None:
+    # The host count stays outside a compiled step, which must not read or guard on it.
+    cache.length += s
+
+
 class KVCache:
-    """Static per-layer key/value buffers [layers, batch, kv_heads, max_len, head_dim]; `length`
-    positions are filled. Rows are independent sequences (for the AR stage: cond, uncond, ...)."""
+    """Static key/value buffers [layers, rows, kv_heads, max_len, head_dim]; rows are independent
+    sequences (for the AR stage: cond, uncond, ... per song). `length` positions are filled; the
+    next position is `length` on the host and `pos` ([1], long) on the buffers' device.
+
+    `bucket`: when set, one-position steps attend over the first `bucket` positions with the
+    unfilled ones masked (a static shape: what a compiled step needs); else over exactly `length + 1`.
+    """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int = 0):
         self.k, self.v, self.length = k, v, length
+        self.pos = torch.tensor([length], dtype=torch.long, device=k.device)
+        self.bucket: int | None = None
 
     @classmethod
-    def empty(cls, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
+    def empty(cls, layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
               device) -> "KVCache":
-        k = torch.zeros(layers, batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        k = torch.zeros(layers, rows, kv_heads, max_len, head_dim, dtype=dtype, device=device)
         return cls(k, torch.zeros_like(k))
 
     @property
-    def batch(self) -> int:
+    def rows(self) -> int:
         return self.k.shape[1]
 
     @property
@@ -57,6 +89,38 @@ class KVCache:
     def repeat(self, n: int) -> "KVCache":
         """A cache of n copies of every row, row-major by copy: rows [r0, r1, r0, r1, ...]."""
         return KVCache(self.k.repeat(1, n, 1, 1, 1), self.v.repeat(1, n, 1, 1, 1), self.length)
+
+    def positions(self, s: int) -> torch.Tensor:
+        """Positions of the next `s` entries, on the device: [s]."""
+        return self.pos + torch.arange(s, device=self.pos.device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [rows, kv_heads, s, head_dim] at the next s positions."""
+        s = k.shape[2]
+        if s == 1:  # at the device position: no host value read
+            self.k[layer].index_copy_(2, self.pos, k)
+            self.v[layer].index_copy_(2, self.pos, v)
+        else:
+            self.k[layer, :, :, self.length:self.length + s] = k
+            self.v[layer, :, :, self.length:self.length + s] = v
+
+    def attended(self, layer: int, s: int):
+        """(keys, values, mask, is_causal) for `s` new positions after `length` filled ones."""
+        start, end = self.length, self.length + s
+        if s == 1 and self.bucket is not None:
+            n = self.bucket
+            mask = (torch.arange(n, device=self.pos.device) <= self.pos)[None, None, None]  # [1, 1, 1, n]
+            return self.k[layer, :, :, :n], self.v[layer, :, :, :n], mask, False
+        mask = None
+        if start > 0 and s > 1:  # a chunk after cached positions: causal within, all before
+            dev = self.k.device
+            mask = torch.arange(end, device=dev)[None] <= torch.arange(start, end, device=dev)[:, None]
+        # From an empty cache the causal flag is the mask; one new position sees everything.
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], mask, start == 0 and s > 1
+
+    def advance(self, s: int):
+        self.pos += s
+        _count(self, s)
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
@@ -75,23 +139,20 @@ class Qwen3Attention(nn.Module):
         self.o_proj = ops.Linear(self.heads * hd, h, bias=bias)
         self.q_norm = ops.Vector(hd)
         self.k_norm = ops.Vector(hd)
+        self.qkv = Fused([self.q_proj, self.k_proj, self.v_proj], fuse=False)  # fused in the "fast" numerics
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask):
+    def forward(self, x, cos, sin, cache: KVCache, layer: int):
         b, s, _ = x.shape
-        dt = x.dtype
-        q = rms_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim), self.q_norm(dt), self.eps)
-        k = rms_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim), self.k_norm(dt), self.eps)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, head_dim]
+        dt, dev = x.dtype, x.device
+        q, k, v = self.qkv(x)
+        q = rms_norm(q.view(b, s, self.heads, self.head_dim), self.q_norm(dt, dev), self.eps).transpose(1, 2)
+        k = rms_norm(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm(dt, dev), self.eps).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, heads, S, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        start, end = cache.length, cache.length + s
-        cache.k[layer, :, :, start:end] = k
-        cache.v[layer, :, :, start:end] = v
-        keys, values = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]
-        # From an empty cache the causal flag is the mask; one new token sees everything; a chunk
-        # after earlier positions needs the explicit mask.
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=start == 0 and s > 1,
+        cache.write(layer, k, v)
+        keys, values, mask, causal = cache.attended(layer, s)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                              scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(b, s, -1).contiguous()  # [B, S, heads * head_dim]
         return self.o_proj(out)
@@ -104,9 +165,11 @@ class Qwen3MLP(nn.Module):
         self.gate_proj = ops.Linear(h, i, bias=False)
         self.up_proj = ops.Linear(h, i, bias=False)
         self.down_proj = ops.Linear(i, h, bias=False)
+        self.gate_up = Fused([self.gate_proj, self.up_proj], fuse=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -118,10 +181,10 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = ops.Vector(cfg["hidden_size"])
         self.mlp = Qwen3MLP(cfg, ops)
 
-    def forward(self, x, cos, sin, cache, layer, mask):
-        dt = x.dtype
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm(dt), self.eps), cos, sin, cache, layer, mask)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm(dt), self.eps))
+    def forward(self, x, cos, sin, cache, layer):
+        dt, dev = x.dtype, x.device
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm(dt, dev), self.eps), cos, sin, cache, layer)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm(dt, dev), self.eps))
 
 
 class Qwen3Model(nn.Module):
@@ -134,11 +197,11 @@ class Qwen3Model(nn.Module):
 
 class Qwen3LM(nn.Module):
     """The MM3 global LM. `forward(inputs_embeds [B, S, H], cache) -> final-normed hidden [B, S, H]`
-    for positions `cache.length .. cache.length + S - 1` (the cache advances by S).
+    for the next S positions of `cache` (which then advances by S).
 
-    `embed(ids)` looks rows up in `model.embed_tokens`; `logits(h)` is the LM head over the whole
-    vocabulary, `logits_rows(h, rows)` over a few contiguous row ranges only (the sampler needs the
-    16385 code and END rows of 200000).
+    `embed(ids)` looks rows up in `model.embed_tokens`; `head(h)` gives the logits of the vocabulary
+    ids `head_ids` (start, stop): the whole vocabulary, or after `keep_head_rows` only the rows the
+    sampler can draw.
     """
 
     def __init__(self, cfg: dict, ops=default_ops):
@@ -160,69 +223,72 @@ class Qwen3LM(nn.Module):
         self.model = Qwen3Model(cfg, ops)
         if not self.tied:
             self.lm_head = ops.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.head_ids = (0, self.vocab_size)
         # transformers' default RoPE: inv_freq in float32 from a float base.
         inv = 1.0 / (float(cfg["rope_theta"]) ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        self.numerics = "reference"  # as built; load() sets the numerics asked for
 
     @classmethod
-    def load(cls, component, ops=default_ops) -> "Qwen3LM":
-        """Build from an opened `mm3-lm` component (sizes from its config JSON)."""
+    def load(cls, component, ops=default_ops, *, numerics: str = "fast") -> "Qwen3LM":
+        """Build from an opened `mm3-lm` component (sizes from its config JSON) for `numerics`
+        (module docstring); "fast" keeps the head rows of END and the semantic codes only."""
         model = cls(component.hparams, ops)
         tensors = component.tensors
         if model.tied:
             tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
         load_tensors(model, tensors, source=component.path)
+        set_numerics(model, numerics)
+        if numerics == "fast":
+            from ..tokenizer import MM3Tokenizer
+
+            cs = MM3Tokenizer.from_component(component).codes
+            lo, hi = min(cs.end_id, cs.code_offset), max(cs.end_id + 1, cs.code_offset + cs.num_semantic)
+            model.keep_head_rows(lo, hi)
         return model.eval()
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+    def keep_head_rows(self, start: int, stop: int):
+        """Keep only the LM-head rows of vocabulary ids [start, stop) (views; the rest is dropped)."""
+        source = self.model.embed_tokens if self.tied else self.lm_head
+        rows = source.rows(start, stop)
+        rows.decode_products = self.numerics == "fast"
+        if not self.tied:
+            del self.lm_head
+        self.lm_head = rows
+        self.head_ids = (start, stop)
+        self.tied = False
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None) -> KVCache:
+    def new_cache(self, rows: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         if max_len > self.max_positions:
             raise ValueError(f"KV cache of {max_len} positions exceeds the LM context {self.max_positions}")
         c = self.cfg
-        return KVCache.empty(c["num_hidden_layers"], batch, c["num_key_value_heads"], max_len, self.head_dim, dtype,
-                       self.device if device is None else device)
+        return KVCache.empty(c["num_hidden_layers"], rows, c["num_key_value_heads"], max_len, self.head_dim, dtype,
+                             device)
 
-    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.model.embed_tokens.lookup(ids, dtype)
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        return self.model.embed_tokens.lookup(ids, dtype, device)
 
-    def _rope(self, start: int, s: int, dtype, device):
-        pos = torch.arange(start, start + s, device=device)[None]  # [1, S]
-        freqs = pos[..., None].float() * self.inv_freq.to(device)  # [1, S, head_dim / 2]
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [1, 1, S, head_dim] for positions [S] (float32 angles, as transformers)."""
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)  # [S, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [1, 1, S, head_dim]
+        return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
 
     def forward(self, inputs_embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
         b, s, _ = inputs_embeds.shape
-        start = cache.length
-        if b != cache.batch:
-            raise ValueError(f"batch {b} does not match the KV cache's {cache.batch} rows")
-        if start + s > cache.max_len:
-            raise ValueError(f"KV cache full: {start} + {s} positions > {cache.max_len}")
-        dev = inputs_embeds.device
-        cos, sin = self._rope(start, s, inputs_embeds.dtype, dev)
-        mask = None
-        if start > 0 and s > 1:  # a chunk after cached positions: causal within, all before
-            mask = torch.arange(start + s, device=dev)[None] <= torch.arange(start, start + s, device=dev)[:, None]
+        if b != cache.rows:
+            raise ValueError(f"batch {b} does not match the KV cache's {cache.rows} rows")
+        if cache.bucket is None and cache.length + s > cache.max_len:  # (a static step is sized by its caller)
+            raise ValueError(f"KV cache full: {cache.length} + {s} positions > {cache.max_len}")
+        cos, sin = self.rope(cache.positions(s), inputs_embeds.dtype)
         x = inputs_embeds
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, mask)
-        cache.length = start + s
-        return rms_norm(x, self.model.norm(x.dtype), self.eps)
+            x = layer(x, cos, sin, cache, i)
+        cache.advance(s)
+        return rms_norm(x, self.model.norm(x.dtype, x.device), self.eps)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the vocabulary ids `head_ids` for hidden states h [..., H]."""
         if self.tied:
-            return F.linear(h, self.model.embed_tokens.get("weight", h.dtype))
+            return F.linear(h, self.model.embed_tokens.get("weight", h.dtype, h.device))
         return self.lm_head(h)
-
-    def logits_rows(self, h: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-        """LM-head logits for the rows in `ranges` ([start, stop) pairs, concatenated in order),
-        dequantizing only those rows."""
-        head = self.model.embed_tokens if self.tied else self.lm_head
-        if not hasattr(head, "rows"):  # an ops implementation without row access: whole head, then pick
-            cols = torch.cat([torch.arange(a, b, device=h.device) for a, b in ranges])
-            return self.logits(h)[..., cols]
-        # One product per range: float rows are views of the weight (no copy of 16385 x H per frame).
-        return torch.cat([F.linear(h, head.rows(a, b, h.dtype).to(h.device)) for a, b in ranges], dim=-1)

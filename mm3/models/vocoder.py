@@ -35,7 +35,7 @@ class Snake(WeightSlots):
         self.declare("alpha", channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha = self.get("alpha", x.dtype).view(1, -1, 1)
+        alpha = self.get("alpha", x.dtype, x.device).view(1, -1, 1)
         return x + (alpha + SNAKE_EPS).reciprocal() * torch.sin(alpha * x).pow(2)
 
 

@@ -1,4 +1,15 @@
-"""Large float32 CPU matrix products through oneDNN instead of MKL, where that stays float32-accurate.
+"""The forms of matrix products the engine picks on the CPU, and a reusable dequantization buffer.
+
+Decode-shaped products (`decode_linear`): decoding multiplies a handful of rows (the CFG pair of
+each song) by large weights, so its speed is the speed of reading the weights. On the CPU, MKL runs
+`x @ w.T` with 2-4 rows (what `F.linear` calls) at ~10 GB/s of weights on the AMD EPYC we measured,
+but the same product as `w @ x.T` (weight-major) at 25-40 GB/s; accelerators keep `F.linear`.
+
+`Scratch`: one flat buffer per dtype for per-call dequantization on the CPU, where a fresh
+allocation of a large weight means page faults on every product.
+
+Large float32 CPU matrix products through oneDNN instead of MKL, where that stays float32-accurate
+(`onednn_matmul`):
 
 torch runs float32 `F.linear` on the CPU with MKL's sgemm, which on the AMD EPYC we measured runs
 about half as fast as oneDNN's kernels for the DiT's shapes (1378 x 2048 x 512 and alike). torch
@@ -14,8 +25,44 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import math
+import threading
+
 import torch
 import torch.nn.functional as F
+
+DECODE_MAX_ROWS = 16  # beyond this the weight-major form stops paying on the CPU (measured up to 16)
+
+
+def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w [N, K].T (+ b) -> [..., N], in the fastest form for a few rows on x's device."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or rows > DECODE_MAX_ROWS:
+        return F.linear(x, w, b)
+    y = torch.mm(w, x.reshape(rows, x.shape[-1]).T).T  # [rows, N]: MKL's weight-major GEMM
+    if b is not None:
+        y = y + b
+    return y.contiguous().view(*x.shape[:-1], w.shape[0])
+
+
+class Scratch(threading.local):
+    """A reusable flat buffer per dtype (per thread) for dequantizing a weight that is used once."""
+
+    def __init__(self):
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.numel() < n:
+            buf = self.buffers[dtype] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(shape)
+
+    def clear(self):
+        self.buffers.clear()
+
+
+CPU_SCRATCH = Scratch()
 
 MAX_REL_ERR = 4e-6  # float32-level; a bfloat16 product would be ~3e-3
 # torch's CPU flash attention also follows the switch: faster for heads of 64 (the released DiT;
