@@ -156,7 +156,10 @@ class FrameSampler:
         sem = (token - self.code_offset).clamp_min(0)  # an END row carries code 0; the host drops it
         # Acoustic codes c1..c7: the depth sequence [proj(last), proj(c0 embedding), proj(c1), ...].
         sem_emb = lm.embed(sem.repeat_interleave(2) + self.code_offset, dt)  # [rows, H]
-        x = torch.cat((depth.projection(last)[:, None], depth.projection(sem_emb)[:, None]), dim=1)
+        if self.depth_cache is None:  # two products, as the reference makes them
+            x = torch.cat((depth.projection(last)[:, None], depth.projection(sem_emb)[:, None]), dim=1)
+        else:  # one product of both positions
+            x = depth.projection(torch.stack((last, sem_emb), dim=1))
         seq: list[torch.Tensor] = []
         if self.depth_cache is not None:
             self.depth_cache.reset()
@@ -253,6 +256,8 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     codes_buf = torch.zeros(max_frames + 1, n_songs, ncb, dtype=torch.long, device=device)
     hid_buf = torch.zeros(max_frames + 1, n_songs, ncb, hidden_size, dtype=sampler.dtype, device=device)
     step = sampler.step
+    static = compile or static_shapes
+    cache.host_counting = not static
     if compile:
         step = torch.compile(sampler.step, mode="reduce-overhead" if device.type == "cuda" else None, dynamic=False)
 
@@ -264,9 +269,11 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     def launch(f: int):
         snaps[f] = [g.get_state() if active[i] else None for i, g in enumerate(gens)]
         q_sem, q_dep = draws.frame(active)
-        if compile or static_shapes:
+        if static:
             cache.bucket = kv_bucket(cache.length + 1, cache.max_len)
         codes, end, hidden = step(_to_device(q_sem, device), _to_device(q_dep, device))
+        if static:
+            cache.length += 1
         codes_buf[f].copy_(codes)
         hid_buf[f].copy_(hidden)
         flags.put(f, end)
@@ -309,7 +316,7 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
                 process(done)
                 done += 1
     finally:
-        cache.bucket = None
+        cache.bucket, cache.host_counting = None, True
     codes_cpu = codes_buf[:max(launched, 1)].cpu()
     out = []
     for i in range(n_songs):

@@ -38,6 +38,15 @@ FLOAT_TYPES = {
 _GGML_OF = {v: k for k, v in FLOAT_TYPES.items()}
 
 
+# Bumped whenever any layer's weights change (filled, moved, copies kept or dropped, restacked): the
+# per-use lookups below remember their answer until then, which keeps a decode step's Python work low.
+_GENERATION = [0]
+
+
+def _changed() -> None:
+    _GENERATION[0] += 1
+
+
 def _stored(qtype: GGMLQuantizationType, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """How a slot holds a tensor: floats in their shape, quantized bytes as rows of blocks."""
     if qtype in FLOAT_TYPES:
@@ -55,6 +64,7 @@ class WeightSlots(nn.Module):
         self._slot_types: dict[str, GGMLQuantizationType] = {}
         self._homes: dict[str, torch.Tensor] = {}  # slot -> the tensor it was filled with (see _apply)
         self._dequantized: dict[str, torch.Tensor] = {}  # slot -> kept float copy (cache_dequantized)
+        self._ready: dict[tuple, tuple[int, torch.Tensor]] = {}  # (slot, dtype, device) -> (generation, weight)
 
     # -- filling ---------------------------------------------------------------------------------
     def declare(self, name: str, *shape: int):
@@ -66,6 +76,8 @@ class WeightSlots(nn.Module):
         self._slot_types[name] = qtype
         self._homes[name] = value
         self._dequantized.pop(name, None)
+        self._ready.clear()
+        _changed()
 
     def fill(self, name: str, tensor: CompressedTensor):
         expected = self._slot_shapes[name]
@@ -105,16 +117,22 @@ class WeightSlots(nn.Module):
         """The slot's tensor dequantized to `dtype` on `device` (default: where it lives). A kept
         copy (`cache_dequantized`) is returned when it matches; `scratch` dequantizes a CPU weight
         into the shared scratch buffer (valid until the next such call)."""
+        ready = self._ready.get((name, dtype, device))
+        if ready is not None and ready[0] == _GENERATION[0]:
+            return ready[1]
         qtype = self._slot_types.get(name)
         if qtype is None:
             raise ComponentError(f"{type(self).__name__}.{name} was never loaded")
         target = self.stored(name).device if device is None else torch.device(device)
         cached = self._dequantized.get(name)
         if cached is not None and cached.dtype == dtype and cached.device == target:
+            self._ready[(name, dtype, device)] = (_GENERATION[0], cached)
             return cached
         value = self.fetch(name, target)
         shape = self._slot_shapes[name]
         if qtype in FLOAT_TYPES:
+            if value.dtype == dtype and value.device == self.stored(name).device:  # the weight itself: remember it
+                self._ready[(name, dtype, device)] = (_GENERATION[0], value)
             return value.to(dtype)
         from .quants import dequantize
 
@@ -144,6 +162,8 @@ class WeightSlots(nn.Module):
             if buf is not None:
                 self._buffers[name] = fn(buf)
         self._dequantized.clear()
+        self._ready.clear()  # drops references to copies on the old device
+        _changed()
         return self
 
 
@@ -219,14 +239,19 @@ class Fused:
             return [p(x) for p in self.parts]
         w = self.stacked_weight(x.dtype, x.device)
         y = decode_linear(x, w) if self.parts[0].decode_products else F.linear(x, w)
-        return list(y.split(self.sizes, dim=-1))
+        return y.split_with_sizes(self.sizes, dim=-1)
 
     def stacked_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[sum(out), in] in `dtype` on `device`."""
+        # A resident stack is remembered on the first part, which forgets it when it moves or changes.
+        key = ("stacked", id(self), dtype, device)
+        ready = self.parts[0]._ready.get(key)
+        if ready is not None and ready[0] == _GENERATION[0]:
+            return ready[1]
         device = torch.device(device)
         kept = [p._dequantized.get("weight") for p in self.parts]
         if all(k is not None and k.dtype == dtype and k.device == device for k in kept) and _adjacent(kept):
-            return _stacked(kept)
+            return self._remember(key, _stacked(kept))
         stored = [p.stored("weight") for p in self.parts]
         floats = all(p.qtype("weight") in FLOAT_TYPES for p in self.parts)
         if floats and all(s.dtype == dtype and s.device == device for s in stored):
@@ -237,12 +262,17 @@ class Fused:
                     p._parameters["weight"] = nn.Parameter(stack[start:start + s.shape[0]], requires_grad=False)
                     start += s.shape[0]
                 stored = [p.stored("weight") for p in self.parts]
-            return _stacked(stored)
+                _changed()
+            return self._remember(key, _stacked(stored))
         shape = (sum(self.sizes), self.in_features)
         out = CPU_SCRATCH.take(shape, dtype) if device.type == "cpu" else torch.empty(shape, dtype=dtype,
                                                                                        device=device)
         self._write_parts(out)
         return out
+
+    def _remember(self, key: tuple, w: torch.Tensor) -> torch.Tensor:
+        self.parts[0]._ready[key] = (_GENERATION[0], w)
+        return w
 
     def _write_parts(self, out: torch.Tensor) -> None:
         from .quants import dequantize
@@ -272,6 +302,7 @@ class Fused:
         for p, n in zip(self.parts, self.sizes):
             p._dequantized["weight"] = out[start:start + n]
             start += n
+        _changed()
         return out.numel() * out.element_size()
 
 
@@ -358,6 +389,10 @@ class Vector(WeightSlots):
     def forward(self, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
         return self.get("weight", dtype, device)
 
+    # A bare weight has no operation to hook: skip nn.Module's call machinery (a decode step reads
+    # a few hundred norm scales).
+    __call__ = forward
+
 
 def load_tensors(module: nn.Module, tensors: dict[str, CompressedTensor], *, source: str,
                  strict: bool = True, prefix: str = "") -> list[str]:
@@ -441,6 +476,7 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
                 if budget_bytes is not None and used + nbytes > budget_bytes:
                     continue  # a smaller tensor further on may still fit
                 sub._dequantized[name] = sub.get(name, dtype)
+                _changed()
                 used += nbytes
     return used
 
@@ -456,6 +492,8 @@ def release_dequantized(modules) -> int:
     freed = dequantized_nbytes(modules)
     for sub, _ in _slots(modules):
         sub._dequantized.clear()
+        sub._ready.clear()
+    _changed()
     return freed
 
 

@@ -41,7 +41,8 @@ class DepthAttention(nn.Module):
 
     def forward(self, x, cache=None, layer: int = 0):
         b, s, _ = x.shape
-        q, k, v = (self._split(t) for t in self.qkv(x))
+        q, k, v = self.qkv(x)
+        q, k, v = self._split(q), self._split(k), self._split(v)
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -113,6 +114,7 @@ class RVQDepthDecoder(nn.Module):
         self.audio_heads = nn.ModuleList(ops.Linear(h, self.audio_vocab, bias=False)
                                          for _ in range(self.num_codebooks - 1))
         self.numerics = "reference"  # as built; load() sets the numerics asked for
+        self._pos_table: dict = {}  # (dtype, device) -> (the table it came from, expanded rows)
 
     @classmethod
     def load(cls, component, ops=default_ops, *, numerics: str = "fast") -> "RVQDepthDecoder":
@@ -123,6 +125,10 @@ class RVQDepthDecoder(nn.Module):
         set_numerics(model, numerics)
         return model.eval()
 
+    def _apply(self, fn, recurse=True):
+        self._pos_table.clear()  # expanded on the device the table lived on
+        return super()._apply(fn, recurse)
+
     def new_cache(self, rows: int, dtype: torch.dtype, device) -> DepthCache:
         return DepthCache(len(self.layers), rows, self.heads, self.max_positions, self.hidden_size // self.heads,
                           dtype, device)
@@ -132,7 +138,13 @@ class RVQDepthDecoder(nn.Module):
         return self.audio_embeddings.lookup(codes + (codebook - 1) * self.audio_vocab, dtype, codes.device)
 
     def _positions(self, start: int, s: int, dtype, device) -> torch.Tensor:
-        return self.pos_embedding.lookup(torch.arange(start, start + s, device=device), dtype)[None]
+        """Position embeddings [1, s, H] of positions start .. start + s - 1 (the table is small:
+        it is expanded once per dtype and device, then sliced)."""
+        table = self._pos_table.get((dtype, device))
+        if table is None or table[0] is not self.pos_embedding.stored("weight"):
+            rows = self.pos_embedding.lookup(torch.arange(self.max_positions, device=device), dtype)
+            table = self._pos_table[(dtype, device)] = (self.pos_embedding.stored("weight"), rows)
+        return table[1][start:start + s][None]
 
     def forward(self, inputs_embeds: torch.Tensor, cache: DepthCache | None = None) -> torch.Tensor:
         s = inputs_embeds.shape[1]

@@ -52,12 +52,6 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
     model.numerics = numerics
 
 
-@torch.compiler.disable
-def _count(cache: "KVCache", s: int) -> None:
-    # The host count stays outside a compiled step, which must not read or guard on it.
-    cache.length += s
-
-
 class KVCache:
     """Static key/value buffers [layers, rows, kv_heads, max_len, head_dim]; rows are independent
     sequences (for the AR stage: cond, uncond, ... per song). `length` positions are filled; the
@@ -71,6 +65,9 @@ class KVCache:
         self.k, self.v, self.length = k, v, length
         self.pos = torch.tensor([length], dtype=torch.long, device=k.device)
         self.bucket: int | None = None
+        # False while a compiled step runs: it must not read or guard on the host count, which its
+        # caller then advances.
+        self.host_counting = True
 
     @classmethod
     def empty(cls, layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
@@ -120,7 +117,8 @@ class KVCache:
 
     def advance(self, s: int):
         self.pos += s
-        _count(self, s)
+        if self.host_counting:
+            self.length += s
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
