@@ -39,7 +39,8 @@ from .models.depth import RVQDepthDecoder
 from .models.lm import KVCache, Qwen3LM
 from .progress import Cancelled, Progress
 from .prompt import Prompt
-from .sampling import exponential_draws, exponential_tail, guide, kth_largest, make_generator, resolve_seed, top_k_probs
+from .sampling import (draw, exponential_draws, exponential_tail, guide, kth_largest, make_generator, resolve_seed,
+                       top_k_probs)
 
 _NEG_INF = -float("inf")
 MIN_KV_BUCKET = 256  # shortest attention length of a compiled step (lengths go up in powers of two)
@@ -108,7 +109,7 @@ class FrameSampler:
 
     `last` [rows, H] is the state between frames (the final-normed LM hidden of every row).
     `step(q_sem [songs, C], q_dep [songs, ncb - 1, audio_vocab])` samples a frame for every song
-    from those Exponential(1) draws (`torch.multinomial`'s draw: argmax(p / q)), feeds it back
+    from those Exponential(1) draws (`torch.multinomial`'s draw, `mm3.sampling.draw`), feeds it back
     through the LM and returns (codes [songs, ncb] int64, end [songs] bool, hidden [songs, ncb, H]:
     the LM hidden that predicted the frame, then the 7 conditional depth states). C = the head rows
     `lm.head_ids`; ids there that are neither END nor a semantic code are never drawn.
@@ -139,7 +140,7 @@ class FrameSampler:
         guided = guide(c, u, self.cfg).masked_fill(c < kth_largest(c, self.top_k), _NEG_INF)
         if mask is not None:  # guidance of two -inf values is NaN
             guided = guided.masked_fill(mask, _NEG_INF)
-        pick = torch.argmax(top_k_probs(guided, self.top_k) / q_sem, dim=-1)  # [songs]
+        pick = draw(top_k_probs(guided, self.top_k), q_sem)  # [songs]
         return pick + self.head_start
 
     def _depth(self, x: torch.Tensor, seq: list[torch.Tensor]) -> torch.Tensor:
@@ -168,8 +169,7 @@ class FrameSampler:
             h = self._depth(x, seq)  # [rows, H]
             hiddens.append(h[0::2])
             lg = depth.audio_heads[j - 1](h).float()  # [rows, audio_vocab]
-            code = torch.argmax(top_k_probs(guide(lg[0::2], lg[1::2], self.cfg), self.top_k) / q_dep[:, j - 1],
-                                dim=-1)  # [songs]
+            code = draw(top_k_probs(guide(lg[0::2], lg[1::2], self.cfg), self.top_k), q_dep[:, j - 1])  # [songs]
             codes.append(code)
             if j < self.ncb - 1:
                 x = depth.projection(depth.code_embedding(code.repeat_interleave(2), j, dt))[:, None]

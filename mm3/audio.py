@@ -1,4 +1,4 @@
-"""Latents <-> audio: vocoder decode per window, the stitch of SPEC section 8, and the encoder path.
+"""Latents <-> audio: vocoder decode per window, the stitch of the windows, and the encoder path.
 
 Decoding follows diffusers 0.42.1 `decoders.py`: each window is decoded whole, then the samples of
 the first 86 latents are dropped from every window but the first and those of the last 258 from

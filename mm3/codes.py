@@ -3,7 +3,7 @@
 Codes are [F + 1, 8] int64: row k = [c0 (semantic), c1 .. c7 (acoustic)] of frame k. Frame 0 is
 sampled and fed back to the LM but is not emitted: frame hidden k - 1 belongs to code row k, so F
 rows of frame hiddens [F, 8, H] go with F + 1 rows of codes. The request's `audio_codes` is the
-flat list "c0,c1,..,c7,c0,..." of all F + 1 rows (SPEC section 9; minimaxmusic.cpp writes the same).
+flat list "c0,c1,..,c7,c0,..." of all F + 1 rows (minimaxmusic.cpp writes the same).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from .errors import InputError
 from .prompt import Prompt
 
-# Codes per frame in the request's flat list (SPEC section 9: c0 then c1..c7).
+# Codes per frame in the request's flat list: c0 then c1..c7.
 REQUEST_CODES_PER_FRAME = 8
 MIN_REQUEST_FRAMES = 2  # frame 0 (fed back only) plus at least one emitted frame
 _NOT_CODE_TEXT = re.compile(r"[^0-9,\- \t\r\n]")
@@ -51,9 +51,6 @@ class AudioCodes:
     def to_request_codes(self) -> str:
         """The flat comma list of every code row, frame 0 included."""
         return ",".join(str(int(c)) for c in self.codes.reshape(-1).tolist())
-
-    def with_hiddens(self, frame_hiddens: torch.Tensor) -> "AudioCodes":
-        return AudioCodes(self.codes, frame_hiddens, self.prompt, self.lm_seed, self.ended_naturally)
 
 
 def parse_audio_codes(text: str, semantic_vocab: int, audio_vocab: int,

@@ -219,7 +219,7 @@ def check_compatible(components: dict[str, Component]) -> None:
     cond, vae = components.get("cond"), components.get("vae")
     if cond is not None and vae is not None:
         hop, ratios = cond.hparams["output_hop_length"], vae.hparams["upsampling_ratios"]
-        if math.prod(ratios) != hop:  # one latent per output_hop_length samples (SPEC section 13)
+        if math.prod(ratios) != hop:  # one latent per output_hop_length samples
             raise ComponentError(
                 f"condition encoder and vocoder do not fit together: {cond.name} has output_hop_length {hop}, "
                 f"{vae.name} upsamples by {' x '.join(map(str, ratios))} = {math.prod(ratios)}")

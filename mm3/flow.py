@@ -1,4 +1,4 @@
-"""The windowed flow-matching sampler: frame hiddens -> one latent per window (SPEC section 6).
+"""The windowed flow-matching sampler: frame hiddens -> one latent per window.
 
 Frames are cut into windows of 200 with a hop of 100; each window is conditioned on its own frames,
 starts from fresh Gaussian noise and takes `steps` Euler steps from flow time 0 (noise) towards

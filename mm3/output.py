@@ -1,4 +1,4 @@
-"""The output stage: peak normalisation and WAV / MP3 files (SPEC section 9, minimaxmusic.cpp 4.7).
+"""The output stage: peak normalisation and WAV / MP3 files (as minimaxmusic.cpp writes them).
 
 Audio arrives as planar stereo float [2, T] at 44100 Hz. Every format but float WAV is first
 normalised to a high percentile of |x| (`peak_clip` parts per million are allowed to clip), which

@@ -1,4 +1,4 @@
-"""Caption and lyrics -> the token ids the LM is prefilled with (SPEC section 3).
+"""Caption and lyrics -> the token ids the LM is prefilled with.
 
 `clean_caption` and `normalize_lyrics` reproduce diffusers 0.42.1 (`encoders._clean_caption`,
 `_normalize_lyrics`) character for character; the template has no chat wrapper, BOS or EOS:

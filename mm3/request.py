@@ -1,4 +1,4 @@
-"""MM3Request: the request JSON shared with minimaxmusic.cpp (SPEC section 9).
+"""MM3Request: the request JSON shared with minimaxmusic.cpp's server.
 
 Every field has a default and omitting one equals sending its default. Validation follows the
 reference server's order and words, so a request refused there is refused here with the same

@@ -1,11 +1,12 @@
-"""Classifier-free guidance, top-k, and the reference's random draw (SPEC section 4, Sampling).
+"""Classifier-free guidance, top-k, and the reference's random draw (diffusers' `_sample_top_k`).
 
 The reference samples with `torch.multinomial(probs[1, N], 1, generator)`; for one sample torch
 computes that as `argmax(probs / q)` with `q` = N Exponential(1) draws from the generator
-(`at::native::multinomial`). `draw_index` does the same with the draws made explicitly on the
-generator's device, so the generator is consumed identically (N numbers per call, whatever the
-number of candidates) and, with bit-identical probabilities, the same index comes out. The division
-and argmax then run on the probabilities' device: nothing waits for a host copy of them.
+(`at::native::multinomial`). `draw` takes those draws as a tensor, made on the CPU generator by
+the caller (`exponential_draws`, `exponential_tail`), so the generator is consumed identically (N
+numbers per call, whatever the number of candidates) and, with bit-identical probabilities, the
+same index comes out. The division and argmax run on the probabilities' device: nothing waits for
+a host copy of them.
 """
 
 from __future__ import annotations
@@ -78,24 +79,8 @@ def exponential_tail(n: int, start: int, generator: torch.Generator) -> torch.Te
     return exponential_draws(n - start, generator)
 
 
-def draw_index(probs: torch.Tensor, generator: torch.Generator | None,
-               columns: torch.Tensor | None = None, n: int | None = None) -> torch.Tensor:
-    """One index into `probs` [1, N] (float32, sums to 1) drawn as `torch.multinomial(probs, 1,
-    generator)` draws it. With `columns` (CPU int64 [N]: the ids of `probs`' columns in a space of
-    `n` categories, ascending, `probs` zero elsewhere) the generator still draws `n` numbers, as the
-    reference does over the whole space; the result is then a position in `columns`."""
-    total = probs.shape[-1] if n is None else n
-    if columns is not None and generator is not None and generator.device.type == "cpu":
-        start = int(columns[0])  # ascending: the first candidate; nothing below it is needed
-        q = exponential_tail(total, start, generator)[:, columns - start]
-    else:
-        q = exponential_draws(total, generator, probs.device)
-        if columns is not None:
-            q = q[:, columns.to(q.device)]
-    if q.device != probs.device:
-        if probs.device.type == "cuda":
-            q = q.pin_memory()  # so the copy below does not wait for the device
-        q = q.to(probs.device, non_blocking=True)
+def draw(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The reference's draw from probs [..., N] given its Exponential(1) draws q [..., N]: [...] int64."""
     return torch.argmax(probs / q, dim=-1)
 
 
@@ -106,25 +91,3 @@ def top_k_probs(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     values = values.masked_fill(values < kth_largest(values, top_k), _NEG_INF)
     probs = torch.nan_to_num(F.softmax(values, dim=-1), nan=0.0)
     return probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-12)
-
-
-def sample_top_k(logits: torch.Tensor, top_k: int, generator: torch.Generator | None,
-                 columns: torch.Tensor | None = None, n: int | None = None) -> torch.Tensor:
-    """Sample one index from `logits` [1, N] restricted to its top-k (see `draw_index` for
-    `columns` / `n`). Returns a [1] int64 tensor (a position in `logits`) on the logits' device."""
-    return draw_index(top_k_probs(logits, top_k), generator, columns, n)
-
-
-def semantic_logits(cond: torch.Tensor, uncond: torch.Tensor, mask: torch.Tensor | None, cfg: float,
-                    top_k: int) -> torch.Tensor:
-    """Guided semantic logits [1, N] (float32) kept only where the *conditional* logit reaches its
-    top-k threshold (ties kept). `mask` (bool [N], True = not a candidate) is applied to both rows
-    first and to the result again (guidance of two -inf values is NaN)."""
-    cond, uncond = cond.float(), uncond.float()
-    if mask is not None:
-        cond, uncond = cond.masked_fill(mask, _NEG_INF), uncond.masked_fill(mask, _NEG_INF)
-    guided = guide(cond, uncond, cfg)
-    guided = guided.masked_fill(cond < kth_largest(cond, top_k), _NEG_INF)
-    if mask is not None:
-        guided = guided.masked_fill(mask[None], _NEG_INF)
-    return guided

@@ -1,6 +1,6 @@
 """The prompt tokenizer: Qwen2 byte-level BPE built from the LM GGUF's token list and merges.
 
-Semantics of the reference (transformers `Qwen2Tokenizer`, SPEC section 3): NFC normalisation, the
+Semantics of the reference (transformers `Qwen2Tokenizer`): NFC normalisation, the
 Qwen2 split regex (each digit alone), GPT-2 byte-to-unicode mapping, BPE merges by rank. One
 deliberate difference: no added or special token is ever matched inside user text (the reference
 would turn a literal "<|im_start|>" in the lyrics into the control token); special ids enter the
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from .constants import SEMANTIC_VOCAB_SIZE
 from .gguf.errors import ComponentError
 
-# Qwen2 pre-tokenizer split (transformers `PRETOKENIZE_REGEX`; SPEC section 3).
+# Qwen2 pre-tokenizer split (transformers `PRETOKENIZE_REGEX`): each digit alone.
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -58,9 +58,6 @@ class CodeSpace:
     num_semantic: int  # semantic codes c0 in [0, num_semantic)
     end_id: int  # LM id of <|audio_end|>
     lm_vocab_size: int
-
-    def semantic_ids(self) -> range:
-        return range(self.code_offset, self.code_offset + self.num_semantic)
 
 
 class MM3Tokenizer:

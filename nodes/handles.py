@@ -117,7 +117,6 @@ class PromptBundle:
     prompt: Prompt
     caption: str
     lyrics: str
-    lm_name: str
 
     def summary(self, limit: int) -> str:
         return (f"{self.prompt.num_tokens} / {limit} prompt tokens\n\n"
@@ -206,7 +205,7 @@ class WindowsBundle:
 
 
 # -- memory estimates for ComfyUI's loader (bytes of activations beyond the weights) --------------
-def ar_memory(lm_hp: dict, depth_hp: dict, prompt_tokens: int, frames: int, songs: int, elem: int) -> int:
+def ar_memory(lm_hp: dict, prompt_tokens: int, frames: int, songs: int, elem: int) -> int:
     """KV cache of the LM (two rows per song) plus the prefill's widest activation; the depth
     decoder's cache is negligible next to it."""
     rows, length = 2 * songs, prompt_tokens + frames + 1

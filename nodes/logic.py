@@ -79,8 +79,7 @@ def check_parts(parts: dict, **handles: ComponentHandle) -> dict:
 
 def assemble_prompt(lm: ComponentHandle, caption: str, lyrics: str) -> PromptBundle:
     tokenizer = MM3Tokenizer.from_component(lm.component())
-    return PromptBundle(build_prompt(tokenizer, caption, lyrics, max_tokens=MAX_PROMPT_TOKENS), caption, lyrics,
-                        lm.name)
+    return PromptBundle(build_prompt(tokenizer, caption, lyrics, max_tokens=MAX_PROMPT_TOKENS), caption, lyrics)
 
 
 def _stored(song: AudioCodes) -> AudioCodes:

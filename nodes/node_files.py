@@ -1,4 +1,4 @@
-"""File nodes: Save / Load Audio Codes (the replay request JSON, SPEC section 9) and Save Song."""
+"""File nodes: Save / Load Audio Codes (the replay request JSON) and Save Song."""
 
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ class MM3ARPlan(io.ComfyNode):
         settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=lm_top_k, songs=songs)
         with interruptible():
             device, dtype = _device_dtype(lm)
-            need = ar_memory(lm.hparams, depth.hparams, prompt.prompt.num_tokens, frames, songs, dtype_bytes(dtype))
+            need = ar_memory(lm.hparams, prompt.prompt.num_tokens, frames, songs, dtype_bytes(dtype))
             lm_model, depth_model = load([lm, depth], memory_required=need)
             planned = logic.plan_songs(lm_model, depth_model, lm, depth, prompt, settings, device=device, dtype=dtype,
                                        progress=node_progress(), weight_budget=spare_bytes([lm, depth], need))

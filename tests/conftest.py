@@ -1,12 +1,9 @@
 """Shared fixtures: tiny random MiniMax Music 3 models, built once per test session."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # test helpers (gguf_util, ...) import as top-level modules
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CORPUS = SHARED / "corpus" / "demo_prompts"
@@ -75,3 +72,21 @@ def corpus():
     if not CORPUS.is_dir():
         pytest.skip(f"demo prompt corpus not found at {CORPUS}")
     return {p.stem: json.loads(p.read_text()) for p in sorted(CORPUS.glob("*.json"))}
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    """A real ComfyUI (COMFYUI_PATH, its interpreter COMFYUI_PYTHON) on 127.0.0.1 with this pack in its
+    custom_nodes and the tiny models in models/mm3, for one test module; `files` maps each
+    architecture to its file name."""
+    from tests.helpers.comfy_server import ComfyServer
+    from tests.helpers.comfyui import COMFYUI_PATH
+
+    if not COMFYUI_PATH:
+        pytest.skip("COMFYUI_PATH is not set (a ComfyUI checkout to run)")
+    server = ComfyServer(COMFYUI_PATH, os.environ.get("COMFYUI_PYTHON")).start()
+    from mm3.gguf import read_architecture
+
+    server.files = {read_architecture(server.base / "models" / "mm3" / n): n for n in server.model_names}
+    yield server
+    server.stop()

@@ -19,7 +19,7 @@ from mm3.models.depth import RVQDepthDecoder
 from mm3.models.lm import Qwen3LM, set_numerics
 from mm3.progress import Cancelled, Progress
 from mm3.prompt import build_prompt
-from mm3.sampling import draw_index, make_generator, sample_top_k
+from mm3.sampling import draw, exponential_draws, exponential_tail, make_generator, top_k_probs
 from mm3.tokenizer import MM3Tokenizer
 
 CAPTION = "a bright synth pop song with warm female vocals"
@@ -46,7 +46,7 @@ def ours(tiny):
 
 @pytest.fixture(scope="module")
 def ref(tiny, one_thread):
-    ref_ar = pytest.importorskip("ref_ar")
+    ref_ar = pytest.importorskip("tests.helpers.reference_ar")
     r = ref_ar.load_reference(tiny.diffusers)
     ids = ref_ar.reference_text_ids(r, CAPTION, LYRICS)
     runs = {k: ref_ar.run_reference_ar(r, ids, DURATIONS[k], make_generator(SEEDS[k])) for k in DURATIONS}
@@ -207,17 +207,19 @@ def test_sampling_draw_equals_multinomial():
         probs = torch.softmax(torch.randn(1, n, generator=g) * 3, -1)
         a, b = make_generator(n), make_generator(n)
         for _ in range(5):
-            assert torch.equal(draw_index(probs, a), torch.multinomial(probs, 1, generator=b).squeeze(-1))
+            assert torch.equal(draw(probs, exponential_draws(n, a)), torch.multinomial(probs, 1, generator=b).squeeze(-1))
         assert torch.equal(a.get_state(), b.get_state())
-    # candidates only: the same index and the same generator use as over the whole space
+    # the head rows [lo, hi) only, as the fast LM holds them: the same index and the same generator
+    # use as over the whole space (ids outside the candidates are -inf in both)
     logits = torch.full((1, 330), -float("inf"))
     cols = torch.tensor([261] + list(range(266, 330)))
     logits[0, cols] = torch.randn(len(cols), generator=g)
+    lo, hi = 261, 330
     a, b = make_generator(1), make_generator(1)
     for _ in range(20):
-        full = sample_top_k(logits, 50, a)
-        part = sample_top_k(logits[:, cols], 50, b, columns=cols, n=330)
-        assert torch.equal(full, cols[part])
+        full = draw(top_k_probs(logits, 50), exponential_draws(330, a))
+        part = draw(top_k_probs(logits[:, lo:hi], 50), exponential_tail(330, lo, b)[:, :hi - lo])
+        assert torch.equal(full, part + lo)
     assert torch.equal(a.get_state(), b.get_state())
 
 
@@ -249,7 +251,7 @@ def test_parse_audio_codes_errors(text, message):
 def test_real_id_layout_matches_reference(tiny_real_ids, one_thread):
     """Released id layout (END 151670 below the code offset 151675, no patched constants): the
     semantic draw runs over 151739 categories and the fast path maps candidates back to ids."""
-    ref_ar = pytest.importorskip("ref_ar")
+    ref_ar = pytest.importorskip("tests.helpers.reference_ar")
     r = ref_ar.load_reference(tiny_real_ids.diffusers)
     ids = ref_ar.reference_text_ids(r, CAPTION, LYRICS)
     rr = ref_ar.run_reference_ar(r, ids, 1.0, make_generator(4))

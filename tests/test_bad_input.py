@@ -2,13 +2,12 @@
 the value and what was expected, no traceback, and nothing written (no output, no temporary).
 
 Broken model files are made from the tiny model by rewriting one of its GGUFs with our writer
-(`gguf_util.rewrite`), so each case differs from a working folder in exactly one way.
+(`tests.helpers.gguf_util.rewrite`), so each case differs from a working folder in exactly one way.
 """
 
 import errno
 import json
 import os
-import shutil
 from pathlib import Path
 
 import gguf
@@ -17,33 +16,11 @@ import pytest
 
 from mm3 import output
 from mm3.cli import main as cli_main
-from gguf_util import rewrite
+from tests.helpers.gguf_util import models_with, rewrite
 
 Q = gguf.GGMLQuantizationType
 FAST = ["--duration", "0.5", "--steps", "2", "--seed", "1", "--lm-seed", "1", "--quiet"]
 pytestmark = pytest.mark.usefixtures("one_thread")  # stable timing on a shared CPU
-FILES = {"lm": "language_model", "depth": "rvq_depth_decoder", "cond": "condition_encoder", "dit": "transformer",
-         "vae": "vocoder"}
-
-
-# -- helpers ------------------------------------------------------------------------------------
-def tiny_file(folder, kind) -> Path:
-    (p,) = Path(folder).glob(f"MiniMax-Music3-{FILES[kind]}-*.gguf")
-    return p
-
-
-def models_with(tiny, folder, kind=None, make=None) -> Path:
-    """A models folder holding the tiny model's five files, the `kind` one replaced by `make(src, dst)`."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for p in sorted(Path(tiny.gguf).glob("*.gguf")):
-        if kind is not None and p == tiny_file(tiny.gguf, kind):
-            make(p, folder / p.name)
-        else:
-            shutil.copy(p, folder / p.name)
-    return folder
-
-
 def listing(folder) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*"))
 

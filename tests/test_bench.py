@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from mm3 import bench
+from mm3.bench import cli as bench
 from mm3.cli import build_parser
 
 

@@ -16,7 +16,6 @@ import importlib
 import importlib.util
 import json
 import os
-import struct
 import subprocess
 import sys
 import time
@@ -25,19 +24,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_server import ComfyServer, cached_nodes, executed_nodes
-from comfy_workflows import api_from_ui, schema_problems
 
 from mm3.ar import PlanSettings
 from mm3.codes import AudioCodes
 from mm3.gguf.errors import ComponentError
 from mm3.pipeline import Pipeline
 from mm3.request import MM3Request
+from tests.helpers.comfy_server import cached_nodes, executed_nodes
+from tests.helpers.comfy_workflows import api_from_ui, schema_problems
+from tests.helpers.comfyui import (API_DIR, CAPTION, COMFYUI_PATH, LOADER_ARCH, LYRICS, SET_KEYS, audio_entries,
+                                   needs_comfy, read_wav, run, tiny_workflow)
 
 ROOT = Path(__file__).resolve().parents[1]
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
-CAPTION = "Warm lo-fi hip hop, dusty drums, mellow Rhodes, vinyl crackle, 80 BPM"
-LYRICS = "[verse]\nRain on the window, coffee in my hand\n[chorus]\nSlow it down ^ slow it down"
 
 
 # -- part 1: node logic without ComfyUI ------------------------------------------------------------
@@ -132,7 +130,7 @@ def test_loader_refuses_what_the_command_line_refuses(pack, tiny, tmp_path):
     loading anything (it used to fail in the first DiT forward, after the whole AR stage)."""
     import gguf
     import numpy as np
-    from gguf_util import rewrite
+    from tests.helpers.gguf_util import rewrite
 
     h = pack("nodes.handles")
     bad = rewrite(tiny.file("mm3-dit"), tmp_path / "bad-dit.gguf", drop={"proj_in.weight"},
@@ -241,7 +239,6 @@ def test_web_extension_shows_node_text(tmp_path):
 
 
 # -- part 2: a real ComfyUI ---------------------------------------------------------------------
-needs_comfy = pytest.mark.skipif(not COMFYUI_PATH, reason="COMFYUI_PATH is not set (a ComfyUI checkout to run)")
 LOADER_INPUTS = ["model_name", "keep_loaded"]
 NODE_INPUTS = {  # node id -> its inputs in order
     "MM3LoadLanguageModel": LOADER_INPUTS, "MM3LoadDepthDecoder": LOADER_INPUTS,
@@ -257,70 +254,6 @@ NODE_INPUTS = {  # node id -> its inputs in order
     "MM3SaveSong": ["audio", "filename_prefix", "format", "mp3_bitrate", "peak_clip"],
 }
 NODE_IDS = set(NODE_INPUTS)
-API_DIR = ROOT / "workflows" / "api"
-SET_KEYS = {"lm_model": "mm3-lm", "depth_model": "mm3-depth", "cond_model": "mm3-cond", "dit_model": "mm3-dit",
-            "vae_model": "mm3-vae"}
-LOADER_ARCH = {"MM3LoadLanguageModel": "mm3-lm", "MM3LoadDepthDecoder": "mm3-depth",
-               "MM3LoadConditionEncoder": "mm3-cond", "MM3LoadDiT": "mm3-dit", "MM3LoadVocoder": "mm3-vae"}
-
-
-@pytest.fixture(scope="module")
-def comfy():
-    if not COMFYUI_PATH:
-        pytest.skip("COMFYUI_PATH is not set")
-    server = ComfyServer(COMFYUI_PATH, os.environ.get("COMFYUI_PYTHON")).start()
-    from mm3.gguf import read_architecture
-
-    server.files = {read_architecture(server.base / "models" / "mm3" / n): n for n in server.model_names}
-    yield server
-    server.stop()
-
-
-def tiny_workflow(server, name: str, *, duration=1.2, steps=3, fmt=None, **node_inputs) -> dict:
-    """A shipped API workflow with the tiny models, a short duration and few steps; `node_inputs`
-    as {node_id: {input: value}}."""
-    wf = json.loads((API_DIR / f"{name}.json").read_text())
-    for node in wf.values():
-        inputs, cls = node["inputs"], node["class_type"]
-        if cls == "MM3LoadModelSet":
-            inputs.update({k: server.files[a] for k, a in SET_KEYS.items()})
-        elif cls in LOADER_ARCH:
-            inputs["model_name"] = server.files[LOADER_ARCH[cls]]
-        if "duration" in inputs:
-            inputs["duration"] = duration
-        if cls == "MM3FlowSampler" and not isinstance(inputs["steps"], list):
-            inputs["steps"] = steps
-        if cls == "MM3SaveSong" and fmt:
-            inputs["format"] = fmt
-    for nid, values in node_inputs.items():
-        wf[nid]["inputs"].update(values)
-    return wf
-
-
-def run(server, workflow, timeout=120) -> tuple[dict, list[dict]]:
-    ws = server.ws()
-    try:
-        pid = server.queue(workflow)
-        events = ws.events(pid, timeout=timeout)
-    finally:
-        ws.close()
-    entry = server.wait(pid, timeout=30)
-    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
-    return entry, events
-
-
-def audio_entries(entry, node_id):
-    return entry["outputs"][node_id]["audio"]
-
-
-def read_wav(data: bytes) -> tuple[int, int, int, int]:
-    """(channels, rate, bits, frames) of a RIFF WAV (PCM or IEEE float) from its header."""
-    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
-    _, channels, rate, _, block, bits = struct.unpack("<HHIIHH", data[20:36])
-    size = struct.unpack("<I", data[40:44])[0]
-    return channels, rate, bits, size // block
-
-
 def read_mp3_header(data: bytes) -> tuple[int, int, str]:
     """(rate, kbps, channel mode) of the first MPEG-1 Layer III frame (after an ID3v2 tag if any)."""
     i = 10 + int.from_bytes(bytes(b & 0x7F for b in data[6:10]), "big") if data[:3] == b"ID3" else 0
@@ -568,7 +501,7 @@ def test_low_vram_loading_in_comfyui_classes(comfy):
     unload) on the `meta` device: ComfyUI's own code leaves part of the LM on the CPU, every op
     runs on one device, an AR frame runs through the same frame step as the command line's, and the
     file-backed CPU tensors are back afterwards."""
-    check = ROOT / "tests" / "comfy_lowvram_check.py"
+    check = ROOT / "tests" / "helpers" / "comfy_lowvram_check.py"
     out = subprocess.run([os.environ.get("COMFYUI_PYTHON", sys.executable), str(check), COMFYUI_PATH,
                           str(comfy.base / "models" / "mm3")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

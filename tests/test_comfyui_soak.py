@@ -15,9 +15,12 @@ from __future__ import annotations
 import time
 
 import psutil
-from comfy_server import cached_nodes, executed_nodes
-from test_comfyui_nodes import CAPTION, LYRICS, audio_entries, comfy, needs_comfy, read_wav, run, tiny_workflow  # noqa: F401
+import pytest
 
+from tests.helpers.comfy_server import cached_nodes, executed_nodes
+from tests.helpers.comfyui import CAPTION, LYRICS, audio_entries, needs_comfy, read_wav, run, tiny_workflow
+
+pytestmark = pytest.mark.slow
 RUNS = 10
 MEASURE_AT = (1, 5, 10)
 # Allowed growth of the server's RSS from run 1 to run 10. Run 1 already paid for imports, the

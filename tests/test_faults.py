@@ -25,7 +25,7 @@ from mm3.models.lm import Qwen3LM
 from mm3.models.vocoder import Vocoder
 from mm3.pipeline import DeviceOutOfMemory, Pipeline
 from mm3.request import MM3Request
-from test_bad_input import models_with, rewrite
+from tests.helpers.gguf_util import models_with, rewrite
 
 FAST = ["--steps", "2", "--seed", "1", "--lm-seed", "1", "--quiet"]
 pytestmark = pytest.mark.usefixtures("one_thread")  # thread count: stable timing on a shared CPU

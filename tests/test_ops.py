@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gguf_util import write_gguf
+from tests.helpers.gguf_util import write_gguf
 from mm3.gguf import ComponentError, GGUFFile
 from mm3.gguf import ops
 from mm3.gguf.ops import compressed_nbytes, load_tensors

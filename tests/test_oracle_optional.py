@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a pytest run of its own
 ROOT = Path(__file__).resolve().parents[1]
 
 

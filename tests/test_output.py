@@ -25,7 +25,7 @@ def _tones(n=RATE + 321, amp=(0.5, 0.25)):
 
 
 def _oracle_normalize(a, peak_clip):
-    """The order statistic by a full sort (numpy), as SPEC section 9 words it."""
+    """The order statistic by a full sort (numpy), as the reference server defines it."""
     mag = np.sort(np.abs(a).reshape(-1))
     ref = mag[int((mag.size - 1) * (1 - min(max(peak_clip, 0), 999) / 1e6))]
     return a if ref < 1e-6 else np.clip(a / np.float32(ref), -1, 1)

@@ -153,7 +153,7 @@ def test_ctrl_c_stops_and_writes_nothing(tiny, tmp_path):
 def test_reference_rng_reproduces_diffusers_audio(tiny, one_thread, duration, steps):
     """One generator seeded lm_seed drives AR then DiT noise, as the diffusers pipeline."""
     pytest.importorskip("diffusers")
-    from ref_ar import patched_constants
+    from tests.helpers.reference_ar import patched_constants
 
     from diffusers import ModularPipeline
 

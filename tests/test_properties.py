@@ -22,6 +22,7 @@ PIECES = ["## ", "# ", "####### ", "- ", "* ", "+ ", "**", "*", "---", "___", "<
           "[Verse]", "[CHORUS 2]", " ^ ", "^", "\n", "\r\n", "\r", "\n\n\n", "    ", "  ", "• ", "\t", " ", "İ",
           "ẞ", "Σ", "\x0b", "\x0c", "\x1c", "\x85", "\u2028", "\u2029", "word", "Ü"]
 MARKDOWNISH = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=3)), max_size=25).map("".join)
+pytestmark = pytest.mark.slow  # hundreds of examples per property
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

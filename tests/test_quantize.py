@@ -4,7 +4,7 @@ import gguf
 import numpy as np
 import pytest
 
-from gguf_util import COND_KV, cond_tensors, write_gguf
+from tests.helpers.gguf_util import COND_KV, cond_tensors, write_gguf
 from mm3.cli import main as cli_main
 from mm3.gguf import ComponentError, GGUFFile
 from mm3.tools.quantize import quantize_file

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_util import COND_KV, cond_tensors, write_gguf
+from tests.helpers.gguf_util import COND_KV, cond_tensors, write_gguf
 from mm3.components import check_compatible, open_component
 from mm3.gguf import ComponentError, GGUFFile, GGUFFormatError, read_architecture
 from mm3.registry import Registry

@@ -166,7 +166,7 @@ def test_fingerprint_covers_the_header_and_first_data_only(tmp_path):
     """Size, header and the first DATA_BYTES of tensor data decide the fingerprint; bytes after
     that are not read (a 17 GB file is not hashed whole)."""
     import numpy as np
-    from gguf_util import write_gguf
+    from tests.helpers.gguf_util import write_gguf
 
     from mm3.fingerprint import DATA_BYTES
     from mm3.gguf.reader import GGUFFile

@@ -13,7 +13,8 @@ import pytest
 
 from mm3.cli import main as cli_main
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # thread count: stable timing on a shared CPU
+pytestmark = [pytest.mark.usefixtures("one_thread"),  # thread count: stable timing on a shared CPU
+              pytest.mark.slow]
 
 RUNS = 20
 SEEDS = (5, 6)  # alternated: run k uses SEEDS[k % 2], so every output has 9 twins to match

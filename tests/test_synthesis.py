@@ -1,7 +1,7 @@
 """Synthesis stage (condition encoder, flow DiT sampler, vocoder, stitch) against diffusers 0.42.1.
 
 The oracle is the reference itself: its models loaded from the tiny diffusers folder and its own
-denoise / decode blocks, recorded with hooks (tests/ref_synth.py). Ours runs from the tiny GGUF
+denoise / decode blocks, recorded with hooks (tests/helpers/reference_synth.py). Ours runs from the tiny GGUF
 files. CPU float32 with one thread, as exact comparisons need.
 """
 
@@ -23,7 +23,8 @@ from mm3.models.vocoder import Vocoder
 from mm3.progress import Cancelled, Progress
 
 pytest.importorskip("diffusers")
-from ref_synth import load_reference, reference_decode, reference_denoise, rel_err  # noqa: E402
+from tests.helpers.reference_synth import (load_reference, reference_decode,  # noqa: E402
+                                           reference_denoise, rel_err)
 
 REL = 1e-5  # latents, velocities, conditions: relative to the largest reference value
 ABS_AUDIO = 1e-6

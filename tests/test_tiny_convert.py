@@ -169,7 +169,7 @@ def test_vocoder_weights_equal_what_diffusers_computes(tiny, readers):
 def test_vocoder_encoder_from_dav(tiny, readers):
     dav = torch.load(tiny["dav"], weights_only=True)
     got = _tensors(readers["vocoder"])
-    pairs = {  # hand-written from the DAC EncoderBlock / ResidualUnit layout (notes/mmcpp.md 1.5)
+    pairs = {  # hand-written from the DAC EncoderBlock / ResidualUnit layout
         "encoder.block.0": "encoder.conv_in",
         "encoder.block.1.block.0.block.1": "encoder.blocks.0.res_unit1.conv1",
         "encoder.block.2.block.2.block.3": "encoder.blocks.1.res_unit3.conv2",

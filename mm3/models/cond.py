@@ -3,7 +3,7 @@
 Each AR frame carries `num_condition_layers` hidden states (the LM's, then one per depth step),
 stored layer-major in one vector. They are mixed with `softmax(layer_weight_logits)`, scaled by
 `layer_scale`, projected by a k=3 Conv1d and stretched from the frame rate (25 Hz) to the latent
-rate (44100 / 512 Hz) by nearest-neighbour resampling. SPEC section 5; diffusers
+rate (44100 / 512 Hz) by nearest-neighbour resampling, as diffusers'
 `MiniMaxMusic3ConditionEncoder`.
 
 The mixing weights are computed once at load. The scale is applied after the weighted sum, in the
@@ -60,11 +60,6 @@ class ConditionEncoder(WeightSlots):
         """Compute the mixing constants from the loaded slots (float32, as the reference)."""
         self.layer_weights = torch.softmax(self.get("layer_weight_logits", torch.float32), dim=0)
         self.scale = self.get("layer_scale", torch.float32)
-
-    @property
-    def mix(self) -> torch.Tensor:
-        """The effective per-layer mix, softmax(logits) * scale (for inspection)."""
-        return self.layer_weights * self.scale
 
     def latent_length(self, num_frames: int) -> int:
         return latent_length(num_frames, self.hp)

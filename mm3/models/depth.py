@@ -1,6 +1,6 @@
 """The RVQ depth decoder: a small causal transformer that samples the 7 acoustic codes of a frame.
 
-Names and math of diffusers `MiniMaxMusic3RVQDepthDecoder` (SPEC sections 2 and 4): learned
+Names and math of diffusers `MiniMaxMusic3RVQDepthDecoder` : learned
 position embeddings (no RoPE), pre-norm layers with RMSNorm (eps 1e-6), full multi-head causal
 attention (scale 1/sqrt(head_dim)), SwiGLU MLP, final RMSNorm. The pipeline also uses its
 `projection` (into the decoder), `audio_embeddings` (one table for codebooks 1..7, row

@@ -1,6 +1,6 @@
 """The flow-matching DiT: predicts the velocity of audio latents, conditioned per latent frame.
 
-SPEC section 7; diffusers `MiniMaxMusic3Transformer1DModel`. Input channels are
+The math of diffusers' `MiniMaxMusic3Transformer1DModel`. Input channels are
 [latent, zeros, condition] with a residual 1x1 conv, the flow time enters as an extra token 0,
 partial RoPE rotates the first `rotary_dim` dims of each head, pre-norm blocks with a gated MLP
 (first half of `ff_in` is the value, second the gate), no final norm, residual 1x1 conv out.

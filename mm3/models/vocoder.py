@@ -1,6 +1,6 @@
 """The flow-VAE vocoder: a DAC-style decoder (latents -> stereo 44.1 kHz) and its encoder mirror.
 
-SPEC sections 2 (mm3-vae) and 8; diffusers `MiniMaxMusic3Vocoder` for the decoder. The file holds
+Diffusers' `MiniMaxMusic3Vocoder` for the decoder. The file holds
 weight-norm-folded convolutions and Snake alphas as [C]. Each side of the stereo pair is its own
 mono stream: latent channels 0..C/2-1 are the left channel, C/2..C-1 the right.
 

@@ -1,4 +1,4 @@
-"""Convert the diffusers layout of MiniMax Music 3 into the five GGUF files of SPEC section 2.
+"""Convert the diffusers layout of MiniMax Music 3 into the five GGUF component files that minimaxmusic.cpp reads.
 
 `convert(src, out)` reads `src/{language_model,rvq_depth_decoder,condition_encoder,transformer,
 vocoder}/` (+ `tokenizer/` for the LM file, + an optional `dav.pth` for the vocoder encoder) and
@@ -6,7 +6,7 @@ writes `MiniMax-Music3-<subfolder>-<TYPE>.gguf` files in the minimaxmusic.cpp co
 
 * LM / depth / DiT: tensors copied byte for byte in the source dtype (BF16 stays BF16);
 * condition encoder / vocoder: cast to F32; vocoder weight norm folded exactly as torch does it,
-  Snake alphas stored [C]; the `dav.pth` encoder renamed to `encoder.*` (notes/mmcpp.md 1.5).
+  Snake alphas stored [C]; the `dav.pth` encoder renamed to `encoder.*` (DAC's naming).
 
 Streaming: header and tensor infos are written first, then one tensor at a time from a memory
 map, into `<name>.part`, renamed when complete. Existing outputs are skipped.
@@ -36,7 +36,7 @@ ALIASES = {s.kind: s.folder for s in BY_FOLDER.values()}
 NATIVE = ("language_model", "rvq_depth_decoder", "transformer")  # copied byte for byte
 
 # Constructor defaults of the diffusers 0.42.1 classes, which equal the released checkpoint
-# (notes/diffusers.md section 1). As in diffusers, a key missing from config.json means its default.
+# As in diffusers, a key missing from config.json means its default.
 DIFFUSERS_DEFAULTS = {
     "rvq_depth_decoder": dict(hidden_size=4096, num_layers=4, num_attention_heads=16, intermediate_size=6144,
                               audio_vocab_size=1024, num_codebooks=8, max_position_embeddings=16),
@@ -48,7 +48,7 @@ DIFFUSERS_DEFAULTS = {
     "vocoder": dict(latent_channels=128, decoder_input_dim=1024, decoder_hidden_dim=1536,
                     upsampling_ratios=[8, 8, 4, 2], sampling_rate=44100),
 }
-# u32 metadata keys `<arch>.<key>` per component (SPEC section 2); the vocoder's ratios are an INT32 array.
+# u32 metadata keys `<arch>.<key>` per component; the vocoder's ratios are an INT32 array.
 U32_KEYS = {
     "rvq_depth_decoder": list(DIFFUSERS_DEFAULTS["rvq_depth_decoder"]),
     "condition_encoder": list(DIFFUSERS_DEFAULTS["condition_encoder"]),
@@ -216,7 +216,7 @@ def tokenizer_arrays(tokenizer_json: Path) -> tuple[list[str], list[str]]:
 
 
 # --------------------------------------------------------------------------------------------
-# The vocoder encoder of the dav.pth training checkpoint (DAC naming; notes/mmcpp.md 1.5).
+# The vocoder encoder of the dav.pth training checkpoint (DAC naming).
 
 _RES_PART = {"0": "snake1", "1": "conv1", "2": "snake2", "3": "conv2"}  # inside a residual unit
 

@@ -20,14 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..components import COMPONENTS
 from ..errors import MM3Error
 
 REPO = "Serveurperso/MiniMax-Music3-GGUF"
 DEFAULT_ENDPOINT = "https://huggingface.co"
-COMPONENT_FILES = tuple(s.folder for s in COMPONENTS.values())
 
-# The published sets (SPEC section 2): the type of each component file.
+# The published sets: the type of each component file.
 SETS = {
     "native": {"language_model": "BF16", "rvq_depth_decoder": "BF16", "condition_encoder": "F32",
                "transformer": "F32", "vocoder": "F32"},

@@ -1,6 +1,6 @@
 """`python -m mm3 quantize IN.gguf OUT.gguf --type Q4_K_M`: the published quant mixes of a native component file.
 
-Mixes (SPEC section 2): every tensor with two or more dimensions whose rows fill whole blocks
+Mixes (as the published files): every tensor with two or more dimensions whose rows fill whole blocks
 takes the base type; everything else (norms, biases, the DiT's 1x1 convs and time projection)
 is written F32. `_M` mixes of the LM raise `embed_tokens` and every `v_proj` / `down_proj` to
 Q6_K. The condition encoder and the vocoder are never quantized. Metadata is copied unchanged,

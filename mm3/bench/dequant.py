@@ -1,6 +1,6 @@
 """Dequantization throughput: our torch kernels against gguf-py's numpy reference, per GGML type.
 
-    python -m mm3.bench_dequant [--mib 64] [--threads 1] [--device cpu] [--types Q8_0,Q4_K] [--json]
+    python -m mm3.bench.dequant [--mib 64] [--threads 1] [--device cpu] [--types Q8_0,Q4_K] [--json]
 
 For each type it builds random blocks (finite f16 scales) whose float32 expansion is `--mib` MiB,
 times `mm3.gguf.quants.dequantize` (median of `--repeat` runs; allocating its output, and again
@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from .gguf.quants import SCALE_OFFSETS, SUPPORTED_TYPES, dequantize
+from ..gguf.quants import SCALE_OFFSETS, SUPPORTED_TYPES, dequantize
 
 QT = gguf.GGMLQuantizationType
 ROW = 4096  # values per row of the benchmark tensors (a multiple of every block size)
@@ -98,7 +98,7 @@ def _cpu_name() -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mm3.bench_dequant", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mm3.bench.dequant", description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=float, default=64, help="float32 output size per type in MiB (default 64)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per type; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

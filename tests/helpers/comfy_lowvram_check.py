@@ -9,7 +9,7 @@ the weights. With the LM partly resident, one AR frame runs through `mm3.ar.Fram
 the function the command line's pipeline runs for every frame (it is counted in both). Prints one
 JSON line of findings.
 
-Run with ComfyUI's interpreter: python tests/comfy_lowvram_check.py COMFYUI_PATH MODELS_DIR
+Run with ComfyUI's interpreter: python tests/helpers/comfy_lowvram_check.py COMFYUI_PATH MODELS_DIR
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(comfy_path: str, models_dir: str) -> dict:

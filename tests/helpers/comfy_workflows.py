@@ -1,6 +1,6 @@
 """UI-format <-> API-format ComfyUI workflows, from a server's /object_info.
 
-The API files in `workflows/api/` are the source; `python tests/comfy_workflows.py --server URL`
+The API files in `workflows/api/` are the source; `python tests/helpers/comfy_workflows.py --server URL`
 writes the UI files the editor loads (`workflows/*.json`, listed in ComfyUI's template browser)
 from them, and the tests convert each UI file back and compare. Widget values are positional: each
 widget input of the node's schema in order, a seed's control_after_generate value right after it.
@@ -14,7 +14,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
 API_DIR = WORKFLOWS / "api"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}

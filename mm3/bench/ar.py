@@ -1,24 +1,24 @@
-"""Bench stage "ar": milliseconds per AR frame, this engine against diffusers 0.42.1 (`mm3.bench`).
+"""Bench stage "ar": milliseconds per AR frame, this engine against diffusers 0.42.1.
 
 A frame is the LM-head sampling, the 7 depth steps with their sampling, and the LM step that feeds
-the frame back. Each side runs the same prompt ids, seed and weights (`bench_synth.Context`); the
-time per frame is taken between the first and the last frame of a run, so the prompt prefill is
-left out. Ours runs with the fast engine (the default; weights kept dequantized within
-`mm3.fast.budget.ar_weight_budget`) and the plain one; the codes of the fast engine are compared
-with the reference's. `python -m mm3.bench_ar` is `python -m mm3 bench --stages ar`.
+the frame back. Each side runs the same prompt ids, seed and weights (`Context`); the time per frame
+is taken between the first and the last frame of a run, so the prompt prefill is left out. Ours runs
+with the models loaded for the fast numerics (the default; weights kept dequantized within
+`mm3.device.ar_weight_budget`) and for the reference numerics; the codes of the fast run are
+compared with the reference's.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
-from .ar import PlanSettings, plan
-from .bench import PeakMemory, ratio, sync
-from .constants import FRAME_RATE
-from .progress import Progress
+from ..ar import PlanSettings, plan
+from ..constants import FRAME_RATE
+from ..progress import Progress
+from .measure import PeakMemory, ratio, sync
+from .reference import run_ar
 
 WARMUP_FRAMES = 4
 
@@ -39,37 +39,24 @@ def _ours(ctx, frames: int, numerics: str = "fast", **kwargs):
 
 def _reference(ctx, frames: int):
     """(seconds per frame, codes) of one run of the reference's AR block."""
-    from diffusers.modular_pipelines.minimax_music3.encoders import MiniMaxMusic3AutoregressiveStep
-
-    from .sampling import make_generator
+    from ..sampling import make_generator
 
     stamps, codes = [], []
-    with ctx.reference_constants() as enc:
-        original = enc._generate_depth_codes
 
-        def recording(*a):  # called once per sampled frame
-            out = original(*a)
-            codes.append(out[0][0].clone())
-            sync(ctx.device)
-            stamps.append(time.perf_counter())
-            return out
+    def on_frame(last_hidden, frame_codes, depth_hidden):
+        codes.append(frame_codes[0].clone())
+        sync(ctx.device)
+        stamps.append(time.perf_counter())
 
-        enc._generate_depth_codes = recording
-        try:
-            step = MiniMaxMusic3AutoregressiveStep().init_pipeline()
-            step.update_components(language_model=ctx.reference("language_model"),
-                                   rvq_depth_decoder=ctx.reference("rvq_depth_decoder"))
-            with torch.no_grad():
-                step(text_ids=ctx.prompt().ids.to(ctx.device), audio_duration=frames / FRAME_RATE,
-                     generator=make_generator(ctx.seed), output="frame_hiddens")
-        finally:
-            enc._generate_depth_codes = original
+    with ctx.reference_constants():
+        run_ar(ctx.reference("language_model"), ctx.reference("rvq_depth_decoder"), ctx.prompt().ids.to(ctx.device),
+               frames / FRAME_RATE, make_generator(ctx.seed), on_frame)
     return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1), torch.stack(codes).cpu()
 
 
 def measure(ctx, frames: int) -> dict:
     """ms per frame for each side (best of ctx.repeat interleaved runs of `frames` frames)."""
-    from .device import ar_weight_budget
+    from ..device import ar_weight_budget
 
     runs = {"ours": lambda n: _ours(ctx, n, compile=ctx.compile),
             "ours_reference_numerics": lambda n: _ours(ctx, n, "reference")}
@@ -112,8 +99,8 @@ def measure(ctx, frames: int) -> dict:
 def frame_weight_bytes(lm, depth, head_rows: int) -> int:
     """Bytes of weights, as stored, that one frame reads: the LM layers, the head rows of the
     candidates, and per depth step (7) the depth layers, the projection and one audio head
-    (the bandwidth floor of a frame is this over the memory bandwidth; SPEC section 12)."""
-    from .gguf.ops import compressed_nbytes
+    (the bandwidth floor of a frame is this over the memory bandwidth)."""
+    from ..gguf.ops import compressed_nbytes
 
     head = lm.model.embed_tokens if lm.tied else lm.lm_head
     row = compressed_nbytes(head) // (lm.vocab_size if lm.tied else head.out_features)  # a GGUF row is whole blocks
@@ -121,13 +108,3 @@ def frame_weight_bytes(lm, depth, head_rows: int) -> int:
     per_step = sum(compressed_nbytes(b) for b in depth.layers) + compressed_nbytes(depth.projection) + \
         compressed_nbytes(depth.audio_heads[0])
     return sum(compressed_nbytes(layer) for layer in lm.model.layers) + head_rows * row + steps * per_step
-
-
-def main(argv=None) -> int:
-    from .bench import main as bench_main
-
-    return bench_main(["--stages", "ar", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -24,218 +24,20 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
-import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .tools.convert import DIFFUSERS_DEFAULTS, convert, expected_tensors
-from .tools.tiny import RELEASED_LM_CONFIG, TINY, TINY_LM, build_tokenizer, build_weights
-
-MIB = 1 << 20
-# Bench configs: LM (Qwen3 config keys), the four diffusers components, the vocabulary layout of
-# mm3.tools.tiny ("small": 256 bytes + specials; "real": the released ids) and the semantic codebook size.
-CONFIGS = {
-    "tiny": dict(lm=TINY_LM, **TINY, vocab="small", codes=64, native="F32", frames=48, seconds=4.0),
-    "medium": dict(
-        lm=dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=2, head_dim=128),  # released GQA ratio 4:1 and head_dim 128
-        rvq_depth_decoder=dict(hidden_size=1024, num_layers=4, num_attention_heads=4, intermediate_size=1536),
-        condition_encoder=dict(condition_hidden_dim=1024, out_dim=512),
-        transformer=dict(condition_dim=512, num_layers=4, num_attention_heads=8, ff_inner_dim=2048),
-        vocoder=dict(decoder_input_dim=256, decoder_hidden_dim=384),
-        vocab="real", codes=16384, native="F32", frames=48, seconds=8.0),
-    "real": dict(lm={}, rvq_depth_decoder={}, condition_encoder={}, transformer={}, vocoder={}, vocab="real",
-                 codes=16384, native="BF16", frames=100, seconds=30.0),
-}
-COMPONENTS = ("rvq_depth_decoder", "condition_encoder", "transformer", "vocoder")
-QUANTIZED = {"lm": "language_model", "depth": "rvq_depth_decoder", "dit": "transformer"}  # what --quant changes
-CAPTION = "a bright synth pop song with warm female vocals and a punchy drum groove"
-LYRICS = "[verse]\nneon lights are calling\nwe are dancing through the night\n[chorus]\nsing it loud"
-
-
-@dataclass
-class Checkpoint:
-    """A built bench checkpoint: the diffusers layout, the GGUF folder for one quant, and sizes."""
-
-    name: str
-    root: Path
-    diffusers: Path
-    models: Path
-    quant: str
-    native: str  # the weight type the checkpoint was written in (F32, or BF16 for real)
-    lm_cfg: dict
-    cfgs: dict  # component -> full diffusers config
-    special_ids: dict
-    code_offset: int
-
-
-def _save(folder: Path, cfg: dict, tensors: dict, filename: str, dtype: torch.dtype):
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, folder / filename, metadata={"format": "pt"})
-
-
-def build_checkpoint(name: str, root: Path, quant: str, seed: int = 0) -> Checkpoint:
-    """Write (or reuse) the checkpoint of config `name` under `root`; returns where things are."""
-    c = CONFIGS[name]
-    tj, special_ids, code_offset = build_tokenizer(c["vocab"])
-    vocab = RELEASED_LM_CONFIG["vocab_size"] if name == "real" else code_offset + c["codes"]
-    lm_cfg = {**RELEASED_LM_CONFIG, **c["lm"], "vocab_size": vocab}
-    cfgs = {comp: {**DIFFUSERS_DEFAULTS[comp], **c[comp]} for comp in COMPONENTS}
-    if name != "real":
-        lm_cfg["torch_dtype"] = "float32"
-    diff = root / "diffusers"
-    marker = root / "bench_checkpoint.json"
-    stamp = {"config": name, "seed": seed, "lm": lm_cfg, "components": cfgs}
-    if not (marker.is_file() and json.loads(marker.read_text()) == stamp):
-        shutil.rmtree(root, ignore_errors=True)
-        wdtype = torch.bfloat16 if c["native"] == "BF16" else torch.float32
-        gen = torch.Generator().manual_seed(seed)
-        (diff / "tokenizer").mkdir(parents=True)
-        (diff / "tokenizer" / "tokenizer.json").write_text(json.dumps(tj))
-        w = build_weights("language_model", lm_cfg, gen)
-        head = w["lm_head.weight"]  # code rows of std 0.5 and a zero END row, as mm3.tools.tiny: songs rarely stop
-        head[code_offset:] = 0.5 * torch.randn(head[code_offset:].shape, generator=gen)
-        head[special_ids["<|audio_end|>"]] = 0.0
-        _save(diff / "language_model", lm_cfg, w, "model.safetensors", wdtype)
-        del w, head
-        for comp in COMPONENTS:
-            w = build_weights(comp, cfgs[comp], gen)
-            if comp == "vocoder":  # keep tanh out of saturation, as mm3.tools.tiny does
-                w["conv_out.weight_g"] *= 0.02
-            keep = wdtype if comp in QUANTIZED.values() else torch.float32
-            _save(diff / comp, cfgs[comp], w, "diffusion_pytorch_model.safetensors", keep)
-            del w
-        convert(diff, root / "gguf")
-        marker.write_text(json.dumps(stamp))
-    models = root / f"models-{quant}"
-    if not models.is_dir():
-        _quantized_folder(root / "gguf", models, quant, c["native"])
-    return Checkpoint(name, root, diff, models, quant, c["native"], lm_cfg, cfgs, special_ids, code_offset)
-
-
-def _quantized_folder(native: Path, out: Path, quant: str, native_type: str):
-    """A models folder with the LM, depth and DiT files in `quant` and the others as converted."""
-    from .tools.quantize import quantize_file
-
-    tmp = out.with_name(out.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for src in sorted(native.glob("*.gguf")):
-        if quant != native_type and any(f"-{sub}-" in src.name for sub in QUANTIZED.values()):
-            quantize_file(src, tmp / src.name.replace(f"-{native_type}.gguf", f"-{quant}.gguf"), quant)
-            continue
-        try:
-            os.link(src, tmp / src.name)
-        except OSError:
-            shutil.copy2(src, tmp / src.name)
-    tmp.rename(out)
-
-
-def param_bytes(cfgs: dict, lm_cfg: dict, bytes_per: float) -> int:
-    """Bytes of every weight of the five components at `bytes_per` bytes per value."""
-    shapes = list(expected_tensors("language_model", lm_cfg).values())
-    shapes += [s for comp, cfg in cfgs.items() for s in expected_tensors(comp, cfg).values()]
-    return int(sum(math.prod(s) for s in shapes) * bytes_per)
-
-
-# --------------------------------------------------------------------------------------------
-# Machine, memory, timing.
-
-
-def machine(device: torch.device) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": str(device),
-            "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        info["gpu"] = {"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)}
-    try:
-        import diffusers
-
-        info["diffusers"] = diffusers.__version__
-    except ImportError:
-        info["diffusers"] = None
-    return info
-
-
-class PeakMemory:
-    """Peak process RSS (Linux: VmHWM, reset through /proc/self/clear_refs) and, on CUDA, peak
-    allocated VRAM, over a `with` block, with the RSS at its start (the bench holds both sides'
-    models in one process: the difference is what the run itself added). MiB; None where the
-    platform cannot say."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.rss_mib, self.vram_mib, self.start_mib = device, None, None, None
-
-    @staticmethod
-    def _status(key: str) -> int | None:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(key + ":"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
-
-    def __enter__(self):
-        rss = self._status("VmRSS")
-        self.start_mib = None if rss is None else round(rss / MIB, 1)
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-        except OSError:
-            pass
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        return self
-
-    def __exit__(self, *exc):
-        hwm = self._status("VmHWM")
-        self.rss_mib = None if hwm is None else round(hwm / MIB, 1)
-        if self.device.type == "cuda":
-            self.vram_mib = round(torch.cuda.max_memory_allocated(self.device) / MIB, 1)
-        return False
-
-    def as_dict(self) -> dict:
-        d = {"peak_rss_mib": self.rss_mib, "rss_before_mib": self.start_mib}
-        if self.vram_mib is not None:
-            d["peak_vram_mib"] = self.vram_mib
-        return d
-
-
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def ratio(reference: float | None, ours: float | None) -> float | None:
-    """How many times faster ours is (reference time / our time)."""
-    if not reference or not ours:
-        return None
-    return round(reference / ours, 2)
-
-
-# --------------------------------------------------------------------------------------------
-# The run.
+from ..tools.convert import DIFFUSERS_DEFAULTS
+from ..tools.tiny import RELEASED_LM_CONFIG
+from .checkpoints import COMPONENTS, CONFIGS, build_checkpoint, param_bytes
+from .measure import machine
 
 
 def _check_room(name: str, ckpt_cfgs: dict, lm_cfg: dict, device: torch.device, work: Path):
@@ -250,7 +52,7 @@ def _check_room(name: str, ckpt_cfgs: dict, lm_cfg: dict, device: torch.device, 
     if free < need:
         raise SystemExit(f"config real needs about {need / 2**30:.0f} GiB of free GPU memory, {device} has "
                          f"{free / 2**30:.0f} GiB")
-    from .device import free_bytes
+    from ..device import free_bytes
 
     ram, lm_ram = free_bytes(torch.device("cpu")), param_bytes({}, lm_cfg, 6)  # f32 draws + bf16 copy
     if ram is not None and ram < lm_ram:
@@ -295,11 +97,11 @@ def run(args) -> dict:
 
 
 def _run(args) -> dict:
-    from .device import pick_device, pick_dtype
+    from ..device import pick_device, pick_dtype
 
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
-    from .tools.quantize import MIXES
+    from ..tools.quantize import MIXES
 
     c = CONFIGS[args.config]
     quant = args.quant or c["native"]
@@ -330,19 +132,20 @@ def _run(args) -> dict:
     have_reference = importlib.util.find_spec("diffusers") is not None
     if not have_reference:
         report["notes"].append("diffusers is not installed: the reference side is skipped")
-    from . import bench_ar, bench_synth
+    from . import ar, synth
+    from .context import Context
 
-    ctx = bench_synth.Context(ckpt, device, dtype, have_reference, args.repeat, args.seed)
+    ctx = Context(ckpt, device, dtype, have_reference, args.repeat, args.seed)
     ctx.compile = args.compile
     with _quiet_reference(have_reference):
         if "ar" in stages:
-            report["ar"] = bench_ar.measure(ctx, report["settings"]["frames"])
+            report["ar"] = ar.measure(ctx, report["settings"]["frames"])
         if "dit" in stages:
-            report["dit"] = bench_synth.measure_dit(ctx)
+            report["dit"] = synth.measure_dit(ctx)
         if "vocoder" in stages:
-            report["vocoder"] = bench_synth.measure_vocoder(ctx)
+            report["vocoder"] = synth.measure_vocoder(ctx)
         if "e2e" in stages:
-            report["e2e"] = bench_synth.measure_e2e(ctx, report["settings"]["e2e_seconds"], args.steps)
+            report["e2e"] = synth.measure_e2e(ctx, report["settings"]["e2e_seconds"], args.steps)
     report["notes"] += ctx.notes
     if not args.work:
         shutil.rmtree(root, ignore_errors=True)
@@ -408,11 +211,7 @@ def add_cli(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mm3.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m mm3 bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return _cli(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -18,7 +18,7 @@ import diffusers  # noqa: F401  (the oracle; without it this module must not imp
 
 import torch
 
-from mm3.reference import reference_token_constants
+from mm3.bench.reference import reference_token_constants, run_ar
 
 
 @contextmanager
@@ -74,24 +74,13 @@ class ReferenceRun:
 def run_reference_ar(ref: Reference, text_ids: torch.Tensor, duration: float,
                      generator: torch.Generator) -> ReferenceRun:
     """Run the reference's AR block once and record every frame it sampled."""
-    from diffusers.modular_pipelines.minimax_music3.encoders import MiniMaxMusic3AutoregressiveStep
-
     calls = []
-    with patched_constants(ref.folder) as enc:
-        original = enc._generate_depth_codes
 
-        def recording(language_model, rvq, last_hidden, semantic_code, gen):
-            codes, hidden = original(language_model, rvq, last_hidden, semantic_code, gen)
-            calls.append((last_hidden.clone(), codes[0].clone(), hidden.clone()))
-            return codes, hidden
+    def on_frame(last_hidden, codes, hidden):
+        calls.append((last_hidden.clone(), codes[0].clone(), hidden.clone()))
 
-        enc._generate_depth_codes = recording
-        try:
-            step = MiniMaxMusic3AutoregressiveStep().init_pipeline()
-            step.update_components(language_model=ref.language_model, rvq_depth_decoder=ref.rvq_depth_decoder)
-            fh = step(text_ids=text_ids, audio_duration=duration, generator=generator, output="frame_hiddens")
-        finally:
-            enc._generate_depth_codes = original
+    with patched_constants(ref.folder):
+        fh = run_ar(ref.language_model, ref.rvq_depth_decoder, text_ids, duration, generator, on_frame)
     h = ref.language_model.config.hidden_size
     return ReferenceRun(
         codes=torch.stack([c[1] for c in calls]),

@@ -2,8 +2,7 @@
 
 Loads the reference condition encoder, DiT, vocoder and scheduler from the diffusers folder that
 `mm3.tools.tiny.build_tiny` writes, runs the reference's own denoise and decode blocks (unmodified) and
-records what they compute with forward hooks and wrappers, as
-shared/reference/diffusers_oracle/make_goldens.py does. Nothing in diffusers is patched.
+records what they compute with forward hooks and wrappers. Nothing in diffusers is patched.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Writing small GGUF files for tests: new ones with gguf-py (the format's reference writer), and
 rewritten copies of the tiny model's files with one thing changed."""
 
+import shutil
 from pathlib import Path
 
 import gguf
@@ -83,3 +84,25 @@ def rewrite(src, dst, *, kv=None, drop=(), tensors=None):
         w.write_tensors_to_file()
         w.close()
     return Path(dst)
+
+
+# The tiny model's files by component (`python -m mm3 tiny` names them as the published files).
+TINY_FILES = {"lm": "language_model", "depth": "rvq_depth_decoder", "cond": "condition_encoder",
+              "dit": "transformer", "vae": "vocoder"}
+
+
+def tiny_file(folder, kind) -> Path:
+    (p,) = Path(folder).glob(f"MiniMax-Music3-{TINY_FILES[kind]}-*.gguf")
+    return p
+
+
+def models_with(tiny, folder, kind=None, make=None) -> Path:
+    """A models folder holding the tiny model's five files, the `kind` one replaced by `make(src, dst)`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for p in sorted(Path(tiny.gguf).glob("*.gguf")):
+        if kind is not None and p == tiny_file(tiny.gguf, kind):
+            make(p, folder / p.name)
+        else:
+            shutil.copy(p, folder / p.name)
+    return folder

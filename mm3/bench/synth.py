@@ -1,0 +1,173 @@
+"""Bench stages after the AR: DiT step, vocoder, and the whole song end to end.
+
+The reference side loads the same weights (`Context`): the LM, depth decoder and DiT from our GGUF
+files dequantized to float, so a quantized run compares the same weights; the condition encoder and
+vocoder from the diffusers safetensors, which the GGUF files hold folded.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .context import Context
+from .measure import PeakMemory, best_of, ratio, sync
+from .reference import run_song
+
+LATENT_WINDOW_FRAMES = 200  # a full DiT window (mm3.flow.WINDOW_FRAMES): 689 latents at the released rates
+
+
+def _window_inputs(ctx: Context):
+    """One full window: condition from random frame hiddens, noise, t = 0.5."""
+    cond_enc = ctx.ours("cond")
+    g = torch.Generator().manual_seed(ctx.seed)
+    width = cond_enc.num_layers * cond_enc.hidden_dim
+    fh = torch.randn(1, LATENT_WINDOW_FRAMES, width, generator=g).to(ctx.device, ctx.dtype)
+    with torch.no_grad():
+        cond = cond_enc(fh).to(ctx.dtype)  # [1, L, D]
+    dit = ctx.ours("dit")
+    x = torch.randn(1, dit.in_channels, cond.shape[1], generator=g).to(ctx.device, ctx.dtype)
+    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    return x, t, cond
+
+
+@torch.no_grad()
+def measure_dit(ctx: Context) -> dict:
+    """ms per DiT step of one full window (the CFG pair). "ours" is what mm3.flow.sample_latents
+    runs by default (weights kept dequantized within the budget, oneDNN products on the CPU);
+    "ours_mkl" the same with torch's default CPU GEMM; "ours_per_step_dequant" neither."""
+    from ..device import dit_weight_budget
+    from ..gguf.ops import cache_dequantized, release_dequantized
+    from ..matmul import onednn_matmul, pays_for
+
+    dit = ctx.ours("dit")
+    x, t, cond = _window_inputs(ctx)
+    px, pt, pc = torch.cat([x, x]), t.expand(2), torch.cat([cond, torch.zeros_like(cond)])
+    zeros = torch.zeros_like(cond)
+
+    def ours():
+        with onednn_matmul(ctx.device, pays_for(dit)):
+            return dit(px, pt, pc)
+
+    fns = {"ours_per_step_dequant": lambda: dit(px, pt, pc)}
+    out = {"window_latents": cond.shape[1]}
+    if ctx.have_reference:
+        ref = ctx.reference("transformer")
+
+        def ref_step():  # its pipeline's two batch-1 calls
+            return torch.cat([ref(hidden_states=x, timestep=t, encoder_hidden_states=c, return_dict=False)[0]
+                              for c in (cond, zeros)])
+
+        fns["diffusers"] = ref_step
+        v_ref = ref_step().float()
+        for key, fn in (("rel_diff_vs_diffusers", ours), ("mkl_rel_diff_vs_diffusers", fns["ours_per_step_dequant"])):
+            out[key] = float((fn().float() - v_ref).norm() / v_ref.norm())
+    kept = cache_dequantized(dit, ctx.dtype, dit_weight_budget(ctx.device))
+    fns["ours_mkl"] = lambda: dit(px, pt, pc)
+    fns["ours"] = ours
+    with onednn_matmul(ctx.device, pays_for(dit)) as switched:
+        out["onednn_matmul"] = switched
+    best = best_of(fns, ctx.repeat, ctx.device)
+    mem = {}
+    for side in ("ours", "diffusers"):
+        if side in fns:
+            with PeakMemory(ctx.device) as pm:
+                fns[side]()
+            mem[side] = pm.as_dict()
+    release_dequantized(dit)
+    out.update({f"{k}_ms_per_step": round(1e3 * v, 2) for k, v in best.items()})
+    out.setdefault("diffusers_ms_per_step", None)
+    out.update({"kept_dequantized_mib": round(kept / 2**20, 1), "memory": mem,
+                "ratio": ratio(out["diffusers_ms_per_step"], out["ours_ms_per_step"])})
+    return out
+
+
+@torch.no_grad()
+def measure_vocoder(ctx: Context) -> dict:
+    """Seconds per minute of audio decoding one full window (both sides)."""
+    from ..models.cond import latent_length
+
+    voc = ctx.ours("vae")
+    g = torch.Generator().manual_seed(ctx.seed)
+    length = latent_length(LATENT_WINDOW_FRAMES, ctx.ours("cond").hp)
+    lat = torch.randn(1, voc.latent_channels, length, generator=g).to(ctx.device, ctx.dtype)
+    seconds = length * voc.hop / voc.sampling_rate
+    fns = {"ours": lambda: voc.decode(lat)}
+    if ctx.have_reference:
+        rvoc = ctx.reference("vocoder")
+        fns["diffusers"] = lambda: rvoc(lat)
+    best = best_of(fns, ctx.repeat, ctx.device)
+    per_min = {k: round(v * 60 / seconds, 3) for k, v in best.items()}
+    out = {"audio_seconds": round(seconds, 3), "ours_s_per_min": per_min["ours"],
+           "diffusers_s_per_min": per_min.get("diffusers")}
+    out["ratio"] = ratio(out["diffusers_s_per_min"], out["ours_s_per_min"])
+    return out
+
+
+def measure_e2e(ctx: Context, seconds: float, steps: int) -> dict:
+    """A whole song of `seconds`: ours through mm3.pipeline (plan, replay, DiT, vocoder), the
+    reference through its AR, denoise and decode blocks on the same prompt ids and seeds."""
+    from ..pipeline import Pipeline
+    from ..request import MM3Request
+    from .checkpoints import CAPTION, LYRICS
+
+    pipe = Pipeline(ctx.ckpt.models, device=ctx.device, dtype=str(ctx.dtype).removeprefix("torch."),
+                    keep_loaded=True)
+    request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=seconds, steps=steps, seed=ctx.seed,
+                         lm_seed=ctx.seed, output_format="wav32")
+    from ..gguf.ops import compressed_nbytes
+
+    weights = sum(compressed_nbytes(pipe.store.model(kind)) for kind in ("lm", "depth", "cond", "dit", "vae"))
+    # (loading is not part of the timed run)
+    with PeakMemory(ctx.device) as pm:
+        t0 = time.perf_counter()
+        tracks = pipe.run(request)
+        sync(ctx.device)
+        ours = time.perf_counter() - t0
+    audio_s = tracks[0].audio.shape[-1] / tracks[0].sample_rate
+    out = {"audio_seconds": round(audio_s, 3), "steps": steps,
+           "ours_s_per_min": round(ours * 60 / audio_s, 2),
+           "ours_stages_s": {k: round(v, 2) for k, v in pipe.timings.stages.items()},
+           "memory": {"ours": pm.as_dict()}, "diffusers_s_per_min": None,
+           "weights_mib": {"ours": round(weights / 2**20, 1)}}
+    ids = pipe.prompt(request).ids
+    pipe.store.release_all()
+    del pipe
+    if ctx.have_reference:
+        with PeakMemory(ctx.device) as pm:
+            t0 = time.perf_counter()
+            ref_audio, stages = _reference_song(ctx, ids, seconds, steps)
+            sync(ctx.device)
+            ref = time.perf_counter() - t0
+        ref_s = ref_audio.shape[-1] / ctx.ours("vae").sampling_rate
+        ref_bytes = sum(t.numel() * t.element_size() for n in ("language_model", "rvq_depth_decoder",
+                        "condition_encoder", "transformer", "vocoder") for t in ctx.reference(n).state_dict().values())
+        out.update({"diffusers_s_per_min": round(ref * 60 / ref_s, 2), "diffusers_stages_s": stages})
+        out["weights_mib"]["diffusers"] = round(ref_bytes / 2**20, 1)
+        out["memory"]["diffusers"] = pm.as_dict()
+    out["ratio"] = ratio(out["diffusers_s_per_min"], out["ours_s_per_min"])
+    if ctx.device.type == "cpu":
+        ctx.notes.append("e2e memory: our weights are memory-mapped GGUF files whose pages count in the RSS once "
+                         "read, so ours' peak includes them; the reference's weights were resident before its run")
+    return out
+
+
+def _reference_song(ctx: Context, ids: torch.Tensor, seconds: float, steps: int):
+    """The reference's three stages as its pipeline chains them: (audio [1, 2, T], seconds per stage)."""
+    from ..sampling import make_generator
+
+    comps = {n: ctx.reference(n) for n in ("language_model", "rvq_depth_decoder", "condition_encoder",
+                                           "transformer", "vocoder", "scheduler")}
+    stages = {}
+
+    def timed(name, run):
+        t0 = time.perf_counter()
+        out = run()
+        sync(ctx.device)
+        stages[name] = round(time.perf_counter() - t0, 2)
+        return out
+
+    with ctx.reference_constants():  # the AR reads them; the later stages do not mind
+        audio = run_song(comps, ids.to(ctx.device), seconds, steps, make_generator(ctx.seed), timed)
+    return audio, stages
