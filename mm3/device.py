@@ -47,6 +47,19 @@ def pick_dtype(device: torch.device, name: str | None = None) -> torch.dtype:
     return torch.float32
 
 
+def total_bytes(device: torch.device) -> int | None:
+    """The memory a model file chosen for `device` may take: an accelerator's memory (MPS: the
+    working set Metal recommends), None on the CPU (no limit: the most precise file is chosen)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "xpu":
+        return int(torch.xpu.get_device_properties(device).total_memory)
+    if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
+        return int(torch.mps.recommended_max_memory())
+    return None
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     """Where a model's first weight lives: the compute device when the caller names none."""
     for p in model.parameters():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .constants import FORMAT_EXTENSIONS, RNG_MODES
 from .output import FileBatch, OutputError, render
-from .progress import Progress
+from .progress import STAGES, Progress
 from .request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
 
 EXTENSIONS = FORMAT_EXTENSIONS
@@ -113,9 +113,6 @@ def _check_targets(paths: list[Path], overwrite: bool):
 class Console:
     """tqdm bars for the stages, and a SIGINT flag the engine polls between frames and steps."""
 
-    NAMES = {"ar": ("planning", "frame"), "replay": ("replaying codes", "frame"), "dit": ("DiT", "step"),
-             "vae": ("vocoder", "window")}
-
     def __init__(self, quiet: bool = False):
         self.quiet, self.bars, self.stop = quiet, {}, False
         self._old = None
@@ -148,7 +145,8 @@ class Console:
         if bar is None:
             for k in [k for k in self.bars if k[0] == stage]:
                 self.bars.pop(k).close()
-            desc, unit = self.NAMES.get(stage, (stage, "it"))
+            known = STAGES.get(stage)
+            desc, unit = (known.label, known.unit) if known else (stage, "it")
             bar = self.bars[key] = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
         if stage == "dit" and "window" in info:
             bar.set_postfix(window=f"{info['window'] + 1}/{info.get('windows', '?')}", refresh=False)

@@ -24,7 +24,7 @@ from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
 from .constants import RNG_MODES
-from .device import empty_cache, pick_device, pick_dtype
+from .device import empty_cache, pick_device, pick_dtype, total_bytes
 from .errors import RunError
 from .fingerprint import file_fingerprint
 from .flow import NonFiniteError, encode_conditions, sample_latents
@@ -110,6 +110,7 @@ class Pipeline:
         folders = models_dir if isinstance(models_dir, (list, tuple)) else [models_dir]
         self.registry = Registry.scan(*folders)
         self.device = device if isinstance(device, torch.device) else pick_device(device)
+        self.registry.memory = total_bytes(self.device)  # "" / "auto" names: the most precise file that fits
         self.dtype = pick_dtype(self.device, dtype)
         self.store = ModelStore(self.registry, self.device, keep_loaded=keep_loaded)
         self.timings = Timings()
@@ -167,7 +168,7 @@ class Pipeline:
 
         For each `*_model` field in `recorded` (names read from a request file, not typed by the
         user): a named file that is missing is looked for by its fingerprint (a renamed copy), else
-        replaced by the first file of its kind; a file whose fingerprint differs from the recorded
+        replaced by the file an empty name picks; a file whose fingerprint differs from the recorded
         one is used as it is. Each such case is a warning, or with `strict` a `RequestError`.
         Returns the request pinned to the files that will be used, and the warnings."""
         warnings, names = [], {}

@@ -14,6 +14,24 @@ def _never() -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A long-running stage as the command line and the nodes show it."""
+
+    label: str  # "planning", "DiT" ...
+    unit: str  # what `done` counts: "frame", "step", "window"
+
+
+# Every `on_progress` stage name the engine reports.
+STAGES = {
+    "ar": Stage("planning", "frame"),
+    "replay": Stage("replaying codes", "frame"),
+    "cond": Stage("conditions", "window"),
+    "dit": Stage("DiT", "step"),
+    "vae": Stage("vocoder", "window"),
+}
+
+
 @dataclass
 class Progress:
     """`on_progress(stage, done, total, info)` after each unit of work; `should_stop()` is polled

@@ -128,6 +128,18 @@ def unconditional_ids(ids: torch.Tensor, cfg_id: int) -> torch.Tensor:
     return out
 
 
+def _assemble(tokenizer: MM3Tokenizer, cap: str, lyr: str) -> list[int]:
+    """The template around a cleaned caption and normalised lyrics, as token ids."""
+    sp = tokenizer.special
+    return ([sp.im_start, sp.caption_start] + tokenizer.encode(cap) + [sp.caption_end, sp.lyrics_start]
+            + tokenizer.encode(lyr) + [sp.lyrics_end, sp.im_end, sp.audio_start])
+
+
+def count_tokens(tokenizer: MM3Tokenizer, caption: str, lyrics: str) -> int:
+    """Tokens of the prompt `build_prompt` would assemble (no checks: for a count while typing)."""
+    return len(_assemble(tokenizer, clean_caption(caption or ""), normalize_lyrics(lyrics or "")))
+
+
 def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
                  max_tokens: int = MAX_PROMPT_TOKENS) -> Prompt:
     """Clean, normalise, assemble and tokenize; raises `PromptError` for an empty caption or lyrics
@@ -140,10 +152,9 @@ def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
         problem = text_problem(name, text, controls=False)  # control characters pass: the reference keeps them
         if problem:
             raise PromptError(problem)
-    sp = tokenizer.special
     cap, lyr = clean_caption(caption), normalize_lyrics(lyrics)
-    ids = ([sp.im_start, sp.caption_start] + tokenizer.encode(cap) + [sp.caption_end, sp.lyrics_start]
-           + tokenizer.encode(lyr) + [sp.lyrics_end, sp.im_end, sp.audio_start])
+    ids = _assemble(tokenizer, cap, lyr)
+    sp = tokenizer.special
     if len(ids) > max_tokens:
         raise PromptError(f"Prompt exceeds the {max_tokens} token budget: the assembled prompt has {len(ids)} "
                           f"tokens (caption {len(cap)} chars, lyrics {len(lyr)} chars)")

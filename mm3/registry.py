@@ -1,7 +1,9 @@
-"""A models folder sorted into the five component buckets by architecture (header reads only)."""
+"""A models folder sorted into the five component buckets by architecture (header reads only), and
+the choice of a file where none is named ("" or "auto")."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,6 +11,39 @@ from pathlib import Path
 from .components import ARCH_OF, ARCHITECTURES, DESCRIPTIONS, KINDS
 from .gguf.errors import ComponentError, GGUFFormatError
 from .gguf.reader import read_architecture
+
+AUTO = "auto"  # a model name that lets the engine choose the file (`pick_file`)
+
+
+def bits_per_weight(path: str | os.PathLike) -> float:
+    """Stored bits per value over all of a file's tensors (header read, cached): 32 for F32, 16 for
+    BF16, about 8.5 for Q8_0 and 4.8 for Q4_K_M."""
+    from .components import read_component
+
+    infos = read_component(path).file.tensor_infos()
+    values = sum(math.prod(shape) for _, shape, _ in infos)
+    return 8 * sum(_tensor_bytes(infos)) / max(1, values)
+
+
+def _tensor_bytes(infos):
+    import gguf
+
+    for _, shape, qtype in infos:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        yield math.prod(shape) // block * size
+
+
+def pick_file(paths: list[str], memory: int | None = None) -> str:
+    """The file to use when none is named: the most precise (most stored bits per weight) whose size
+    fits in `memory` bytes, else the smallest; with no limit, the most precise. Ties keep the order
+    of `paths`."""
+    if not paths:
+        raise ValueError("no file to pick from")
+    ranked = sorted(paths, key=lambda p: -bits_per_weight(p))  # stable: ties keep their order
+    if memory is None:
+        return ranked[0]
+    fitting = [p for p in ranked if os.path.getsize(p) <= memory]
+    return fitting[0] if fitting else min(paths, key=os.path.getsize)
 
 
 @dataclass
@@ -20,6 +55,7 @@ class Registry:
     buckets: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
     paths: dict[str, str] = field(default_factory=dict)  # file name -> full path
     foreign: list[tuple[str, str]] = field(default_factory=list)
+    memory: int | None = None  # bytes a chosen file may take (the device's memory), None: no limit
 
     @classmethod
     def scan(cls, *folders: str | os.PathLike) -> "Registry":
@@ -46,7 +82,7 @@ class Registry:
                 reg.buckets[kind].append(name)
                 reg.paths[name] = str(p)
         for names in reg.buckets.values():
-            names.sort()  # native BF16/F32 sort before Q..., so "" picks the native file
+            names.sort()
         return reg
 
     def find(self, kind: str, name: str) -> str | None:
@@ -67,21 +103,22 @@ class Registry:
         raise KeyError(path)
 
     def resolve(self, kind: str, name: str = "") -> str:
-        """Full path of `name` in the `kind` bucket; "" picks the first file of the bucket."""
+        """Full path of `name` in the `kind` bucket; "" or "auto" picks one (`pick_file`: the most
+        precise file that fits `self.memory`)."""
         if kind not in self.buckets:
             raise ComponentError(f"unknown component kind {kind!r} (expected one of {', '.join(KINDS)})")
         names = self.buckets[kind]
         where = ", ".join(self.folders) or "(no folder)"
         missing = [f for f in self.folders if not Path(f).is_dir()]
         note = f" ({', '.join(missing)}: no such folder)" if missing else ""
-        if not name:
+        if not name or name == AUTO:
             if not names:
                 skipped = "".join(f"; skipped {n}: {why}" for n, why in self.foreign[:5])
                 if len(self.foreign) > 5:
                     skipped += f" (and {len(self.foreign) - 5} more)"
                 raise ComponentError(
                     f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {where}{note}{skipped}")
-            return self.paths[names[0]]
+            return pick_file([self.paths[n] for n in names], self.memory)
         found = self.find(kind, name)  # a bare file name also finds a file in a subfolder
         if found is not None:
             return found

@@ -40,7 +40,7 @@ class ModelStore:
     loading: str | None = None  # the file being loaded, or whose loading failed (for error messages)
 
     def model(self, kind: str, name: str = "", numerics: str = "fast"):
-        """The engine model of `kind` from file `name` ("" = first of its bucket), on the device;
+        """The engine model of `kind` from file `name` ("" or "auto": the registry picks one), on the device;
         the LM and the depth decoder in `numerics` (`mm3.models.build_model`)."""
         path = self.registry.resolve(kind, name)
         have = self.loaded.get(kind)

@@ -25,8 +25,9 @@ import comfy.model_patcher
 import folder_paths
 import torch
 
-from mm3.components import GROUPS
+from mm3.components import ARCH_OF, DESCRIPTIONS, GROUPS
 from mm3.gguf.ops import compressed_nbytes
+from mm3.registry import AUTO, pick_file
 from .handles import ComponentHandle, classify
 
 log = logging.getLogger("mm3")
@@ -56,6 +57,22 @@ def files_of(kind: str) -> list[str]:
 
 def full_path(name: str) -> str:
     return folder_paths.get_full_path_or_raise(FOLDER, name)
+
+
+def chosen_file(kind: str, name: str) -> str:
+    """The file a loader's name means: itself, or for "auto" the most precise file of `kind` that
+    fits the memory of the device its model runs on (`mm3.registry.pick_file`)."""
+    if name != AUTO:
+        return name
+    names = files_of(kind)
+    if not names:
+        folders = ", ".join(folder_paths.get_folder_paths(FOLDER))
+        raise ValueError(f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {folders}: download a set with "
+                         "`python -m mm3 download --set q8 --dir <ComfyUI>/models/mm3` (see the pack's README)")
+    device = load_device(kind)
+    memory = None if mm.is_device_cpu(device) else int(mm.get_total_memory(device))
+    by_path = {full_path(n): n for n in names}
+    return by_path[pick_file(list(by_path), memory)]
 
 
 # -- devices and dtype --------------------------------------------------------------------------

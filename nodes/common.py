@@ -9,7 +9,7 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from mm3.progress import Cancelled, Progress
+from mm3.progress import STAGES, Cancelled, Progress
 
 CATEGORY = "MiniMax Music 3 (GGUF)"
 
@@ -29,18 +29,17 @@ AUDIO_WINDOWS = io.Custom("MM3_AUDIO_WINDOWS")
 
 ADVANCED = {"advanced": True}  # newer frontends fold these widgets away (an unknown key elsewhere)
 
-STAGE_NAMES = {"ar": "AR frames", "replay": "replaying codes", "cond": "condition windows", "dit": "DiT steps",
-               "vae": "vocoder windows"}
-
 
 def _send_text(text: str):
+    """Text on the running node, for the client that queued the prompt only (a broadcast would show
+    it on whatever node has the same id in every other open tab)."""
     try:
         from comfy_execution.utils import get_executing_context
         from server import PromptServer
 
-        ctx = get_executing_context()
-        if ctx is not None and PromptServer.instance is not None:
-            PromptServer.instance.send_progress_text(text, ctx.node_id)
+        ctx, server = get_executing_context(), PromptServer.instance
+        if ctx is not None and server is not None and server.client_id is not None:
+            server.send_progress_text(text, ctx.node_id, server.client_id)
     except Exception:  # progress text is a nicety; never fail a run over it
         pass
 
@@ -66,7 +65,8 @@ def node_progress(text_every: float = 0.5) -> Progress:
         now = time.monotonic()
         if done >= total or now - state["sent"] >= text_every:
             state["sent"] = now
-            _send_text(f"{STAGE_NAMES.get(stage, stage)}: {done}/{total}")
+            known = STAGES.get(stage)
+            _send_text(f"{known.label}: {known.unit} {done}/{total}" if known else f"{stage}: {done}/{total}")
 
     return Progress(on_progress=on_progress, should_stop=mm.processing_interrupted)
 

@@ -1,4 +1,4 @@
-"""The ComfyUI extension: registers the models folder, the debug route and the node list."""
+"""The ComfyUI extension: registers the models folder, the pack's routes and the node list."""
 
 from __future__ import annotations
 
@@ -6,27 +6,12 @@ import logging
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import comfy_models
+from . import comfy_models, routes
 from .node_files import NODES as FILE_NODES
 from .node_loaders import NODES as LOADER_NODES
 from .node_stages import NODES as STAGE_NODES
 
 NODES: list[type[io.ComfyNode]] = LOADER_NODES + STAGE_NODES + FILE_NODES
-
-
-def add_routes() -> None:
-    """GET /mm3/resident (also under /api): our models ComfyUI holds loaded, per component."""
-    try:
-        from aiohttp import web
-        from server import PromptServer
-    except ImportError:
-        return
-    if getattr(PromptServer, "instance", None) is None:
-        return
-
-    @PromptServer.instance.routes.get("/mm3/resident")
-    async def resident(request):
-        return web.json_response({"resident": comfy_models.resident()})
 
 
 class MM3Extension(ComfyExtension):
@@ -41,7 +26,7 @@ def extension() -> MM3Extension:
     global _registered
     if not _registered:
         comfy_models.register_model_folder()
-        add_routes()
+        routes.add_routes()
         _registered = True
         logging.getLogger("mm3").info("MM3: %d nodes, models folder %s", len(NODES),
                                       comfy_models.folder_paths.get_folder_paths(comfy_models.FOLDER))

@@ -69,7 +69,9 @@ class MM3SaveAudioCodes(io.ComfyNode):
         folder, stem, counter, subfolder = _save_path(filename_prefix)
         path = atomic_write(folder / f"{stem}_{counter:05}_.json", codes.request.to_json().encode("utf-8"))
         rel = "/".join(p for p in (subfolder, path.name) if p)
-        return io.NodeOutput(ui={"text": [f"{rel} ({codes.frames} frames)"]})
+        # "codes": the file as /view serves it, for scripts that fetch a run's outputs
+        return io.NodeOutput(ui={"text": [f"{rel} ({codes.frames} frames)"],
+                                 "codes": [{"filename": path.name, "subfolder": subfolder, "type": "output"}]})
 
 
 class MM3LoadAudioCodes(io.ComfyNode):

@@ -9,7 +9,9 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from mm3.components import ARCH_OF, COMPONENTS, DESCRIPTIONS, KINDS
-from .comfy_models import files_of, full_path
+from mm3.registry import AUTO
+
+from .comfy_models import chosen_file, files_of, full_path
 from .common import ADVANCED, CATEGORY, COMPONENT_TYPES
 from .handles import file_fingerprint, handle_for
 
@@ -19,9 +21,10 @@ SET_FIELDS = {k: s.request_field for k, s in COMPONENTS.items()}  # the request 
 
 
 def _file_input(kind: str, id: str) -> io.Combo.Input:
-    return io.Combo.Input(id, options=files_of(kind),
+    return io.Combo.Input(id, options=[AUTO] + files_of(kind), default=AUTO,
                           tooltip=f"{DESCRIPTIONS[kind]}: a GGUF in models/mm3 whose general.architecture is "
-                                  f"{ARCH_OF[kind]}")
+                                  f"{ARCH_OF[kind]}; auto: the most precise one that fits the device's memory "
+                                  "(the file used is recorded in the replay JSON)")
 
 
 def _keep_input() -> io.Boolean.Input:
@@ -31,14 +34,21 @@ def _keep_input() -> io.Boolean.Input:
                 "and the synthesis models (condition encoder, DiT, vocoder) are never resident together.")
 
 
-def _fingerprint(*names: str):
+def _fingerprint(*pairs: tuple[str, str]):
+    """What decides a loader's output: each chosen file's path, size and mtime (so "auto" runs again
+    when the folder gains or loses a file)."""
     out = []
-    for name in names:
+    for kind, name in pairs:
         try:
-            out.append(file_fingerprint(full_path(name)))
-        except (FileNotFoundError, OSError):
-            out.append(name)  # validation reports the missing file
+            out.append(file_fingerprint(full_path(chosen_file(kind, name))))
+        except (FileNotFoundError, OSError, ValueError):
+            out.append(name)  # execution reports the missing file
     return tuple(out)
+
+
+def _handle(kind: str, name: str, keep_loaded: bool):
+    chosen = chosen_file(kind, name)
+    return handle_for(kind, chosen, full_path(chosen), keep_loaded)
 
 
 def _component_loader(kind: str) -> type[io.ComfyNode]:
@@ -53,11 +63,11 @@ def _component_loader(kind: str) -> type[io.ComfyNode]:
             outputs=[COMPONENT_TYPES[kind].Output(kind, display_name=kind)],
         )
 
-    def execute(cls, model_name: str, keep_loaded: bool = False) -> io.NodeOutput:
-        return io.NodeOutput(handle_for(kind, model_name, full_path(model_name), keep_loaded))
+    def execute(cls, model_name: str = AUTO, keep_loaded: bool = False) -> io.NodeOutput:
+        return io.NodeOutput(_handle(kind, model_name, keep_loaded))
 
-    def fingerprint_inputs(cls, model_name: str, keep_loaded: bool = False):
-        return _fingerprint(model_name), keep_loaded
+    def fingerprint_inputs(cls, model_name: str = AUTO, keep_loaded: bool = False):
+        return _fingerprint((kind, model_name)), keep_loaded
 
     return type(NODE_IDS[kind], (io.ComfyNode,), {
         "__module__": __name__, "__doc__": f"Load the {DESCRIPTIONS[kind]} GGUF.",
@@ -83,12 +93,11 @@ class MM3LoadModelSet(io.ComfyNode):
 
     @classmethod
     def execute(cls, keep_loaded: bool = False, **names: str) -> io.NodeOutput:
-        return io.NodeOutput(*(handle_for(k, names[SET_FIELDS[k]], full_path(names[SET_FIELDS[k]]), keep_loaded)
-                               for k in KINDS))
+        return io.NodeOutput(*(_handle(k, names.get(SET_FIELDS[k], AUTO), keep_loaded) for k in KINDS))
 
     @classmethod
     def fingerprint_inputs(cls, keep_loaded: bool = False, **names: str):
-        return _fingerprint(*(names[SET_FIELDS[k]] for k in KINDS)), keep_loaded
+        return _fingerprint(*((k, names.get(SET_FIELDS[k], AUTO)) for k in KINDS)), keep_loaded
 
 
 NODES = COMPONENT_LOADERS + [MM3LoadModelSet]

@@ -196,28 +196,55 @@ def test_prompt_over_the_budget_is_refused_with_the_count(pack, tiny):
         logic.assemble_prompt(hs["lm"], CAPTION, "[verse]\n" + "la " * 3000)
 
 
-JS_APP = """export const app = { extensions: [], registerExtension(e) { this.extensions.push(e); } };"""
-JS_WIDGETS = """export const ComfyWidgets = { STRING(node, name) {
-  const widget = { name, value: "", inputEl: { style: {} } }; node.widgets.push(widget); return { widget }; } };"""
+JS_APP = """export const app = { extensions: [], registerExtension(e) { this.extensions.push(e); },
+  extensionManager: { tabs: [], registerSidebarTab(t) { this.tabs.push(t); } } };"""
+JS_API = """export const api = { calls: [], async fetchApi(path, opts) {
+  this.calls.push([path, opts?.body ? JSON.parse(opts.body) : null]);
+  const body = JSON.parse(opts.body); const n = body.caption.length + body.lyrics.length;
+  return { ok: true, json: async () => ({ tokens: n, limit: 10, over: n > 10, lm_model: body.lm_model }) }; } };"""
 JS_HARNESS = """globalThis.requestAnimationFrame = (f) => f();
+globalThis.setTimeout = (f) => { f(); return 0; }; globalThis.clearTimeout = () => {};
+const settle = () => new Promise((r) => setImmediate(r));
 const { app } = await import("./scripts/app.js");
+const { api } = await import("./scripts/api.js");
 await import("./extensions/pack/mm3.js");
 const ext = app.extensions[0];
-class Node { constructor() { this.widgets = [{ name: "caption", value: "x" }]; this.size = [100, 100]; }
-  computeSize() { return [300, 200]; } setSize(s) { this.size = s; } }
+ext.setup();
+class El { constructor() { this.style = {}; this.listeners = {}; }
+  addEventListener(k, f) { (this.listeners[k] ??= []).push(f); } }
+globalThis.document = { createElement: () => new El() };
+const loader = { widgets: [{ name: "model_name", value: "lm-q8.gguf" }] };
+class Node { constructor() { this.inputs = [{ name: "lm" }];
+    this.widgets = [{ name: "caption", value: "x", inputEl: new El() }, { name: "lyrics", value: "y" }]; }
+  getInputNode(slot) { return slot === 0 ? loader : null; }
+  addDOMWidget(name, type, element, options) {
+    const w = { name, type, element, options, get value() { return options.getValue(); },
+                set value(v) { options.setValue(v); } };
+    this.widgets.push(w); return w; } }
 const save = { name: "MM3SaveSong", input: { required: { audio: ["AUDIO", {}] } } };
 await ext.beforeRegisterNodeDef(class {}, save);
 await ext.beforeRegisterNodeDef(Node, { name: "MM3PromptAssemble", input: { required: {} } });
 const node = new Node();
-node.onExecuted({ text: ["12 / 5000 prompt tokens"] });
+node.onNodeCreated();
+await settle(); await settle();
+const first = node.widgets.at(-1).value;
+node.widgets[0].value = "a much longer caption";
+node.widgets[0].inputEl.listeners.input[0]();
+await settle(); await settle();
+const over = node.widgets.at(-1).value;
 node.onExecuted({ text: ["a", "b"] });
-console.log(JSON.stringify({ name: ext.name, audioUI: save.input.required.audioUI, size: node.size,
-  widgets: node.widgets.map((w) => [w.name, w.value, w.serialize ?? null, w.inputEl?.readOnly ?? null]) }));
+const info = node.widgets.at(-1);
+console.log(JSON.stringify({ name: ext.name, audioUI: save.input.required.audioUI, first, over,
+  tab: app.extensionManager.tabs.map((t) => t.id), calls: api.calls.map((c) => [c[0], c[1]?.lm_model]),
+  widgets: node.widgets.map((w) => w.name), info: [info.value, info.serialize, info.options.serialize,
+  info.element.readOnly] }));
 """
 
 
 def test_web_extension_shows_node_text(tmp_path):
-    """web/mm3.js against stand-ins for the editor's app and widgets modules (needs node.js)."""
+    """web/mm3.js against stand-ins for the editor's app and api modules (needs node.js): the info
+    text is the node's last widget and is neither sent with the prompt nor saved; typing recounts the
+    prompt's tokens with the LM the upstream loader names; the sidebar tab is registered."""
     import shutil
 
     node = shutil.which("node")
@@ -226,7 +253,7 @@ def test_web_extension_shows_node_text(tmp_path):
     (tmp_path / "scripts").mkdir()
     (tmp_path / "extensions" / "pack").mkdir(parents=True)
     (tmp_path / "scripts" / "app.js").write_text(JS_APP)
-    (tmp_path / "scripts" / "widgets.js").write_text(JS_WIDGETS)
+    (tmp_path / "scripts" / "api.js").write_text(JS_API)
     shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
     (tmp_path / "package.json").write_text('{"type": "module"}')
     (tmp_path / "harness.js").write_text(JS_HARNESS)
@@ -234,8 +261,11 @@ def test_web_extension_shows_node_text(tmp_path):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["audioUI"] == ["AUDIO_UI", {}]  # Save Song gets ComfyUI's audio player
-    assert got["widgets"] == [["caption", "x", None, None], ["mm3_info", "a\nb", False, True]]
-    assert got["size"] == [300, 200]
+    assert got["widgets"] == ["caption", "lyrics", "mm3_info"]
+    assert got["info"] == ["a\nb", False, False, True]
+    assert got["first"] == "2 / 10 prompt tokens"
+    assert got["over"].startswith("22 / 10 prompt tokens (over the budget by 12")
+    assert got["calls"][-1] == ["/mm3/tokens", "lm-q8.gguf"] and got["tab"] == ["mm3-models"]
 
 
 # -- part 2: a real ComfyUI ---------------------------------------------------------------------
@@ -290,10 +320,10 @@ def test_object_info_lists_every_node(comfy):
     assert info["MM3Stitch"]["output"] == ["AUDIO"]
     assert info["MM3LoadModelSet"]["output"] == ["MM3_LM", "MM3_DEPTH", "MM3_COND", "MM3_DIT", "MM3_VAE"]
     # Each loader lists only the files of its component (classified by general.architecture).
-    for node, arch in LOADER_ARCH.items():
-        assert info[node]["input"]["required"]["model_name"][1]["options"] == [comfy.files[arch]]
+    for node, arch in LOADER_ARCH.items():  # "auto" first: the most precise file that fits the device
+        assert info[node]["input"]["required"]["model_name"][1]["options"] == ["auto", comfy.files[arch]]
     for key, arch in SET_KEYS.items():
-        assert info["MM3LoadModelSet"]["input"]["required"][key][1]["options"] == [comfy.files[arch]]
+        assert info["MM3LoadModelSet"]["input"]["required"][key][1]["options"] == ["auto", comfy.files[arch]]
     assert f"/extensions/{'ComfyUI-MM3-GGUF'}/mm3.js" in comfy.get("/extensions")
 
 
@@ -353,14 +383,23 @@ def test_variations_workflow_through_api_example(comfy, tmp_path):
     assert out.returncode == 0, out.stderr + comfy.log_tail()
     wavs = sorted((tmp_path / "out").glob("*.wav"))
     flacs = sorted((tmp_path / "out").glob("*.flac"))
-    assert len(wavs) == len(flacs) == 3 and len(list((tmp_path / "out").glob("*.json"))) == 3
+    jsons = sorted((tmp_path / "out").glob("*.json"))
+    codes = [p for p in jsons if p.stem.startswith("plan")]  # Save Audio Codes' file, fetched too
+    songs = [p for p in jsons if p not in codes]
+    assert len(wavs) == len(flacs) == 3 and len(songs) == 3 and len(codes) == 1
+    assert json.loads(codes[0].read_text())["audio_codes"] == json.loads(songs[0].read_text())["audio_codes"]
     expected = int(1.2 * 25) * 44100 // 25  # frames x samples per frame (hop 512 per latent)
     for w, f in zip(wavs, flacs):
         channels, rate, bits, frames = read_wav(w.read_bytes())
         assert (channels, rate, bits) == (2, 44100, 16) and abs(frames - expected) < 0.02 * expected
         assert read_flac(f.read_bytes()) == (2, 44100, frames)
-    seeds = [json.loads(p.read_text())["seed"] for p in sorted((tmp_path / "out").glob("*.json"))]
-    assert seeds == [40, 41, 42]
+    assert [json.loads(p.read_text())["seed"] for p in songs] == [40, 41, 42]
+    # A refused workflow is said in words: which node, which input, what is wrong.
+    out = subprocess.run([sys.executable, str(ROOT / "workflows" / "api_example.py"), "--server", comfy.url,
+                          "--workflow", str(path), "--duration", "0", "--timeout", "60"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "(MM3ARPlan): " in out.stderr and "duration" in out.stderr, out.stderr
+    assert "{" not in out.stderr, out.stderr  # no raw JSON dump
 
 
 @needs_comfy
@@ -516,3 +555,43 @@ def test_low_vram_loading_in_comfyui_classes(comfy):
     assert not found["lowvram"]["after_partial_unload"]["unloaded"]  # freed a layer, stayed usable
     assert found["lowvram"]["frame_step"]["calls"] == 1 and found["lowvram"]["frame_step"]["codes"] == "meta"
     assert found["pipeline_frame_steps"] > 0  # one decode path: the same function in both
+
+
+@needs_comfy
+def test_inventory_token_count_and_download_routes(tiny):
+    """The routes behind the editor's model sidebar and token count: the inventory of models/mm3,
+    a token count with the LM "auto" resolves to, and a published set fetched from a (local) hub
+    into models/mm3 until the inventory calls it complete."""
+    import urllib.error
+
+    from mm3.tools.download import SETS, published_name
+    from tests.helpers.comfy_server import ComfyServer
+    from tests.helpers.fake_hub import FakeHub
+
+    arch = {"language_model": "mm3-lm", "rvq_depth_decoder": "mm3-depth", "condition_encoder": "mm3-cond",
+            "transformer": "mm3-dit", "vocoder": "mm3-vae"}
+    hub = FakeHub({published_name(c, t): tiny.file(arch[c]).read_bytes() for c, t in SETS["light"].items()})
+    server = ComfyServer(COMFYUI_PATH, os.environ.get("COMFYUI_PYTHON"), env={"HF_ENDPOINT": hub.endpoint})
+    try:
+        server.start()
+        inv = server.get("/mm3/inventory")
+        assert inv["missing_kinds"] == [] and "light" not in inv["complete_sets"]
+        states = {f["kind"]: f["state"] for f in inv["sets"]["light"]}
+        assert states == {"lm": "missing", "depth": "missing", "cond": "present", "dit": "missing",
+                          "vae": "present"}, states  # the tiny F32 condition encoder and vocoder have the names
+        got = server.post("/mm3/tokens", {"lm_model": "auto", "caption": "dark synth", "lyrics": "[verse]\nla"})
+        assert got["tokens"] > 5 and got["limit"] == 5000 and not got["over"] and got["lm_model"].endswith(".gguf")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            server.post("/mm3/tokens", {"lm_model": "nope.gguf", "caption": "a", "lyrics": "b"})
+        assert e.value.code == 400 and "nope.gguf" in e.value.read().decode()
+        assert server.post("/mm3/download", {"set": "light"})["state"] == "running"
+        deadline = time.monotonic() + 60
+        while (status := server.get("/mm3/download"))["state"] == "running":
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        assert status["state"] == "done", status
+        assert "light" in server.get("/mm3/inventory")["complete_sets"]
+    finally:
+        server.stop()
+        hub.close()
+

@@ -1,73 +1,12 @@
 """The downloader against a local HTTP server that speaks the Hugging Face endpoints we use."""
 
-import hashlib
-import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from mm3.cli import main as cli_main
-from mm3.tools.download import REPO, DownloadError, download_set, file_names
-
-
-class FakeHub:
-    """Serves `/api/models/<repo>/tree/main` and `/<repo>/resolve/main/<file>` with Range support.
-    `cut_after[name] = n` makes the next transfer of that file stop after n bytes (a dropped line)."""
-
-    def __init__(self, files: dict[str, bytes], sha_override=None):
-        self.files, self.sha_override = files, sha_override or {}
-        self.cut_after: dict[str, int] = {}
-        self.ranges: list[str | None] = []
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                if self.path == f"/api/models/{REPO}/tree/main":
-                    body = json.dumps([
-                        {"type": "file", "path": n, "size": 134,
-                         "lfs": {"oid": hub.sha_override.get(n, hashlib.sha256(d).hexdigest()), "size": len(d)}}
-                        for n, d in hub.files.items()] + [{"type": "directory", "path": "docs"}]).encode()
-                    self._send(200, body, {})
-                    return
-                prefix = f"/{REPO}/resolve/main/"
-                name = self.path[len(prefix):] if self.path.startswith(prefix) else None
-                if name not in hub.files:
-                    self._send(404, b"not found", {})
-                    return
-                data = hub.files[name]
-                rng = self.headers.get("Range")
-                hub.ranges.append(rng)
-                start = int(rng.split("=")[1].split("-")[0]) if rng else 0
-                status = 206 if rng else 200
-                body = data[start:]
-                headers = {"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"} if rng else {}
-                cut = hub.cut_after.pop(name, None)
-                self._send(status, body, headers, cut)
-
-            def _send(self, status, body, headers, cut=None):
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(body if cut is None else body[:cut])
-                if cut is not None:
-                    self.wfile.flush()
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+from mm3.tools.download import DownloadError, download_set, file_names
+from tests.helpers.fake_hub import FakeHub
 
 
 @pytest.fixture
@@ -130,3 +69,26 @@ def test_offline_is_a_clear_message(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"cannot reach 127.0.0.1:{port}" in err and "copy the GGUF files" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stop_keeps_the_part_and_the_next_run_resumes(tmp_path):
+    """A download stopped between blocks raises Cancelled and keeps what arrived; the next run
+    asks only for the rest."""
+    from mm3.errors import Cancelled
+    from mm3.tools import download as dl
+
+    names = file_names("q8")
+    files = {n: bytes([i]) * (3 * dl.CHUNK + 17) for i, n in enumerate(names)}
+    hub = FakeHub(files)
+    try:
+        calls = []
+        with pytest.raises(Cancelled, match="partial file is kept"):
+            download_set("q8", tmp_path, endpoint=hub.endpoint, log=lambda m: None,
+                         should_stop=lambda: calls.append(1) or len(calls) >= 2)
+        parts = list(tmp_path.glob("*.part"))
+        assert len(parts) == 1 and parts[0].stat().st_size == 2 * dl.CHUNK
+        download_set("q8", tmp_path, endpoint=hub.endpoint, log=lambda m: None)
+        assert all((tmp_path / n).read_bytes() == d for n, d in files.items())
+        assert f"bytes={2 * dl.CHUNK}-" in hub.ranges
+    finally:
+        hub.close()

@@ -1,34 +1,210 @@
-// MiniMax Music 3 (GGUF) nodes in the editor: a read-only text box for what a node reports (prompt
-// token count with the cleaned caption and normalised lyrics, the AR plan per song, the codes file
-// written or loaded) and an audio player on Save Song (ComfyUI's own AUDIO_UI widget).
+// MiniMax Music 3 (GGUF) nodes in the editor, through the public extension API (scripts/app.js and
+// scripts/api.js only):
+// - a read-only text box for what a node reports (the prompt's cleaned texts and token count, the AR
+//   plan per song, the codes file written or loaded); it is neither sent with the prompt (so it never
+//   changes a node's cache key) nor saved in the workflow;
+// - a live token count on MM3 Prompt while the caption and lyrics are typed, with the budget;
+// - an audio player on Save Song (ComfyUI's own AUDIO_UI widget);
+// - the "MM3 models" sidebar: which of the five components are present in the mm3 folders, each
+//   published set's files, and a resumable download of a missing set.
 import { app } from "../../scripts/app.js";
-import { ComfyWidgets } from "../../scripts/widgets.js";
+import { api } from "../../scripts/api.js";
 
 const TEXT_NODES = new Set(["MM3PromptAssemble", "MM3ARPlan", "MM3LoadAudioCodes", "MM3SaveAudioCodes"]);
 const INFO = "mm3_info";
+const COUNT_DELAY_MS = 400;
+const KIND_TITLES = { lm: "Language model", depth: "Depth decoder", cond: "Condition encoder", dit: "DiT",
+                      vae: "Vocoder" };
 
-function showText(node, lines) {
-  const text = Array.isArray(lines) ? lines.join("\n") : String(lines ?? "");
+function infoWidget(node) {
   let widget = node.widgets?.find((w) => w.name === INFO);
-  if (!widget) {
-    // Added last and never serialized, so saved widgets_values keep their positions.
-    widget = ComfyWidgets.STRING(node, INFO, ["STRING", { multiline: true }], app).widget;
-    widget.serialize = false;
-    if (widget.inputEl) {
-      widget.inputEl.readOnly = true;
-      widget.inputEl.style.opacity = 0.75;
-    }
-  }
-  widget.value = text;
-  requestAnimationFrame(() => {
-    const size = node.computeSize();
-    node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
-    node.setDirtyCanvas?.(true, true);
+  if (widget) return widget;
+  const el = document.createElement("textarea");
+  el.className = "comfy-multiline-input mm3-info";
+  el.readOnly = true;
+  el.style.opacity = "0.8";
+  el.rows = 3;
+  // Added after the node's own widgets: a widget that is not saved must come last, so the saved
+  // widgets_values keep their positions.
+  widget = node.addDOMWidget(INFO, "customtext", el, {
+    getValue: () => el.value,
+    setValue: (v) => { el.value = v ?? ""; },
+    serialize: false, // not sent with the prompt
+    read_only: true,
   });
+  widget.serialize = false; // not saved in the workflow
+  return widget;
+}
+
+function showText(node, lines, { warn = false } = {}) {
+  const widget = infoWidget(node);
+  widget.value = Array.isArray(lines) ? lines.join("\n") : String(lines ?? "");
+  if (widget.element) widget.element.style.color = warn ? "var(--error-text, #f66)" : "";
+  node.setDirtyCanvas?.(true, true);
+}
+
+// -- the live token count on MM3 Prompt --------------------------------------------------------
+function lmModelOf(node) {
+  const slot = node.inputs?.findIndex((i) => i.name === "lm");
+  const source = slot >= 0 ? node.getInputNode?.(slot) : null;
+  const widget = source?.widgets?.find((w) => w.name === "model_name" || w.name === "lm_model");
+  return widget?.value ?? "auto";
+}
+
+function scheduleCount(node) {
+  clearTimeout(node.mm3CountTimer);
+  node.mm3CountTimer = setTimeout(() => countTokens(node), COUNT_DELAY_MS);
+}
+
+async function countTokens(node) {
+  const value = (name) => node.widgets?.find((w) => w.name === name)?.value ?? "";
+  const body = { lm_model: lmModelOf(node), caption: value("caption"), lyrics: value("lyrics") };
+  const asked = JSON.stringify(body);
+  node.mm3CountAsked = asked;
+  let text, warn = false;
+  try {
+    const r = await api.fetchApi("/mm3/tokens", { method: "POST", body: asked });
+    const got = await r.json();
+    if (node.mm3CountAsked !== asked) return; // a newer count is on its way
+    if (!r.ok) {
+      text = `token count unavailable: ${got.error ?? r.status}`;
+    } else {
+      warn = got.over;
+      text = `${got.tokens} / ${got.limit} prompt tokens` +
+        (got.over ? ` (over the budget by ${got.tokens - got.limit}: shorten the caption or lyrics)` : "");
+    }
+  } catch (e) {
+    text = `token count unavailable: ${e}`;
+  }
+  showText(node, text, { warn });
+}
+
+function watchPrompt(node) {
+  for (const name of ["caption", "lyrics"]) {
+    const widget = node.widgets?.find((w) => w.name === name);
+    if (!widget) continue;
+    const callback = widget.callback;
+    widget.callback = function () {
+      scheduleCount(node);
+      return callback?.apply(this, arguments);
+    };
+    const el = widget.inputEl ?? widget.element;
+    el?.addEventListener?.("input", () => scheduleCount(node));
+  }
+  const changed = node.onConnectionsChange;
+  node.onConnectionsChange = function () {
+    scheduleCount(node);
+    return changed?.apply(this, arguments);
+  };
+  scheduleCount(node);
+}
+
+// -- the model inventory sidebar ----------------------------------------------------------------
+function gib(bytes) {
+  return bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(1)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+}
+
+function cell(tag, text, style = "") {
+  const el = document.createElement(tag);
+  el.textContent = text;
+  if (style) el.style.cssText = style;
+  return el;
+}
+
+function toast(severity, summary, detail) {
+  const t = app.extensionManager?.toast;
+  t?.add?.({ severity, summary, detail, life: 6000 });
+}
+
+const STATE_TEXT = { present: "present", partial: "partly downloaded", missing: "missing", unusable: "unusable" };
+
+function renderInventory(root, inv) {
+  root.replaceChildren();
+  root.style.cssText = "padding: 8px; font-size: 13px; overflow-y: auto; height: 100%;";
+  root.append(cell("h3", "MiniMax Music 3 models", "margin: 4px 0 8px;"));
+  root.append(cell("div", `Folders: ${inv.folders.join(", ")}`, "opacity: 0.7; margin-bottom: 8px;"));
+  const table = document.createElement("table");
+  table.style.cssText = "width: 100%; border-collapse: collapse;";
+  for (const [kind, files] of Object.entries(inv.components)) {
+    const row = table.insertRow();
+    row.append(cell("td", KIND_TITLES[kind] ?? kind, "font-weight: 600; padding: 2px 4px; vertical-align: top;"));
+    const list = cell("td", files.length ? "" : "none: download a set below", files.length ? "" : "color: #f66;");
+    for (const f of files) {
+      list.append(cell("div", `${f.name} (${f.file_type}, ${gib(f.size)})`));
+    }
+    row.append(list);
+  }
+  root.append(table);
+  for (const f of inv.unusable) {
+    root.append(cell("div", `unusable: ${f.name}: ${f.problem}`, "color: #f66;"));
+  }
+  const dl = inv.download ?? { state: "idle" };
+  root.append(cell("h4", "Published sets", "margin: 12px 0 4px;"));
+  for (const [set, files] of Object.entries(inv.sets)) {
+    const box = document.createElement("div");
+    box.style.cssText = "margin: 6px 0; padding: 4px; border: 1px solid var(--border-color, #444);";
+    const complete = files.every((f) => f.state === "present");
+    box.append(cell("div", `${set}${complete ? ": complete" : ""}`, "font-weight: 600;"));
+    for (const f of files) {
+      const extra = f.state === "partial" ? ` (${gib(f.size)} so far)` : f.problem ? ` (${f.problem})` : "";
+      box.append(cell("div", `${f.name}: ${STATE_TEXT[f.state] ?? f.state}${extra}`,
+                      f.state === "present" ? "opacity: 0.7;" : ""));
+    }
+    if (!complete && dl.state !== "running") {
+      const button = cell("button", `Download the ${set} set`, "margin-top: 4px;");
+      button.className = "comfy-btn";
+      button.onclick = () => startDownload(root, set);
+      box.append(button);
+    }
+    root.append(box);
+  }
+  if (dl.state === "running") {
+    const pct = dl.total ? ` ${((100 * dl.done) / dl.total).toFixed(1)}%` : "";
+    root.append(cell("div", `Downloading the ${dl.set} set: ${dl.file ?? "listing files"}${pct}`, "margin-top: 8px;"));
+    const stop = cell("button", "Stop (resumes next time)");
+    stop.className = "comfy-btn";
+    stop.onclick = () => api.fetchApi("/mm3/download/cancel", { method: "POST" });
+    root.append(stop);
+  } else if (dl.state === "failed" || dl.state === "cancelled") {
+    root.append(cell("div", `Last download ${dl.state}: ${dl.error ?? ""}`, "color: #f66; margin-top: 8px;"));
+  }
+}
+
+async function refreshInventory(root) {
+  try {
+    const inv = await (await api.fetchApi("/mm3/inventory")).json();
+    renderInventory(root, inv);
+    const dl = inv.download ?? {};
+    if (root.mm3LastState === "running" && dl.state !== "running") {
+      if (dl.state === "done") toast("success", "MM3", `The ${dl.set} set is complete`);
+      else toast("error", "MM3 download", dl.error ?? dl.state);
+    }
+    root.mm3LastState = dl.state;
+    clearTimeout(root.mm3Timer);
+    if (dl.state === "running") root.mm3Timer = setTimeout(() => refreshInventory(root), 1000);
+  } catch (e) {
+    root.replaceChildren(cell("div", `Cannot read the model inventory: ${e}`));
+  }
+}
+
+async function startDownload(root, set) {
+  const r = await api.fetchApi("/mm3/download", { method: "POST", body: JSON.stringify({ set }) });
+  if (!r.ok) toast("error", "MM3 download", (await r.json()).error ?? r.status);
+  root.mm3LastState = "running";
+  refreshInventory(root);
 }
 
 app.registerExtension({
   name: "MM3.GGUF.Nodes",
+  setup() {
+    const tabs = app.extensionManager;
+    const register = tabs?.registerSidebarTab?.bind(tabs) ?? tabs?.sidebarTab?.registerSidebarTab?.bind(tabs.sidebarTab);
+    register?.({
+      id: "mm3-models", icon: "pi pi-box", title: "MM3 models", tooltip: "MiniMax Music 3 model files",
+      type: "custom",
+      render: (el) => refreshInventory(el),
+    });
+  },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name === "MM3SaveSong") {
       nodeData.input.required.audioUI = ["AUDIO_UI", {}]; // the player core gives SaveAudio
@@ -39,5 +215,14 @@ app.registerExtension({
       onExecuted?.apply(this, arguments);
       if (message?.text) showText(this, message.text);
     };
+    if (nodeData.name === "MM3PromptAssemble") {
+      const onNodeCreated = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const r = onNodeCreated?.apply(this, arguments);
+        infoWidget(this);
+        requestAnimationFrame(() => watchPrompt(this)); // once the widgets hold their loaded values
+        return r;
+      };
+    }
   },
 });

@@ -1,12 +1,14 @@
 """Run an MM3 workflow on a ComfyUI server from a script (standard library only).
 
 Posts an API-format workflow to /prompt, waits for it on /history/{prompt_id}, then downloads
-every file the workflow's output nodes wrote through /view. Common settings have flags; any other
-input is set with --set NODE.INPUT=VALUE (VALUE is JSON, or a plain string).
+every file the workflow's output nodes wrote through /view (audio, the replay JSON beside each song,
+codes files). Common settings have flags; the model files are picked by component (--lm, --depth,
+--cond, --dit, --vae: a file name in models/mm3, or auto); any other input is set with
+--set NODE.INPUT=VALUE (VALUE is JSON, or a plain string).
 
     python workflows/api_example.py --server http://127.0.0.1:8188 \
         --caption "Dreamy synth-pop, female vocal, 100 BPM" --lyrics-file lyrics.txt \
-        --duration 90 --lm-seed 7 --seed 1 --out songs/
+        --duration 90 --lm-seed 7 --seed 1 --lm MiniMax-Music3-language_model-Q8_0.gguf --out songs/
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ FLAGS = {
     "duration": ("MM3ARPlan", "duration"), "lm_seed": ("MM3ARPlan", "lm_seed"), "songs": ("MM3ARPlan", "songs"),
     "seed": ("MM3FlowSampler", "seed"), "steps": ("MM3FlowSampler", "steps"),
     "variations": ("MM3FlowSampler", "variations"), "format": ("MM3SaveSong", "format"),
+}
+# model flag -> (the loader of that component, its input; the set loader's input for it)
+MODEL_FLAGS = {
+    "lm": ("MM3LoadLanguageModel", "lm_model"), "depth": ("MM3LoadDepthDecoder", "depth_model"),
+    "cond": ("MM3LoadConditionEncoder", "cond_model"), "dit": ("MM3LoadDiT", "dit_model"),
+    "vae": ("MM3LoadVocoder", "vae_model"),
 }
 
 
@@ -57,12 +65,36 @@ def set_input(workflow: dict, node_class: str, name: str, value) -> int:
     return n
 
 
+def set_model(workflow: dict, flag: str, name: str) -> int:
+    """Point every loader of the flag's component (its own loader, or the set loader) at `name`."""
+    loader, set_input_name = MODEL_FLAGS[flag]
+    return set_input(workflow, loader, "model_name", name) + set_input(workflow, "MM3LoadModelSet", set_input_name, name)
+
+
+def refusal(text: str, workflow: dict) -> str:
+    """The server's answer to a refused prompt, as lines a person reads (node, input, what is wrong)."""
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()[:2000]
+    lines = [body.get("error", {}).get("message", "refused") if isinstance(body.get("error"), dict) else
+             str(body.get("error", "refused"))]
+    for node_id, node in (body.get("node_errors") or {}).items():
+        cls = node.get("class_type") or workflow.get(node_id, {}).get("class_type", "?")
+        for err in node.get("errors", []):
+            detail = err.get("details") or err.get("message", "")
+            lines.append(f"  node {node_id} ({cls}): {detail}")
+    return "\n".join(lines)
+
+
 def run(server: str, workflow: dict, out: Path, timeout: float) -> list[Path]:
     client_id = uuid.uuid4().hex
     try:
         prompt_id = call(server, "/prompt", {"prompt": workflow, "client_id": client_id})["prompt_id"]
     except urllib.error.HTTPError as e:
-        raise SystemExit(f"the server refused the workflow: {e.read().decode(errors='replace')}")
+        raise SystemExit("the server refused the workflow:\n" + refusal(e.read().decode(errors="replace"), workflow))
+    except urllib.error.URLError as e:
+        raise SystemExit(f"cannot reach the ComfyUI server at {server} ({e.reason}); is it running?")
     print(f"queued {prompt_id}", file=sys.stderr)
     deadline = time.monotonic() + timeout
     while True:
@@ -71,14 +103,23 @@ def run(server: str, workflow: dict, out: Path, timeout: float) -> list[Path]:
         if status.get("completed"):
             break
         if status.get("status_str") == "error":
-            msgs = [m for m in status.get("messages", []) if m[0] in ("execution_error", "execution_interrupted")]
-            raise SystemExit(f"the workflow failed: {json.dumps(msgs, indent=1)[:4000]}")
+            for kind, data in status.get("messages", []):
+                if kind == "execution_error":
+                    raise SystemExit(f"the workflow failed in node {data.get('node_id')} ({data.get('node_type')}): "
+                                     f"{data.get('exception_message', '').strip()}")
+                if kind == "execution_interrupted":
+                    raise SystemExit(f"the workflow was interrupted in node {data.get('node_id')}")
+            raise SystemExit("the workflow failed (see the server's log)")
         if time.monotonic() > deadline:
             raise SystemExit(f"no result after {timeout:.0f} s (prompt {prompt_id} is still queued or running)")
         time.sleep(1.0)
     written = []
     out.mkdir(parents=True, exist_ok=True)
     for node_output in entry["outputs"].values():
+        for item in node_output.get("codes", []):  # Save Audio Codes' replay JSON
+            path = out / item["filename"]
+            path.write_bytes(download(server, item))
+            written.append(path)
         for item in node_output.get("audio", []):
             path = out / item["filename"]
             path.write_bytes(download(server, item))
@@ -112,6 +153,9 @@ def main(argv=None) -> int:
     for flag in FLAGS:
         text = flag in ("caption", "lyrics", "format")
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=str if text else parse_value)
+    for flag in MODEL_FLAGS:
+        p.add_argument("--" + flag, dest="model_" + flag, metavar="FILE",
+                       help=f"the {flag} file in models/mm3 (or auto)")
     args = p.parse_args(argv)
 
     workflow = json.loads(Path(args.workflow).read_text(encoding="utf-8"))
@@ -121,6 +165,10 @@ def main(argv=None) -> int:
         value = getattr(args, flag)
         if value is not None and not set_input(workflow, node_class, name, value):
             raise SystemExit(f"--{flag.replace('_', '-')}: no {node_class} node with a literal {name} in the workflow")
+    for flag in MODEL_FLAGS:
+        value = getattr(args, "model_" + flag)
+        if value is not None and not set_model(workflow, flag, value):
+            raise SystemExit(f"--{flag}: the workflow has no loader of that component with a literal file name")
     for item in args.set:
         key, _, value = item.partition("=")
         node_id, _, name = key.partition(".")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import MM3Error
+from ..errors import Cancelled, MM3Error
 
 REPO = "Serveurperso/MiniMax-Music3-GGUF"
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -51,10 +51,15 @@ class RemoteFile:
     sha256: str | None
 
 
+def published_name(component: str, file_type: str) -> str:
+    """The published file name of a component (its diffusers folder name) in a file type."""
+    return f"MiniMax-Music3-{component}-{file_type}.gguf"
+
+
 def file_names(set_name: str) -> list[str]:
     if set_name not in SETS:
         raise DownloadError(f"unknown set {set_name!r} (expected one of {', '.join(SETS)})")
-    return [f"MiniMax-Music3-{c}-{t}.gguf" for c, t in SETS[set_name].items()]
+    return [published_name(c, t) for c, t in SETS[set_name].items()]
 
 
 def _open(url: str, headers=None, timeout: float = 30.0):
@@ -99,8 +104,10 @@ def _sha256_of(path: Path, h=None):
 
 
 def fetch_file(url: str, remote: RemoteFile, dest: Path,
-               progress: Callable[[str, int, int], None] | None = None) -> Path:
-    """Download `url` to `dest`, resuming `dest.part`; verify size and SHA-256; rename."""
+               progress: Callable[[str, int, int], None] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Path:
+    """Download `url` to `dest`, resuming `dest.part`; verify size and SHA-256; rename.
+    `should_stop()` is polled between blocks: True stops with `Cancelled`, keeping the .part."""
     part = dest.with_name(dest.name + ".part")
     have = part.stat().st_size if part.exists() else 0
     if have > remote.size:
@@ -121,6 +128,9 @@ def fetch_file(url: str, remote: RemoteFile, dest: Path,
                         have += len(block)
                         if progress:
                             progress(dest.name, have, remote.size)
+                        if should_stop is not None and should_stop():
+                            raise Cancelled(f"download of {dest.name} stopped at {have} of {remote.size} bytes; "
+                                            "the partial file is kept and resumes next time")
                 except (http.client.IncompleteRead, ConnectionError, TimeoutError, OSError):
                     pass  # a dropped transfer: what arrived stays in .part for the next run
     if have != remote.size:
@@ -134,7 +144,7 @@ def fetch_file(url: str, remote: RemoteFile, dest: Path,
 
 
 def download_set(set_name: str, folder, *, endpoint: str | None = None, repo: str = REPO,
-                 revision: str = "main", progress=None, log=print) -> list[Path]:
+                 revision: str = "main", progress=None, log=print, should_stop=None) -> list[Path]:
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     names = file_names(set_name)
     folder = Path(folder)
@@ -160,7 +170,7 @@ def download_set(set_name: str, folder, *, endpoint: str | None = None, repo: st
     for n in names:
         if n in todo:
             url = f"{endpoint}/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/{urllib.parse.quote(n)}"
-            fetch_file(url, remote[n], folder / n, progress)
+            fetch_file(url, remote[n], folder / n, progress, should_stop)
             log(f"{n}: verified")
         out.append(folder / n)
     return out

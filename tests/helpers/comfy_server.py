@@ -52,7 +52,8 @@ def build_tiny_models(dest: Path) -> list[str]:
 class ComfyServer:
     """One ComfyUI process; `base` holds its custom_nodes, models, input, output, temp and user."""
 
-    def __init__(self, comfy_path: str, python: str | None = None, extra_args: tuple[str, ...] = ()):
+    def __init__(self, comfy_path: str, python: str | None = None, extra_args: tuple[str, ...] = (),
+                 env: dict | None = None):
         self.comfy_path = Path(comfy_path)
         self.python = python or sys.executable
         self.extra_args = extra_args
@@ -62,6 +63,7 @@ class ComfyServer:
         self.log_path = self.base / "comfyui.log"
         self.proc: subprocess.Popen | None = None
         self.client_id = uuid.uuid4().hex
+        self.env = {**os.environ, **(env or {})}
 
     def start(self, timeout: float = 120.0) -> "ComfyServer":
         for d in ("custom_nodes", "input", "output", "temp", "user"):
@@ -72,7 +74,7 @@ class ComfyServer:
                str(self.port), "--disable-auto-launch", "--base-directory", str(self.base),
                "--database-url", f"sqlite:///{self.base / 'user' / 'comfyui.db'}", *self.extra_args]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=self.base, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=self.base, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

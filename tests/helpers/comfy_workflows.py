@@ -20,18 +20,23 @@ API_DIR = WORKFLOWS / "api"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 NOTE_TYPES = {"Note", "MarkdownNote"}  # editor-only nodes, not in the API format
 PACK_ID = "comfyui-mm3-gguf"
+WIDTH, COLUMN, GAP = 440, 500, 80  # node width, column pitch and vertical gap of the generated layout
 
 NOTES = {
-    "text_to_song": "Caption + lyrics -> a song. Put the five GGUF files in models/mm3 (from the pack's folder: "
-                    "python -m mm3 download --set q8 --dir ../../models/mm3). lm_seed picks the song (change it, or set it to randomize, for another). "
-                    "The AR plan is the slow part and ComfyUI caches it: change only the DiT seed, steps or cfg and "
-                    "queue again to re-render the same plan. Save Song writes the replay JSON beside the audio.",
+    "text_to_song": "Caption + lyrics -> a song. Put a set of the five GGUF files in models/mm3 (from the pack's "
+                    "folder: python -m mm3 download --set q8 --dir ../../models/mm3). The light and native sets "
+                    "work the same, and the MM3 models sidebar downloads them too. The loaders' auto picks the most "
+                    "precise file of each component that fits the GPU. lm_seed picks the song (change it, or set it to "
+                    "randomize, for another). The AR plan is the slow part and ComfyUI caches it: change only the DiT "
+                    "seed, steps or cfg and queue again to re-render the same plan. Save Song writes the replay JSON "
+                    "beside the audio.",
     "variations_from_one_plan": "One AR plan, three DiT variations (seed, seed + 1, seed + 2). Save Audio Codes keeps "
                                 "the plan; Save Song writes one file per variation, Save Audio (FLAC) shows the same "
                                 "AUDIO in ComfyUI's own saver.",
-    "rerender_from_codes": "Renders a saved replay JSON again (written by Save Song or Save Audio Codes; put it in "
-                           "input/ or pick it from [output]). The codes are replayed, not sampled; the seed, steps "
-                           "and cfg come from the file, so the same files give the same audio.",
+    "rerender_from_codes": "Renders a saved replay JSON again: Save Song and Save Audio Codes write them (into "
+                           "output/mm3; they are listed with [output]), or put one in input/. The list is empty until "
+                           "a first song was saved: run text_to_song first. The codes are replayed, not sampled; the "
+                           "seed, steps and cfg come from the file, so the same files give the same audio.",
 }
 CONTROL: dict[tuple[str, str], str] = {}  # (workflow, input) -> control_after_generate value; "fixed" otherwise
 
@@ -106,12 +111,13 @@ def ui_from_api(name: str, api: dict, object_info: dict) -> dict:
             if is_list:
                 outputs[i]["shape"] = 6  # the editor's list marker
         big = node["class_type"] == "MM3PromptAssemble"
-        height = 420 if big else 46 + 24 * (len(widgets) + max(len(inputs), len(outputs)))
-        x = 40 + depth[nid] * 400
+        # Room for the editor's own layout (title, slots, widget rows, and a file name in a combo).
+        height = 480 if big else 60 + 28 * len(widgets) + 24 * max(len(inputs), len(outputs))
+        x = 40 + depth[nid] * COLUMN
         y = col_y.get(depth[nid], 160)
-        col_y[depth[nid]] = y + height + 60
+        col_y[depth[nid]] = y + height + GAP
         cnr = PACK_ID if node["class_type"].startswith("MM3") else "comfy-core"
-        entry = {"id": int(nid), "type": node["class_type"], "pos": [x, y], "size": [360 if not big else 420, height],
+        entry = {"id": int(nid), "type": node["class_type"], "pos": [x, y], "size": [WIDTH, height],
                  "flags": {}, "order": rank, "mode": 0, "inputs": inputs, "outputs": outputs,
                  "properties": {"Node name for S&R": node["class_type"], "cnr_id": cnr},
                  "widgets_values": widgets}

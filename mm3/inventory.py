@@ -1,0 +1,114 @@
+"""What a user has: the component files in one or more model folders and, for each published set, which
+of its files are present, partly downloaded, missing or unreadable (headers read only, no network).
+
+The ComfyUI model panel and `python -m mm3 info --inventory` show this; downloads go through
+`mm3.tools.download`, which resumes the `.part` files counted here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .components import ARCH_OF, BY_FOLDER, KINDS, read_component
+from .gguf.errors import ComponentError, GGUFFormatError
+from .registry import bits_per_weight
+from .tools.download import SETS, published_name
+
+PART = ".part"
+
+
+@dataclass
+class LocalFile:
+    """A component file in a models folder."""
+
+    name: str  # relative to its folder
+    folder: str
+    size: int
+    kind: str | None  # None: not a readable MM3 component
+    file_type: str = ""  # general.file_type of a quantized file ("Q8_0", "Q4_K_M"), else the tensors' type
+    bits_per_weight: float = 0.0
+    problem: str = ""  # why the file cannot be used (unreadable header, unknown architecture)
+
+
+@dataclass
+class SetFile:
+    """One file of a published set, as the folders have it."""
+
+    name: str
+    kind: str
+    state: str  # "present", "partial" (a .part left by an interrupted download), "missing", "unusable"
+    size: int = 0  # bytes on disk (for "partial": bytes downloaded so far)
+    problem: str = ""
+
+
+@dataclass
+class Inventory:
+    folders: list[str]
+    components: dict[str, list[LocalFile]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    unusable: list[LocalFile] = field(default_factory=list)
+    sets: dict[str, list[SetFile]] = field(default_factory=dict)
+
+    def complete_sets(self) -> list[str]:
+        return [s for s, files in self.sets.items() if all(f.state == "present" for f in files)]
+
+    def missing_kinds(self) -> list[str]:
+        return [k for k in KINDS if not self.components[k]]
+
+    def to_dict(self) -> dict:
+        return {"folders": self.folders,
+                "components": {k: [asdict(f) for f in v] for k, v in self.components.items()},
+                "unusable": [asdict(f) for f in self.unusable],
+                "sets": {s: [asdict(f) for f in v] for s, v in self.sets.items()},
+                "complete_sets": self.complete_sets(), "missing_kinds": self.missing_kinds()}
+
+
+def _describe(path: Path, folder: Path) -> LocalFile:
+    name, size = path.relative_to(folder).as_posix(), path.stat().st_size
+    try:
+        comp = read_component(path)
+    except (ComponentError, GGUFFormatError, OSError, ValueError) as e:
+        return LocalFile(name, str(folder), size, None, problem=str(e))
+    file_type = comp.file.metadata.get("general.file_type")
+    if not isinstance(file_type, str):  # native files carry no file type string: name their tensors' type
+        counts = Counter(qtype.name for _, _, qtype in comp.file.tensor_infos())
+        file_type = counts.most_common(1)[0][0] if counts else ""
+    return LocalFile(name, str(folder), size, comp.kind, file_type, round(bits_per_weight(path), 2))
+
+
+def scan(*folders: str | os.PathLike) -> Inventory:
+    """The inventory of `folders` (the first folder holding a name wins, as a registry scan)."""
+    inv = Inventory([str(f) for f in folders])
+    seen: dict[str, LocalFile] = {}
+    parts: dict[str, int] = {}
+    for folder in map(Path, folders):
+        if not folder.is_dir():
+            continue
+        for p in sorted(folder.rglob("*")):
+            if not p.is_file():
+                continue
+            rel = p.relative_to(folder).as_posix()
+            if rel.endswith(".gguf" + PART):
+                parts.setdefault(rel[:-len(PART)], p.stat().st_size)
+            elif rel.endswith(".gguf") and rel not in seen:
+                f = seen[rel] = _describe(p, folder)
+                (inv.components[f.kind] if f.kind else inv.unusable).append(f)
+    by_base = {os.path.basename(n): f for n, f in seen.items()}
+    for set_name in SETS:
+        files = []
+        for component, file_type in SETS[set_name].items():
+            name, kind = published_name(component, file_type), BY_FOLDER[component].kind
+            f = by_base.get(name)
+            if f is not None and f.kind == kind:
+                files.append(SetFile(name, kind, "present", f.size))
+            elif f is not None:
+                what = ARCH_OF[f.kind] if f.kind else f.problem
+                files.append(SetFile(name, kind, "unusable", f.size, f"{name}: {what}, expected {ARCH_OF[kind]}"))
+            elif name in parts:
+                files.append(SetFile(name, kind, "partial", parts[name]))
+            else:
+                files.append(SetFile(name, kind, "missing"))
+        inv.sets[set_name] = files
+    return inv

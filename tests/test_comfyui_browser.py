@@ -1,0 +1,229 @@
+"""The editor as a newcomer meets it: a real ComfyUI (COMFYUI_PATH) with only the tiny model files in
+models/mm3, driven in headless Chromium through Playwright (the system's Chromium: MM3_CHROMIUM, or
+`chromium` on the PATH; Playwright never downloads a browser here).
+
+Each shipped workflow is opened from the template browser's files and run without editing a widget;
+its nodes do not overlap and are wide enough for their widgets. Changing only the DiT seed re-runs
+the synthesis while AR Plan comes from ComfyUI's cache. Typing lyrics updates MM3 Prompt's token
+count before anything runs. The pack's script loads without a console error or warning, and every
+template has its thumbnail. With MM3_SCREENSHOTS=DIR the test also writes screenshots there (the
+README's) and with MM3_THUMBNAILS=DIR the templates' thumbnails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.comfy_server import ComfyServer
+from tests.helpers.comfyui import API_DIR, COMFYUI_PATH, needs_comfy
+
+ROOT = Path(__file__).resolve().parents[1]
+PACK = "ComfyUI-MM3-GGUF"
+WORKFLOWS = sorted(p.stem for p in API_DIR.glob("*.json"))
+PACK_WARNINGS = ("[ComfyUI Notice]", "[ComfyUI Deprecated]", "[DEPRECATED]", "Unhandled message", "mm3", "MM3")
+pytestmark = pytest.mark.slow
+
+
+def _chromium() -> str | None:
+    return os.environ.get("MM3_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    path = _chromium()
+    if path is None:
+        pytest.skip("no Chromium found (install Debian's chromium package or set MM3_CHROMIUM)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+class Editor:
+    """One editor page, with every console message and failed request it produced."""
+
+    def __init__(self, browser, comfy):
+        self.comfy = comfy
+        self.page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        self.console: list[str] = []
+        self.failed: list[str] = []
+        self.page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}"))
+        self.page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
+        self.page.on("response", lambda r: r.status >= 400 and self.failed.append(f"{r.status} {r.url}"))
+        self.open()
+
+    def open(self):
+        self.page.goto(self.comfy.url, wait_until="networkidle")
+        self.page.wait_for_function("() => window.app && window.app.graph && window.app.extensionManager")
+
+    def load_template(self, name: str):
+        """The workflow as the template browser opens it: the pack's file from its template route."""
+        wf = self.page.evaluate(f"""async () => (await fetch("/api/workflow_templates/{PACK}/{name}.json")).json()""")
+        self.page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", wf)
+        self.page.wait_for_timeout(500)
+
+    def queue(self) -> str:
+        """Queue the open workflow as the Run button does; returns the prompt id."""
+        before = set(self.comfy.get("/history"))
+        self.page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            queue = self.comfy.get("/queue")
+            ids = [q[1] for q in queue["queue_running"] + queue["queue_pending"]]
+            new = [i for i in ids if i not in before] + [i for i in self.comfy.get("/history") if i not in before]
+            if new:
+                return new[0]
+            time.sleep(0.2)
+        raise AssertionError("the editor queued nothing:\n" + "\n".join(self.console[-20:]))
+
+    def nodes(self) -> list[dict]:
+        return self.page.evaluate("""() => window.app.graph._nodes.map((n) => ({
+            id: n.id, type: n.type, pos: [...n.pos], size: [...n.size], need: [...n.computeSize()],
+            widgets: (n.widgets || []).map((w) => [w.name, w.value]) }))""")
+
+    def pack_messages(self) -> list[str]:
+        return [m for m in self.console if m.startswith(("warning", "error", "pageerror"))
+                and any(k in m for k in PACK_WARNINGS)]
+
+    def fit(self, least: float):
+        """Zoom the canvas so that every node is in view, but not below `least` (the editor draws
+        no text below about 0.6)."""
+        self.page.evaluate("""(least) => { const c = window.app.canvas, ns = window.app.graph._nodes;
+            const x0 = Math.min(...ns.map((n) => n.pos[0])), y0 = Math.min(...ns.map((n) => n.pos[1] - 40));
+            const x1 = Math.max(...ns.map((n) => n.pos[0] + n.size[0])), y1 = Math.max(...ns.map((n) => n.pos[1] + n.size[1]));
+            const w = c.canvas.width / (window.devicePixelRatio || 1), h = c.canvas.height / (window.devicePixelRatio || 1);
+            const scale = Math.max(least, Math.min(w / (x1 - x0 + 80), h / (y1 - y0 + 80), 1));
+            c.ds.scale = scale; c.ds.offset = [60 / scale - x0, 60 / scale - y0]; c.setDirty(true, true); }""", least)
+        self.page.wait_for_timeout(300)
+
+    def screenshot(self, env: str, name: str, size=(2700, 1000), least: float = 0.65, **kw):
+        """With `env` set to a folder: the whole graph at `size` (viewport pixels) into it."""
+        folder = os.environ.get(env)
+        if not folder:
+            return
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        before = self.page.viewport_size
+        self.page.set_viewport_size({"width": size[0], "height": size[1]})
+        self.page.wait_for_timeout(500)
+        self.fit(least)
+        self.page.screenshot(path=str(Path(folder) / name), **kw)
+        self.page.set_viewport_size(before)
+        self.page.wait_for_timeout(300)
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    """ComfyUI for the editor tests, its torch on one CPU thread: the browser needs the other core
+    (two busy-waiting torch threads against a rendering browser slow a run down many times)."""
+    if not COMFYUI_PATH:
+        pytest.skip("COMFYUI_PATH is not set (a ComfyUI checkout to run)")
+    server = ComfyServer(COMFYUI_PATH, os.environ.get("COMFYUI_PYTHON"), env={"OMP_NUM_THREADS": "1"}).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def editor(browser, comfy):
+    e = Editor(browser, comfy)
+    yield e
+    e.page.close()
+
+
+def _overlaps(nodes: list[dict]) -> list[str]:
+    title = 30  # the title bar sits above a node's position
+    out = []
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            ax0, ay0, ax1, ay1 = a["pos"][0], a["pos"][1] - title, a["pos"][0] + a["size"][0], a["pos"][1] + a["size"][1]
+            bx0, by0, bx1, by1 = b["pos"][0], b["pos"][1] - title, b["pos"][0] + b["size"][0], b["pos"][1] + b["size"][1]
+            if ax0 < bx1 and bx0 < ax1 and ay0 < by1 and by0 < ay1:
+                out.append(f"{a['type']} #{a['id']} overlaps {b['type']} #{b['id']}")
+    return out
+
+
+def _entry(comfy, prompt_id: str, timeout: float = 900) -> dict:
+    entry = comfy.wait(prompt_id, timeout=timeout)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:3000]
+    return entry
+
+
+def _cached(entry: dict) -> set[str]:
+    return {n for kind, data in entry["status"]["messages"] if kind == "execution_cached" for n in data["nodes"]}
+
+
+@needs_comfy
+def test_each_workflow_runs_as_shipped_with_only_the_tiny_files(editor, comfy):
+    """Open every template, run it untouched (rerender_from_codes after text_to_song saved a song
+    and the page was reloaded, as its note says), check layout, console and thumbnails."""
+    order = ["text_to_song"] + [w for w in WORKFLOWS if w != "text_to_song"]
+    for name in order:
+        if name == "rerender_from_codes":
+            editor.open()  # the codes file list is read when the page loads
+        editor.load_template(name)
+        nodes = editor.nodes()
+        assert not _overlaps(nodes), (name, _overlaps(nodes))
+        narrow = [(n["type"], n["size"][0], n["need"][0]) for n in nodes if n["size"][0] + 1 < n["need"][0]]
+        assert not narrow, (name, narrow)  # widgets (a file name in a combo) are not cut
+        loaders = [w for n in nodes if n["type"].startswith("MM3Load") and "Codes" not in n["type"]
+                   for w in n["widgets"] if w[0].endswith(("model_name", "_model"))]
+        assert loaders and all(v == "auto" for _, v in loaders), (name, loaders)
+        editor.screenshot("MM3_THUMBNAILS", f"{name}.jpg", size=(960, 540), least=0.1, type="jpeg", quality=70)
+        _entry(comfy, editor.queue())
+    assert not editor.pack_messages(), editor.pack_messages()
+    thumbs = [f for f in editor.failed if "workflow_templates" in f or "/extensions/" in f]
+    assert not thumbs, thumbs
+    for name in WORKFLOWS:  # the template browser's thumbnails, as it asks for them
+        thumb = comfy.get(f"/api/workflow_templates/{PACK}/{name}.jpg")
+        assert thumb[:3] == b"\xff\xd8\xff", name  # a JPEG
+
+
+@needs_comfy
+def test_changing_only_the_dit_seed_reuses_the_ar_plan(editor, comfy):
+    editor.load_template("text_to_song")
+    first = _entry(comfy, editor.queue())
+    ar = next(n["id"] for n in editor.nodes() if n["type"] == "MM3ARPlan")
+    editor.page.evaluate("""() => { const s = window.app.graph._nodes.find((n) => n.type === "MM3FlowSampler");
+        const w = s.widgets.find((w) => w.name === "seed"); w.value = w.value + 1; }""")
+    second = _entry(comfy, editor.queue())
+    assert str(ar) in _cached(second), (_cached(first), _cached(second))
+    sampler = next(n["id"] for n in editor.nodes() if n["type"] == "MM3FlowSampler")
+    assert str(sampler) not in _cached(second)
+    editor.screenshot("MM3_SCREENSHOTS", "text_to_song.png")
+
+
+@needs_comfy
+def test_typing_lyrics_updates_the_token_count(editor, comfy):
+    editor.load_template("text_to_song")
+    read = """() => { const n = window.app.graph._nodes.find((n) => n.type === "MM3PromptAssemble");
+        return n.widgets.find((w) => w.name === "mm3_info")?.value ?? ""; }"""
+    editor.page.wait_for_function(f"({read})().includes('prompt tokens')", timeout=20000)
+    before = editor.page.evaluate(read)
+    box = editor.page.locator("textarea[placeholder=lyrics]").first
+    box.click()
+    box.press("Control+End")
+    box.type("\nand a new line of lyrics that adds some tokens")
+    editor.page.wait_for_function(f"({read})() !== {json.dumps(before)}", timeout=20000)
+    after = editor.page.evaluate(read)
+    assert int(after.split(" / ")[0]) > int(before.split(" / ")[0]), (before, after)
+    assert not editor.pack_messages(), editor.pack_messages()
+
+
+@needs_comfy
+def test_model_sidebar_lists_the_components(editor, comfy):
+    editor.page.locator(".mm3-models-tab-button").first.click()
+    editor.page.wait_for_selector("text=MiniMax Music 3 models", timeout=20000)
+    text = editor.page.inner_text("body")
+    for title in ("Language model", "Depth decoder", "Condition encoder", "DiT", "Vocoder", "q8", "light", "native"):
+        assert title in text, title
+    folder = os.environ.get("MM3_SCREENSHOTS")
+    if folder:  # the sidebar, not the canvas
+        editor.page.screenshot(path=str(Path(folder) / "models_sidebar.png"), clip={"x": 0, "y": 0, "width": 900,
+                                                                                   "height": 1000})
+    assert not editor.pack_messages(), editor.pack_messages()
