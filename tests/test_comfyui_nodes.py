@@ -364,6 +364,8 @@ def test_text_to_song_equals_the_command_line(comfy):
         assert data == render(track.audio, "wav32")
         replay = json.loads(comfy.view({**f, "filename": f["filename"][:-4] + ".json"}))
         assert replay["audio_codes"] == track.request.audio_codes and replay["seed"] == track.request.seed
+        for key, arch in SET_KEYS.items():  # the loaders said auto; the file used is what is recorded
+            assert replay[key] == comfy.files[arch] and replay["model_fingerprints"][key], key
     progress = [e["data"] for e in events if e["type"] == "progress"]
     ar = [p for p in progress if p["node"] == "3"]
     assert len(ar) >= int(1.2 * 25) and ar[-1]["value"] == ar[-1]["max"]  # per frame, then the replay

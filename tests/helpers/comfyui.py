@@ -27,15 +27,15 @@ def needs_comfy(test):
     return pytest.mark.comfyui(skip(test))
 
 
-def tiny_workflow(server, name: str, *, duration=1.2, steps=3, fmt=None, **node_inputs) -> dict:
-    """A shipped API workflow with the tiny models, a short duration and few steps; `node_inputs`
-    as {node_id: {input: value}}."""
+def tiny_workflow(server, name: str, *, duration=1.2, steps=3, fmt=None, named=False, **node_inputs) -> dict:
+    """A shipped API workflow (its loaders on auto, so the tiny models) with a short duration and few
+    steps; `named`: the loaders name the tiny files instead; `node_inputs` as {node_id: {input: value}}."""
     wf = json.loads((API_DIR / f"{name}.json").read_text())
     for node in wf.values():
         inputs, cls = node["inputs"], node["class_type"]
-        if cls == "MM3LoadModelSet":
+        if cls == "MM3LoadModelSet" and named:
             inputs.update({k: server.files[a] for k, a in SET_KEYS.items()})
-        elif cls in LOADER_ARCH:
+        elif cls in LOADER_ARCH and named:
             inputs["model_name"] = server.files[LOADER_ARCH[cls]]
         if "duration" in inputs:
             inputs["duration"] = duration
