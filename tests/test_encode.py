@@ -131,3 +131,16 @@ def test_bytes_load_through_gguf_writer_and_reader(tmp_path):
         assert list(t.shape) == [512, 4]  # ggml order
         back = gguf.quants.dequantize(t.data, t.tensor_type)
         assert rel_rmse(back, x) <= REL_RMSE_BOUND[t.tensor_type]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_threads_write_the_same_bytes(qtype, monkeypatch):
+    """The K-quant search runs its chunks on several threads: the bytes are those of one thread."""
+    from mm3.gguf import encode
+
+    x = np.random.default_rng(5).standard_normal((9, 1024)).astype(np.float32)
+    monkeypatch.setattr(encode, "_CHUNK_BLOCKS", 4)  # 36 super-blocks: 9 chunks
+    monkeypatch.setattr(encode, "_workers", lambda: 1)
+    one = encode.quantize(x, qtype)
+    monkeypatch.setattr(encode, "_workers", lambda: 3)
+    assert np.array_equal(encode.quantize(x, qtype), one)

@@ -16,6 +16,9 @@ Q2_K and Q3_K are read-only here.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -207,12 +210,31 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _workers() -> int:
+    """Threads for the K-quant search: one per CPU this process may use (numpy releases the GIL
+    inside each array operation, and the chunks are independent)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def _quantize_k(rows: np.ndarray, qtype: QT) -> np.ndarray:
     blocks = rows.reshape(-1, _QK_K)
     out = np.empty((blocks.shape[0], GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
-        chunk = blocks[start:start + _CHUNK_BLOCKS]
-        out[start:start + _CHUNK_BLOCKS] = _q6_k(chunk) if qtype == QT.Q6_K else _q45_k(chunk, qtype)
+
+    def chunk(start: int) -> None:
+        part = blocks[start:start + _CHUNK_BLOCKS]
+        out[start:start + _CHUNK_BLOCKS] = _q6_k(part) if qtype == QT.Q6_K else _q45_k(part, qtype)
+
+    starts = range(0, blocks.shape[0], _CHUNK_BLOCKS)
+    workers = min(_workers(), len(starts))
+    if workers <= 1:
+        for start in starts:
+            chunk(start)
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(chunk, starts))  # list(): re-raise the first error
     return out
 
 
