@@ -31,7 +31,7 @@ import torch
 
 from .codes import AudioCodes
 from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
-from .device import ar_weight_budget, model_device
+from .device import ar_weight_budget, keeps_ar_copies, model_device
 from .errors import RunError
 from .gguf.ops import cache_dequantized, dequantized_nbytes, release_dequantized
 from .matmul import CPU_SCRATCH, onednn_matmul
@@ -363,6 +363,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     n_prompt = prompt.num_tokens
     max_frames = max_frames_for(settings.duration, n_prompt, lm.max_positions, settings.frame_rate)
     budget = ar_weight_budget(device) if weight_budget is None else int(weight_budget)
+    if lm.numerics == "fast" and not keeps_ar_copies(device):
+        budget = 0  # the fused kernels read the GGUF blocks themselves
     own = budget > 0 and dequantized_nbytes([depth, lm]) == 0  # copies someone else keeps are left alone
     if own:  # the depth decoder runs 7 times a frame: its weights first
         cache_dequantized([depth, lm], dtype, budget, device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -109,12 +111,24 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
+def keeps_ar_copies(device: torch.device) -> bool:
+    """Whether the AR stage keeps float copies of LM/depth weights on `device` (within its budget):
+    where no fused kernel reads the blocks (CPU, MPS, no Triton), or where `MM3_KEEP_COPIES=1` asks
+    for it (memory to spare; float products may then be faster). Where the kernels run, copies
+    would spend the memory the quantization saved."""
+    from .gguf import kernels
+
+    return os.environ.get("MM3_KEEP_COPIES", "0") == "1" or not kernels.available(torch.device(device).type)
+
+
 def ar_weight_budget(device: torch.device) -> int:
     """AR stage (weights read once per product, 7 depth passes per frame): dequantizing per product
     writes and reads the whole float weight, about twice the traffic of reading a kept copy
     (medium config, Q8_0, CPU: 88 ms/frame against 48.5 kept; `python -m mm3 bench --config medium
     --quant Q8_0`). Accelerators (CUDA, XPU, MPS): what is free beyond RESERVE_BYTES; CPU: a quarter
-    of the available memory; a device whose free memory is unknown: nothing. The most used weights (the depth decoder's) are kept first."""
+    of the available memory; a device whose free memory is unknown: nothing. The most used weights
+    (the depth decoder's) are kept first. `mm3.ar.plan` keeps none where the fused kernels read the
+    blocks (`keeps_ar_copies`)."""
     return _budget(torch.device(device))
 
 

@@ -4,6 +4,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a CUDA device the fused kernels run under Triton's interpreter (tests/test_kernels.py). It
+# is chosen when Triton is first imported, so it is set here, before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CORPUS = SHARED / "corpus" / "demo_prompts"

@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from ..matmul import CPU_SCRATCH, decode_linear
+from ..matmul import CPU_SCRATCH, DECODE_MAX_ROWS, decode_linear
+from . import cpu_int4, kernels
 from .errors import ComponentError
 from .reader import CompressedTensor
 
@@ -65,6 +66,7 @@ class WeightSlots(nn.Module):
         self._homes: dict[str, torch.Tensor] = {}  # slot -> the tensor it was filled with (see _apply)
         self._dequantized: dict[str, torch.Tensor] = {}  # slot -> kept float copy (cache_dequantized)
         self._ready: dict[tuple, tuple[int, torch.Tensor]] = {}  # (slot, dtype, device) -> (generation, weight)
+        self._derived: dict[str, object] = {}  # other forms of the weights (cpu_int4 packing) until they change
 
     # -- filling ---------------------------------------------------------------------------------
     def declare(self, name: str, *shape: int):
@@ -77,6 +79,7 @@ class WeightSlots(nn.Module):
         self._homes[name] = value
         self._dequantized.pop(name, None)
         self._ready.clear()
+        self._derived.clear()
         _changed()
 
     def fill(self, name: str, tensor: CompressedTensor):
@@ -163,15 +166,47 @@ class WeightSlots(nn.Module):
                 self._buffers[name] = fn(buf)
         self._dequantized.clear()
         self._ready.clear()  # drops references to copies on the old device
+        self._derived.clear()
         _changed()
         return self
 
 
+def _kernel_reads(layer: WeightSlots, qtype: GGMLQuantizationType | None, x: torch.Tensor) -> bool:
+    """Whether the fused kernel computes this layer's product for `x` instead of a float weight:
+    the kernel runs on x's device and reads the type, and no float weight of x's dtype is at hand
+    (a kept copy, or a float tensor already in that dtype, goes to torch's own product)."""
+    if not layer.fused_kernels or qtype is None or not kernels.available(x.device.type):
+        return False
+    if qtype in FLOAT_TYPES and FLOAT_TYPES[qtype] == x.dtype:
+        return False
+    cached = layer._dequantized.get("weight")
+    if cached is not None and cached.dtype == x.dtype and cached.device == x.device:
+        return False
+    return kernels.supports(qtype, x.shape[-1])
+
+
+def _int4_serves(layer: WeightSlots, qtype: GGMLQuantizationType | None, device: torch.device) -> bool:
+    """Whether a decode-shaped product of this layer on `device` goes to `cpu_int4` (a 4-bit weight
+    of the LM or depth decoder in the fast numerics, on the CPU where torch has the kernel)."""
+    return (device.type == "cpu" and qtype in cpu_int4.INT4_TYPES and layer.decode_products
+            and layer.fused_kernels and cpu_int4.available())
+
+
+def _int4_reads(layer: WeightSlots, qtype, x: torch.Tensor) -> bool:
+    if not _int4_serves(layer, qtype, x.device) or x.numel() > DECODE_MAX_ROWS * x.shape[-1]:
+        return False
+    cached = layer._dequantized.get("weight")
+    return not (cached is not None and cached.dtype == x.dtype) and layer.stored("weight").device.type == "cpu"
+
+
 class Linear(WeightSlots):
     """`forward(x [..., in]) -> [..., out]`. `decode_products`: few-row products in the fastest form
-    for the device (`mm3.matmul.decode_linear`); off, every product is `F.linear` (the reference's)."""
+    for the device (`mm3.matmul.decode_linear`); off, every product is `F.linear` (the reference's).
+    `fused_kernels`: where `mm3.gguf.kernels` runs, products read the GGUF blocks directly (off:
+    dequantize, then multiply, as the reference's op shapes)."""
 
     decode_products = False
+    fused_kernels = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
@@ -183,13 +218,22 @@ class Linear(WeightSlots):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.get("bias", x.dtype, x.device) if self.has_bias else None
+        qtype = self._slot_types.get("weight")
+        if _kernel_reads(self, qtype, x):
+            return kernels.fused_linear(x, self.fetch("weight", x.device), qtype, b)
+        if _int4_reads(self, qtype, x):
+            packed = self._derived.get("int4")
+            if packed is None:
+                packed = self._derived["int4"] = cpu_int4.repack(self.stored("weight"), qtype, self.out_features,
+                                                                 self.in_features)
+            return cpu_int4.linear(x, packed, self.out_features, b)
         w = self.get("weight", x.dtype, x.device, scratch=True)
         return decode_linear(x, w, b) if self.decode_products else F.linear(x, w, b)
 
     def rows(self, start: int, stop: int) -> "Linear":
         """A Linear of weight rows [start, stop): views of this layer's tensors, nothing copied."""
         out = type(self)(self.in_features, stop - start, bias=self.has_bias)
-        out.decode_products = self.decode_products
+        out.decode_products, out.fused_kernels = self.decode_products, self.fused_kernels
         for name in ("weight", "bias") if self.has_bias else ("weight",):
             out.set_stored(name, self._slot_types[name], self.stored(name)[start:stop])
         return out
@@ -237,9 +281,25 @@ class Fused:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if not self.fuse:
             return [p(x) for p in self.parts]
+        qtype = self.parts[0].qtype("weight")
+        if kernels.available(x.device.type) and all(p.qtype("weight") == qtype and _kernel_reads(p, qtype, x)
+                                                    for p in self.parts):
+            y = kernels.fused_linear(x, self.stacked_stored(x.device), qtype)
+            return y.split_with_sizes(self.sizes, dim=-1)
+        if all(p.qtype("weight") == qtype and _int4_reads(p, qtype, x) for p in self.parts):
+            return cpu_int4.linear(x, self._int4_stack(qtype), sum(self.sizes)).split_with_sizes(self.sizes, dim=-1)
         w = self.stacked_weight(x.dtype, x.device)
         y = decode_linear(x, w) if self.parts[0].decode_products else F.linear(x, w)
         return y.split_with_sizes(self.sizes, dim=-1)
+
+    def _int4_stack(self, qtype: GGMLQuantizationType):
+        """The parts' blocks as one `cpu_int4` packing, made once while the parts keep their weights."""
+        stored = [p.stored("weight") for p in self.parts]
+        key = tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in stored)
+        held = getattr(self, "_int4", None)
+        if held is None or held[0] != key:
+            held = self._int4 = (key, cpu_int4.repack(torch.cat(stored), qtype, sum(self.sizes), self.in_features))
+        return held[1]
 
     def stacked_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[sum(out), in] in `dtype` on `device`."""
@@ -269,6 +329,26 @@ class Fused:
                                                                                        device=device)
         self._write_parts(out)
         return out
+
+    def stacked_stored(self, device: torch.device) -> torch.Tensor:
+        """The parts' stored weights (one type) as one [sum(out), ...] tensor on `device`: resident
+        parts are stacked once and become views of the stack; others are copied together per use."""
+        key = ("stored", id(self), device)
+        ready = self.parts[0]._ready.get(key)
+        if ready is not None and ready[0] == _GENERATION[0]:
+            return ready[1]
+        stored = [p.stored("weight") for p in self.parts]
+        if any(s.device != device for s in stored):
+            return torch.cat([p.fetch("weight", device) for p in self.parts])
+        if not _adjacent(stored):
+            stack = torch.cat(stored)
+            start = 0
+            for p, s in zip(self.parts, stored):
+                p._parameters["weight"] = nn.Parameter(stack[start:start + s.shape[0]], requires_grad=False)
+                start += s.shape[0]
+            stored = [p.stored("weight") for p in self.parts]
+            _changed()
+        return self._remember(key, _stacked(stored))
 
     def _remember(self, key: tuple, w: torch.Tensor) -> torch.Tensor:
         self.parts[0]._ready[key] = (_GENERATION[0], w)
@@ -453,6 +533,8 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
                 stored = [p.stored("weight") for p in fused.parts]
                 if want is not None and any(t.device != want for t in stored):
                     continue
+                if all(_int4_serves(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
+                    continue  # the int4 product is faster than a float copy's and needs none
                 kept = [p._dequantized.get("weight") for p in fused.parts]
                 if all(k is not None and k.dtype == dtype and k.device == stored[0].device for k in kept) \
                         and _adjacent(kept):
@@ -468,6 +550,8 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
                     continue
                 if qtype in FLOAT_TYPES and FLOAT_TYPES[qtype] == dtype:
                     continue  # already what a use returns
+                if name == "weight" and _int4_serves(sub, qtype, value.device):
+                    continue
                 nbytes = math.prod(sub._slot_shapes[name]) * element
                 cached = sub._dequantized.get(name)
                 if cached is not None and cached.dtype == dtype and cached.device == value.device:

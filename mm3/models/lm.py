@@ -39,8 +39,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def set_numerics(model: nn.Module, numerics: str) -> None:
-    """"fast": the fused products (q/k/v, gate/up) run as one product each and few-row products take
-    the device's fastest form; "reference": every product is the reference's own `F.linear`."""
+    """"fast": the fused products (q/k/v, gate/up) run as one product each, few-row products take
+    the device's fastest form and quantized weights are read by the fused kernels where they run;
+    "reference": every product is the reference's own `F.linear` over the dequantized weight."""
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     fast = numerics == "fast"
@@ -48,7 +49,7 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
         fused.fuse = fast and fused.fusable
     for sub in model.modules():
         if isinstance(sub, Linear):
-            sub.decode_products = fast
+            sub.decode_products = sub.fused_kernels = fast
     model.numerics = numerics
 
 

@@ -1,0 +1,126 @@
+"""Fused dequantize-and-multiply through Triton: `y = x @ W.T (+ b)` read straight from GGUF blocks.
+
+The weight never exists in float form in device memory: each program loads a tile of block bytes,
+expands it to float32 in registers (the same arithmetic as `mm3.gguf.quants`, type by type) and
+multiplies it into its output tile with `tl.dot` (float32 inputs at IEEE precision, so no TF32;
+half-precision inputs multiply in their own type with float32 accumulation). One kernel serves
+both shapes the engine has: decode (the CFG pair of each song, 1-32 rows: the smallest row tile
+and narrow column tiles, so the weight is read once by many programs) and prefill / the DiT (wide
+tiles). Float weights of another dtype than the input (BF16 or F16 files under float32 compute)
+go through the same kernel instead of a cast copy.
+
+Used where Triton runs the device (CUDA, ROCm, XPU); `TRITON_INTERPRET=1` runs the same kernels on
+CPU tensors, which is how they are tested without a GPU. `MM3_KERNELS` picks: "auto" (default:
+accelerators with Triton), "off", or "triton" (also CPU tensors; with the interpreter only).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+
+# Kernel type codes (constexpr in the kernel) for the types it reads.
+_CODES = {QT.F32: 0, QT.F16: 0, QT.BF16: 0, QT.Q8_0: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q5_0: 4, QT.Q5_1: 5,
+          QT.Q4_K: 6, QT.Q5_K: 7, QT.Q6_K: 8}
+KERNEL_TYPES: frozenset[QT] = frozenset(_CODES)
+_FLOATS = {QT.F32, QT.F16, QT.BF16}
+
+
+MODES = ("auto", "off", "triton")
+
+
+def _setting() -> str:
+    value = os.environ.get("MM3_KERNELS", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        warnings.warn(f"MM3_KERNELS={value!r} is not one of {', '.join(MODES)}; using auto", stacklevel=2)
+        return "auto"
+    return value
+
+
+_SETTING = [_setting()]
+_AVAILABLE: dict[str, bool] = {}  # device type -> answer, for the current setting
+
+
+def configure(setting: str | None = None) -> None:
+    """Set the kernel mode ("auto", "off", "triton"; None: read MM3_KERNELS again)."""
+    if setting is not None and setting not in MODES:
+        raise ValueError(f"kernel mode {setting!r}: expected one of {', '.join(MODES)}")
+    _SETTING[0] = _setting() if setting is None else setting
+    _AVAILABLE.clear()
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether `fused_linear` runs on tensors of `device` in this process."""
+    kind = device if isinstance(device, str) else device.type
+    answer = _AVAILABLE.get(kind)
+    if answer is None:
+        answer = _AVAILABLE[kind] = _runs_on(kind, _SETTING[0], os.environ.get("TRITON_INTERPRET", "0") == "1")
+    return answer
+
+
+def _runs_on(device_type: str, setting: str, interpreted: bool) -> bool:
+    if setting == "off" or (device_type == "cpu" and not (setting == "triton" and interpreted)):
+        return False
+    if device_type not in ("cpu", "cuda", "xpu"):  # MPS: Triton has no Metal back end
+        return False
+    try:
+        import triton
+        from . import triton_gguf  # noqa: F401  (the kernels must build)
+    except ImportError:  # torch wheels without Triton (macOS, some CPU builds)
+        return False
+    if interpreted:
+        return True
+    try:
+        return triton.runtime.driver.active.get_current_target().backend in ("cuda", "hip", "xpu")
+    except Exception:  # no driver or no compiler: torch's products serve
+        return False
+
+
+def supports(qtype: QT, in_features: int) -> bool:
+    """Whether the kernel reads this weight type with rows of `in_features` values."""
+    return qtype in KERNEL_TYPES and in_features % GGML_QUANT_SIZES[qtype][0] == 0
+
+
+def _tiles(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K). Decode-shaped inputs (up to 32 rows) take the smallest row tile
+    (`tl.dot` needs 16) and narrow column tiles, so many programs share the weight read; wider
+    inputs take square tiles. K tiles need not align with the type's blocks (every value's block
+    is found from its column) and the last one is masked."""
+    if m <= 32:
+        return (16 if m <= 16 else 32), 16, 128
+    return 64, 64, 64
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype, W given as stored: uint8 block rows
+    [N, row_bytes] for a quantized type, a float tensor [N, K] otherwise (all on x's device)."""
+    import triton
+
+    from .triton_gguf import fused_linear_kernel
+
+    k = x.shape[-1]
+    if qtype in _FLOATS:
+        n, w_stride = weight.shape[0], weight.stride(0)
+        if weight.stride(-1) != 1 or weight.shape[1] != k:
+            raise ValueError(f"float weight {list(weight.shape)} does not match inputs of {k} values")
+    else:
+        block, size = GGML_QUANT_SIZES[qtype]
+        n, w_stride = weight.shape[0], weight.stride(0)
+        if weight.dtype != torch.uint8 or weight.stride(-1) != 1 or weight.shape[1] * block != k * size:
+            raise ValueError(f"{qtype.name} rows of {weight.shape[1]} bytes do not hold {k} values")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m and n:
+        bm, bn, bk = _tiles(m)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        fused_linear_kernel[grid](x2, weight, bias if bias is not None else y, y, m, n, k, x2.stride(0),
+                                   y.stride(0), w_stride, QTYPE=_CODES[qtype], HAS_BIAS=bias is not None,
+                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y.view(*x.shape[:-1], n)
