@@ -76,13 +76,58 @@ def test_without_diffusers_the_reference_is_skipped(work, monkeypatch):
     assert r["dit"]["ratio"] is None and any("diffusers is not installed" in n for n in r["notes"])
 
 
-def test_real_dimensions_refuse_a_cpu(tmp_path):
-    with pytest.raises(SystemExit, match="config real needs a CUDA device"):
-        bench.run(_args(tmp_path, "--config", "real", "--device", "cpu"))
+def test_real_dimensions_off_cuda_run_ar_and_dit_only(tmp_path):
+    with pytest.raises(SystemExit, match="config real on cpu runs the stages ar, dit .* not ar, dit, vocoder, e2e"):
+        bench.run(_args(tmp_path, "--config", "real", "--device", "cpu", "--stages", "ar,dit,vocoder,e2e"))
     assert not any(tmp_path.iterdir())  # refused before building anything
+
+
+def test_directly_written_random_files(tmp_path):
+    """Random GGUF files written straight in a quant mix (the released sizes off CUDA use them): they
+    load as published files do, weights have the intended spread, END's head row is zero, and the
+    light bench measures ours alone with its peak memory."""
+    from mm3.bench import ar, synth
+    from mm3.bench.checkpoints import build_direct
+    from mm3.bench.context import Context
+    from mm3.gguf.quants import dequantize
+
+    ckpt = build_direct("tiny", tmp_path, "Q8_0", seed=3)  # tiny rows of 64 hold no 256-value K-quant block
+    assert ckpt.diffusers is None and len(list(ckpt.models.glob("*.gguf"))) == 4
+    ctx = Context(ckpt, torch.device("cpu"), torch.float32, False, 1, 3)
+    lm = ctx.file("lm")
+    try:
+        types = {t.qtype.name for t in lm.tensors.values()}
+        assert types == {"Q8_0", "F32"}  # matrices in the mix's type, vectors F32, as mm3.tools.quantize writes
+        gate = lm.tensors["model.layers.0.mlp.gate_proj.weight"]
+        values = dequantize(gate.raw, gate.qtype, gate.shape)
+        assert 0.5 < float(values.std()) * gate.shape[-1] ** 0.5 < 2.0
+        head = lm.tensors["lm_head.weight"]
+        end = ckpt.special_ids["<|audio_end|>"]
+        rows = dequantize(head.raw, head.qtype, head.shape)
+        assert not rows[end].any() and rows[end + 1].any()
+    finally:
+        lm.close()
+    r = ar.measure(ctx, 6)
+    assert r["ours_ms_per_frame"] > 0 and set(r) >= {"memory", "weights_per_frame_mib"}
+    assert "ours_reference_numerics_ms_per_frame" not in r and r["memory"]["ours"]["peak_rss_mib"] > 0
+    d = synth.measure_dit(ctx)
+    assert d["ours_ms_per_step"] > 0 and "ours_mkl_ms_per_step" not in d
 
 
 def test_registered_as_a_subcommand(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--help"])
     assert "--quant" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q5_0", "Q4_0", "Q4_1"])
+def test_random_blocks_have_the_spread_of_the_fan_in(qtype):
+    import gguf
+
+    from mm3.bench.random_models import random_tensor
+    from mm3.gguf.quants import dequantize
+
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = torch.from_numpy(random_tensor("w", (64, 1024), t, torch.Generator().manual_seed(0)))
+    values = dequantize(raw.reshape(-1), t, (64, 1024))
+    assert 0.7 < float(values.std()) * 1024 ** 0.5 < 1.4 and abs(float(values.mean())) < 0.01

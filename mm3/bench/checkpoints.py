@@ -42,7 +42,7 @@ class Checkpoint:
 
     name: str
     root: Path
-    diffusers: Path
+    diffusers: Path | None  # None: random files written directly (build_direct), no reference side
     models: Path
     quant: str
     native: str  # the weight type the checkpoint was written in (F32, or BF16 for real)
@@ -97,6 +97,35 @@ def build_checkpoint(name: str, root: Path, quant: str, seed: int = 0) -> Checkp
     if not models.is_dir():
         _quantized_folder(root / "gguf", models, quant, c["native"])
     return Checkpoint(name, root, diff, models, quant, c["native"], lm_cfg, cfgs, special_ids, code_offset)
+
+
+def build_direct(name: str, root: Path, quant: str, seed: int = 0, components=None) -> Checkpoint:
+    """Config `name` as random GGUF files written straight in `quant` (`mm3.bench.random_models`): no
+    float checkpoint and no diffusers layout, so the reference cannot run on it; for the released
+    sizes on machines that cannot hold them in float."""
+    from .random_models import DIRECT_COMPONENTS, write_random_models
+
+    c = CONFIGS[name]
+    tj, special_ids, code_offset = build_tokenizer(c["vocab"])
+    vocab = RELEASED_LM_CONFIG["vocab_size"] if name == "real" else code_offset + c["codes"]
+    lm_cfg = {**RELEASED_LM_CONFIG, **c["lm"], "vocab_size": vocab}
+    cfgs = {comp: {**DIFFUSERS_DEFAULTS[comp], **c[comp]} for comp in COMPONENTS}
+    models = root / f"direct-{quant}-seed{seed}"
+    write_random_models(models, lm_cfg, cfgs, quant, tj, special_ids["<|audio_end|>"],
+                        components or DIRECT_COMPONENTS, seed)
+    return Checkpoint(name, root, None, models, quant, quant, lm_cfg, cfgs, special_ids, code_offset)
+
+
+def direct_bytes(cfgs: dict, lm_cfg: dict, quant: str) -> int:
+    """About the bytes of `build_direct`'s files: every weight at the mix's base type (+15 % for the
+    tensors a mix raises to Q6_K)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from ..tools.quantize import MIXES
+
+    qtype = MIXES[quant][0] if quant in MIXES else GGMLQuantizationType[quant]
+    block, size = GGML_QUANT_SIZES[qtype]
+    return int(param_bytes(cfgs, lm_cfg, size / block) * 1.15)
 
 
 def _quantized_folder(native: Path, out: Path, quant: str, native_type: str):

@@ -16,7 +16,12 @@ plus the peak memory of each run (process RSS, whose baseline holds both sides' 
 VRAM per side on CUDA). The JSON names the machine, torch, dtype and date. Without diffusers the
 reference side is skipped with a note. Configs (sizes in CONFIGS): tiny (the test model), medium
 (fits a 2-core CPU: LM hidden 1024 x 8 layers with the released vocabulary layout, depth hidden
-1024, DiT 512 wide x 4, a small vocoder), real (released dimensions; needs a large GPU).
+1024, DiT 512 wide x 4, a small vocoder), real (released dimensions: on CUDA against the reference,
+which needs a large GPU; on other devices ours alone, stages ar and dit, from random files written
+straight in the quant asked for, e.g.
+
+    python -m mm3 bench --config real --device cpu --quant Q4_K_M --stages ar --frames 20 --repeat 1
+).
 """
 
 from __future__ import annotations
@@ -36,18 +41,35 @@ import torch
 
 from ..tools.convert import DIFFUSERS_DEFAULTS
 from ..tools.tiny import RELEASED_LM_CONFIG
-from .checkpoints import COMPONENTS, CONFIGS, build_checkpoint, param_bytes
+from .checkpoints import COMPONENTS, CONFIGS, build_checkpoint, build_direct, direct_bytes, param_bytes
 from .measure import machine
 
 
-def _check_room(name: str, ckpt_cfgs: dict, lm_cfg: dict, device: torch.device, work: Path):
-    """`real` holds the released dimensions twice (ours and the reference): refuse where it cannot fit."""
+DIRECT_STAGES = {"ar", "dit"}
+
+
+def _direct(name: str, device: torch.device) -> bool:
+    """`real` off CUDA: ours only, from random files written straight in the quant asked for."""
+    return name == "real" and device.type != "cuda"
+
+
+def _check_room(name: str, ckpt_cfgs: dict, lm_cfg: dict, device: torch.device, work: Path, quant: str,
+                stages: list[str]):
+    """`real` holds the released dimensions twice (ours and the reference) on CUDA, or ours alone as
+    directly written files elsewhere: refuse where it cannot fit or run."""
     if name != "real":
         return
+    if _direct(name, device):
+        if not set(stages) <= DIRECT_STAGES:
+            raise SystemExit(f"config real on {device.type} runs the stages {', '.join(sorted(DIRECT_STAGES))} "
+                             f"(ours only, random files written directly), not {', '.join(stages)}")
+        need = direct_bytes(ckpt_cfgs, lm_cfg, quant)
+        disk = shutil.disk_usage(work).free
+        if disk < need:
+            raise SystemExit(f"config real writes about {need / 2**30:.0f} GiB of {quant} files under {work}; "
+                             f"{disk / 2**30:.0f} GiB free")
+        return
     need = param_bytes(ckpt_cfgs, lm_cfg, 2) * 2 + 8 * 2**30  # bf16 both sides + caches and activations
-    if device.type != "cuda":
-        raise SystemExit(f"config real needs a CUDA device with about {need / 2**30:.0f} GiB free (released "
-                         f"dimensions for ours and the reference); this run is on {device}")
     free, _ = torch.cuda.mem_get_info(device)
     if free < need:
         raise SystemExit(f"config real needs about {need / 2**30:.0f} GiB of free GPU memory, {device} has "
@@ -114,10 +136,15 @@ def _run(args) -> dict:
         raise SystemExit(f"unknown stage(s) {', '.join(unknown)}; choose from ar, dit, vocoder, e2e")
     lm_cfg = {**RELEASED_LM_CONFIG, **c["lm"]}
     _check_room(args.config, {k: {**DIFFUSERS_DEFAULTS[k], **c[k]} for k in COMPONENTS}, lm_cfg, device,
-                Path(args.work or tempfile.gettempdir()))
+                Path(args.work or tempfile.gettempdir()), quant, stages)
     root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="mm3-bench-"))
     t0 = time.perf_counter()
-    ckpt = build_checkpoint(args.config, root / args.config, quant, args.seed)
+    if _direct(args.config, device):
+        need = {"ar": ("language_model", "rvq_depth_decoder"), "dit": ("condition_encoder", "transformer")}
+        ckpt = build_direct(args.config, root / args.config, quant, args.seed,
+                            [comp for s in stages for comp in need[s]])
+    else:
+        ckpt = build_checkpoint(args.config, root / args.config, quant, args.seed)
     report = {
         "config": args.config, "quant": quant, "dtype": str(dtype).removeprefix("torch."),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine(device),
@@ -129,8 +156,11 @@ def _run(args) -> dict:
                      "steps": args.steps, "repeat": args.repeat, "seed": args.seed, "compile": args.compile},
         "build_seconds": round(time.perf_counter() - t0, 1), "notes": [],
     }
-    have_reference = importlib.util.find_spec("diffusers") is not None
-    if not have_reference:
+    have_reference = importlib.util.find_spec("diffusers") is not None and ckpt.diffusers is not None
+    if ckpt.diffusers is None:
+        report["notes"].append(f"config {args.config} on {device.type}: random {quant} files written directly; "
+                               "ours alone in its default mode (no float checkpoint for the reference)")
+    elif not have_reference:
         report["notes"].append("diffusers is not installed: the reference side is skipped")
     from . import ar, synth
     from .context import Context

@@ -383,21 +383,19 @@ def _component_folder(src: Path, component: str) -> Path:
     return folder
 
 
-def _component_job(src: Path, component: str, dav: Path | None):
-    """(kv list, plans) for one component."""
-    folder = _component_folder(src, component)
+def component_metadata(component: str, cfg: dict, tokenizer_json: Path | None = None,
+                       config_path: Path | str = "config.json") -> list[tuple]:
+    """The metadata entries (key, value, type, element type) of a component file made from `cfg`;
+    the LM's carry its config JSON and the tokenizer arrays of `tokenizer_json`."""
     arch, title = COMPONENTS[component]
-    cfg = load_config(folder, component)
-    entries = load_entries(folder)
-    _check_tensors(folder, component, cfg, entries)
     S, U32, I32, ARR = (gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32,
                         gguf.GGUFValueType.ARRAY)
     kv = [("general.name", title, S, None)]
     if component == "language_model":
-        tokens, merges = tokenizer_arrays(src / "tokenizer" / "tokenizer.json")
+        tokens, merges = tokenizer_arrays(tokenizer_json)
         if len(tokens) > cfg["vocab_size"]:
-            raise ValueError(f"{src / 'tokenizer' / 'tokenizer.json'} has {len(tokens)} tokens, more than the LM "
-                             f"vocab_size {cfg['vocab_size']} in {folder / 'config.json'}")
+            raise ValueError(f"{tokenizer_json} has {len(tokens)} tokens, more than the LM "
+                             f"vocab_size {cfg['vocab_size']} in {config_path}")
         kv += [("mm3.config_json", json.dumps(cfg, separators=(",", ":")), S, None),
                ("tokenizer.ggml.model", "gpt2", S, None),
                ("tokenizer.ggml.tokens", tokens, ARR, S),
@@ -406,6 +404,17 @@ def _component_job(src: Path, component: str, dav: Path | None):
         kv += [(f"{arch}.{k}", int(cfg[k]), U32, None) for k in U32_KEYS[component]]
     if component == "vocoder":
         kv.append((f"{arch}.upsampling_ratios", [int(r) for r in cfg["upsampling_ratios"]], ARR, I32))
+    return kv
+
+
+def _component_job(src: Path, component: str, dav: Path | None):
+    """(kv list, plans) for one component."""
+    folder = _component_folder(src, component)
+    cfg = load_config(folder, component)
+    entries = load_entries(folder)
+    _check_tensors(folder, component, cfg, entries)
+    kv = component_metadata(component, cfg, src / "tokenizer" / "tokenizer.json" if component == "language_model"
+                            else None, folder / "config.json")
     if component in NATIVE:
         return kv, _native_plans(entries)
     tensors = {n: e.to_torch for n, e in entries.items()}
