@@ -85,3 +85,22 @@ def test_repacking_follows_the_weights():
     raw, values = _raw(Q.Q4_K, 16, 256, 6)
     layer.set_stored("weight", Q.Q4_K, raw)  # new weights: the old packing is gone
     assert "int4" not in layer._derived and _rel(layer(x), F.linear(x, values)) < 6e-3
+
+
+def test_mixed_parts_each_take_their_own_product(monkeypatch):
+    """q and k in Q4_K, v in Q6_K (a `_M` mix): q and k through the int4 product, v dequantized."""
+    calls = []
+    real = cpu_int4.linear
+    monkeypatch.setattr(cpu_int4, "linear", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    parts = [_layer(t, 32, 256, 7 + i) for i, t in enumerate((Q.Q4_K, Q.Q4_K, Q.Q6_K))]
+    fused = gguf_ops.Fused([p for p, _ in parts])
+    holder = torch.nn.Module()
+    holder.q, holder.k, holder.v = (p for p, _ in parts)
+    holder.qkv = fused
+    kept = gguf_ops.cache_dequantized(holder, torch.float32)
+    assert kept == 32 * 256 * 4 and set(p.qtype("weight") for p, _ in parts if p._dequantized) == {Q.Q6_K}
+    x = torch.randn(2, 256)
+    ys = fused(x)
+    assert calls == [32, 32]
+    torch.testing.assert_close(ys[2], F.linear(x, parts[2][1]), rtol=1e-5, atol=1e-5)
+    assert all(_rel(y, F.linear(x, v)) < 6e-3 for y, (_, v) in zip(ys[:2], parts))

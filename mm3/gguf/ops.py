@@ -286,8 +286,11 @@ class Fused:
                                                     for p in self.parts):
             y = kernels.fused_linear(x, self.stacked_stored(x.device), qtype)
             return y.split_with_sizes(self.sizes, dim=-1)
-        if all(p.qtype("weight") == qtype and _int4_reads(p, qtype, x) for p in self.parts):
+        int4 = [_int4_reads(p, p.qtype("weight"), x) for p in self.parts]
+        if all(int4) and all(p.qtype("weight") == qtype for p in self.parts):
             return cpu_int4.linear(x, self._int4_stack(qtype), sum(self.sizes)).split_with_sizes(self.sizes, dim=-1)
+        if any(int4):  # a mix raised some parts to another type (v_proj in Q6_K): each part its own way
+            return [p(x) for p in self.parts]
         w = self.stacked_weight(x.dtype, x.device)
         y = decode_linear(x, w) if self.parts[0].decode_products else F.linear(x, w)
         return y.split_with_sizes(self.sizes, dim=-1)
@@ -529,12 +532,12 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
     for m in modules:
         for sub in m.modules():
             for fused in (v for v in vars(sub).values() if isinstance(v, Fused) and v.fuse):
-                done.update(id(p) for p in fused.parts)
                 stored = [p.stored("weight") for p in fused.parts]
+                if any(_int4_serves(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
+                    continue  # int4 parts need no copy (faster without); the others get their own below
+                done.update(id(p) for p in fused.parts)
                 if want is not None and any(t.device != want for t in stored):
                     continue
-                if all(_int4_serves(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
-                    continue  # the int4 product is faster than a float copy's and needs none
                 kept = [p._dequantized.get("weight") for p in fused.parts]
                 if all(k is not None and k.dtype == dtype and k.device == stored[0].device for k in kept) \
                         and _adjacent(kept):
