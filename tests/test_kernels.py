@@ -108,6 +108,7 @@ def _layer(qtype, k, n, g, bias=False):
 
 def test_layers_read_quantized_weights_through_the_kernel(monkeypatch):
     """Linear and Fused (stacked block rows, as views) go through the kernel, with no float weight made."""
+    assert kernels.works(Q.Q4_K, torch.float32, DEVICE) and kernels.works(Q.Q6_K, torch.float32, DEVICE)
     calls = []
     real = kernels.fused_linear
     monkeypatch.setattr(kernels, "fused_linear", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
@@ -175,6 +176,7 @@ def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeyp
         kernels.configure("off")
         want = plan(lm, depth, prompt, settings, weight_budget=0)[0]
         kernels.configure("triton")
+        assert kernels.works(Q.Q8_0, torch.float32, torch.device("cpu"))
         kept = []
         monkeypatch.setattr("mm3.ar.cache_dequantized", lambda *a, **kw: kept.append(a) or 0)
         calls = []
@@ -248,3 +250,23 @@ def test_kernels_compile_for_cuda(arch):
     sizes = dict(line.split() for line in done.stdout.splitlines())
     names = {f"{t}/{x}" for t in [q.name for q in QUANTS] + ["BF16"] for x in ("fp32", "bf16")}
     assert set(sizes) == names and all(int(v) > 0 for v in sizes.values()), sizes
+
+
+def test_a_kernel_that_fails_leaves_torch_products(monkeypatch):
+    """A kernel that cannot build, or computes wrongly, on this device is checked once and left out."""
+    monkeypatch.setattr(kernels, "_WORKS", {})
+    assert kernels.works(Q.Q8_0, torch.float32, DEVICE)
+
+    def broken(*a, **kw):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(kernels, "fused_linear", broken)
+    with pytest.warns(UserWarning, match="fused Q4_K kernel cannot run"):
+        assert not kernels.works(Q.Q4_K, torch.float32, DEVICE)
+    monkeypatch.setattr(kernels, "fused_linear", lambda x, w, q, b=None: torch.zeros(x.shape[0], w.shape[0]))
+    with pytest.warns(UserWarning, match="fused Q6_K kernel computes wrongly"):
+        assert not kernels.works(Q.Q6_K, torch.float32, DEVICE)
+    g = torch.Generator().manual_seed(8)
+    layer, values = _layer(Q.Q6_K, 256, 16, g)
+    x = torch.randn(2, 256, generator=g).to(DEVICE)
+    torch.testing.assert_close(layer(x).cpu(), F.linear(x.cpu(), values), rtol=1e-5, atol=1e-5)

@@ -28,6 +28,7 @@ _CODES = {QT.F32: 0, QT.F16: 0, QT.BF16: 0, QT.Q8_0: 1, QT.Q4_0: 2, QT.Q4_1: 3, 
           QT.Q4_K: 6, QT.Q5_K: 7, QT.Q6_K: 8}
 KERNEL_TYPES: frozenset[QT] = frozenset(_CODES)
 _FLOATS = {QT.F32, QT.F16, QT.BF16}
+FLOAT_DTYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 
 
 MODES = ("auto", "off", "triton")
@@ -83,6 +84,52 @@ def _runs_on(device_type: str, setting: str, interpreted: bool) -> bool:
 def supports(qtype: QT, in_features: int) -> bool:
     """Whether the kernel reads this weight type with rows of `in_features` values."""
     return qtype in KERNEL_TYPES and in_features % GGML_QUANT_SIZES[qtype][0] == 0
+
+
+_WORKS: dict[tuple, bool] = {}  # (qtype, input dtype, device) -> the kernel compiled and computed right
+
+
+def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel for this weight type and input dtype compiles on `device` and agrees with
+    the torch dequantization on a small product, checked once per process; otherwise the layers use
+    torch's products (with a warning), so a GPU or compiler the kernel fails on still runs."""
+    key = (qtype, dtype, device)
+    answer = _WORKS.get(key)
+    if answer is None:
+        answer = _WORKS[key] = _check(qtype, dtype, device)
+    return answer
+
+
+def _check(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
+    from .quants import SCALE_OFFSETS, dequantize
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 48, 512
+    if qtype in _FLOATS:
+        weight = torch.randn(n, k, generator=g).to(FLOAT_DTYPES[qtype])
+        values = weight.float()
+    else:
+        block, size = GGML_QUANT_SIZES[qtype]
+        weight = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=g)
+        for offset in SCALE_OFFSETS[qtype]:
+            weight[:, offset:offset + 2] = torch.full((weight.shape[0],), 0.01).half().view(torch.uint8).view(-1, 2)
+        weight = weight.reshape(n, -1)
+        values = dequantize(weight, qtype, (n, k))
+    x = torch.randn(3, k, generator=g)
+    want = x.to(dtype).double() @ values.to(dtype).double().T
+    try:
+        got = fused_linear(x.to(device, dtype), weight.to(device), qtype).double().cpu()
+        error = float((got - want).norm() / want.norm())
+    except Exception as e:  # a compiler or driver that cannot build it
+        warnings.warn(f"the fused {qtype.name} kernel cannot run on {device} ({type(e).__name__}: {e}); "
+                      "using torch's products", stacklevel=3)
+        return False
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    if not error < tolerance:
+        warnings.warn(f"the fused {qtype.name} kernel computes wrongly on {device} for {dtype} inputs "
+                      f"(relative error {error:.1e}); using torch's products", stacklevel=3)
+        return False
+    return True
 
 
 def _tiles(m: int) -> tuple[int, int, int]:

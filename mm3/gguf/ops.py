@@ -182,7 +182,7 @@ def _kernel_reads(layer: WeightSlots, qtype: GGMLQuantizationType | None, x: tor
     cached = layer._dequantized.get("weight")
     if cached is not None and cached.dtype == x.dtype and cached.device == x.device:
         return False
-    return kernels.supports(qtype, x.shape[-1])
+    return kernels.supports(qtype, x.shape[-1]) and kernels.works(qtype, x.dtype, x.device)
 
 
 def _int4_serves(layer: WeightSlots, qtype: GGMLQuantizationType | None, device: torch.device) -> bool:
