@@ -1,12 +1,9 @@
 """The forms of matrix products the engine picks on the CPU, and a reusable dequantization buffer.
 
 Decode-shaped products (`decode_linear`): decoding multiplies a handful of rows (the CFG pair of
-each song) by large weights, so its speed is the speed of reading the weights. On the CPU the two
-ways to ask MKL for it differ by processor: on an AMD EPYC (2 threads) `w @ x.T` (weight-major) read
-4096 x 4096 float32 weights at 9.5 GB/s against 5.8 for `F.linear`'s `x @ w.T`, while an Intel Xeon
-measured `F.linear` 2x faster. So each shape's form is chosen by a short timing on first use in the
-process (`_weight_major`), with `F.linear` kept unless the other is clearly faster; accelerators
-always use `F.linear`.
+each song) by large weights, so its speed is the speed of reading the weights. On the CPU, MKL runs
+`x @ w.T` with 2-4 rows (what `F.linear` calls) at ~10 GB/s of weights on the AMD EPYC we measured,
+but the same product as `w @ x.T` (weight-major) at 25-40 GB/s; accelerators keep `F.linear`.
 
 `Scratch`: one flat buffer per dtype for per-call dequantization on the CPU, where a fresh
 allocation of a large weight means page faults on every product.
@@ -30,31 +27,11 @@ from contextlib import contextmanager
 
 import math
 import threading
-import time
 
 import torch
 import torch.nn.functional as F
 
-DECODE_MAX_ROWS = 16  # the decode shapes (CFG pairs of up to 8 songs); more rows are a prefill
-MARGIN = 0.8  # the weight-major form is taken only when it runs in under this share of F.linear's time
-TIMING_RUNS = 3
-_FORMS: dict[tuple, bool] = {}  # (out, in, rows, dtype, threads) -> weight-major is faster
-
-
-def _weight_major(x2: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `w @ x.T` beats `x @ w.T` for this shape here: timed once per process (best of
-    TIMING_RUNS alternating runs each, on the real operands)."""
-    key = (w.shape[0], w.shape[1], x2.shape[0], w.dtype, torch.get_num_threads())
-    choice = _FORMS.get(key)
-    if choice is None:
-        best = [float("inf"), float("inf")]
-        for _ in range(TIMING_RUNS):
-            for i, fn in enumerate((lambda: F.linear(x2, w), lambda: torch.mm(w, x2.T))):
-                t0 = time.perf_counter()
-                fn()
-                best[i] = min(best[i], time.perf_counter() - t0)
-        choice = _FORMS[key] = best[1] < MARGIN * best[0]
-    return choice
+DECODE_MAX_ROWS = 16  # beyond this the weight-major form stops paying on the CPU (measured up to 16)
 
 
 def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,10 +39,7 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or rows > DECODE_MAX_ROWS:
         return F.linear(x, w, b)
-    x2 = x.reshape(rows, x.shape[-1])
-    if not _weight_major(x2, w):
-        return F.linear(x, w, b)
-    y = torch.mm(w, x2.T).T  # [rows, N]: MKL's weight-major GEMM
+    y = torch.mm(w, x.reshape(rows, x.shape[-1]).T).T  # [rows, N]: MKL's weight-major GEMM
     if b is not None:
         y = y + b
     return y.contiguous().view(*x.shape[:-1], w.shape[0])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mm3 import ar, matmul
+from mm3 import ar
 from mm3 import device as budget
 from mm3.ar import PlanSettings, ZeroFramesError, plan
 from mm3.components import open_component
@@ -64,31 +64,13 @@ def _linear(k, n, qtype, g):
 
 # -- products and fused weights ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("weight_major", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 4, 16, 40])
-def test_decode_linear_equals_linear(rows, weight_major, monkeypatch):
-    monkeypatch.setattr(matmul, "_weight_major", lambda x2, w: weight_major)
+def test_decode_linear_equals_linear(rows):
     g = torch.Generator().manual_seed(rows)
-    x, w, b = torch.randn(rows, 1, 96, generator=g), torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
-    y = decode_linear(x, w, b)
+    x, w = torch.randn(rows, 1, 96, generator=g), torch.randn(200, 96, generator=g)
+    y = decode_linear(x, w)
     assert y.shape == (rows, 1, 200) and y.is_contiguous()
-    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-
-
-def test_decode_form_is_timed_once_per_shape(monkeypatch):
-    """The form is measured where the code runs (first use of a shape), then remembered."""
-    monkeypatch.setattr(matmul, "_FORMS", {})
-    timed = []
-    real = matmul.time.perf_counter
-    monkeypatch.setattr(matmul.time, "perf_counter", lambda: timed.append(1) or real())
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(2, 128, generator=g), torch.randn(300, 128, generator=g)
-    for _ in range(3):
-        decode_linear(x, w)
-    assert len(timed) == 4 * matmul.TIMING_RUNS  # two forms, a start and an end stamp each, once
-    assert list(matmul._FORMS) == [(300, 128, 2, torch.float32, torch.get_num_threads())]
-    decode_linear(torch.randn(3, 128, generator=g), w)
-    assert len(matmul._FORMS) == 2
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("qtypes", [(Q.F32,) * 3, (Q.Q8_0,) * 3, (Q.Q8_0, Q.Q6_K, Q.Q8_0)])
