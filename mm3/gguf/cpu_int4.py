@@ -9,9 +9,9 @@ rounded to bfloat16, so products differ from the float32 product of the dequanti
 about 0.3 % (the 4-bit weights themselves are ~10 % off the weights they were made from); used
 for decode-shaped products of the LM and depth decoder in the fast numerics only.
 
-Measured (2-core AMD EPYC, torch 2.14.1, 1 thread, 2 rows): 4096 x 4096 Q4_K 9.4 ms, against 11.0
-for the float32 product of a kept float copy and 69.8 for dequantizing per product; 12288 x 4096
-18.9 / 28.5 / 197 ms.
+Measured (2-core AMD EPYC, torch 2.14.1, 1 thread, 2 rows, Q4_K at the released LM's attention
+and MLP shapes): 9.4 ms against 11.0 for the float32 product of a kept float copy and 69.8 for
+dequantizing per product (attention), 18.9 / 28.5 / 197 ms (MLP).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
+from ..matmul import DECODE_MAX_ROWS
 from .quants import _halves, _k4_scale_min
 
 INT4_TYPES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
@@ -48,6 +49,20 @@ def available() -> bool:
 
 
 ROWS_MULTIPLE = 16  # the packing takes whole groups of 16 rows: others get zero rows, cut off after
+
+
+def serves(layer, qtype: QT | None, device: torch.device) -> bool:
+    """Whether a decode-shaped product of this layer (`mm3.gguf.ops.Linear`) on `device` comes here:
+    a 4-bit weight of the LM or depth decoder in the fast numerics, on the CPU, with the kernel."""
+    return (device.type == "cpu" and qtype in INT4_TYPES and layer.decode_products and layer.fused_kernels
+            and available())
+
+
+def reads(layer, qtype: QT | None, x: torch.Tensor) -> bool:
+    """`serves`, for a decode-shaped x, with no kept float copy and the weight on the CPU."""
+    if not serves(layer, qtype, x.device) or x.numel() > DECODE_MAX_ROWS * x.shape[-1]:
+        return False
+    return not layer.keeps_copy_for(x) and layer.stored("weight").device.type == "cpu"
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,6 +86,17 @@ def supports(qtype: QT, in_features: int) -> bool:
     return qtype in KERNEL_TYPES and in_features % GGML_QUANT_SIZES[qtype][0] == 0
 
 
+def reads(layer, qtype: QT | None, x: torch.Tensor) -> bool:
+    """Whether the kernel computes this layer's (`mm3.gguf.ops.Linear`) product for `x` instead of
+    a float weight: the kernel runs on x's device and reads the type, and no float weight of x's
+    dtype is at hand (a kept copy, or a float tensor already in that dtype, goes to torch's product)."""
+    if not layer.fused_kernels or qtype is None or not available(x.device.type):
+        return False
+    if (qtype in FLOAT_DTYPES and FLOAT_DTYPES[qtype] == x.dtype) or layer.keeps_copy_for(x):
+        return False
+    return supports(qtype, x.shape[-1]) and works(qtype, x.dtype, x.device)
+
+
 _WORKS: dict[tuple, bool] = {}  # (qtype, input dtype, device) -> the kernel compiled and computed right
 
 

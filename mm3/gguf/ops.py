@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from ..matmul import CPU_SCRATCH, DECODE_MAX_ROWS, decode_linear
+from ..matmul import CPU_SCRATCH, decode_linear
 from . import cpu_int4, kernels
 from .errors import ComponentError
 from .reader import CompressedTensor
@@ -109,6 +109,11 @@ class WeightSlots(nn.Module):
     def qtype(self, name: str) -> GGMLQuantizationType | None:
         return self._slot_types.get(name)
 
+    def keeps_copy_for(self, x: torch.Tensor) -> bool:
+        """Whether a float copy of the weight in x's dtype is kept on x's device (it then serves)."""
+        cached = self._dequantized.get("weight")
+        return cached is not None and cached.dtype == x.dtype and cached.device == x.device
+
     # -- using -----------------------------------------------------------------------------------
     def fetch(self, name: str, device: torch.device | None) -> torch.Tensor:
         """The slot's stored tensor on `device` (a copy for this use when it lives elsewhere)."""
@@ -171,34 +176,6 @@ class WeightSlots(nn.Module):
         return self
 
 
-def _kernel_reads(layer: WeightSlots, qtype: GGMLQuantizationType | None, x: torch.Tensor) -> bool:
-    """Whether the fused kernel computes this layer's product for `x` instead of a float weight:
-    the kernel runs on x's device and reads the type, and no float weight of x's dtype is at hand
-    (a kept copy, or a float tensor already in that dtype, goes to torch's own product)."""
-    if not layer.fused_kernels or qtype is None or not kernels.available(x.device.type):
-        return False
-    if qtype in FLOAT_TYPES and FLOAT_TYPES[qtype] == x.dtype:
-        return False
-    cached = layer._dequantized.get("weight")
-    if cached is not None and cached.dtype == x.dtype and cached.device == x.device:
-        return False
-    return kernels.supports(qtype, x.shape[-1]) and kernels.works(qtype, x.dtype, x.device)
-
-
-def _int4_serves(layer: WeightSlots, qtype: GGMLQuantizationType | None, device: torch.device) -> bool:
-    """Whether a decode-shaped product of this layer on `device` goes to `cpu_int4` (a 4-bit weight
-    of the LM or depth decoder in the fast numerics, on the CPU where torch has the kernel)."""
-    return (device.type == "cpu" and qtype in cpu_int4.INT4_TYPES and layer.decode_products
-            and layer.fused_kernels and cpu_int4.available())
-
-
-def _int4_reads(layer: WeightSlots, qtype, x: torch.Tensor) -> bool:
-    if not _int4_serves(layer, qtype, x.device) or x.numel() > DECODE_MAX_ROWS * x.shape[-1]:
-        return False
-    cached = layer._dequantized.get("weight")
-    return not (cached is not None and cached.dtype == x.dtype) and layer.stored("weight").device.type == "cpu"
-
-
 class Linear(WeightSlots):
     """`forward(x [..., in]) -> [..., out]`. `decode_products`: few-row products in the fastest form
     for the device (`mm3.matmul.decode_linear`); off, every product is `F.linear` (the reference's).
@@ -219,9 +196,9 @@ class Linear(WeightSlots):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.get("bias", x.dtype, x.device) if self.has_bias else None
         qtype = self._slot_types.get("weight")
-        if _kernel_reads(self, qtype, x):
+        if kernels.reads(self, qtype, x):
             return kernels.fused_linear(x, self.fetch("weight", x.device), qtype, b)
-        if _int4_reads(self, qtype, x):
+        if cpu_int4.reads(self, qtype, x):
             packed = self._derived.get("int4")
             if packed is None:
                 packed = self._derived["int4"] = cpu_int4.repack(self.stored("weight"), qtype, self.out_features,
@@ -282,11 +259,11 @@ class Fused:
         if not self.fuse:
             return [p(x) for p in self.parts]
         qtype = self.parts[0].qtype("weight")
-        if kernels.available(x.device.type) and all(p.qtype("weight") == qtype and _kernel_reads(p, qtype, x)
+        if kernels.available(x.device.type) and all(p.qtype("weight") == qtype and kernels.reads(p, qtype, x)
                                                     for p in self.parts):
             y = kernels.fused_linear(x, self.stacked_stored(x.device), qtype)
             return y.split_with_sizes(self.sizes, dim=-1)
-        int4 = [_int4_reads(p, p.qtype("weight"), x) for p in self.parts]
+        int4 = [cpu_int4.reads(p, p.qtype("weight"), x) for p in self.parts]
         if all(int4) and all(p.qtype("weight") == qtype for p in self.parts):
             return cpu_int4.linear(x, self._int4_stack(qtype), sum(self.sizes)).split_with_sizes(self.sizes, dim=-1)
         if any(int4):  # a mix raised some parts to another type (v_proj in Q6_K): each part its own way
@@ -318,15 +295,7 @@ class Fused:
         stored = [p.stored("weight") for p in self.parts]
         floats = all(p.qtype("weight") in FLOAT_TYPES for p in self.parts)
         if floats and all(s.dtype == dtype and s.device == device for s in stored):
-            if not _adjacent(stored):  # once per device: the parts become views of one stack
-                stack = torch.cat(stored)
-                start = 0
-                for p, s in zip(self.parts, stored):
-                    p._parameters["weight"] = nn.Parameter(stack[start:start + s.shape[0]], requires_grad=False)
-                    start += s.shape[0]
-                stored = [p.stored("weight") for p in self.parts]
-                _changed()
-            return self._remember(key, _stacked(stored))
+            return self._remember(key, self._restacked(stored))
         shape = (sum(self.sizes), self.in_features)
         out = CPU_SCRATCH.take(shape, dtype) if device.type == "cpu" else torch.empty(shape, dtype=dtype,
                                                                                        device=device)
@@ -343,6 +312,11 @@ class Fused:
         stored = [p.stored("weight") for p in self.parts]
         if any(s.device != device for s in stored):
             return torch.cat([p.fetch("weight", device) for p in self.parts])
+        return self._remember(key, self._restacked(stored))
+
+    def _restacked(self, stored: list[torch.Tensor]) -> torch.Tensor:
+        """The parts' resident stored weights as one stack; once per device, the parts become views
+        of it (their file views stay their homes)."""
         if not _adjacent(stored):
             stack = torch.cat(stored)
             start = 0
@@ -351,7 +325,7 @@ class Fused:
                 start += s.shape[0]
             stored = [p.stored("weight") for p in self.parts]
             _changed()
-        return self._remember(key, _stacked(stored))
+        return _stacked(stored)
 
     def _remember(self, key: tuple, w: torch.Tensor) -> torch.Tensor:
         self.parts[0]._ready[key] = (_GENERATION[0], w)
@@ -533,7 +507,7 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
         for sub in m.modules():
             for fused in (v for v in vars(sub).values() if isinstance(v, Fused) and v.fuse):
                 stored = [p.stored("weight") for p in fused.parts]
-                if any(_int4_serves(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
+                if any(cpu_int4.serves(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
                     continue  # int4 parts need no copy (faster without); the others get their own below
                 done.update(id(p) for p in fused.parts)
                 if want is not None and any(t.device != want for t in stored):
@@ -553,7 +527,7 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
                     continue
                 if qtype in FLOAT_TYPES and FLOAT_TYPES[qtype] == dtype:
                     continue  # already what a use returns
-                if name == "weight" and _int4_serves(sub, qtype, value.device):
+                if name == "weight" and cpu_int4.serves(sub, qtype, value.device):
                     continue
                 nbytes = math.prod(sub._slot_shapes[name]) * element
                 cached = sub._dequantized.get(name)
