@@ -7,11 +7,12 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 from . import comfy_models, routes
+from .node_caption import NODES as CAPTION_NODES
 from .node_files import NODES as FILE_NODES
 from .node_loaders import NODES as LOADER_NODES
 from .node_stages import NODES as STAGE_NODES
 
-NODES: list[type[io.ComfyNode]] = LOADER_NODES + STAGE_NODES + FILE_NODES
+NODES: list[type[io.ComfyNode]] = LOADER_NODES + STAGE_NODES + FILE_NODES + CAPTION_NODES
 
 
 class MM3Extension(ComfyExtension):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mm3.captions import caption_warning
 from mm3.codes import AudioCodes
 from mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable, open_component, read_component
 from mm3.fingerprint import file_fingerprint as content_fingerprint
@@ -119,8 +120,9 @@ class PromptBundle:
     lyrics: str
 
     def summary(self, limit: int) -> str:
-        return (f"{self.prompt.num_tokens} / {limit} prompt tokens\n\n"
-                f"caption (cleaned):\n{self.prompt.caption}\n\nlyrics (normalised):\n{self.prompt.lyrics}")
+        warning = caption_warning(self.caption)  # second line: the first is the count the editor also shows
+        return (f"{self.prompt.num_tokens} / {limit} prompt tokens\n" + (f"warning: {warning}\n" if warning else "")
+                + f"\ncaption (cleaned):\n{self.prompt.caption}\n\nlyrics (normalised):\n{self.prompt.lyrics}")
 
 
 @dataclass(frozen=True)
