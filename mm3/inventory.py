@@ -2,7 +2,7 @@
 of its files are present, partly downloaded, missing or unreadable (headers read only, no network).
 
 The ComfyUI model panel and `python -m mm3 info --inventory` show this; downloads go through
-`mm3.tools.download`, which resumes the `.part` files counted here.
+`mm3.tools.download` (huggingface_hub underneath), which resumes the `.part` files counted here.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from pathlib import Path
 from .components import ARCH_OF, BY_FOLDER, KINDS, read_component
 from .gguf.errors import ComponentError, GGUFFormatError
 from .registry import bits_per_weight
-from .tools.download import SETS, published_name
-
-PART = ".part"
+from .tools.download import PART, SETS, published_name
 
 
 @dataclass

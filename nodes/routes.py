@@ -4,8 +4,10 @@
 - POST /mm3/tokens     {"lm_model", "caption", "lyrics"} -> the prompt's token count, with that LM's
                        tokenizer ("auto" as the loaders resolve it), and the budget
 - GET  /mm3/inventory  the component files in the mm3 folders and each published set's state
-- POST /mm3/download   {"set"} starts fetching a published set into models/mm3 (resumable)
-- GET  /mm3/download   the download's state; POST /mm3/download/cancel stops it (the part is kept)
+- POST /mm3/download   {"set"} starts fetching a published set into models/mm3 (resumable; through
+                       huggingface_hub, so HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE apply)
+- GET  /mm3/download   the download's state; POST /mm3/download/cancel stops it after the chunk in
+                       hand (the .part is kept and the next start resumes it)
 
 The work behind them is engine code (`mm3.prompt.count_tokens`, `mm3.inventory`,
 `mm3.tools.download`); a download runs in one background thread, one set at a time.
