@@ -25,7 +25,7 @@ shapes:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,7 @@ from .models.depth import RVQDepthDecoder
 from .models.lm import KVCache, Qwen3LM
 from .progress import Cancelled, Progress
 from .prompt import Prompt
+from .shaping import SemanticShaper, Shaping
 from .sampling import (draw, exponential_draws, exponential_tail, guide, kth_largest, make_generator, resolve_seed,
                        top_k_probs)
 
@@ -52,8 +53,9 @@ class ZeroFramesError(RunError):
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """What decides a plan besides the prompt: the duration cap, guidance, top-k, how many songs
-    and the seed of song 0 (None or negative: random, recorded in the result)."""
+    """What decides a plan besides the prompt: the duration cap, guidance, top-k, how many songs,
+    the seed of song 0 (None or negative: random, recorded in the result), and the optional
+    shaping of the semantic draw (`mm3.shaping`; the default is the reference's draw)."""
 
     duration: float
     lm_seed: int | None = None
@@ -61,6 +63,7 @@ class PlanSettings:
     top_k: int = DEFAULT_TOP_K
     songs: int = 1
     frame_rate: float = FRAME_RATE
+    shaping: Shaping = field(default_factory=Shaping)
 
     def __post_init__(self):
         if self.top_k < 1:
@@ -116,7 +119,7 @@ class FrameSampler:
     """
 
     def __init__(self, lm: Qwen3LM, depth: RVQDepthDecoder, codes, cache: KVCache, settings: PlanSettings,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, max_frames: int = 0, prefix: torch.Tensor | None = None):
         self.lm, self.depth, self.cache, self.dtype = lm, depth, cache, dtype
         self.cfg, self.top_k = float(settings.lm_cfg), int(settings.top_k)
         self.code_offset, self.end_id = codes.code_offset, codes.end_id
@@ -129,19 +132,32 @@ class FrameSampler:
         # The reference re-runs the depth decoder over the whole sequence at every step.
         self.depth_cache = None if depth.numerics == "reference" else depth.new_cache(rows, dtype, device)
         self.last = torch.zeros(rows, lm.hidden_size, dtype=dtype, device=device)
+        self.shaper = None
+        if not settings.shaping.is_reference:
+            end_col = codes.end_id - self.head_start
+            start = codes.code_offset - self.head_start
+            history = None if prefix is None else prefix[:, 0].expand(settings.songs, -1)
+            self.shaper = SemanticShaper(settings.shaping, settings.songs, max_frames + 1, codes.num_semantic,
+                                         slice(start, start + codes.num_semantic),
+                                         end_col if 0 <= end_col < head_stop - self.head_start else None, device,
+                                         history)
 
     def _semantic(self, q_sem: torch.Tensor):
         """CFG over the head rows, kept where the conditional logit is in its top-k (ties kept)."""
         logits = self.lm.head(self.last).float()  # [rows, C]
         c, u = logits[0::2], logits[1::2]
-        mask = self.not_candidate
+        mask, shaper = self.not_candidate, self.shaper
         if mask is not None:
             c, u = c.masked_fill(mask, _NEG_INF), u.masked_fill(mask, _NEG_INF)
+        if shaper is not None:
+            c, u = shaper.block_end(c, u)
         guided = guide(c, u, self.cfg).masked_fill(c < kth_largest(c, self.top_k), _NEG_INF)
         if mask is not None:  # guidance of two -inf values is NaN
             guided = guided.masked_fill(mask, _NEG_INF)
-        pick = draw(top_k_probs(guided, self.top_k), q_sem)  # [songs]
-        return pick + self.head_start
+        if shaper is None:
+            return draw(top_k_probs(guided, self.top_k), q_sem) + self.head_start  # [songs]
+        probs = shaper.probs(top_k_probs(shaper.logits(guided), self.top_k))
+        return draw(probs, q_sem) + self.head_start
 
     def _depth(self, x: torch.Tensor, seq: list[torch.Tensor]) -> torch.Tensor:
         """The depth state after appending x [rows, s, H] to the sequence: [rows, H]."""
@@ -155,6 +171,8 @@ class FrameSampler:
         token = self._semantic(q_sem)
         end = token == self.end_id
         sem = (token - self.code_offset).clamp_min(0)  # an END row carries code 0; the host drops it
+        if self.shaper is not None:
+            self.shaper.observe(sem)
         # Acoustic codes c1..c7: the depth sequence [proj(last), proj(c0 embedding), proj(c1), ...].
         sem_emb = lm.embed(sem.repeat_interleave(2) + self.code_offset, dt)  # [rows, H]
         if self.depth_cache is None:  # two products, as the reference makes them
@@ -245,16 +263,19 @@ class _Draws:
 
 
 def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, device: torch.device,
-                   progress: Progress, compile: bool = False,
-                   static_shapes: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+                   progress: Progress, compile: bool = False, static_shapes: bool = False,
+                   emit_first: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
     """Frames 0 .. max_frames (frame 0 is fed back, not emitted) of every song until it ends.
     Returns per song (codes [n + 1, ncb] on the CPU, frame hiddens [n, ncb, H], ended_naturally).
+    `emit_first` (a continued song, its frame 0 already known): frames 0 .. max_frames - 1 are all
+    emitted; returns codes [n, ncb] and hiddens [n, ncb, H].
     `static_shapes` (implied by `compile`): the LM attends over power-of-two lengths of its cache
     with the unfilled positions masked, so the step's shapes change only at those lengths."""
     gens, cache = draws.generators, sampler.cache
     n_songs, ncb, hidden_size = len(gens), sampler.ncb, sampler.lm.hidden_size
-    codes_buf = torch.zeros(max_frames + 1, n_songs, ncb, dtype=torch.long, device=device)
-    hid_buf = torch.zeros(max_frames + 1, n_songs, ncb, hidden_size, dtype=sampler.dtype, device=device)
+    last_launch = max_frames - 1 if emit_first else max_frames
+    codes_buf = torch.zeros(last_launch + 1, n_songs, ncb, dtype=torch.long, device=device)
+    hid_buf = torch.zeros(last_launch + 1, n_songs, ncb, hidden_size, dtype=sampler.dtype, device=device)
     step = sampler.step
     static = compile or static_shapes
     cache.host_counting = not static
@@ -290,7 +311,7 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
                 active[i], ended[i] = False, True
                 continue
             last_frame[i], recorded = f, True
-            if f > 0:
+            if f > 0 or emit_first:
                 emitted[i] += 1
                 active[i] = emitted[i] < max_frames
         snaps.pop(f - 1, None)
@@ -301,7 +322,7 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     launched = done = 0
     try:
         while True:
-            can_launch = launched <= max_frames and any(active)
+            can_launch = launched <= last_launch and any(active)
             if not can_launch and done >= launched:
                 break
             if progress.should_stop():
@@ -321,7 +342,7 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     out = []
     for i in range(n_songs):
         n = last_frame[i] + 1  # frames 0 .. last recorded
-        hiddens = hid_buf[1:n, i]
+        hiddens = hid_buf[0 if emit_first else 1:n, i]
         whole = n_songs == 1 and n == hid_buf.shape[0]  # then a contiguous view of nearly all the buffer
         out.append((codes_cpu[:n, i].clone(), hiddens if whole else hiddens.clone(), ended[i]))
     return out
@@ -331,10 +352,16 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
 def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings, *,
          device: torch.device | None = None, dtype: torch.dtype = torch.float32,
          generators: list[torch.Generator] | torch.Generator | None = None, progress: Progress | None = None,
-         weight_budget: int | None = None, compile: bool = False) -> list[AudioCodes]:
+         weight_budget: int | None = None, compile: bool = False,
+         prefix: torch.Tensor | None = None) -> list[AudioCodes]:
     """Sample `settings.songs` songs for `prompt`; returns one AudioCodes per song (codes [F+1, ncb],
     frame hiddens [F, ncb, H] in `dtype` on `device`, `ended_naturally` when the LM chose END before
     the cap).
+
+    `prefix`: codes [P + 1, ncb] of a song to continue. The prompt and those frames are teacher
+    forced (both CFG rows), sampling goes on from there up to the duration (which counts the prior
+    frames), and each result's codes are the prefix followed by the new frames; the prefix's
+    hiddens are its replay (`replay`).
 
     Song i draws from `generators[i]` if given (CPU generators reproduce the reference's draws, and
     the same generator can go on to draw the DiT noise), else from a CPU generator seeded
@@ -362,6 +389,15 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     cs = prompt.codes
     n_prompt = prompt.num_tokens
     max_frames = max_frames_for(settings.duration, n_prompt, lm.max_positions, settings.frame_rate)
+    known = 0
+    if prefix is not None:
+        prefix = _checked_codes(prefix, cs, depth, "prior codes")
+        known = prefix.shape[0]
+        max_frames -= known - 1
+        if max_frames < 1:
+            raise ValueError(f"the prior codes already hold {known - 1} frames ({(known - 1) / settings.frame_rate:.2f} s): "
+                             f"a duration of {settings.duration:g} s leaves no frame to add (within the LM context of "
+                             f"{lm.max_positions} after the {n_prompt}-token prompt)")
     budget = ar_weight_budget(device) if weight_budget is None else int(weight_budget)
     if lm.numerics == "fast" and not keeps_ar_copies(device):
         budget = 0  # the fused kernels read the GGUF blocks themselves
@@ -369,17 +405,21 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     if own:  # the depth decoder runs 7 times a frame: its weights first
         cache_dequantized([depth, lm], dtype, budget, device)
     try:
+        prior = None if prefix is None else replay(lm, depth, prompt, prefix, device=device, dtype=dtype,
+                                                   progress=progress).frame_hiddens
         # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
         # One spare position: the last frame is fed back too.
-        cache = lm.new_cache(2, n_prompt + max_frames + 1, dtype, device)
+        cache = lm.new_cache(2, n_prompt + known + max_frames + 1, dtype, device)
         last = lm(lm.embed(prompt.ids.to(device), dtype), cache)[:, -1]  # [2, H], final-normed
+        if prefix is not None:
+            last = _feed_frames(lm, depth, prefix.to(device), cs.code_offset, dtype, cache)
         if n_songs > 1:
             cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
-        sampler = FrameSampler(lm, depth, cs, cache, settings, dtype, device)
+        sampler = FrameSampler(lm, depth, cs, cache, settings, dtype, device, max_frames, prefix)
         sampler.last = last
         draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab)
         results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
-                                 compile=compile)
+                                 compile=compile, emit_first=prefix is not None)
     finally:
         if own:
             release_dequantized([depth, lm])
@@ -387,10 +427,36 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     out = []
     for i, (codes, hiddens, ended) in enumerate(results):
         if hiddens.shape[0] == 0:
+            what = "the continuation" if prefix is not None else "the song"
             raise ZeroFramesError(f"song {i} (lm_seed {seeds[i]}) generated zero audio frames: the LM ended "
-                                  "the song at once; try another seed or prompt")
+                                  f"{what} at once; try another seed or prompt")
+        if prefix is not None:
+            codes, hiddens = torch.cat([prefix, codes]), torch.cat([prior, hiddens.to(prior.device)])
         out.append(AudioCodes(codes, hiddens, prompt, seeds[i], ended))
     return out
+
+
+def _checked_codes(codes: torch.Tensor, cs, depth: RVQDepthDecoder, what: str = "codes") -> torch.Tensor:
+    """codes as CPU int64 [F + 1, ncb] (F >= 1) within the code ranges, else ValueError."""
+    ncb = depth.num_codebooks
+    codes = codes.cpu().long()
+    if codes.ndim != 2 or codes.shape[1] != ncb or codes.shape[0] < 2:
+        raise ValueError(f"{what} must be [frames + 1, {ncb}] with at least 2 rows, got {list(codes.shape)}")
+    limits = torch.tensor([cs.num_semantic] + [depth.audio_vocab] * (ncb - 1))
+    if ((codes < 0) | (codes >= limits)).any():
+        raise ValueError(f"{what} out of range (c0 < {cs.num_semantic}, c1.. < {depth.audio_vocab})")
+    return codes
+
+
+def _feed_frames(lm: Qwen3LM, depth: RVQDepthDecoder, codes: torch.Tensor, off: int, dtype: torch.dtype,
+                 cache: KVCache, chunk: int = 512) -> torch.Tensor:
+    """Teacher-force known frames into both CFG rows of `cache`; returns the state after the last
+    one [2, H] (what predicts the next frame)."""
+    last = None
+    for a in range(0, codes.shape[0], chunk):
+        fed = frame_feedback(lm, depth, codes[a:a + chunk], off, dtype).transpose(0, 1)  # [1, m, H]
+        last = lm(fed.expand(2, -1, -1).contiguous(), cache)[:, -1]
+    return last
 
 
 @torch.no_grad()
@@ -405,12 +471,7 @@ def replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, codes: torch.Ten
     device = model_device(lm) if device is None else torch.device(device)
     progress = progress or Progress()
     cs, ncb = prompt.codes, depth.num_codebooks
-    codes = codes.cpu().long()
-    if codes.ndim != 2 or codes.shape[1] != ncb or codes.shape[0] < 2:
-        raise ValueError(f"codes must be [frames + 1, {ncb}] with at least 2 rows, got {list(codes.shape)}")
-    limits = torch.tensor([cs.num_semantic] + [depth.audio_vocab] * (ncb - 1))
-    if ((codes < 0) | (codes >= limits)).any():
-        raise ValueError(f"codes out of range (c0 < {cs.num_semantic}, c1.. < {depth.audio_vocab})")
+    codes = _checked_codes(codes, cs, depth)
     n = codes.shape[0] - 1
     n_prompt = prompt.num_tokens
     if n_prompt + n > lm.max_positions:
@@ -443,13 +504,14 @@ def replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, codes: torch.Ten
 
 def plan_and_replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings, *,
                     device: torch.device | None = None, dtype: torch.dtype = torch.float32,
-                    progress: Progress | None = None, weight_budget: int | None = None) -> list[AudioCodes]:
+                    progress: Progress | None = None, weight_budget: int | None = None,
+                    prefix: torch.Tensor | None = None) -> list[AudioCodes]:
     """Sample the songs, then rebuild each one's hiddens from its codes by teacher forcing.
 
     The synthesis then depends on the codes alone (sampled and replayed hiddens differ by float
     rounding of the batch shape only), so a song's codes, saved and rendered again, give the same
     audio bit for bit."""
     songs = plan(lm, depth, prompt, settings, device=device, dtype=dtype, progress=progress,
-                 weight_budget=weight_budget)
+                 weight_budget=weight_budget, prefix=prefix)
     return [replay(lm, depth, prompt, s.codes, device=device, dtype=dtype, progress=progress, lm_seed=s.lm_seed,
                    ended=s.ended_naturally) for s in songs]

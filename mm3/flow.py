@@ -33,6 +33,8 @@ WINDOW_FRAMES = 200  # before_denoise.py: 200-frame windows ...
 WINDOW_HOP = 100  # ... every 100 frames
 OVERLAP_LATENTS = 172  # denoise.py _OVERLAP_LATENT_LENGTH: latents shared with the previous window
 BLEND_SIGMA_MIN = 1e-6  # denoise.py: x[:ov] = (1 - (1 - 1e-6) t) noise + t prev
+AUTO_SHIFT = 0.0  # dit_shift value meaning "automatic" (`schedule_shift`)
+MAX_SHIFT = 30.0  # the automatic shift at 2 steps is 29
 
 
 class NonFiniteError(RunError):
@@ -47,15 +49,120 @@ def window_bounds(num_frames: int) -> list[tuple[int, int]]:
     return [(s, min(s + WINDOW_FRAMES, num_frames)) for s in starts]
 
 
-def flow_sigmas(steps: int) -> torch.Tensor:
+def flow_sigmas(steps: int, shift: float = 1.0) -> torch.Tensor:
     """[steps + 1] float32 flow times: 1 - float32(linspace(1, 1/N, N)) computed in float32, then 1.0.
 
     The DiT is fed sigma_i and the Euler step uses sigma_{i+1} - sigma_i (the reference scheduler
-    with num_train_timesteps 1, shift 1, invert_sigmas)."""
+    with num_train_timesteps 1, invert_sigmas). `shift` > 1 keeps the noise levels high for
+    longer: s -> shift * s / (1 + (shift - 1) * s) before the inversion, in float32 as the
+    scheduler computes it; the reference's schedule is shift 1."""
     if int(steps) != steps or steps < 2:
         raise ValueError(f"steps must be at least 2, got {steps}")
-    s = torch.from_numpy(np.linspace(1.0, 1.0 / steps, steps).astype(np.float32))
-    return torch.cat([1.0 - s, torch.ones(1)])
+    shift = check_shift(shift)
+    s = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)
+    if shift != 1.0:
+        s = shift * s / (1 + (shift - 1) * s)
+    return torch.cat([1.0 - torch.from_numpy(s), torch.ones(1)])
+
+
+def check_shift(shift: float) -> float:
+    if not (math.isfinite(shift) and 0 < shift <= MAX_SHIFT):
+        raise ValueError(f"dit_shift must be in (0, {MAX_SHIFT:g}] (or {AUTO_SHIFT:g}: automatic), got {shift}")
+    return float(shift)
+
+
+def schedule_shift(steps: int, shift: float = AUTO_SHIFT) -> float:
+    """The shift a render uses: `shift` itself, or for AUTO_SHIFT 29 / (steps - 1) below 30 steps
+    (few steps sound thin and phasey without one) and 1 from 30 steps on, so default renders keep
+    the reference's schedule."""
+    if shift == AUTO_SHIFT:
+        return (DEFAULT_STEPS - 1) / (steps - 1) if 2 <= steps < DEFAULT_STEPS else 1.0
+    return check_shift(shift)
+
+
+def window_offsets(latent_lengths: list[int]) -> list[int]:
+    """Where each window's latent 0 sits on the song's latent timeline: window k starts where the
+    previous window's carried part began (its latents L - 344 .. L - 172 become window k's first)."""
+    offsets = [0]
+    for length in latent_lengths[:-1]:
+        offsets.append(offsets[-1] + max(0, length - 2 * OVERLAP_LATENTS))
+    return offsets
+
+
+def timeline_length(latent_lengths: list[int]) -> int:
+    """Latents on the song's timeline (what the stitch keeps, in latents)."""
+    return window_offsets(latent_lengths)[-1] + latent_lengths[-1]
+
+
+@dataclass
+class Keep:
+    """What a repaint keeps: per window the original latents [1 or V, C, L_k] and a mask [L_k]
+    float32 (1 keeps the original, 0 samples anew, between them a crossfade)."""
+
+    latents: list[torch.Tensor]
+    masks: list[torch.Tensor]
+
+    @classmethod
+    def range(cls, original: list[torch.Tensor], start: int, end: int, fade: int = 0,
+              covered: int | None = None) -> "Keep":
+        """Keep everything but timeline latents [start, end) of the windows `original`, with a
+        linear crossfade of `fade` latents inside each edge of the range; latents from `covered`
+        on (past the end of a shorter recording) are sampled anew too."""
+        lengths = [x.shape[-1] for x in original]
+        total = timeline_length(lengths)
+        if not 0 <= start < end <= total:
+            raise ValueError(f"repaint range [{start}, {end}) latents is not inside the song's 0..{total}")
+        mask = torch.ones(total)
+        mask[start:end] = 0.0
+        if covered is not None:
+            mask[covered:] = 0.0
+        fade = max(0, min(int(fade), (end - start) // 2))
+        if fade:
+            ramp = torch.linspace(1.0, 0.0, fade + 2)[1:-1]
+            if start > 0:
+                mask[start:start + fade] = ramp
+            if end < total:
+                mask[end - fade:end] = ramp.flip(0)
+        return cls(list(original), split_timeline(mask, lengths))
+
+    @classmethod
+    def seconds(cls, original: list[torch.Tensor], start: float, end: float, fade: float, latent_rate: float,
+                covered: int | None = None) -> "Keep":
+        """`range` in seconds of the song (`latent_rate` latents per second); an end past the song
+        is its end."""
+        total = timeline_length([x.shape[-1] for x in original])
+        a, b = int(round(start * latent_rate)), min(total, int(round(end * latent_rate)))
+        if a >= total:
+            raise ValueError(f"repaint_start {start:g} s is at or after the end of the song ({total / latent_rate:.2f} s)")
+        return cls.range(original, a, max(b, a + 1), int(round(fade * latent_rate)), covered)
+
+    def check(self, conditions: list[torch.Tensor], channels: int):
+        if len(self.latents) != len(conditions):
+            raise ValueError(f"the latents to keep have {len(self.latents)} windows, the conditions {len(conditions)}")
+        for k, (x, c) in enumerate(zip(self.latents, conditions)):
+            if x.dim() != 3 or x.shape[1] != channels or x.shape[-1] != c.shape[1]:
+                raise ValueError(f"window {k}: latents to keep are {list(x.shape)}, expected [1 or V, {channels}, "
+                                 f"{c.shape[1]}] (made from the same codes)")
+
+
+def split_timeline(timeline: torch.Tensor, latent_lengths: list[int]) -> list[torch.Tensor]:
+    """A song's latents on its timeline [..., T] -> one [..., L_k] per window (`window_offsets`).
+    The timeline must cover the windows; `pad_timeline` extends a shorter one."""
+    need = timeline_length(latent_lengths)
+    if timeline.shape[-1] < need:
+        raise ValueError(f"the timeline has {timeline.shape[-1]} latents, the windows need {need}")
+    return [timeline[..., o:o + n] for o, n in zip(window_offsets(latent_lengths), latent_lengths)]
+
+
+def windows_from_timeline(timeline: torch.Tensor, latent_lengths: list[int]) -> tuple[list[torch.Tensor], int]:
+    """Encoded audio [B, C, T] -> the windows of a song of these latent lengths, and how many
+    timeline latents the audio covers (a shorter recording is padded with zeros there: a repaint
+    samples that part anew, `Keep.range(covered=...)`); a longer one is cut."""
+    need = timeline_length(latent_lengths)
+    covered = min(timeline.shape[-1], need)
+    if timeline.shape[-1] < need:
+        timeline = torch.nn.functional.pad(timeline, (0, need - timeline.shape[-1]))
+    return split_timeline(timeline[..., :need], latent_lengths), covered
 
 
 def seed_generators(seed: int, variations: int = 1) -> list[torch.Generator]:
@@ -120,6 +227,7 @@ class _Run:
     progress: Progress
     windows: int
     total: int  # progress units: windows x groups x steps
+    keep: "Keep | None" = None
 
     @property
     def steps(self) -> int:
@@ -131,7 +239,8 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
                    dit_cfg: float = DEFAULT_DIT_CFG, seed: int | None = None, generator=None,
                    variations: int = 1, variation_batch: int = 1, cfg_batch: bool = True, device=None,
                    dtype: torch.dtype = torch.float32, progress: Progress | None = None,
-                   weight_cache: int | None = None, fast_matmul: bool | None = None) -> list[torch.Tensor]:
+                   weight_cache: int | None = None, fast_matmul: bool | None = None,
+                   shift: float = 1.0, keep: Keep | None = None) -> list[torch.Tensor]:
     """Denoise every window; returns one latent [variations, C, L_k] per window (uncropped).
 
     conditions: the condition of every window, [1, L_k, D] (`encode_conditions`); not modified.
@@ -149,15 +258,22 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
     fast_matmul: on the CPU, float32 products through oneDNN where that is float32-accurate
     (`mm3.matmul.onednn_matmul`; ~1.7x on a DiT step, ~1e-6 relative rounding differences); None =
     on unless `cfg_batch` is False (the bit-exact reference mode) or the heads are narrow (`pays_for`).
+    shift: of the flow schedule (`flow_sigmas`); 1 is the reference's.
+    keep: repaint (flow-matching inpainting): before every step the kept part of each window is set
+    to its original latents moved to that step's noise level (from the window's own noise, as the
+    overlap with the previous window is), and to the original itself at the end; windows kept
+    whole are not sampled at all.
     """
     gens = _check_args(steps, dit_cfg, seed, generator, variations)
     if not conditions:
         raise ValueError("no window conditions to sample (encode_conditions returns one per window)")
     device = model_device(dit) if device is None else torch.device(device)
+    if keep is not None:
+        keep.check(conditions, dit.in_channels)
     group = max(1, min(int(variation_batch), variations))
     n_groups = -(-variations // group)
-    run = _Run(dit, flow_sigmas(steps).to(device), float(dit_cfg), cfg_batch, group, device, dtype,
-               progress or Progress(), len(conditions), len(conditions) * n_groups * steps)
+    run = _Run(dit, flow_sigmas(steps, shift).to(device), float(dit_cfg), cfg_batch, group, device, dtype,
+               progress or Progress(), len(conditions), len(conditions) * n_groups * steps, keep)
     budget = dit_weight_budget(device) if weight_cache is None else int(weight_cache)
     own = budget > 0 and dequantized_nbytes(dit) == 0  # copies someone else keeps are left alone
     if own:
@@ -184,12 +300,17 @@ def _sample_windows(run: _Run, conditions: list[torch.Tensor], gens: list[torch.
             cond[:, :ov] = prev_cond[:, :ov]
         noise = torch.cat([torch.randn((1, channels, length), generator=g) for g in gens])  # CPU, float32
         noise = noise.to(device=run.device, dtype=run.dtype)
+        kept = None
+        if run.keep is not None:
+            orig = run.keep.latents[k].to(device=run.device, dtype=run.dtype).expand(variations, -1, -1)
+            kept = (orig, run.keep.masks[k].to(device=run.device, dtype=run.dtype))
         lat = []
         for gi in range(n_groups):
             sl = slice(gi * run.group, min((gi + 1) * run.group, variations))
             ctx = dict(window=k, windows=run.windows, variations=(sl.start, sl.stop))
             lat.append(_denoise_window(run, noise[sl], cond, None if prev_lat is None else prev_lat[sl], ov, ctx,
-                                       (k * n_groups + gi) * run.steps))
+                                       (k * n_groups + gi) * run.steps,
+                                       None if kept is None else (kept[0][sl], kept[1])))
         x = torch.cat(lat)
         a = max(0, length - 2 * OVERLAP_LATENTS)
         b = max(a, length - OVERLAP_LATENTS)
@@ -198,11 +319,19 @@ def _sample_windows(run: _Run, conditions: list[torch.Tensor], gens: list[torch.
     return out
 
 
-def _denoise_window(run: _Run, x, cond, prev, ov, ctx, done0):
-    """Euler steps of one window for a group of variations x [V, C, L] sharing `cond` [1, L, D]."""
+def _denoise_window(run: _Run, x, cond, prev, ov, ctx, done0, kept=None):
+    """Euler steps of one window for a group of variations x [V, C, L] sharing `cond` [1, L, D];
+    `kept`: (original [V, C, L], mask [L]) of a repaint."""
     dit, sig, dit_cfg, steps = run.dit, run.sigmas, run.dit_cfg, run.steps
     v_n = x.shape[0]
+    if kept is not None and bool((kept[1] == 1).all()):  # nothing to repaint in this window
+        for i in range(steps):
+            if run.progress.should_stop():
+                raise Cancelled(f"cancelled at window {ctx['window'] + 1}/{ctx['windows']}, step {i + 1}/{steps}")
+            run.progress.on_progress("dit", done0 + i + 1, run.total, dict(ctx, step=i + 1, steps=steps))
+        return kept[0].clone()
     noise_prompt = x[..., :ov].clone()
+    noise = x.clone() if kept is not None else None
     # A guidance scale of 1 is the conditional prediction alone: the reference guider then skips the
     # unconditional call, and so do we.
     guided = not math.isclose(dit_cfg, 1.0)
@@ -216,6 +345,9 @@ def _denoise_window(run: _Run, x, cond, prev, ov, ctx, done0):
         if ov > 0:
             tv = t.to(x.dtype)
             x[..., :ov] = (1.0 - (1.0 - BLEND_SIGMA_MIN) * tv) * noise_prompt + tv * prev[..., :ov]
+        if kept is not None:
+            tv = t.to(x.dtype)
+            x = torch.lerp(x, (1.0 - (1.0 - BLEND_SIGMA_MIN) * tv) * noise + tv * kept[0], kept[1])
         tt = t.expand(v_n).to(x.dtype)
         if not guided:
             v = dit(x, tt, cond_in)
@@ -233,6 +365,8 @@ def _denoise_window(run: _Run, x, cond, prev, ov, ctx, done0):
                 f"non-finite DiT {what} at window {ctx['window'] + 1}/{ctx['windows']}, step {i + 1}/{steps} "
                 f"(variations {ctx['variations'][0]}..{ctx['variations'][1] - 1})")
         run.progress.on_progress("dit", done0 + i + 1, run.total, dict(ctx, step=i + 1, steps=steps))
+    if kept is not None:
+        x = torch.lerp(x, kept[0], kept[1])
     if ov > 0:
         x[..., :ov] = prev[..., :ov]
     return x

@@ -20,6 +20,7 @@ from .constants import FORMAT_EXTENSIONS, RNG_MODES
 from .output import FileBatch, OutputError, render
 from .progress import STAGES, Progress
 from .request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
+from .shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, PENALTIES
 
 EXTENSIONS = FORMAT_EXTENSIONS
 
@@ -45,7 +46,9 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
     overrides = {}
     for field in ("caption", "lyrics", "duration", "steps", "seed", "lm_seed", "lm_cfg", "lm_top_k",
                   "lm_batch_size", "synth_batch_size", "dit_cfg", "peak_clip", "mp3_bitrate",
-                  "lm_model", "depth_model", "cond_model", "dit_model", "vae_model"):
+                  "lm_model", "depth_model", "cond_model", "dit_model", "vae_model", "lm_temperature", "lm_top_p",
+                  "lm_penalty", "lm_penalty_strength", "lm_penalty_window", "lm_dry_min_match", "min_duration",
+                  "takes", "require_ending", "ending_rounds", "dit_shift"):
         v = getattr(args, field, None)
         if v is not None:
             overrides[field] = v
@@ -198,8 +201,18 @@ def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool,
     return [numbered(out, len(tracks), n) for n in range(len(tracks))]
 
 
-def cmd_generate(args) -> int:
+def _song_request(args) -> MM3Request:
+    """continue / repaint: the request of the song named by --request (it must hold its codes)."""
+    if not args.request:
+        raise RequestError(f"{args.command} needs --request: the replay JSON of the song (written beside it)")
     req = _request_from_args(args, need_text=True)
+    if not req.audio_codes:
+        raise RequestError(f"{args.request}: no audio_codes (make them with `plan` or `generate`)")
+    return req
+
+
+def cmd_generate(args, req: MM3Request | None = None, pipe=None) -> int:
+    req = _request_from_args(args, need_text=True) if req is None else req
     if args.command == "render" and not req.audio_codes:
         raise RequestError(f"{args.request}: no audio_codes to render (make them with `plan` or `generate`)")
     out = Path(args.out)
@@ -208,10 +221,12 @@ def cmd_generate(args) -> int:
     count = req.synth_batch_size * (1 if req.audio_codes else req.lm_batch_size)
     targets = [numbered(out, count, n) for n in range(count)]
     _check_targets(targets + [t.with_suffix(".json") for t in targets], args.overwrite)
-    pipe = _pipeline(args)
-    req = _match_models(pipe, req, args)
+    if pipe is None:
+        pipe = _pipeline(args)
+        req = _match_models(pipe, req, args)
     with Console(args.quiet) as console:
         tracks = pipe.run(req, console.progress())
+    _print_takes(pipe, args.quiet)
     start = time.perf_counter()
     _write_tracks(tracks, out, fmt, req, args.overwrite, args.quiet)
     pipe.timings.add("write", time.perf_counter() - start)
@@ -219,6 +234,43 @@ def cmd_generate(args) -> int:
     if not args.quiet:
         print(f"timings: {pipe.timings.summary()}", file=sys.stderr)
     return 0
+
+
+def _print_takes(pipe, quiet: bool):
+    if pipe.candidates and not quiet:
+        for c in pipe.candidates:
+            print(c.describe(25), file=sys.stderr)
+
+
+def cmd_continue(args) -> int:
+    """The song of --request extended to --duration: its codes, then new frames from --lm-seed."""
+    req = _song_request(args)
+    if args.duration is None:
+        raise RequestError("continue needs --duration: the length of the extended song in seconds")
+    req = replace(req, continue_codes=req.audio_codes, audio_codes="")
+    return cmd_generate(args, req)
+
+
+def cmd_repaint(args) -> int:
+    """The song of --request with seconds [--start, --end) rendered anew (new noise, optionally new codes)."""
+    req = _song_request(args)
+    req = replace(req, repaint_start=args.start, repaint_end=args.end,
+                  repaint_seed=-1 if args.repaint_seed is None else args.repaint_seed,
+                  **({} if args.fade is None else {"repaint_fade": args.fade}))
+    out = Path(args.out)
+    replace(req, output_format=_format_for(out, req, args.format)).validate()
+    if args.replan_lm_seed is None:
+        return cmd_generate(args, req)
+    pipe = _pipeline(args)
+    req = _match_models(pipe, req, args)
+    try:
+        with Console(args.quiet) as console:
+            codes = pipe.replan_range(req, args.start, args.end, args.replan_lm_seed, console.progress())
+    except BaseException:
+        pipe.store.release_all()
+        raise
+    req = replace(req, source_codes=req.audio_codes, audio_codes=codes)
+    return cmd_generate(args, req, pipe)
 
 
 def cmd_plan(args) -> int:
@@ -238,10 +290,12 @@ def cmd_plan(args) -> int:
             songs, _ = pipe.plan(req, console.progress())
     finally:
         pipe.store.release_all()
+    _print_takes(pipe, args.quiet)
+    takes = {c.seed: c.take for c in pipe.candidates if c.kept}
     lines = []
     with FileBatch(args.overwrite) as batch:
         for i, (song, path) in enumerate(zip(songs, targets)):
-            replay_req = req.replay(song.to_request_codes(), song=i)
+            replay_req = req.replay(song.to_request_codes(), lm_seed=song.lm_seed, take=takes.get(song.lm_seed))
             batch.add(path, (replay_req.to_json() + "\n").encode())
             how = "ended by itself" if song.ended_naturally else "reached the duration cap"
             lines.append(f"wrote {path}: {song.frames} frames ({song.frames / 25:.2f} s, {how}), "
@@ -256,7 +310,8 @@ def cmd_plan(args) -> int:
 
 def run_job(args) -> int:
     """generate / plan / render; errors reach `mm3.cli.main`, which maps them to exit codes."""
-    return {"generate": cmd_generate, "render": cmd_generate, "plan": cmd_plan}[args.command](args)
+    return {"generate": cmd_generate, "render": cmd_generate, "plan": cmd_plan, "continue": cmd_continue,
+            "repaint": cmd_repaint}[args.command](args)
 
 
 def _common(p, *, text: bool, synth: bool, out_help: str):
@@ -272,10 +327,30 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
         p.add_argument("--lm-cfg", dest="lm_cfg", type=float, help="AR guidance (default 1.5)")
         p.add_argument("--lm-top-k", dest="lm_top_k", type=int, help="AR top-k (default 50)")
         p.add_argument("--songs", dest="lm_batch_size", type=int, help="songs per request (lm_batch_size)")
+        p.add_argument("--temperature", dest="lm_temperature", type=float,
+                       help="AR temperature of the semantic draw (default 1: the reference)")
+        p.add_argument("--top-p", dest="lm_top_p", type=float, help="nucleus over the top-k (default 1: off)")
+        p.add_argument("--penalty", dest="lm_penalty", choices=PENALTIES,
+                       help="repetition penalty of the semantic draw (default none)")
+        p.add_argument("--penalty-strength", dest="lm_penalty_strength", type=float,
+                       help="dry: base of the penalty, 1.05-1.15 useful; frequency/presence: logit per occurrence")
+        p.add_argument("--penalty-window", dest="lm_penalty_window", type=int,
+                       help=f"frames the penalty looks back (default {DEFAULT_PENALTY_WINDOW})")
+        p.add_argument("--dry-min-match", dest="lm_dry_min_match", type=int,
+                       help=f"shortest repeat (frames) dry penalises (default {DEFAULT_DRY_MIN_MATCH})")
+        p.add_argument("--min-duration", dest="min_duration", type=float,
+                       help="seconds before which the song may not end (default 0)")
+        p.add_argument("--takes", type=int, help="candidates per song, kept by whether they ended (default 1)")
+        p.add_argument("--require-ending", dest="require_ending", action="store_true", default=None,
+                       help="keep only takes that ended before the duration cap")
+        p.add_argument("--ending-rounds", dest="ending_rounds", type=int,
+                       help="rounds of takes at the next seeds while none ended (with --require-ending)")
     if synth:
         p.add_argument("--steps", type=int, help="DiT steps (default 30)")
         p.add_argument("--seed", type=int, help="DiT noise seed (-1 = random; variation j uses seed + j)")
         p.add_argument("--dit-cfg", dest="dit_cfg", type=float, help="DiT guidance (default 1.7)")
+        p.add_argument("--shift", dest="dit_shift", type=float,
+                       help="flow schedule shift (default 0: automatic, 29 / (steps - 1) below 30 steps; 1 = off)")
         p.add_argument("--variations", dest="synth_batch_size", type=int, help="variations per song (1..9)")
         p.add_argument("--peak-clip", dest="peak_clip", type=int, help="normalisation percentile (default 10)")
         p.add_argument("--mp3-bitrate", dest="mp3_bitrate", type=int, help="kbps (default 128)")
@@ -305,3 +380,13 @@ def add_cli(sub):
             text=True, synth=False, out_help="output JSON; batches are numbered")
     _common(sub.add_parser("render", help="synthesise a request's audio_codes (no AR sampling)"),
             text=False, synth=True, out_help="output file (.mp3 or .wav)")
+    _common(sub.add_parser("continue", help="extend the song of --request to --duration (its codes, then new ones)"),
+            text=True, synth=True, out_help="output file (.mp3 or .wav); batches are numbered")
+    p = sub.add_parser("repaint", help="render seconds --start..--end of the song of --request anew")
+    p.add_argument("--start", type=float, required=True, help="first second to repaint")
+    p.add_argument("--end", type=float, required=True, help="second where the repaint ends")
+    p.add_argument("--fade", type=float, help="seconds of crossfade inside each edge (default 0.25)")
+    p.add_argument("--repaint-seed", dest="repaint_seed", type=int, help="noise seed of the repainted part (-1 = random)")
+    p.add_argument("--replan-lm-seed", dest="replan_lm_seed", type=int,
+                   help="also sample new codes for the range from this AR seed (default: keep the codes)")
+    _common(p, text=False, synth=True, out_help="output file (.mp3 or .wav)")

@@ -23,16 +23,17 @@ from .ar import PlanSettings, max_frames_for, plan, plan_and_replay, replay
 from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
-from .constants import RNG_MODES
+from .constants import FRAME_RATE, RNG_MODES
 from .device import empty_cache, pick_device, pick_dtype, total_bytes
 from .errors import RunError
 from .fingerprint import file_fingerprint
-from .flow import NonFiniteError, encode_conditions, sample_latents
+from .flow import AUTO_SHIFT, Keep, NonFiniteError, encode_conditions, sample_latents, schedule_shift
 from .progress import Cancelled, Progress
 from .prompt import Prompt, PromptError, build_prompt
 from .registry import Registry
 from .request import MODEL_FIELDS, MM3Request, RequestError
 from .sampling import make_generator
+from .takes import plan_takes
 from .store import ModelStore
 
 # What each stage is called in error messages, and the components it runs.
@@ -115,6 +116,7 @@ class Pipeline:
         self.store = ModelStore(self.registry, self.device, keep_loaded=keep_loaded)
         self.timings = Timings()
         self._last: dict[str, tuple[int, int, dict]] = {}  # stage -> its latest progress report
+        self.candidates = []  # the takes of the latest plan (`mm3.takes.Candidate`)
 
     # -- checks before any model is loaded -----------------------------------------------------------
     def preflight(self, request: MM3Request, kinds: tuple[str, ...] = KINDS) -> Prompt:
@@ -141,13 +143,23 @@ class Pipeline:
             except AudioCodesError as e:
                 raise RequestError(str(e)) from None
             frames = codes.shape[0] - 1
+            for text in (request.source_codes, request.continue_codes):
+                if text:
+                    try:
+                        parse_audio_codes(text, prompt.codes.num_semantic, vocab)
+                    except AudioCodesError as e:
+                        raise RequestError(str(e)) from None
             if context is not None and prompt.num_tokens + frames > context:
                 raise RequestError(f"audio_codes hold {frames} frames; after the {prompt.num_tokens}-token prompt the "
                                    f"LM context of {context} positions leaves room for {context - prompt.num_tokens}")
         elif context is not None:
             try:
                 max_frames_for(request.duration, prompt.num_tokens, context)
-            except ValueError as e:
+                if request.continue_codes:
+                    depth = comps.get("depth")
+                    vocab = depth.hparams["audio_vocab_size"] if depth is not None else 1 << 62
+                    parse_audio_codes(request.continue_codes, prompt.codes.num_semantic, vocab)
+            except (ValueError, AudioCodesError) as e:
                 raise RequestError(str(e)) from None
         return prompt
 
@@ -215,7 +227,7 @@ class Pipeline:
     @staticmethod
     def _plan_settings(request: MM3Request) -> PlanSettings:
         return PlanSettings(duration=request.duration, lm_seed=request.lm_seed, lm_cfg=request.lm_cfg,
-                            top_k=request.lm_top_k, songs=request.lm_batch_size)
+                            top_k=request.lm_top_k, songs=request.lm_batch_size, shaping=request.shaping())
 
     def plan(self, request: MM3Request, progress: Progress | None = None,
              rng: str | None = None) -> tuple[list[AudioCodes], list[torch.Generator] | None]:
@@ -230,17 +242,37 @@ class Pipeline:
         prompt = self.prompt(request)
         progress = self._track(progress)
         settings = self._plan_settings(request)
+        takes = request.takes_setting()
+        if rng == "reference" and (not takes.is_plain or request.continue_codes):
+            raise RequestError("the reference RNG plans one take per song from the prompt alone: use rng independent "
+                               "for takes, require_ending or continue_codes")
         with self._stage("ar"):
             lm, depth = self._ar_models(request, "reference" if rng == "reference" else "fast")
+            prefix = None
+            if request.continue_codes:
+                prefix = parse_audio_codes(request.continue_codes, prompt.codes.num_semantic, depth.audio_vocab)
             start = time.perf_counter()
             if rng == "reference":
                 gens = [make_generator(request.lm_seed + i) for i in range(request.lm_batch_size)]
                 songs = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype, generators=gens,
                              progress=progress)
-            else:
+                self.candidates = []
+            elif takes.is_plain:
                 gens = None
                 songs = plan_and_replay(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
-                                        progress=progress)
+                                        progress=progress, prefix=prefix)
+                self.candidates = []
+            else:  # sample every take, keep the codes only, replay the kept ones
+                gens = None
+
+                def codes_only(st):
+                    return [AudioCodes(s.codes, None, s.prompt, s.lm_seed, s.ended_naturally)
+                            for s in plan(lm, depth, prompt, st, device=self.device, dtype=self.dtype,
+                                          progress=progress, prefix=prefix)]
+
+                kept, self.candidates = plan_takes(codes_only, settings, takes)
+                songs = [replay(lm, depth, prompt, s.codes, device=self.device, dtype=self.dtype, progress=progress,
+                                lm_seed=s.lm_seed, ended=s.ended_naturally) for s in kept]
         for song in songs:
             _check_hiddens(song, "planning")
         self.timings.add("plan", time.perf_counter() - start)
@@ -269,6 +301,25 @@ class Pipeline:
         self.timings.add("replay", time.perf_counter() - start)
         return song
 
+    def replan_range(self, request: MM3Request, start: float, end: float, lm_seed: int,
+                     progress: Progress | None = None) -> str:
+        """The request's audio_codes with the frames of seconds [start, end) sampled anew from
+        `lm_seed` (after the frames before them, END held off until the range is full); the frames
+        after the range are kept. Returns the new codes text."""
+        prompt = self.prompt(request)
+        with self._stage("ar"):
+            lm, depth = self._ar_models(request)
+            codes = parse_audio_codes(request.audio_codes, prompt.codes.num_semantic, depth.audio_vocab)
+            n = codes.shape[0] - 1
+            a, b = int(start * FRAME_RATE), min(n, int(end * FRAME_RATE))
+            if not 0 <= a < b:
+                raise RequestError(f"the range {start:g}..{end:g} s holds no frame of this {n / FRAME_RATE:.2f} s song")
+            settings = replace(self._plan_settings(request), duration=(b + 0.5) / FRAME_RATE, lm_seed=lm_seed, songs=1,
+                               shaping=replace(request.shaping(), min_frames=b))
+            (song,) = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
+                           progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)
+        return AudioCodes(torch.cat([song.codes, codes[b + 1:]]), None, prompt).to_request_codes()
+
     def _resample(self, request: MM3Request, progress) -> tuple[list[AudioCodes], list[torch.Generator]]:
         """Reference mode for known codes: sample again from lm_seed (same generator, same codes)
         so the DiT noise continues from the same generator state; the codes must agree."""
@@ -280,8 +331,9 @@ class Pipeline:
         return songs, gens
 
     def synthesize(self, request: MM3Request, song: AudioCodes, progress: Progress | None = None,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
-        """Audio [V, 2, T] float32 on the CPU for `request.synth_batch_size` variations of `song`."""
+                   generator: torch.Generator | None = None, source: AudioCodes | None = None) -> torch.Tensor:
+        """Audio [V, 2, T] float32 on the CPU for `request.synth_batch_size` variations of `song`.
+        A repaint keeps the latents of `source` (default: `song`) rendered with `request.seed`."""
         progress = self._track(progress)
         with self._stage("dit"):
             cond = self.store.model("cond", request.cond_model)
@@ -289,10 +341,17 @@ class Pipeline:
             start = time.perf_counter()
             conditions = encode_conditions(cond, song.frame_hiddens, device=self.device, dtype=self.dtype,
                                            progress=progress)
-            latents = sample_latents(dit, conditions, steps=request.steps, dit_cfg=request.dit_cfg,
-                                     seed=None if generator is not None else request.seed, generator=generator,
-                                     variations=request.synth_batch_size, device=self.device, dtype=self.dtype,
-                                     progress=progress, cfg_batch=generator is None)  # reference: its two CFG calls
+            # The reference RNG reproduces the reference's render: its schedule unless a shift is asked for.
+            auto_is_reference = generator is not None and request.dit_shift == AUTO_SHIFT
+            common = dict(steps=request.steps, dit_cfg=request.dit_cfg, device=self.device, dtype=self.dtype,
+                          progress=progress, shift=1.0 if auto_is_reference else schedule_shift(request.steps,
+                                                                                                request.dit_shift))
+            if request.repaints:
+                latents = self._repaint(request, song, source, cond, dit, conditions, common)
+            else:
+                latents = sample_latents(dit, conditions, seed=None if generator is not None else request.seed,
+                                         generator=generator, variations=request.synth_batch_size,
+                                         cfg_batch=generator is None, **common)  # reference: its two CFG calls
             del conditions
             hop = int(cond.hp["output_hop_length"])
         self.timings.add("dit", time.perf_counter() - start)
@@ -303,6 +362,23 @@ class Pipeline:
             _check_audio(audio, [lat.shape[-1] for lat in latents], hop)
         self.timings.add("vae", time.perf_counter() - start)
         return audio.float().cpu()
+
+    def _repaint(self, request: MM3Request, song: AudioCodes, source: AudioCodes | None, cond, dit,
+                 conditions, common) -> list[torch.Tensor]:
+        """The song's latents with [repaint_start, repaint_end) sampled anew from repaint_seed (one
+        variation per seed from there) and the rest those of the source rendered with `seed`."""
+        src_conditions = conditions if source is None else encode_conditions(
+            cond, source.frame_hiddens, device=self.device, dtype=self.dtype, progress=common["progress"])
+        original = sample_latents(dit, src_conditions, seed=request.seed, **common)
+        if [c.shape[1] for c in src_conditions] != [c.shape[1] for c in conditions]:
+            raise RequestError("source_codes and audio_codes must have the same number of frames for a repaint")
+        rate = cond.hp["output_sampling_rate"] / cond.hp["output_hop_length"]
+        try:
+            keep = Keep.seconds(original, request.repaint_start, request.repaint_end, request.repaint_fade, rate)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return sample_latents(dit, conditions, seed=request.repaint_seed, variations=request.synth_batch_size,
+                              keep=keep, **common)
 
     # -- the whole job ------------------------------------------------------------------------
     def run(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None) -> list[Track]:
@@ -334,21 +410,32 @@ class Pipeline:
         return tracks
 
     def _run(self, request: MM3Request, progress, rng: str) -> list[Track]:
+        source = None
         if request.audio_codes:
+            if request.repaints and rng == "reference":
+                raise RequestError("a repaint draws its noise from seed and repaint_seed: use rng independent")
             if rng == "reference":
                 songs, gens = self._resample(request, progress)
             else:
                 songs, gens = [self.replay(request, progress)], None
+            if request.source_codes:
+                source = self.replay(request, progress, codes=parse_audio_codes(
+                    request.source_codes, songs[0].prompt.codes.num_semantic, 1 << 62))
         else:
             songs, gens = self.plan(request, progress, rng)
+        takes = {c.seed: c.take for c in self.candidates if c.kept} if not request.audio_codes else {}
         tracks = []
         sample_rate = None
         for i, song in enumerate(songs):
-            audio = self.synthesize(request, song, progress, generator=gens[i] if gens else None)
+            audio = self.synthesize(request, song, progress, generator=gens[i] if gens else None, source=source)
             sample_rate = self.store.model("vae", request.vae_model).sampling_rate
             codes_text = song.to_request_codes()
             for j in range(audio.shape[0]):
-                replay_request = request.replay(codes_text, song=0 if request.audio_codes else i, variation=j)
+                if request.audio_codes:
+                    replay_request = request.replay(codes_text, variation=j)
+                else:
+                    replay_request = request.replay(codes_text, variation=j, lm_seed=song.lm_seed,
+                                                    take=takes.get(song.lm_seed))
                 tracks.append(Track(audio[j], sample_rate, replay_request, i, j, song))
         return tracks
 

@@ -34,6 +34,15 @@ from .constants import (
     SEED_MAX,
 )
 from .errors import InputError
+from .flow import AUTO_SHIFT
+from .shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW
+
+DEFAULT_REPAINT_FADE = 0.25  # seconds of crossfade inside each edge of a repainted range
+# Fields the reference server does not know; written only when set (`MM3Request.to_dict`).
+EXTENSION_FIELDS = ("lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",
+                    "lm_dry_min_match", "min_duration", "takes", "require_ending", "ending_rounds", "lm_take",
+                    "dit_shift", "continue_codes", "repaint_start", "repaint_end", "repaint_seed", "repaint_fade",
+                    "source_codes")
 
 
 class RequestError(InputError):
@@ -66,6 +75,31 @@ class MM3Request:
     # track, and a fingerprint of each model file used (`mm3.fingerprint`), keyed by the *_model field.
     rng: str = DEFAULT_RNG
     model_fingerprints: dict = field(default_factory=dict)
+    # Beyond the reference (each omitted from the JSON at its default, which is the reference's
+    # behaviour). The semantic draw's shaping (`mm3.shaping`):
+    lm_temperature: float = 1.0
+    lm_top_p: float = 1.0
+    lm_penalty: str = "none"
+    lm_penalty_strength: float = 0.0
+    lm_penalty_window: int = DEFAULT_PENALTY_WINDOW
+    lm_dry_min_match: int = DEFAULT_DRY_MIN_MATCH
+    min_duration: float = 0.0
+    # Natural endings (`mm3.takes`); lm_take: which candidate a replay request's codes are.
+    takes: int = 1
+    require_ending: bool = False
+    ending_rounds: int = 1
+    lm_take: int = -1
+    # The flow schedule's shift (0: automatic, `mm3.flow.schedule_shift`).
+    dit_shift: float = AUTO_SHIFT
+    # Continue: the codes of the song to extend (planning goes on after them up to `duration`).
+    continue_codes: str = ""
+    # Repaint seconds [repaint_start, repaint_end) with noise from repaint_seed; the rest keeps the
+    # latents of `source_codes` (or of audio_codes when empty) rendered with `seed`.
+    repaint_start: float = -1.0
+    repaint_end: float = -1.0
+    repaint_seed: int = -1
+    repaint_fade: float = DEFAULT_REPAINT_FADE
+    source_codes: str = ""
 
     # -- JSON ---------------------------------------------------------------------------------
     @classmethod
@@ -99,11 +133,20 @@ class MM3Request:
                 if not isinstance(v, dict):
                     raise RequestError(f"{f.name} must be an object, got {json.dumps(v)}")
                 v = dict(v)
+            elif f.type == "bool":
+                if not isinstance(v, bool):
+                    raise RequestError(f"{f.name} must be true or false, got {json.dumps(v)}")
             kwargs[f.name] = v
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field, except the extensions at their defaults (so a request written before them,
+        or for the reference server, reads the same)."""
+        out = asdict(self)
+        for f in fields(self):
+            if f.name in EXTENSION_FIELDS and out[f.name] == f.default:
+                del out[f.name]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, ensure_ascii=False)
@@ -160,7 +203,71 @@ class MM3Request:
                                    f"{', '.join(MODEL_FIELDS.values())})")
             if not is_fingerprint(value):
                 raise RequestError(f"model_fingerprints {key} must be \"<size>-<16 hex digits>\", got {json.dumps(value)}")
+        self._check_extensions()
         return self
+
+    def shaping(self):
+        """The semantic draw's shaping this request asks for (`mm3.shaping.Shaping`)."""
+        from .shaping import Shaping
+
+        return Shaping(temperature=self.lm_temperature, top_p=self.lm_top_p, penalty=self.lm_penalty,
+                       penalty_strength=self.lm_penalty_strength, penalty_window=self.lm_penalty_window,
+                       min_match=self.lm_dry_min_match, min_frames=int(self.min_duration * FRAME_RATE))
+
+    def takes_setting(self):
+        from .takes import Takes
+
+        return Takes(takes=self.takes, require_ending=self.require_ending, rounds=self.ending_rounds)
+
+    @property
+    def repaints(self) -> bool:
+        return self.repaint_end >= 0 or self.repaint_start >= 0
+
+    def _check_extensions(self):
+        for name in ("lm_temperature", "lm_top_p", "lm_penalty_strength", "min_duration", "dit_shift",
+                     "repaint_start", "repaint_end", "repaint_fade"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                raise RequestError(f"{name} must be a finite number, got {v}")
+        try:
+            self.shaping()
+            self.takes_setting()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if self.min_duration < 0 or (not self.audio_codes and not self.continue_codes and self.min_duration > self.duration):
+            raise RequestError(f"min_duration must be between 0 and the duration {self.duration:g} s, "
+                               f"got {self.min_duration:g}")
+        if self.dit_shift != AUTO_SHIFT:
+            from .flow import check_shift
+
+            try:
+                check_shift(self.dit_shift)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        if self.lm_take < -1:
+            raise RequestError(f"lm_take must be -1 (none) or a take number, got {self.lm_take}")
+        if self.continue_codes:
+            if self.audio_codes:
+                raise RequestError("a request has either audio_codes (render them) or continue_codes (plan after "
+                                   "them), not both")
+            frames = check_codes_syntax(self.continue_codes) - 1
+            if frames >= int(self.duration * FRAME_RATE):
+                raise RequestError(f"continue_codes already hold {frames} frames ({frames / FRAME_RATE:.2f} s): the "
+                                   f"duration {self.duration:g} s must be longer to add any")
+        if self.source_codes:
+            check_codes_syntax(self.source_codes)
+            if not self.repaints:
+                raise RequestError("source_codes is only used by a repaint (repaint_start and repaint_end)")
+        if self.repaints:
+            if not self.audio_codes:
+                raise RequestError("a repaint needs the song's audio_codes (render or plan it first)")
+            if not 0 <= self.repaint_start < self.repaint_end:
+                raise RequestError(f"repaint needs 0 <= repaint_start < repaint_end (seconds), got "
+                                   f"{self.repaint_start:g} and {self.repaint_end:g}")
+            if self.repaint_fade < 0:
+                raise RequestError(f"repaint_fade must be at least 0 seconds, got {self.repaint_fade:g}")
+            if self.repaint_seed < -1 or self.repaint_seed > SEED_MAX:
+                raise RequestError(f"repaint_seed must be -1 (random) or 0..{SEED_MAX}, got {self.repaint_seed}")
 
     def _check_types(self):
         """Fields set from Python (flags, nodes) get the type checks `from_dict` makes on JSON."""
@@ -172,10 +279,13 @@ class MM3Request:
                 ok = isinstance(v, int) and not isinstance(v, bool)
             elif f.type == "dict":
                 ok = isinstance(v, dict)
+            elif f.type == "bool":
+                ok = isinstance(v, bool)
             else:
                 ok = isinstance(v, (int, float)) and not isinstance(v, bool)
             if not ok:
-                kind = {"str": "a string", "int": "an integer", "dict": "an object"}.get(f.type, "a number")
+                kind = {"str": "a string", "int": "an integer", "dict": "an object", "bool": "true or false"}.get(
+                    f.type, "a number")
                 raise RequestError(f"{f.name} must be {kind}, got {v!r}")
 
     @property
@@ -188,12 +298,20 @@ class MM3Request:
             self,
             seed=self.seed if self.seed >= 0 else secrets.randbelow(SEED_MAX + 1),
             lm_seed=self.lm_seed if self.lm_seed >= 0 else secrets.randbelow(SEED_MAX + 1),
+            repaint_seed=self.repaint_seed if self.repaint_seed >= 0 or not self.repaints
+            else secrets.randbelow(SEED_MAX + 1),
         )
 
-    def replay(self, audio_codes: str, song: int = 0, variation: int = 0) -> "MM3Request":
-        """The request that re-renders one track: its codes, its exact seeds, batch sizes 1."""
-        return replace(self, audio_codes=audio_codes, lm_seed=self.lm_seed + song, seed=self.seed + variation,
-                       lm_batch_size=1, synth_batch_size=1)
+    def replay(self, audio_codes: str, song: int = 0, variation: int = 0, lm_seed: int | None = None,
+               take: int | None = None) -> "MM3Request":
+        """The request that re-renders one track: its codes, its exact seeds, batch sizes 1.
+        `lm_seed`/`take`: the seed and number of the candidate kept among takes."""
+        seeds = dict(seed=self.seed + variation)
+        if self.repaints:  # the kept part stays the source's; the variations differ in the repainted part
+            seeds = dict(seed=self.seed, repaint_seed=self.repaint_seed + variation)
+        return replace(self, audio_codes=audio_codes, continue_codes="",
+                       lm_seed=self.lm_seed + song if lm_seed is None else lm_seed,
+                       lm_take=self.lm_take if take is None else take, lm_batch_size=1, synth_batch_size=1, **seeds)
 
 
 def check_output_format(name) -> str:

@@ -183,6 +183,7 @@ class LatentsBundle:
     request: MM3Request
     parts: dict[str, PartInfo] = field(repr=False)
     warnings: list[str] = field(default_factory=list)
+    covered: int | None = None  # encoded from a recording: timeline latents it covers (the rest is padding)
 
     @property
     def variations(self) -> int:

@@ -17,16 +17,17 @@ from pathlib import Path
 
 import torch
 
-from mm3.ar import PlanSettings, plan_and_replay, replay
-from mm3.audio import decode_windows, stitch
+from mm3.ar import PlanSettings, plan, plan_and_replay, replay
+from mm3.audio import decode_windows, encode_audio, stitch
 from mm3.codes import AudioCodes, parse_audio_codes
 from mm3.components import check_compatible
 from mm3.constants import MAX_PROMPT_TOKENS
-from mm3.flow import encode_conditions, sample_latents
+from mm3.flow import AUTO_SHIFT, Keep, encode_conditions, sample_latents, schedule_shift, windows_from_timeline
 from mm3.output import atomic_write, write_audio
 from mm3.progress import Progress
 from mm3.prompt import build_prompt
 from mm3.request import MM3Request, RequestError
+from mm3.takes import Takes, plan_takes
 from mm3.tokenizer import MM3Tokenizer
 from .handles import ComponentHandle, ConditionBundle, LatentsBundle, PlannedSong, PromptBundle, WindowsBundle, part
 
@@ -89,26 +90,49 @@ def _stored(song: AudioCodes) -> AudioCodes:
 @torch.no_grad()
 def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandle, prompt: PromptBundle,
                settings: PlanSettings, *, device, dtype: torch.dtype, progress: Progress | None = None,
-               weight_budget: int | None = None) -> list[PlannedSong]:
+               weight_budget: int | None = None, takes: Takes = Takes(),
+               prior: PlannedSong | None = None) -> tuple[list[PlannedSong], list]:
     """`mm3.ar.plan_and_replay`: the songs of `settings` (song i from lm_seed + i) with the hiddens
     their codes replay to, as the command line makes them, so a saved codes file renders the same
     audio. `weight_budget`: bytes of dequantized weight copies the AR stage may keep (None: its
-    own rule)."""
+    own rule). `takes`: candidates kept by their endings (`mm3.takes`); `prior`: a song to continue
+    (its codes, then new frames up to the duration). Returns the songs and every take planned."""
     parts = check_parts({}, lm=lm, depth=depth)
+    sh = settings.shaping
     request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, duration=float(settings.duration),
-                         lm_seed=settings.lm_seed, lm_cfg=float(settings.lm_cfg), lm_top_k=int(settings.top_k))
+                         lm_seed=settings.lm_seed, lm_cfg=float(settings.lm_cfg), lm_top_k=int(settings.top_k),
+                         lm_temperature=float(sh.temperature), lm_top_p=float(sh.top_p), lm_penalty=sh.penalty,
+                         lm_penalty_strength=float(sh.penalty_strength) if sh.penalty != "none" else 0.0,
+                         lm_penalty_window=int(sh.penalty_window), lm_dry_min_match=int(sh.min_match),
+                         min_duration=sh.min_frames / settings.frame_rate, takes=takes.takes,
+                         require_ending=takes.require_ending, ending_rounds=takes.rounds if takes.require_ending else 1,
+                         continue_codes="" if prior is None else prior.codes.to_request_codes())
     request = with_model(with_model(request, "lm_model", lm), "depth_model", depth)
     try:
         request.validate()
     except RequestError as e:
         raise ValueError(str(e)) from None
-    songs = plan_and_replay(lm_model, depth_model, prompt.prompt, settings, device=device, dtype=dtype,
-                            progress=progress, weight_budget=weight_budget)
+    prefix = None if prior is None else prior.codes.codes
+    if takes.is_plain:
+        songs = plan_and_replay(lm_model, depth_model, prompt.prompt, settings, device=device, dtype=dtype,
+                                progress=progress, weight_budget=weight_budget, prefix=prefix)
+        candidates = []
+    else:
+        def codes_only(st):
+            return [AudioCodes(s.codes, None, s.prompt, s.lm_seed, s.ended_naturally)
+                    for s in plan(lm_model, depth_model, prompt.prompt, st, device=device, dtype=dtype,
+                                  progress=progress, weight_budget=weight_budget, prefix=prefix)]
+
+        kept, candidates = plan_takes(codes_only, settings, takes)
+        songs = [replay(lm_model, depth_model, prompt.prompt, s.codes, device=device, dtype=dtype, progress=progress,
+                        lm_seed=s.lm_seed, ended=s.ended_naturally) for s in kept]
+    take_of = {c.seed: c.take for c in candidates if c.kept}
     out = []
     for i, s in enumerate(songs):
-        req = replace(request, lm_seed=s.lm_seed, audio_codes=s.to_request_codes())
+        req = replace(request, lm_seed=s.lm_seed, audio_codes=s.to_request_codes(), continue_codes="",
+                      lm_take=take_of.get(s.lm_seed, -1))
         out.append(PlannedSong(_stored(s), req, parts, i, len(songs)))
-    return out
+    return out, candidates
 
 
 def read_codes_request(text: str, source: str, lm: ComponentHandle, depth: ComponentHandle):
@@ -176,18 +200,69 @@ def encode_condition(cond_model, cond: ComponentHandle, song: PlannedSong, *, de
 @torch.no_grad()
 def sample(dit_model, dit: ComponentHandle, condition: ConditionBundle, *, seed: int, steps: int, dit_cfg: float,
            variations: int, device, dtype: torch.dtype, progress: Progress | None = None,
-           weight_cache: int | None = None) -> LatentsBundle:
+           weight_cache: int | None = None, shift: float = AUTO_SHIFT) -> LatentsBundle:
     """`mm3.flow.sample_latents` over the bundle's conditions. `weight_cache`: bytes of dequantized
-    DiT weights the sampler may keep (None: its own rule)."""
+    DiT weights the sampler may keep (None: its own rule). `shift`: of the flow schedule (0:
+    automatic, `mm3.flow.schedule_shift`)."""
     parts = check_parts(condition.parts, dit=dit)
     warnings = check_models(condition.song, condition.song.request, dit_model=dit)
     latents = sample_latents(dit_model, condition.conds, steps=steps, dit_cfg=dit_cfg, seed=seed,
                              variations=variations, device=device, dtype=dtype, progress=progress,
-                             weight_cache=weight_cache)
+                             weight_cache=weight_cache, shift=schedule_shift(steps, shift))
     request = replace(condition.request, seed=int(seed), steps=int(steps), dit_cfg=float(dit_cfg),
-                      synth_batch_size=int(variations))
+                      synth_batch_size=int(variations), dit_shift=float(shift))
     return LatentsBundle(condition, [x.to(STORE) for x in latents], with_model(request, "dit_model", dit), parts,
                          warnings)
+
+
+@torch.no_grad()
+def repaint(dit_model, dit: ComponentHandle, condition: ConditionBundle, source: LatentsBundle, *, start: float,
+            end: float, fade: float, seed: int, steps: int, dit_cfg: float, variations: int, device, dtype: torch.dtype,
+            shift: float = AUTO_SHIFT, progress: Progress | None = None,
+            weight_cache: int | None = None) -> LatentsBundle:
+    """Seconds [start, end) of the song sampled anew (noise from seed + j for variation j), the rest
+    kept from `source` (its first variation): latents of the same codes' windows, from the Flow DiT
+    Sampler or from recorded audio (MM3 Vocoder Encode)."""
+    parts = check_parts(condition.parts, dit=dit)
+    warnings = check_models(condition.song, condition.song.request, dit_model=dit) + list(source.warnings)
+    if [c.shape[1] for c in condition.conds] != [x.shape[-1] for x in source.latents]:
+        raise ValueError(f"the source latents ({len(source.latents)} windows) were not made for this condition's "
+                         f"song ({len(condition.conds)} windows): use latents of the same codes")
+    rate = condition.parts["cond"].hparams["output_sampling_rate"] / condition.hop  # latents per second
+    keep = Keep.seconds([x[:1] for x in source.latents], start, end, fade, rate, source.covered)
+    latents = sample_latents(dit_model, condition.conds, steps=steps, dit_cfg=dit_cfg, seed=seed,
+                             variations=variations, device=device, dtype=dtype, progress=progress,
+                             weight_cache=weight_cache, shift=schedule_shift(steps, shift), keep=keep)
+    src = source.request
+    request = replace(condition.request, seed=src.seed, steps=int(steps), dit_cfg=float(dit_cfg),
+                      synth_batch_size=int(variations), dit_shift=float(shift), repaint_start=float(start),
+                      repaint_end=float(end), repaint_fade=float(fade), repaint_seed=int(seed),
+                      source_codes="" if src.audio_codes == condition.request.audio_codes else src.audio_codes)
+    if source.covered is not None or src.steps != steps or src.dit_shift != shift or src.dit_cfg != dit_cfg:
+        warnings.append("the kept part comes from recorded audio or from other DiT settings: the replay JSON of this "
+                        "repaint renders the kept part with these settings instead")
+    return LatentsBundle(condition, [x.to(STORE) for x in latents], with_model(request, "dit_model", dit), parts,
+                         warnings)
+
+
+@torch.no_grad()
+def encode_recording(vae_model, vae: ComponentHandle, audio: dict, condition: ConditionBundle, *,
+                     device) -> LatentsBundle:
+    """A recording (ComfyUI AUDIO, first item) -> latents laid out as the windows of `condition`'s
+    song, for MM3 Repaint: the vocoder's encoder at its rate, stereo (mono doubled). A recording
+    shorter than the song is padded; the repaint samples that part anew."""
+    wave = audio["waveform"]
+    if wave.dim() != 3 or wave.shape[0] < 1:
+        raise ValueError(f"expected AUDIO waveform [batch, channels, samples], got {list(wave.shape)}")
+    stereo = as_stereo(wave[0].float())
+    if vae_model.encoder is None:
+        raise ValueError(f"{vae.name} holds no encoder (encoder.* tensors): convert the vocoder with its encoder "
+                         "checkpoint to encode audio")
+    timeline = encode_audio(vae_model, stereo.to(device), int(audio["sample_rate"])).cpu()
+    windows, covered = windows_from_timeline(timeline, [c.shape[1] for c in condition.conds])
+    request = with_model(condition.request, "vae_model", vae)
+    return LatentsBundle(condition, [w.to(STORE) for w in windows], request, check_parts(condition.parts, vae=vae),
+                         covered=covered)
 
 
 @torch.no_grad()

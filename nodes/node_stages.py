@@ -25,6 +25,10 @@ from mm3.constants import (
     SEMANTIC_VOCAB_SIZE,
 )
 from mm3.ar import PlanSettings
+from mm3.flow import AUTO_SHIFT, MAX_SHIFT
+from mm3.request import DEFAULT_REPAINT_FADE
+from mm3.shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, MAX_TEMPERATURE, PENALTIES, Shaping
+from mm3.takes import MAX_ENDING_ROUNDS, MAX_TAKES, Takes
 from . import logic
 from .comfy_models import compute_dtype, load, patcher, spare_bytes
 from .common import (
@@ -98,23 +102,62 @@ class MM3ARPlan(io.ComfyNode):
                              tooltip="Candidates per code (top-k sampling)."),
                 io.Int.Input("songs", default=1, min=1, max=MAX_SONGS,
                              tooltip="Songs planned together (one list item each, lm_seed + i)."),
+                # Beyond the reference; the defaults are the reference's draw.
+                io.Int.Input("takes", default=1, min=1, max=MAX_TAKES, optional=True,
+                             tooltip="Candidates per song (seeds lm_seed + n): those that ended by themselves are "
+                                     "kept first."),
+                io.Boolean.Input("require_ending", default=False, optional=True,
+                                 tooltip="Keep only takes that ended before the duration; plan more rounds if none did."),
+                io.Int.Input("ending_rounds", default=1, min=1, max=MAX_ENDING_ROUNDS, optional=True,
+                             extra_dict=ADVANCED, tooltip="Rounds of takes (at the next seeds) with require_ending."),
+                io.Float.Input("min_duration", default=0.0, min=0.0, max=MAX_DURATION, step=1.0, round=0.01,
+                               optional=True, tooltip="Seconds before which the song may not end."),
+                io.Float.Input("lm_temperature", default=1.0, min=0.05, max=MAX_TEMPERATURE, step=0.05, optional=True,
+                               extra_dict=ADVANCED, tooltip="Temperature of the semantic draw (1 = the reference)."),
+                io.Float.Input("lm_top_p", default=1.0, min=0.01, max=1.0, step=0.01, optional=True,
+                               extra_dict=ADVANCED, tooltip="Nucleus over the top-k candidates (1 = off)."),
+                io.Combo.Input("lm_penalty", options=list(PENALTIES), default="none", optional=True,
+                               extra_dict=ADVANCED,
+                               tooltip="Repetition penalty of the semantic draw: dry pushes out verbatim loops."),
+                io.Float.Input("lm_penalty_strength", default=1.1, min=0.0, max=10.0, step=0.01, optional=True,
+                               extra_dict=ADVANCED,
+                               tooltip="dry: base of the penalty (1.05-1.15); frequency/presence: logit per repeat."),
+                io.Int.Input("lm_penalty_window", default=DEFAULT_PENALTY_WINDOW, min=1, max=MAX_AUDIO_FRAMES,
+                             optional=True, extra_dict=ADVANCED, tooltip="Frames the penalty looks back (25 per second)."),
+                io.Int.Input("lm_dry_min_match", default=DEFAULT_DRY_MIN_MATCH, min=1, max=MAX_AUDIO_FRAMES,
+                             optional=True, extra_dict=ADVANCED, tooltip="Shortest repeat (frames) dry penalises."),
+                AUDIO_CODES.Input("prior_codes", optional=True,
+                                  tooltip="Continue this song: its codes, then new frames up to the duration."),
             ],
             outputs=[AUDIO_CODES.Output("codes", display_name="codes", is_output_list=True)],
         )
 
     @classmethod
     def execute(cls, lm, depth, prompt, duration: float, lm_seed: int, lm_cfg: float, lm_top_k: int,
-                songs: int) -> io.NodeOutput:
+                songs: int, takes: int = 1, require_ending: bool = False, ending_rounds: int = 1,
+                min_duration: float = 0.0, lm_temperature: float = 1.0, lm_top_p: float = 1.0,
+                lm_penalty: str = "none", lm_penalty_strength: float = 1.1,
+                lm_penalty_window: int = DEFAULT_PENALTY_WINDOW, lm_dry_min_match: int = DEFAULT_DRY_MIN_MATCH,
+                prior_codes=None) -> io.NodeOutput:
         frames = min(int(duration * FRAME_RATE), MAX_AUDIO_FRAMES)
-        settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=lm_top_k, songs=songs)
+        shaping = Shaping(temperature=lm_temperature, top_p=lm_top_p, penalty=lm_penalty,
+                          penalty_strength=lm_penalty_strength if lm_penalty != "none" else 0.0,
+                          penalty_window=lm_penalty_window, min_match=lm_dry_min_match,
+                          min_frames=int(min_duration * FRAME_RATE))
+        settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=lm_top_k, songs=songs,
+                                shaping=shaping)
+        rounds = Takes(takes=takes, require_ending=require_ending, rounds=ending_rounds)
         with interruptible():
             device, dtype = _device_dtype(lm)
-            need = ar_memory(lm.hparams, prompt.prompt.num_tokens, frames, songs, dtype_bytes(dtype))
+            batch = min(MAX_SONGS, songs * takes)
+            need = ar_memory(lm.hparams, prompt.prompt.num_tokens, frames, batch, dtype_bytes(dtype))
             lm_model, depth_model = load([lm, depth], memory_required=need)
-            planned = logic.plan_songs(lm_model, depth_model, lm, depth, prompt, settings, device=device, dtype=dtype,
-                                       progress=node_progress(), weight_budget=spare_bytes([lm, depth], need))
-        text = "\n".join(s.summary(FRAME_RATE) for s in planned)
-        return io.NodeOutput(planned, ui={"text": [text]})
+            planned, candidates = logic.plan_songs(lm_model, depth_model, lm, depth, prompt, settings, device=device,
+                                                   dtype=dtype, progress=node_progress(),
+                                                   weight_budget=spare_bytes([lm, depth], need), takes=rounds,
+                                                   prior=prior_codes)
+        lines = [s.summary(FRAME_RATE) for s in planned] + [c.describe(FRAME_RATE) for c in candidates]
+        return io.NodeOutput(planned, ui={"text": ["\n".join(lines)]})
 
 
 class MM3ConditionEncode(io.ComfyNode):
@@ -153,12 +196,14 @@ class MM3FlowSampler(io.ComfyNode):
                                tooltip="Classifier-free guidance of the DiT (1 = conditional only)."),
                 io.Int.Input("variations", default=1, min=1, max=MAX_VARIATIONS,
                              tooltip="Renderings of the same plan (a batch of audio)."),
+                _shift_input(),
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )
 
     @classmethod
-    def execute(cls, dit, condition, seed: int, steps: int, dit_cfg: float, variations: int) -> io.NodeOutput:
+    def execute(cls, dit, condition, seed: int, steps: int, dit_cfg: float, variations: int,
+                shift: float = AUTO_SHIFT) -> io.NodeOutput:
         with interruptible():
             device, dtype = _device_dtype(dit)
             longest = max(c.shape[1] for c in condition.conds)
@@ -166,9 +211,59 @@ class MM3FlowSampler(io.ComfyNode):
             (model,) = load([dit], memory_required=need)
             out = logic.sample(model, dit, condition, seed=seed, steps=steps, dit_cfg=dit_cfg, variations=variations,
                                device=device, dtype=dtype, progress=node_progress(),
-                               weight_cache=spare_bytes([dit], need))
+                               weight_cache=spare_bytes([dit], need), shift=shift)
         show_warnings(out.warnings)
         return io.NodeOutput(out)
+
+
+def _shift_input():
+    return io.Float.Input("shift", default=AUTO_SHIFT, min=0.0, max=MAX_SHIFT, step=0.05, optional=True,
+                          tooltip="Flow schedule shift: 0 = automatic (29 / (steps - 1) below 30 steps, where few "
+                                  "steps sound thin), 1 = off (the reference's schedule).")
+
+
+class MM3Repaint(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3Repaint", display_name="MM3 Repaint", category=CATEGORY,
+            description="Samples a time range of a song anew and keeps the rest: the kept latents follow the "
+                        "source at every step (flow-matching inpainting), with a crossfade at the edges.",
+            inputs=[
+                DIT.Input("dit"), CONDITION.Input("condition"),
+                LATENTS.Input("source", tooltip="The song's latents (Flow DiT Sampler, or MM3 Vocoder Encode of a "
+                                                 "recording) for the same codes."),
+                io.Float.Input("start", default=10.0, min=0.0, max=MAX_DURATION, step=0.5, round=0.01,
+                               tooltip="First second to repaint."),
+                io.Float.Input("end", default=20.0, min=0.0, max=MAX_DURATION, step=0.5, round=0.01,
+                               tooltip="Second where the repaint ends."),
+                io.Float.Input("fade", default=DEFAULT_REPAINT_FADE, min=0.0, max=10.0, step=0.05,
+                               tooltip="Seconds of crossfade inside each edge of the range."),
+                io.Int.Input("seed", default=1, min=0, max=DIT_SEED_MAX, control_after_generate=True,
+                             tooltip="Noise seed of the repainted range; variation j uses seed + j."),
+                io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=200),
+                io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=10.0, step=0.05),
+                io.Int.Input("variations", default=1, min=1, max=MAX_VARIATIONS),
+                _shift_input(),
+            ],
+            outputs=[LATENTS.Output("latents", display_name="latents")],
+        )
+
+    @classmethod
+    def execute(cls, dit, condition, source, start: float, end: float, fade: float, seed: int, steps: int,
+                dit_cfg: float, variations: int, shift: float = AUTO_SHIFT) -> io.NodeOutput:
+        if not start < end:
+            raise ValueError(f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)")
+        with interruptible():
+            device, dtype = _device_dtype(dit)
+            longest = max(c.shape[1] for c in condition.conds)
+            need = dit_memory(dit.hparams, longest, dtype_bytes(dtype))
+            (model,) = load([dit], memory_required=need)
+            out = logic.repaint(model, dit, condition, source, start=start, end=end, fade=fade, seed=seed, steps=steps,
+                                dit_cfg=dit_cfg, variations=variations, device=device, dtype=dtype, shift=shift,
+                                progress=node_progress(), weight_cache=spare_bytes([dit], need))
+        show_warnings(out.warnings)
+        return io.NodeOutput(out, ui={"text": [f"repainted {start:g}-{end:g} s with seed {seed}"]})
 
 
 class MM3VocoderDecode(io.ComfyNode):
@@ -195,6 +290,30 @@ class MM3VocoderDecode(io.ComfyNode):
         return io.NodeOutput(out)
 
 
+class MM3VocoderEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3VocoderEncode", display_name="MM3 Vocoder Encode", category=CATEGORY,
+            description="Encodes a recording (resampled to 44.1 kHz, stereo) with the vocoder's encoder into latents "
+                        "laid out as the windows of the condition's song, so MM3 Repaint can keep parts of it.",
+            inputs=[VAE.Input("vae"), io.Audio.Input("audio"), CONDITION.Input("condition")],
+            outputs=[LATENTS.Output("latents", display_name="latents")],
+        )
+
+    @classmethod
+    def execute(cls, vae, audio, condition) -> io.NodeOutput:
+        with interruptible():
+            device, _ = _device_dtype(vae)
+            comp = vae.component()
+            shapes = {n: t.shape for n, t in comp.tensors.items()}
+            longest = max(c.shape[1] for c in condition.conds)
+            need = vocoder_memory(shapes, list(vae.hparams["upsampling_ratios"]), longest)
+            (model,) = load([vae], memory_required=need)
+            out = logic.encode_recording(model, vae, audio, condition, device=device)
+        return io.NodeOutput(out)
+
+
 class MM3Stitch(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -211,4 +330,5 @@ class MM3Stitch(io.ComfyNode):
         return io.NodeOutput(logic.stitch_audio(windows))
 
 
-NODES = [MM3PromptAssemble, MM3ARPlan, MM3ConditionEncode, MM3FlowSampler, MM3VocoderDecode, MM3Stitch]
+NODES = [MM3PromptAssemble, MM3ARPlan, MM3ConditionEncode, MM3FlowSampler, MM3Repaint, MM3VocoderEncode,
+         MM3VocoderDecode, MM3Stitch]

@@ -33,6 +33,15 @@ NOTES = {
     "variations_from_one_plan": "One AR plan, three DiT variations (seed, seed + 1, seed + 2). Save Audio Codes keeps "
                                 "the plan; Save Song writes one file per variation, Save Audio (FLAC) shows the same "
                                 "AUDIO in ComfyUI's own saver.",
+    "natural_ending_takes": "Four takes of a song planned together (lm_seed, lm_seed + 1, ...): the first that ends by "
+                            "itself before the 120 s cap (and after min_duration) is kept; with require_ending a "
+                            "second round is planned at the next seeds if none did. AR Plan's text says which takes "
+                            "ended and when.",
+    "continue_song": "Plans 30 s, then a second AR Plan continues that song to 60 s: its codes are kept and new frames "
+                     "follow from lm_seed 43. Wire prior_codes from MM3 Load Audio Codes to extend a saved song.",
+    "repaint_range": "Renders a 30 s song, then MM3 Repaint samples seconds 10-20 again with another seed and keeps "
+                     "the rest (a short crossfade at the edges). Both are saved. To repaint your own recording, "
+                     "feed MM3 Vocoder Encode's latents (a vocoder file with its encoder) as the source.",
     "rerender_from_codes": "Renders a saved replay JSON again: Save Song and Save Audio Codes write them (into "
                            "output/mm3; they are listed with [output]), or put one in input/. The list is empty until "
                            "a first song was saved: run text_to_song first. The codes are replayed, not sampled; the "

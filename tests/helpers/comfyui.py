@@ -37,10 +37,14 @@ def tiny_workflow(server, name: str, *, duration=1.2, steps=3, fmt=None, named=F
             inputs.update({k: server.files[a] for k, a in SET_KEYS.items()})
         elif cls in LOADER_ARCH and named:
             inputs["model_name"] = server.files[LOADER_ARCH[cls]]
-        if "duration" in inputs:
-            inputs["duration"] = duration
-        if cls == "MM3FlowSampler" and not isinstance(inputs["steps"], list):
+        if "duration" in inputs:  # a continuation goes on for as long again
+            inputs["duration"] = 2 * duration if "prior_codes" in inputs else duration
+        if "min_duration" in inputs:
+            inputs["min_duration"] = min(inputs["min_duration"], duration / 2)
+        if cls in ("MM3FlowSampler", "MM3Repaint") and not isinstance(inputs["steps"], list):
             inputs["steps"] = steps
+        if cls == "MM3Repaint":  # the middle of the short song
+            inputs.update(start=duration / 3, end=2 * duration / 3, fade=0.04)
         if cls == "MM3SaveSong" and fmt:
             inputs["format"] = fmt
     for nid, values in node_inputs.items():
