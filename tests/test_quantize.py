@@ -108,11 +108,136 @@ def test_cli_quantize_and_info(tmp_path, lm_file, capsys):
     assert cli_main(["quantize", str(lm_file), str(out), "--type", "Q8_0"]) == 2  # exists: clear error, no traceback
 
 
-def test_tiny_lm_with_empty_merges_quantizes(tiny, tmp_path):
-    """The byte-level tiny LM has an empty merges array; it must survive the copy."""
+def test_tiny_lm_without_merges_quantizes(tiny, tmp_path):
+    """The byte-level tiny LM has no merges (its file has no merges key, as the port writes it);
+    the copy has none either and its tokenizer still loads."""
+    from mm3.tokenizer import _merges
+
     src = tiny.file("mm3-lm")
     out = quantize_file(src, tmp_path / "lm-Q8_0.gguf", "Q8_0")
     a, b = GGUFFile(src), GGUFFile(out)
-    assert b.strings("tokenizer.ggml.merges") == [] == a.strings("tokenizer.ggml.merges")
+    assert "tokenizer.ggml.merges" not in a.metadata and "tokenizer.ggml.merges" not in b.metadata
+    assert _merges(b) == []
     assert b.strings("tokenizer.ggml.tokens") == a.strings("tokenizer.ggml.tokens")
     assert b.tensors["lm_head.weight"].qtype == Q.Q8_0
+
+
+def test_empty_merges_array_survives_the_copy(tmp_path):
+    """A file from an earlier convert (empty merges array written) keeps its empty typed array."""
+    from mm3.gguf.writer import Writer
+
+    path = tmp_path / "lm.gguf"
+    w = Writer(str(path), "mm3-lm")
+    w.add_key_value("tokenizer.ggml.merges", [], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+    w.add_tensor("lm_head.weight", np.ones((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = GGUFFile(quantize_file(path, tmp_path / "q.gguf", "Q8_0"))
+    assert out.strings("tokenizer.ggml.merges") == []
+    assert out.value_types["tokenizer.ggml.merges"] == (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+
+
+# ------------------------------------------------------------------------------------------------
+# The port's rules (minimaxmusic.cpp tools/quantize.cpp), from its documented behaviour.
+
+
+def _bf16(a):
+    return (Q.BF16, a.astype(np.float32))
+
+
+def test_partial_block_rows_keep_the_source_type(tmp_path):
+    """Rows that are not whole blocks of the target are copied in their source type (BF16 stays
+    BF16, byte for byte); vectors are promoted to F32; a [1, N] tensor counts as a vector (ggml's
+    n_dims) and is written with one dimension."""
+    rng = np.random.default_rng(7)
+    src = write_gguf(tmp_path / "lm-BF16.gguf", "mm3-lm", {"mm3.config_json": LM_CONFIG}, {
+        "model.norm.weight": _bf16(rng.standard_normal(96)),
+        "model.layers.0.self_attn.q_proj.weight": _bf16(rng.standard_normal((8, 96))),  # 96: not 256
+        "model.layers.0.self_attn.v_proj.weight": _bf16(rng.standard_normal((4, 128))),  # raised, 128
+        "model.layers.0.mlp.up_proj.weight": _bf16(rng.standard_normal((4, 256))),
+        "row.weight": _bf16(rng.standard_normal((1, 256))),
+    })
+    source = GGUFFile(src)
+    for mix, want in {
+        "Q4_K_M": {"model.norm.weight": Q.F32, "model.layers.0.self_attn.q_proj.weight": Q.BF16,
+                   "model.layers.0.self_attn.v_proj.weight": Q.BF16, "model.layers.0.mlp.up_proj.weight": Q.Q4_K,
+                   "row.weight": Q.F32},
+        "Q8_0": {"model.norm.weight": Q.F32, "model.layers.0.self_attn.q_proj.weight": Q.Q8_0,
+                 "model.layers.0.self_attn.v_proj.weight": Q.Q8_0, "model.layers.0.mlp.up_proj.weight": Q.Q8_0,
+                 "row.weight": Q.F32},
+    }.items():
+        out = GGUFFile(quantize_file(src, tmp_path / f"lm-{mix}.gguf", mix))
+        assert {n: t.qtype for n, t in out.tensors.items()} == want, mix
+        for name, qtype in want.items():
+            if qtype == Q.BF16:
+                assert bytes(out.tensors[name].raw.numpy()) == bytes(source.tensors[name].raw.numpy()), name
+            if qtype == Q.F32:
+                assert np.array_equal(out.tensors[name].dequantize().numpy().reshape(-1),
+                                      source.tensors[name].dequantize().numpy().reshape(-1)), name
+        assert out.tensors["row.weight"].shape == (256,)
+        assert out.tensors["model.layers.0.self_attn.q_proj.weight"].shape == (8, 96)
+
+
+def test_m_mixes_raise_the_depth_decoders_down_proj(tmp_path):
+    """The port's rule matches any name containing `down_proj.weight` / `v_proj.weight` with a
+    `layers.N` index, so the depth decoder's down_proj is raised too (its to_v is not a v_proj)."""
+    rng = np.random.default_rng(8)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    src = write_gguf(tmp_path / "depth.gguf", "mm3-depth", {"mm3-depth.num_layers": 1}, {
+        "audio_embeddings.weight": f32(8, 256),
+        "layers.0.attn.to_v.weight": f32(256, 256),
+        "layers.0.gate_proj.weight": f32(512, 256),
+        "layers.0.down_proj.weight": f32(256, 512),
+        "layers.0.input_layernorm.weight": f32(256),
+    })
+    base = {"audio_embeddings.weight", "layers.0.attn.to_v.weight", "layers.0.gate_proj.weight"}
+    for mix, (btype, down) in {"Q4_K_M": (Q.Q4_K, Q.Q6_K), "Q5_K_M": (Q.Q5_K, Q.Q6_K),
+                               "Q6_K": (Q.Q6_K, Q.Q6_K), "Q8_0": (Q.Q8_0, Q.Q8_0)}.items():
+        types = {n: t.qtype for n, t in GGUFFile(quantize_file(src, tmp_path / f"d-{mix}.gguf", mix)).tensors.items()}
+        assert types == {**{n: btype for n in base}, "layers.0.down_proj.weight": down,
+                         "layers.0.input_layernorm.weight": Q.F32}, mix
+
+
+def test_choose_type_follows_the_port():
+    from mm3.tools.quantize import choose_type, ggml_n_dims
+
+    lm = lambda name, mix, **kw: choose_type("lm", name, (4096, 4096), mix, Q.BF16, **kw)  # noqa: E731
+    assert lm("model.embed_tokens.weight", "Q4_K_M") == Q.Q6_K == lm("model.embed_tokens.weight", "Q6_K")
+    assert lm("model.embed_tokens.weight", "Q8_0") == Q.Q8_0 == lm("model.layers.3.mlp.down_proj.weight", "Q8_0")
+    assert lm("model.layers.35.mlp.down_proj.weight", "Q5_K_M") == Q.Q6_K  # every layer: no block_count key
+    assert lm("model.layers.35.mlp.gate_proj.weight", "Q5_K_M") == Q.Q5_K
+    assert lm("lm_head.weight", "Q4_K_M") == Q.Q4_K
+    assert lm("down_proj.weight", "Q4_K_M") == Q.Q4_K  # no `layers.N`: not raised
+    # With `<arch>.block_count` (36): layers < 36//9, >= 36 - 36//7 and every third are raised.
+    raised = [i for i in range(36)
+              if lm(f"model.layers.{i}.self_attn.v_proj.weight", "Q4_K_M", block_count=36) == Q.Q6_K]
+    assert raised == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31, 32, 33, 34, 35]
+    assert choose_type("dit", "time_proj.weight", (128, 1), "Q8_0", Q.F32) == Q.F32  # ne0 = 1: kept
+    assert choose_type("dit", "proj_in.weight", (2048, 2304), "Q4_K_M", Q.BF16) == Q.Q4_K  # 2304 = 9 * 256
+    assert choose_type("dit", "x.scale_shift_table", (6, 2048), "Q8_0", Q.BF16) == Q.BF16  # never quantized
+    assert choose_type("lm", "model.norm.weight", (4096,), "Q8_0", Q.BF16) == Q.F32
+    assert choose_type("lm", "model.norm.weight", (4096,), "Q8_0", Q.F32) == Q.F32
+    assert [ggml_n_dims(s) for s in [(4096,), (1, 4096), (4096, 1), (1, 1), (2, 1, 3), (1, 1, 3)]] == [1, 1, 2, 1, 3, 1]
+
+
+def test_file_layout_is_the_ports(tmp_path):
+    """Tensors in the source order at 32-byte aligned offsets, the two added keys last, and no
+    padding after the last tensor's data (the port pads before each tensor, gguf-py after each)."""
+    rng = np.random.default_rng(9)
+    path = write_gguf(tmp_path / "lm.gguf", "mm3-lm", {"mm3.config_json": LM_CONFIG, "general.file_type": 1}, {
+        "lm_head.weight": rng.standard_normal((3, 256)).astype(np.float32),
+        "model.embed_tokens.weight": rng.standard_normal((3, 256)).astype(np.float32),
+        "model.norm.weight": rng.standard_normal(255).astype(np.float32),  # 1020 bytes, last
+    })
+    out = quantize_file(path, tmp_path / "q.gguf", "Q4_K_M")
+    src, dst = GGUFFile(path), GGUFFile(out)
+    assert list(dst.tensors) == list(src.tensors)
+    assert list(dst.metadata)[-2:] == ["general.quantization_version", "general.file_type"]
+    reader = gguf.GGUFReader(str(out))
+    offsets = [t.data_offset for t in reader.tensors]
+    assert all(o % 32 == 0 for o in offsets) and offsets == sorted(offsets)
+    last = reader.tensors[-1]
+    assert last.n_bytes == 1020 and out.stat().st_size == last.data_offset + last.n_bytes
+    assert path.stat().st_size % 32 == 0  # gguf-py's source file: padded after its last tensor

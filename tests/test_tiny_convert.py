@@ -105,7 +105,7 @@ def test_lm_config_and_tokenizer_arrays(tiny, readers):
     assert types == [GGUFValueType.ARRAY, GGUFValueType.STRING]
     assert tokens == [hf.id_to_token(i) for i in range(hf.get_vocab_size())] and len(tokens) == 266
     assert tokens[257] == "<|im_start|>" and tokens[261] == "<|audio_end|>"
-    assert _field(lm, "tokenizer.ggml.merges")[0] == []  # byte-level vocabulary: no merges, key still present
+    assert "tokenizer.ggml.merges" not in lm.fields  # byte-level vocabulary: no merges, no key (as the port)
     constants = json.loads((root / "test_constants.json").read_text())
     assert constants == {"_AUDIO_CFG_TOKEN_ID": 259, "_AUDIO_END_TOKEN_ID": 261, "_AUDIO_CODE_OFFSET": 266}
 
@@ -247,7 +247,32 @@ def test_bf16_source_stays_bf16(tiny, tmp_path):
     assert seen[-1][0] == "language_model" and seen[-1][1] == seen[-1][2] == sum(len(r) for *_, r in source.values())
 
 
+def _port_native_file(path, folder, arch, title, u32_keys):
+    """The file minimaxmusic.cpp's convert.py writes for a byte-copied component, rebuilt from its
+    documented behaviour with gguf-py: its name and u32 keys, then every tensor shard by shard
+    (shards in file-name order), names sorted within each shard, in the source dtype (F32 here)."""
+    from gguf import GGUFWriter
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = GGUFWriter(str(path), arch)
+    w.add_name(title)
+    for key in u32_keys:
+        w.add_uint32(f"{arch}.{key}", cfg[key])
+    index = json.loads(next(folder.glob("*.safetensors.index.json")).read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(folder / shard, "np") as f:
+            for name in sorted(f.keys()):
+                w.add_tensor(name, f.get_tensor(name), raw_dtype=GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def test_sharded_source(tiny, tmp_path):
+    """A sharded checkpoint (the released LM is one) is written shard by shard, names sorted
+    within each shard: the port's order, not one global sort, so offsets and hash are the port's."""
     src = tmp_path / "src"
     (src / "transformer").mkdir(parents=True)
     shutil.copy(tiny["diffusers"] / "transformer" / "config.json", src / "transformer")
@@ -256,17 +281,37 @@ def test_sharded_source(tiny, tmp_path):
     shards = {"diffusion_pytorch_model-00001-of-00002.safetensors": names[::2],
               "diffusion_pytorch_model-00002-of-00002.safetensors": names[1::2]}
     weight_map = {}
-    for shard, part in shards.items():
-        save_file({n: tensors[n] for n in part}, src / "transformer" / shard, metadata={"format": "pt"})
-        weight_map.update({n: shard for n in part})
+    for shard, part in reversed(shards.items()):  # the index lists the second shard first
+        save_file({n: tensors[n] for n in reversed(part)}, src / "transformer" / shard, metadata={"format": "pt"})
+        weight_map.update({n: shard for n in reversed(part)})
     (src / "transformer" / "diffusion_pytorch_model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     (out,) = convert(src, tmp_path / "out", components=["dit"])
-    got = _tensors(GGUFReader(out))
-    assert set(got) == set(names)
+    reader = GGUFReader(out)
+    assert [t.name for t in reader.tensors] == names[::2] + names[1::2]  # each part is already sorted
+    got = _tensors(reader)
     for name in names:
         assert got[name].data.tobytes() == tensors[name].numpy().tobytes(), name
-    assert out.read_bytes() == tiny["files"]["transformer"].read_bytes()  # same as from the single file
+    port = _port_native_file(tmp_path / "port.gguf", src / "transformer", "mm3-dit",
+                             "MiniMax-Music3 flow matching DiT",
+                             ["in_channels", "condition_dim", "num_layers", "num_attention_heads",
+                              "attention_head_dim", "ff_inner_dim", "rotary_dim", "fourier_embedding_dim"])
+    assert out.read_bytes() == port.read_bytes()
+    assert out.read_bytes() != tiny["files"]["transformer"].read_bytes()  # the single file: one sorted run
+
+
+def test_merges_key_only_when_there_are_merges(tmp_path):
+    from mm3.tools.convert import component_metadata
+
+    cfg = {"vocab_size": 8, "hidden_size": 4, "intermediate_size": 4, "num_hidden_layers": 1,
+           "num_attention_heads": 1}
+    for merges in ([], ["a b"]):
+        path = tmp_path / "tokenizer.json"
+        path.write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2},
+                                              "merges": merges}}))
+        keys = {key: value for key, value, *_ in component_metadata("language_model", cfg, path)}
+        assert keys["tokenizer.ggml.tokens"] == ["a", "b", "ab"]
+        assert keys.get("tokenizer.ggml.merges") == (merges or None)
 
 
 def test_missing_subfolder_config_tensor(tiny, tmp_path):

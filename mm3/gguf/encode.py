@@ -4,13 +4,19 @@
 [..., row_bytes] like gguf-py's `gguf.quants.quantize` (pass them to `GGUFWriter.add_tensor` with
 `raw_dtype=qtype`). Types gguf-py can already write (BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) go through
 gguf-py; F32/F16 are plain little-endian values; Q4_K, Q5_K and Q6_K are vectorised ports of
-llama.cpp's reference quantizers (`quantize_row_q{4,5,6}_K_ref` in ggml-quants.c, the path
-llama-quantize takes without an importance matrix): the same scale/min search per sub-block, the
-same 6/8-bit scale encoding and the same re-quantization against the stored f16 super-scale. Sums
-are numpy's, not sequential float32, so bytes can differ from the C code where two candidate
-scales tie to rounding: measured against the C reference on 0.5 M values per distribution
-(normal, uniform, Student-t, sparse, positive), 93-99.9% of Q4_K/Q5_K blocks and 95-97% of Q6_K
-blocks were identical (31% on very sparse data) and the RMS error matched to +-0.1%.
+ggml's reference quantizers (`quantize_row_q{4,5,6}_K_ref` with `make_qkx2_quants` /
+`make_qx_quants` / `nearest_int` in ggml-quants.c, the path `ggml_quantize_chunk` takes without an
+importance matrix, as llama-quantize and minimaxmusic.cpp's quantize tool use it) that write the
+same bytes: every intermediate is float32 in C's operation order, each sum over a sub-block is
+the C loop's sequential float32 sum (one numpy operation per position, across all sub-blocks at
+once, never numpy's pairwise reduction), the search steps through the same candidates with the
+same strict comparisons, and nearest_int is rint where its argument is provably within the
+rounding trick's range, else the trick itself bit for bit. The test suite compares every block
+with a scalar float32 transcription of the C code on tie-heavy data; outside it, the C code
+itself (built without FMA contraction, the x86-64 baseline ggml-base is built for) gave the same
+bytes on normal, uniform, Student-t, sparse, positive, coarse-grid, bf16-rounded, tiny and
+denormal data. Q8_0 through gguf-py equals `quantize_row_q8_0_ref` on the same data. One difference is
+deliberate: a block scale that overflows float16 is an error here, where C writes inf.
 Q2_K and Q3_K are read-only here.
 """
 
@@ -34,128 +40,192 @@ WRITABLE_TYPES: frozenset[QT] = frozenset({QT.F32, QT.F16}) | _VIA_GGUF_PY | _K_
 
 _QK_K = GGML_QUANT_SIZES[QT.Q4_K][0]  # values per K-quant super-block (256)
 _GROUP_MAX_EPS = np.float32(1e-15)  # ggml-quants.c: a sub-block with |x| below this is all zero
-_CHUNK_BLOCKS = 1024  # super-blocks per numpy pass: keeps the search's temporaries cache-sized
+_CHUNK_BLOCKS = 512  # super-blocks per numpy pass: keeps the search's temporaries cache-sized
+
+_F = np.float32
+_MAGIC = _F(12582912.0)  # 1.5 * 2**23, nearest_int's rounding constant
 
 
-def _rint(v: np.ndarray) -> np.ndarray:
-    """ggml's nearest_int (round half to even) as float32."""
-    return np.rint(v)
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int, bit for bit: add 1.5*2**23 in float32, keep the low 23 mantissa bits
+    (round half to even for |v| <= 4194303; what C gives outside that range, inf or NaN too)."""
+    bits = (np.asarray(v, dtype=_F) + _MAGIC).view(np.int32)
+    bits &= 0x007FFFFF
+    bits -= 0x00400000
+    return bits
 
 
-def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise sum of a*b for [m, k] arrays (einsum: ~5x faster than (a*b).sum(axis=1) for small k)."""
-    return np.einsum("ij,ij->i", a, b)
+def _clamped_levels(v: np.ndarray, lo: int, hi: int, out: np.ndarray, in_range: bool) -> np.ndarray:
+    """out = float(MAX(lo, MIN(hi, nearest_int(v)))). `in_range`: every |v| <= 4194303 (not NaN),
+    where nearest_int is np.rint (round half to even); else the bit trick, whatever v holds."""
+    if in_range:
+        np.rint(v, out=out)
+        return np.clip(out, lo, hi, out=out)
+    np.copyto(out, np.clip(_nearest_int(v), lo, hi), casting="unsafe")
+    return out
+
+
+def _sum(terms: np.ndarray, first: bool = False) -> np.ndarray:
+    """Sequential float32 sums over axis 0 of terms [k, ...], as C's `s += t[i]` loop: from 0, or
+    (`first`) from t[0]; never numpy's pairwise reduction, so every rounding is the C one."""
+    acc = terms[0].copy() if first else np.zeros(terms.shape[1:], dtype=_F)
+    for row in terms[1:] if first else terms:
+        acc += row
+    return acc
 
 
 def _qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
-    """make_qkx2_quants for every row of x [m, k] at once: weighted least-squares scale and min.
+    """make_qkx2_quants(use_mad=false) for the columns of x [k, m] (one sub-block a column).
 
-    Returns (scale [m], minus_min [m] >= 0, levels [m, k] in 0..nmax); value ~ scale*level - minus_min.
+    Every intermediate is float32 in C's operation order (the loops over a sub-block are
+    sequential sums, one numpy operation per position, across all sub-blocks at once).
+    Returns (scale [m], the_min [m] (= -min), levels [k, m] float32 in 0..nmax).
     """
-    f32 = np.float32
-    xmin = np.minimum(x.min(axis=1), f32(0))
-    xmax = x.max(axis=1)
-    flat = xmax == xmin  # constant (non-positive) sub-block: levels 0, scale 0
-    span = np.where(flat, f32(1), xmax - xmin)
-    sum_w = np.einsum("ij->i", w)
-    sum_x = _dot(w, x)
+    m = x.shape[1]
+    lowest = x.min(axis=0)
+    mx = x.max(axis=0)
+    sum_w = _sum(w, first=True)
+    sum_x = _sum(w * x, first=True)
+    mn = np.where(lowest > 0, _F(0), lowest)
+    flat = mx == mn  # C returns at once: levels 0, scale 0, the_min = -min
+    la = np.empty_like(x)
+    t = np.empty_like(x)
+    terms = np.empty((3, m), dtype=_F)
 
-    iscale = f32(nmax) / span
-    scale = f32(1) / iscale
-    levels = np.clip(_rint(iscale[:, None] * (x - xmin[:, None])), 0, nmax)
-    best_err = _dot(w, np.square(scale[:, None] * levels + xmin[:, None] - x))
-    best_min = xmin.copy()
-    with np.errstate(divide="ignore", invalid="ignore"):
+    def grid(iscale, origin):  # la = the levels of x on the grid (x - origin) * iscale
+        v = np.subtract(x, origin, out=t)
+        v *= iscale
+        reach = np.abs(iscale) * np.maximum(np.abs(mx - origin), np.abs(lowest - origin))
+        in_range = bool(np.all(np.where(flat, _F(0), reach) <= _F(4.0e6)))  # flat columns are discarded
+        return _clamped_levels(v, 0, nmax, la, in_range)
+
+    def error(sc, mi):  # sum of w * (sc*l + mi - x)^2 over la, as C
+        e = np.multiply(la, sc, out=t)
+        e += mi
+        e -= x
+        e *= e
+        e *= w
+        return _sum(e)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = _F(nmax) / (mx - mn)
+        scale = _F(1) / iscale
+        grid(iscale, mn)
+        best_error = error(scale, mn)
+        # The best levels are those of one grid: keep its (iscale, origin) and rebuild them at the end.
+        best_iscale, best_origin = iscale, mn
         for step in range(nstep + 1):
-            # as in C, each candidate grid starts from the best min found so far
-            cur = xmax - best_min
-            cur = np.where(cur > 0, cur, f32(1))
-            iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / cur
-            la = np.clip(_rint(iscale[:, None] * (x - best_min[:, None])), 0, nmax)
-            wl = w * la
-            sum_l = np.einsum("ij->i", wl)
-            sum_l2 = _dot(wl, la)
-            sum_xl = _dot(wl, x)
+            iscale = (_F(rmin) + _F(rdelta) * _F(step) + _F(nmax)) / (mx - mn)
+            grid(iscale, mn)
+            wl = np.multiply(w, la, out=t)
+            terms[0] = _sum(wl)
+            wl *= la
+            terms[1] = _sum(wl)
+            np.multiply(w, la, out=wl)
+            wl *= x
+            terms[2] = _sum(wl)
+            sum_l, sum_l2, sum_xl = terms
             det = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
-            positive = this_min > 0  # the min is kept <= 0: refit the scale alone
+            positive = this_min > 0
             this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
-            this_min = np.where(positive, f32(0), this_min)
-            err = _dot(w, np.square(this_scale[:, None] * la + this_min[:, None] - x))
-            better = (det > 0) & (err < best_err) & ~flat
-            levels = np.where(better[:, None], la, levels)
-            best_err = np.where(better, err, best_err)
+            this_min = np.where(positive, _F(0), this_min)
+            cur_error = error(this_scale, this_min)
+            better = (det > 0) & (cur_error < best_error) & ~flat
+            best_iscale = np.where(better, iscale, best_iscale)
+            best_origin = np.where(better, mn, best_origin)
+            best_error = np.where(better, cur_error, best_error)
             scale = np.where(better, this_scale, scale)
-            best_min = np.where(better, this_min, best_min)
-    scale = np.where(flat, f32(0), scale)
-    levels = np.where(flat[:, None], f32(0), levels)
-    return scale.astype(f32), (-best_min).astype(f32), levels
+            mn = np.where(better, this_min, mn)
+        levels = grid(best_iscale, best_origin).copy()
+    scale = np.where(flat, _F(0), scale)
+    levels[:, flat] = 0
+    return scale, -mn, levels
 
 
 def _qx(x: np.ndarray, nmax: int):
-    """make_qx_quants(rmse_type=1) for every row of x [m, k]: symmetric scale, levels l+nmax in 0..2*nmax-1."""
-    f32 = np.float32
-    m = x.shape[0]
-    at = np.abs(x).argmax(axis=1)  # first maximum, as the C loop's strict '>'
-    xmax = x[np.arange(m), at]
+    """make_qx_quants(rmse_type=1, no weights) for the columns of x [k, m], float32 in C's order.
+
+    Returns (scale [m], levels [k, m] uint8 = l + nmax in 0..2*nmax-1; all 0 for a zero sub-block).
+    """
+    m = x.shape[1]
+    at = np.abs(x).argmax(axis=0)  # the first largest |x|, as C's strict '>'
+    xmax = x[at, np.arange(m)]
     zero = np.abs(xmax) < _GROUP_MAX_EPS
-    xmax = np.where(zero, f32(1), xmax)
+    xmax = np.where(zero, _F(1), xmax)
     w = x * x
+    wx = w * x  # C: sumlx += w*x[i]*l, i.e. (w*x)*l; suml2 += w*l*l, i.e. (w*l)*l
+    lv = np.empty_like(x)
+    t = np.empty_like(x)
+
+    def grid(iscale):  # |iscale * x| <= nmax + 1 since |x| <= |xmax| >= 1e-15: in nearest_int's range
+        np.multiply(x, iscale, out=t)
+        return _clamped_levels(t, -nmax, nmax - 1, lv, True)
 
     def fit(iscale):
-        lv = np.clip(_rint(iscale[:, None] * x), -nmax, nmax - 1)
-        wl = w * lv
-        return lv, _dot(wl, x), _dot(wl, lv)
+        grid(iscale)
+        np.multiply(wx, lv, out=t)
+        sumlx = _sum(t)
+        wl = np.multiply(w, lv, out=t)
+        wl *= lv
+        return sumlx, _sum(wl)
 
-    levels, sumlx, suml2 = fit(f32(-nmax) / xmax)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(suml2 != 0, sumlx / suml2, f32(0))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        best_iscale = _F(-nmax) / xmax
+        sumlx, suml2 = fit(best_iscale)
+        scale = np.where(suml2 != 0, sumlx / suml2, _F(0))
         best = scale * sumlx
         for step in (*range(-9, 0), *range(1, 10)):
-            lv, sumlx, suml2 = fit(-(f32(nmax) + f32(0.1) * f32(step)) / xmax)
+            iscale = -(_F(nmax) + _F(0.1) * _F(step)) / xmax
+            sumlx, suml2 = fit(iscale)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            levels = np.where(better[:, None], lv, levels)
+            best_iscale = np.where(better, iscale, best_iscale)
             scale = np.where(better, sumlx / suml2, scale)
             best = np.where(better, scale * sumlx, best)
-    scale = np.where(zero, f32(0), scale)
-    levels = np.where(zero[:, None], f32(-nmax), levels)  # C stores level 0 (= -nmax after the offset)
-    return scale.astype(f32), levels + nmax
+        grid(best_iscale)
+    scale = np.where(zero, _F(0), scale)
+    lv += _F(nmax)
+    out = lv.astype(np.uint8)
+    out[:, zero] = 0  # C writes L = 0 for an all-zero sub-block
+    return scale, out
 
 
 def _f16_bytes(v: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [n] -> (f16 bytes [n, 2], the stored value as float32 [n]); error if it overflows f16."""
+    """float32 [n] -> (f16 bytes [n, 2], the stored value as float32 [n]); error if it overflows f16
+    (numpy's conversion rounds to nearest even, as GGML_FP32_TO_FP16)."""
     with np.errstate(over="ignore"):
         h = v.astype(np.float16)
     if not np.isfinite(h).all():
         raise ValueError(f"{qtype.name}: a block scale of {float(np.abs(v).max()):g} overflows float16; "
                          f"values this large cannot be stored in {qtype.name}")
-    return h.view(np.uint8).reshape(-1, 2), h.astype(np.float32)
+    return h.view(np.uint8).reshape(-1, 2), h.astype(_F)
 
 
 def _q45_k(x: np.ndarray, qtype: QT) -> np.ndarray:
     """quantize_row_q4_K_ref / quantize_row_q5_K_ref on super-blocks x [nb, 256]."""
-    f32 = np.float32
     nb = x.shape[0]
     five = qtype == QT.Q5_K
     nmax = 31 if five else 15
-    xs = x.reshape(nb * 8, 32)  # 8 sub-blocks of 32
-    av_x = np.sqrt(np.square(xs).mean(axis=1, dtype=f32))
-    w = av_x[:, None] + np.abs(xs)
+    xs = np.ascontiguousarray(x.reshape(nb * 8, 32).T)  # [32, nb*8]: one sub-block of 32 a column
+    av_x = np.sqrt(_sum(xs * xs) / _F(32))
+    w = av_x + np.abs(xs)
     if five:
         scales, mins, levels = _qkx2(xs, w, 31, -0.5, 0.1, 15)
     else:
         scales, mins, levels = _qkx2(xs, w, 15, -1.0, 0.1, 20)
     scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
-    max_scale = np.maximum(scales.max(axis=1), f32(0))
-    max_min = np.maximum(mins.max(axis=1), f32(0))
+    # C: max over `if (v > max) max = v` from 0 (NaN never wins)
+    max_scale = np.fmax(np.fmax.reduce(scales, axis=1), _F(0))
+    max_min = np.fmax(np.fmax.reduce(mins, axis=1), _F(0))
     with np.errstate(divide="ignore"):
-        inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0))
-        inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0))
-    ls = np.minimum(_rint(inv_scale[:, None] * scales), 63).astype(np.uint8)  # 6-bit sub-block scales
-    lm = np.minimum(_rint(inv_min[:, None] * mins), 63).astype(np.uint8)
-    d_bytes, d = _f16_bytes(max_scale / f32(63), qtype)
-    m_bytes, dmin = _f16_bytes(max_min / f32(63), qtype)
+        inv_scale = np.where(max_scale > 0, _F(63) / max_scale, _F(0))
+        inv_min = np.where(max_min > 0, _F(63) / max_min, _F(0))
+    # uint8_t ls = nearest_int(...) wraps modulo 256 before MIN(63, ls)
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins) & 0xFF, 63).astype(np.uint8)
+    d_bytes, d = _f16_bytes(max_scale / _F(63), qtype)
+    m_bytes, dmin = _f16_bytes(max_min / _F(63), qtype)
 
     packed = np.empty((nb, 12), dtype=np.uint8)  # see quants._k4_scale_min for the layout
     packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
@@ -163,11 +233,11 @@ def _q45_k(x: np.ndarray, qtype: QT) -> np.ndarray:
     packed[:, 8:12] = (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)
 
     # re-quantize against the scales as stored (f16 super-scales times 6-bit sub-scales)
-    sd = (d[:, None] * ls).reshape(-1, 1)
-    sm = (dmin[:, None] * lm).reshape(-1, 1)
+    sd = (d[:, None] * ls).reshape(-1)  # float * uint8, as C
+    sm = (dmin[:, None] * lm).reshape(-1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        requant = np.clip(_rint((xs + sm) / sd), 0, nmax)
-    levels = np.where(sd != 0, requant, levels).astype(np.uint8).reshape(nb, 4, 2, 32)
+        requant = np.clip(_nearest_int((xs + sm) / sd), 0, nmax)
+    levels = np.where(sd != 0, requant, levels).T.astype(np.uint8).reshape(nb, 4, 2, 32)
 
     qs = (levels[:, :, 0] & 0x0F) | ((levels[:, :, 1] & 0x0F) << 4)  # [nb, 4, 32]
     parts = [d_bytes, m_bytes, packed]
@@ -183,22 +253,22 @@ def _q45_k(x: np.ndarray, qtype: QT) -> np.ndarray:
 
 def _q6_k(x: np.ndarray) -> np.ndarray:
     """quantize_row_q6_K_ref on super-blocks x [nb, 256]."""
-    f32 = np.float32
     nb = x.shape[0]
-    xs = x.reshape(nb * 16, 16)  # 16 sub-blocks of 16
+    xs = np.ascontiguousarray(x.reshape(nb * 16, 16).T)  # [16, nb*16]: one sub-block of 16 a column
     scales, levels = _qx(xs, 32)
     scales = scales.reshape(nb, 16)
-    at = np.abs(scales).argmax(axis=1)
+    at = np.abs(scales).argmax(axis=1)  # the first largest |scale|
     max_scale = scales[np.arange(nb), at]
-    zero = np.abs(max_scale) < _GROUP_MAX_EPS  # whole super-block zero: all bytes 0
+    zero = ~(np.abs(max_scale) >= _GROUP_MAX_EPS)  # whole super-block zero: all bytes 0
     with np.errstate(divide="ignore"):
-        iscale = np.where(zero, f32(0), f32(-128) / np.where(zero, f32(1), max_scale))
-        d_bytes, d = _f16_bytes(np.where(zero, f32(0), f32(1) / iscale), QT.Q6_K)
-    sc = np.minimum(_rint(iscale[:, None] * scales), 127).astype(np.int8)  # [nb, 16]
-    sd = (d[:, None] * sc).reshape(-1, 1)
+        iscale = np.where(zero, _F(0), _F(-128) / np.where(zero, _F(1), max_scale))
+        d_bytes, d = _f16_bytes(np.where(zero, _F(0), _F(1) / iscale), QT.Q6_K)
+    # int8_t scale = MIN(127, nearest_int(...)): the int is converted (wrapped) to int8
+    sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)  # [nb, 16]
+    sd = (d[:, None] * sc).reshape(-1)  # float * int8, as C
     with np.errstate(divide="ignore", invalid="ignore"):
-        requant = np.clip(_rint(xs / sd), -32, 31) + 32
-    levels = np.where(sd != 0, requant, levels).astype(np.uint8).reshape(nb, 2, 4, 32)  # half, quarter, l
+        requant = (np.clip(_nearest_int(xs / sd), -32, 31) + 32).astype(np.uint8)
+    levels = np.where(sd != 0, requant, levels).T.reshape(nb, 2, 4, 32)  # half, quarter, l
 
     ql = np.concatenate([(levels[:, :, 0] & 0x0F) | ((levels[:, :, 2] & 0x0F) << 4),
                          (levels[:, :, 1] & 0x0F) | ((levels[:, :, 3] & 0x0F) << 4)], axis=-1)  # [nb, 2, 64]

@@ -4,9 +4,12 @@
 vocoder}/` (+ `tokenizer/` for the LM file, + an optional `dav.pth` for the vocoder encoder) and
 writes `MiniMax-Music3-<subfolder>-<TYPE>.gguf` files in the minimaxmusic.cpp contract:
 
-* LM / depth / DiT: tensors copied byte for byte in the source dtype (BF16 stays BF16);
-* condition encoder / vocoder: cast to F32; vocoder weight norm folded exactly as torch does it,
-  Snake alphas stored [C]; the `dav.pth` encoder renamed to `encoder.*` (DAC's naming).
+* LM / depth / DiT: tensors copied byte for byte in the source dtype (BF16 stays BF16), in the
+  port's order: shard by shard, names sorted within each shard;
+* condition encoder / vocoder: cast to F32, sorted by name; vocoder weight norm folded exactly as
+  torch does it (not with the port's numpy arithmetic: folded weights may differ from the port's in
+  the last bits), Snake alphas stored [C]; the `dav.pth` encoder renamed to `encoder.*` (DAC's naming);
+* an empty tokenizer merges list (a byte-level vocabulary) writes no `tokenizer.ggml.merges` key.
 
 Streaming: header and tensor infos are written first, then one tensor at a time from a memory
 map, into `<name>.part`, renamed when complete. Existing outputs are skipped.
@@ -331,12 +334,19 @@ def _tensor_data(plans: list[_Plan], component: str, progress: Progress | None):
 
 
 def _native_plans(entries: dict[str, TensorEntry]) -> list[_Plan]:
+    """Byte-copy plans in the port's order: shard by shard (shards in file-name order, as
+    `load_entries` lists them), names sorted within each shard, so a sharded checkpoint is not
+    sorted globally."""
+    by_shard: dict[Path, list[str]] = {}
+    for name, e in entries.items():
+        by_shard.setdefault(e.path, []).append(name)
     plans = []
-    for name in sorted(entries):
-        e = entries[name]
-        if e.dtype not in _GGML:
-            raise ValueError(f"{e.path}: tensor {name} has dtype {e.dtype}, expected F32, F16 or BF16")
-        plans.append(_Plan(name, e.shape, e.dtype, e.raw))
+    for names in by_shard.values():
+        for name in sorted(names):
+            e = entries[name]
+            if e.dtype not in _GGML:
+                raise ValueError(f"{e.path}: tensor {name} has dtype {e.dtype}, expected F32, F16 or BF16")
+            plans.append(_Plan(name, e.shape, e.dtype, e.raw))
     return plans
 
 
@@ -345,9 +355,15 @@ def _f32(t: torch.Tensor) -> np.ndarray:
 
 
 def _vae_plans(tensors: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple[int, ...]]) -> list[_Plan]:
-    """F32 plans with weight-norm pairs folded and Snake alphas flattened to [C]."""
+    """F32 plans with weight-norm pairs folded and Snake alphas flattened to [C], sorted by output
+    name (as the port writes them).
+
+    The fold keeps torch's arithmetic (torch._weight_norm, what diffusers computes), not the port's
+    numpy float32 one (g / sqrt(sum(v**2)) then v * that), so folded weights can differ from the
+    port's file in the last bits; every other tensor is the same bytes.
+    """
     plans = []
-    for name in sorted(shapes):
+    for name in shapes:
         if name.endswith(".weight_g"):
             continue
         if name.endswith(".weight_v"):
@@ -363,7 +379,7 @@ def _vae_plans(tensors: dict[str, Callable[[], torch.Tensor]], shapes: dict[str,
             plans.append(_Plan(name, (n,), "F32", lambda f=tensors[name]: _f32(f()).reshape(-1)))
         else:
             plans.append(_Plan(name, shapes[name], "F32", lambda f=tensors[name]: _f32(f())))
-    return plans
+    return sorted(plans, key=lambda p: p.name)
 
 
 def _output_type(folder: Path, component: str) -> str:
@@ -398,8 +414,9 @@ def component_metadata(component: str, cfg: dict, tokenizer_json: Path | None = 
                              f"vocab_size {cfg['vocab_size']} in {config_path}")
         kv += [("mm3.config_json", json.dumps(cfg, separators=(",", ":")), S, None),
                ("tokenizer.ggml.model", "gpt2", S, None),
-               ("tokenizer.ggml.tokens", tokens, ARR, S),
-               ("tokenizer.ggml.merges", merges, ARR, S)]
+               ("tokenizer.ggml.tokens", tokens, ARR, S)]
+        if merges:  # as gguf-py's add_token_merges in the port: an empty list writes no key
+            kv.append(("tokenizer.ggml.merges", merges, ARR, S))
     else:
         kv += [(f"{arch}.{k}", int(cfg[k]), U32, None) for k in U32_KEYS[component]]
     if component == "vocoder":

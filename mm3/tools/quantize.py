@@ -1,10 +1,25 @@
 """`python -m mm3 quantize IN.gguf OUT.gguf --type Q4_K_M`: the published quant mixes of a native component file.
 
-Mixes (as the published files): every tensor with two or more dimensions whose rows fill whole blocks
-takes the base type; everything else (norms, biases, the DiT's 1x1 convs and time projection)
-is written F32. `_M` mixes of the LM raise `embed_tokens` and every `v_proj` / `down_proj` to
-Q6_K. The condition encoder and the vocoder are never quantized. Metadata is copied unchanged,
-plus `general.quantization_version` (u32 2) and `general.file_type` as a string.
+The rules, bytes and file layout are those of minimaxmusic.cpp's `quantize` tool (tools/quantize.cpp,
+which calls ggml's reference quantizers without an importance matrix), so the same input gives the
+same file:
+
+* tensors with fewer than two dimensions (as ggml counts them: trailing size-1 dimensions of `ne` do
+  not count) are written F32 (BF16/F16 promoted, F32 copied);
+* every other tensor takes the mix's type if its rows fill whole blocks, else it is copied unchanged
+  in its source type (BF16 stays BF16);
+* any tensor whose name contains `embed_tokens.weight` takes Q6_K in the K mixes (`_M` and Q6_K);
+* `_M` mixes raise to Q6_K every tensor whose name contains `v_proj.weight` or `down_proj.weight`
+  and a `layers.N` index (the LM's and the depth decoder's), in every layer: the port's "first
+  n/9, last n/7 and every third layer" rule reads `<arch>.block_count`, which these files do not
+  have, so it holds for every layer (it is applied as written when the key is present);
+* names containing `silence_latent`, `scale_shift_table` or `null_condition_emb` are never
+  quantized (the port's rules; no MM3 tensor has them).
+
+The condition encoder and the vocoder are never quantized. Metadata is copied unchanged, plus
+`general.quantization_version` (u32 2) and `general.file_type` as a string; the data of the last
+tensor is not padded (the port pads before each tensor, gguf-py after each). Q4_0 and Q5_0 are
+ours (the port has no such mix): base type only, nothing raised.
 """
 
 from __future__ import annotations
@@ -27,36 +42,94 @@ from ..gguf.writer import Writer, copy_metadata, write_streaming
 
 Q = GGMLQuantizationType
 
-# name -> (base type, LM tensors raised to Q6_K or None)
+# name -> (base type, raised type or None): the raised type is the one of `embed_tokens` (and, in
+# `_M` mixes, of v_proj / down_proj); without one, embed_tokens takes the base type.
 MIXES = {
     "Q8_0": (Q.Q8_0, None),
-    "Q6_K": (Q.Q6_K, None),
+    "Q6_K": (Q.Q6_K, Q.Q6_K),
     "Q5_K_M": (Q.Q5_K, Q.Q6_K),
     "Q4_K_M": (Q.Q4_K, Q.Q6_K),
     "Q5_0": (Q.Q5_0, None),
     "Q4_0": (Q.Q4_0, None),
 }
+_LAYER_RAISE = frozenset({"Q5_K_M", "Q4_K_M"})  # the port's bump mode 2 ("M" variants)
+_NEVER = ("silence_latent", "scale_shift_table", "null_condition_emb")
+_SOURCE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})  # what the port converts (anything else is copied)
 QUANTIZABLE = {"lm", "depth", "dit"}
-_RAISED_LM = re.compile(r"(^model\.embed_tokens\.weight$|\.v_proj\.weight$|\.down_proj\.weight$)")
 QUANTIZATION_VERSION = 2  # ggml's current block layout version
 
 
-def choose_type(kind: str, name: str, shape: tuple[int, ...], mix: str) -> GGMLQuantizationType:
-    """The type a tensor gets in `mix`."""
+def ggml_n_dims(shape: tuple[int, ...]) -> int:
+    """ggml_n_dims of a tensor of torch-order `shape`: its dimensions without the leading size-1
+    ones (ggml's trailing ne of 1), at least 1. The port decides and writes shapes with it."""
+    n = len(shape)
+    while n > 1 and shape[len(shape) - n] == 1:
+        n -= 1
+    return max(n, 1)
+
+
+def _layer(name: str) -> int:
+    """extract_layer: atoi of what follows the first `layers.`, -1 without one."""
+    at = name.find("layers.")
+    if at < 0:
+        return -1
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?\d+)", name[at + 7:])
+    return int(m[1]) if m else 0
+
+
+def _raised_in_layer(name: str, block_count: int) -> bool:
+    layer, n = _layer(name), block_count
+    return layer >= 0 and (layer < n // 9 or layer >= n - n // 7 or layer % 3 == 0)
+
+
+def choose_type(kind: str, name: str, shape: tuple[int, ...], mix: str, src_type: GGMLQuantizationType = Q.F32,
+                block_count: int = 0) -> GGMLQuantizationType:
+    """The type tensor `name` ([torch-order] `shape`, stored as `src_type`) gets in `mix`: a quant
+    type, F32 (promoted vectors) or `src_type` (copied unchanged). `block_count`: the file's
+    `<arch>.block_count` (0 when absent, as in every MM3 file)."""
     base, raised = MIXES[mix]
-    if len(shape) < 2:
-        return Q.F32
-    target = raised if (raised is not None and kind == "lm" and _RAISED_LM.search(name)) else base
-    block = GGML_QUANT_SIZES[target][0]
-    return target if shape[-1] % block == 0 else Q.F32
+    n_dims = ggml_n_dims(shape)
+    if kind == "vae" or n_dims < 2 or any(s in name for s in _NEVER):
+        return Q.F32 if n_dims < 2 and src_type in (Q.BF16, Q.F16) else src_type
+    if "embed_tokens.weight" in name:
+        target = raised or base
+    elif (mix in _LAYER_RAISE and ("v_proj.weight" in name or "down_proj.weight" in name)
+          and _raised_in_layer(name, block_count)):
+        target = raised
+    else:
+        target = base
+    if src_type in _SOURCE_TYPES and shape[-1] % GGML_QUANT_SIZES[target][0] == 0:
+        return target
+    return src_type
 
 
-def _encode(values: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarray:
+class _PortWriter(Writer):
+    """Writer whose last tensor's data is not followed by alignment padding (the port's quantize
+    tool pads before each tensor only; gguf-py also pads after the last)."""
+
+    def write_tensor_data(self, tensor, tensor_endianess=None) -> None:
+        super().write_tensor_data(tensor, tensor_endianess)
+        if not any(self.tensors):  # that was the last one: take back its trailing padding
+            pad = self.ggml_pad(tensor.nbytes, self.data_alignment) - tensor.nbytes
+            if pad:
+                fout = self.fout[0]
+                fout.flush()
+                end = fout.tell() - pad
+                fout.truncate(end)
+                fout.seek(end)
+
+
+def _encode(t, qtype: GGMLQuantizationType) -> np.ndarray:
+    """The bytes of tensor `t` in `qtype`: its own bytes when the type is kept, else F32 values or
+    the blocks of the F32 values."""
+    if qtype == t.qtype:
+        return t.raw.numpy()
+    values = t.dequantize(torch.float32).numpy()
     if qtype == Q.F32:
-        return values.float().numpy()
+        return values.reshape(-1).view(np.uint8)
     from ..gguf.encode import quantize
 
-    return quantize(values.float().numpy(), qtype)
+    return quantize(values, qtype).reshape(-1)
 
 
 def quantize_file(src_path, dst_path, mix: str, *, progress=None, overwrite: bool = False) -> Path:
@@ -81,13 +154,15 @@ def quantize_file(src_path, dst_path, mix: str, *, progress=None, overwrite: boo
                 f"{src_path} is already quantized ({', '.join(already)}); quantize from the native file")
         from ..gguf.encode import WRITABLE_TYPES
 
-        plan = {n: choose_type(kind, n, t.shape, mix) for n, t in src.tensors.items()}
+        block_count = src.metadata.get(f"{src.architecture}.block_count", 0)
+        block_count = block_count if isinstance(block_count, int) else 0
+        plan = {n: choose_type(kind, n, t.shape, mix, t.qtype, block_count) for n, t in src.tensors.items()}
         for n, qt in plan.items():
-            if qt != Q.F32 and qt not in WRITABLE_TYPES:
+            if qt not in (Q.F32, src.tensors[n].qtype) and qt not in WRITABLE_TYPES:
                 raise ComponentError(f"writing {qt.name} is not supported (tensor {n}); "
                                      f"writable: {', '.join(sorted(t.name for t in WRITABLE_TYPES))}")
         tmp = dst.with_name(dst.name + ".part")
-        writer = Writer(str(tmp), src.architecture)
+        writer = _PortWriter(str(tmp), src.architecture)
         copy_metadata(writer, src, skip=("general.file_type", "general.quantization_version"))
         writer.add_uint32("general.quantization_version", QUANTIZATION_VERSION)
         writer.add_key_value("general.file_type", mix, GGUFValueType.STRING)
@@ -95,16 +170,14 @@ def quantize_file(src_path, dst_path, mix: str, *, progress=None, overwrite: boo
             qt = plan[name]
             block, block_bytes = GGML_QUANT_SIZES[qt]
             nbytes = t.numel // block * block_bytes
-            if qt == Q.F32:
-                writer.add_tensor_info(name, t.shape, np.dtype(np.float32), nbytes)
-            else:
-                row_bytes = t.shape[-1] // block * block_bytes
-                writer.add_tensor_info(name, (*t.shape[:-1], row_bytes), np.dtype(np.uint8), nbytes, raw_dtype=qt)
+            shape = t.shape[len(t.shape) - ggml_n_dims(t.shape):]  # as ggml writes it
+            row_bytes = shape[-1] // block * block_bytes
+            writer.add_tensor_info(name, (*shape[:-1], row_bytes), np.dtype(np.uint8), nbytes, raw_dtype=qt)
         total = len(src.tensors)
 
         def tensor_data():
             for i, (name, t) in enumerate(src.tensors.items()):
-                yield _encode(t.dequantize(torch.float32), plan[name])
+                yield _encode(t, plan[name])
                 if progress:
                     progress(name, i + 1, total)
 
