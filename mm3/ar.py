@@ -353,7 +353,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
          device: torch.device | None = None, dtype: torch.dtype = torch.float32,
          generators: list[torch.Generator] | torch.Generator | None = None, progress: Progress | None = None,
          weight_budget: int | None = None, compile: bool = False,
-         prefix: torch.Tensor | None = None) -> list[AudioCodes]:
+         prefix: torch.Tensor | None = None, keep_hiddens: bool = True) -> list[AudioCodes]:
     """Sample `settings.songs` songs for `prompt`; returns one AudioCodes per song (codes [F+1, ncb],
     frame hiddens [F, ncb, H] in `dtype` on `device`, `ended_naturally` when the LM chose END before
     the cap).
@@ -361,7 +361,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     `prefix`: codes [P + 1, ncb] of a song to continue. The prompt and those frames are teacher
     forced (both CFG rows), sampling goes on from there up to the duration (which counts the prior
     frames), and each result's codes are the prefix followed by the new frames; the prefix's
-    hiddens are its replay (`replay`).
+    hiddens are its replay (`replay`). `keep_hiddens` False: codes only (frame_hiddens None), for
+    a caller that replays the codes anyway (`plan_and_replay`).
 
     Song i draws from `generators[i]` if given (CPU generators reproduce the reference's draws, and
     the same generator can go on to draw the DiT noise), else from a CPU generator seeded
@@ -405,8 +406,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     if own:  # the depth decoder runs 7 times a frame: its weights first
         cache_dequantized([depth, lm], dtype, budget, device)
     try:
-        prior = None if prefix is None else replay(lm, depth, prompt, prefix, device=device, dtype=dtype,
-                                                   progress=progress).frame_hiddens
+        prior = None if prefix is None or not keep_hiddens else replay(
+            lm, depth, prompt, prefix, device=device, dtype=dtype, progress=progress).frame_hiddens
         # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
         # One spare position: the last frame is fed back too.
         cache = lm.new_cache(2, n_prompt + known + max_frames + 1, dtype, device)
@@ -431,8 +432,9 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
             raise ZeroFramesError(f"song {i} (lm_seed {seeds[i]}) generated zero audio frames: the LM ended "
                                   f"{what} at once; try another seed or prompt")
         if prefix is not None:
-            codes, hiddens = torch.cat([prefix, codes]), torch.cat([prior, hiddens.to(prior.device)])
-        out.append(AudioCodes(codes, hiddens, prompt, seeds[i], ended))
+            codes = torch.cat([prefix, codes])
+            hiddens = None if prior is None else torch.cat([prior, hiddens.to(prior.device)])
+        out.append(AudioCodes(codes, hiddens if keep_hiddens else None, prompt, seeds[i], ended))
     return out
 
 
@@ -512,6 +514,6 @@ def plan_and_replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, setting
     rounding of the batch shape only), so a song's codes, saved and rendered again, give the same
     audio bit for bit."""
     songs = plan(lm, depth, prompt, settings, device=device, dtype=dtype, progress=progress,
-                 weight_budget=weight_budget, prefix=prefix)
+                 weight_budget=weight_budget, prefix=prefix, keep_hiddens=False)
     return [replay(lm, depth, prompt, s.codes, device=device, dtype=dtype, progress=progress, lm_seed=s.lm_seed,
                    ended=s.ended_naturally) for s in songs]

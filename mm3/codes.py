@@ -42,6 +42,7 @@ class AudioCodes:
     prompt: Prompt | None
     lm_seed: int | None = None
     ended_naturally: bool = False
+    take: int = -1  # the candidate it is among its request's takes (`mm3.takes`); -1: no takes
 
     @property
     def frames(self) -> int:

@@ -291,11 +291,10 @@ def cmd_plan(args) -> int:
     finally:
         pipe.store.release_all()
     _print_takes(pipe, args.quiet)
-    takes = {c.seed: c.take for c in pipe.candidates if c.kept}
     lines = []
     with FileBatch(args.overwrite) as batch:
         for i, (song, path) in enumerate(zip(songs, targets)):
-            replay_req = req.replay(song.to_request_codes(), lm_seed=song.lm_seed, take=takes.get(song.lm_seed))
+            replay_req = req.replay(song.to_request_codes(), lm_seed=song.lm_seed, take=song.take)
             batch.add(path, (replay_req.to_json() + "\n").encode())
             how = "ended by itself" if song.ended_naturally else "reached the duration cap"
             lines.append(f"wrote {path}: {song.frames} frames ({song.frames / 25:.2f} s, {how}), "

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .ar import PlanSettings, max_frames_for, plan, plan_and_replay, replay
+from .ar import PlanSettings, max_frames_for, plan, replay
 from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
@@ -33,7 +33,7 @@ from .prompt import Prompt, PromptError, build_prompt
 from .registry import Registry
 from .request import MODEL_FIELDS, MM3Request, RequestError
 from .sampling import make_generator
-from .takes import plan_takes
+from .takes import plan_and_replay_takes
 from .store import ModelStore
 
 # What each stage is called in error messages, and the components it runs.
@@ -257,22 +257,10 @@ class Pipeline:
                 songs = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype, generators=gens,
                              progress=progress)
                 self.candidates = []
-            elif takes.is_plain:
+            else:
                 gens = None
-                songs = plan_and_replay(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
-                                        progress=progress, prefix=prefix)
-                self.candidates = []
-            else:  # sample every take, keep the codes only, replay the kept ones
-                gens = None
-
-                def codes_only(st):
-                    return [AudioCodes(s.codes, None, s.prompt, s.lm_seed, s.ended_naturally)
-                            for s in plan(lm, depth, prompt, st, device=self.device, dtype=self.dtype,
-                                          progress=progress, prefix=prefix)]
-
-                kept, self.candidates = plan_takes(codes_only, settings, takes)
-                songs = [replay(lm, depth, prompt, s.codes, device=self.device, dtype=self.dtype, progress=progress,
-                                lm_seed=s.lm_seed, ended=s.ended_naturally) for s in kept]
+                songs, self.candidates = plan_and_replay_takes(lm, depth, prompt, settings, takes, device=self.device,
+                                                               dtype=self.dtype, progress=progress, prefix=prefix)
         for song in songs:
             _check_hiddens(song, "planning")
         self.timings.add("plan", time.perf_counter() - start)
@@ -423,7 +411,6 @@ class Pipeline:
                     request.source_codes, songs[0].prompt.codes.num_semantic, 1 << 62))
         else:
             songs, gens = self.plan(request, progress, rng)
-        takes = {c.seed: c.take for c in self.candidates if c.kept} if not request.audio_codes else {}
         tracks = []
         sample_rate = None
         for i, song in enumerate(songs):
@@ -434,8 +421,7 @@ class Pipeline:
                 if request.audio_codes:
                     replay_request = request.replay(codes_text, variation=j)
                 else:
-                    replay_request = request.replay(codes_text, variation=j, lm_seed=song.lm_seed,
-                                                    take=takes.get(song.lm_seed))
+                    replay_request = request.replay(codes_text, variation=j, lm_seed=song.lm_seed, take=song.take)
                 tracks.append(Track(audio[j], sample_rate, replay_request, i, j, song))
         return tracks
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from .ar import plan, plan_and_replay, replay
 from .codes import AudioCodes
 from .constants import MAX_SONGS
 from .errors import RunError
@@ -91,4 +92,17 @@ def plan_takes(plan_batch: Callable, settings, takes: Takes) -> tuple[list[Audio
     kept.sort(key=lambda ns: ns[0])
     chosen = {n for n, _ in kept}
     report = [Candidate(n, s.lm_seed, s.frames, s.ended_naturally, n in chosen) for n, s in planned]
-    return [s for _, s in kept], report
+    return [replace(s, take=n) for n, s in kept], report
+
+
+def plan_and_replay_takes(lm, depth, prompt, settings, takes: Takes, *, device, dtype, progress=None,
+                          weight_budget: int | None = None, prefix=None) -> tuple[list[AudioCodes], list[Candidate]]:
+    """`mm3.ar.plan_and_replay` over takes: every candidate sampled for its codes only, the kept
+    ones replayed. One take without `require_ending` is `plan_and_replay` itself (no report)."""
+    kw = dict(device=device, dtype=dtype, progress=progress)
+    if takes.is_plain:
+        return plan_and_replay(lm, depth, prompt, settings, weight_budget=weight_budget, prefix=prefix, **kw), []
+    kept, report = plan_takes(lambda st: plan(lm, depth, prompt, st, weight_budget=weight_budget, prefix=prefix,
+                                              keep_hiddens=False, **kw), settings, takes)
+    return [replace(replay(lm, depth, prompt, s.codes, lm_seed=s.lm_seed, ended=s.ended_naturally, **kw), take=s.take)
+            for s in kept], report

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mm3.ar import PlanSettings, plan, plan_and_replay, replay
+from mm3.ar import PlanSettings, replay
 from mm3.audio import decode_windows, encode_audio, stitch
 from mm3.codes import AudioCodes, parse_audio_codes
 from mm3.components import check_compatible
@@ -27,7 +27,7 @@ from mm3.output import atomic_write, write_audio
 from mm3.progress import Progress
 from mm3.prompt import build_prompt
 from mm3.request import MM3Request, RequestError
-from mm3.takes import Takes, plan_takes
+from mm3.takes import Takes, plan_and_replay_takes
 from mm3.tokenizer import MM3Tokenizer
 from .handles import ComponentHandle, ConditionBundle, LatentsBundle, PlannedSong, PromptBundle, WindowsBundle, part
 
@@ -84,7 +84,7 @@ def assemble_prompt(lm: ComponentHandle, caption: str, lyrics: str) -> PromptBun
 
 
 def _stored(song: AudioCodes) -> AudioCodes:
-    return AudioCodes(song.codes, song.frame_hiddens.to(STORE), song.prompt, song.lm_seed, song.ended_naturally)
+    return replace(song, frame_hiddens=song.frame_hiddens.to(STORE))
 
 
 @torch.no_grad()
@@ -112,25 +112,12 @@ def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandl
         request.validate()
     except RequestError as e:
         raise ValueError(str(e)) from None
-    prefix = None if prior is None else prior.codes.codes
-    if takes.is_plain:
-        songs = plan_and_replay(lm_model, depth_model, prompt.prompt, settings, device=device, dtype=dtype,
-                                progress=progress, weight_budget=weight_budget, prefix=prefix)
-        candidates = []
-    else:
-        def codes_only(st):
-            return [AudioCodes(s.codes, None, s.prompt, s.lm_seed, s.ended_naturally)
-                    for s in plan(lm_model, depth_model, prompt.prompt, st, device=device, dtype=dtype,
-                                  progress=progress, weight_budget=weight_budget, prefix=prefix)]
-
-        kept, candidates = plan_takes(codes_only, settings, takes)
-        songs = [replay(lm_model, depth_model, prompt.prompt, s.codes, device=device, dtype=dtype, progress=progress,
-                        lm_seed=s.lm_seed, ended=s.ended_naturally) for s in kept]
-    take_of = {c.seed: c.take for c in candidates if c.kept}
+    songs, candidates = plan_and_replay_takes(lm_model, depth_model, prompt.prompt, settings, takes, device=device,
+                                              dtype=dtype, progress=progress, weight_budget=weight_budget,
+                                              prefix=None if prior is None else prior.codes.codes)
     out = []
     for i, s in enumerate(songs):
-        req = replace(request, lm_seed=s.lm_seed, audio_codes=s.to_request_codes(), continue_codes="",
-                      lm_take=take_of.get(s.lm_seed, -1))
+        req = replace(request, lm_seed=s.lm_seed, audio_codes=s.to_request_codes(), continue_codes="", lm_take=s.take)
         out.append(PlannedSong(_stored(s), req, parts, i, len(songs)))
     return out, candidates
 

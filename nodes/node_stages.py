@@ -189,14 +189,7 @@ class MM3FlowSampler(io.ComfyNode):
                         "draws its noise from seed + j.",
             inputs=[
                 DIT.Input("dit"), CONDITION.Input("condition"),
-                io.Int.Input("seed", default=0, min=0, max=DIT_SEED_MAX, control_after_generate=True,
-                             tooltip="Noise seed; variation j uses seed + j (drawn on the CPU: same on any device)."),
-                io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=200),
-                io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=10.0, step=0.05,
-                               tooltip="Classifier-free guidance of the DiT (1 = conditional only)."),
-                io.Int.Input("variations", default=1, min=1, max=MAX_VARIATIONS,
-                             tooltip="Renderings of the same plan (a batch of audio)."),
-                _shift_input(),
+                *_sampling_inputs(0, "Noise seed; variation j uses seed + j (drawn on the CPU: same on any device)."),
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )
@@ -205,21 +198,36 @@ class MM3FlowSampler(io.ComfyNode):
     def execute(cls, dit, condition, seed: int, steps: int, dit_cfg: float, variations: int,
                 shift: float = AUTO_SHIFT) -> io.NodeOutput:
         with interruptible():
-            device, dtype = _device_dtype(dit)
-            longest = max(c.shape[1] for c in condition.conds)
-            need = dit_memory(dit.hparams, longest, dtype_bytes(dtype))
-            (model,) = load([dit], memory_required=need)
+            model, run = _loaded_dit(dit, condition)
             out = logic.sample(model, dit, condition, seed=seed, steps=steps, dit_cfg=dit_cfg, variations=variations,
-                               device=device, dtype=dtype, progress=node_progress(),
-                               weight_cache=spare_bytes([dit], need), shift=shift)
+                               shift=shift, **run)
         show_warnings(out.warnings)
         return io.NodeOutput(out)
 
 
-def _shift_input():
-    return io.Float.Input("shift", default=AUTO_SHIFT, min=0.0, max=MAX_SHIFT, step=0.05, optional=True,
-                          tooltip="Flow schedule shift: 0 = automatic (29 / (steps - 1) below 30 steps, where few "
-                                  "steps sound thin), 1 = off (the reference's schedule).")
+def _sampling_inputs(seed_default: int, seed_tooltip: str) -> list:
+    """seed, steps, dit_cfg, variations and shift: the DiT settings of the Flow Sampler and Repaint."""
+    return [
+        io.Int.Input("seed", default=seed_default, min=0, max=DIT_SEED_MAX, control_after_generate=True,
+                     tooltip=seed_tooltip),
+        io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=200),
+        io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=10.0, step=0.05,
+                       tooltip="Classifier-free guidance of the DiT (1 = conditional only)."),
+        io.Int.Input("variations", default=1, min=1, max=MAX_VARIATIONS,
+                     tooltip="Renderings of the same plan (a batch of audio)."),
+        io.Float.Input("shift", default=AUTO_SHIFT, min=0.0, max=MAX_SHIFT, step=0.05, optional=True,
+                       tooltip="Flow schedule shift: 0 = automatic (29 / (steps - 1) below 30 steps, where few "
+                               "steps sound thin), 1 = off (the reference's schedule)."),
+    ]
+
+
+def _loaded_dit(dit, condition):
+    """The DiT loaded by ComfyUI's manager for the condition's longest window, and the keyword
+    arguments of a sampling call (device, dtype, progress, the spare memory for weight copies)."""
+    device, dtype = _device_dtype(dit)
+    need = dit_memory(dit.hparams, max(c.shape[1] for c in condition.conds), dtype_bytes(dtype))
+    (model,) = load([dit], memory_required=need)
+    return model, dict(device=device, dtype=dtype, progress=node_progress(), weight_cache=spare_bytes([dit], need))
 
 
 class MM3Repaint(io.ComfyNode):
@@ -239,12 +247,7 @@ class MM3Repaint(io.ComfyNode):
                                tooltip="Second where the repaint ends."),
                 io.Float.Input("fade", default=DEFAULT_REPAINT_FADE, min=0.0, max=10.0, step=0.05,
                                tooltip="Seconds of crossfade inside each edge of the range."),
-                io.Int.Input("seed", default=1, min=0, max=DIT_SEED_MAX, control_after_generate=True,
-                             tooltip="Noise seed of the repainted range; variation j uses seed + j."),
-                io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=200),
-                io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=10.0, step=0.05),
-                io.Int.Input("variations", default=1, min=1, max=MAX_VARIATIONS),
-                _shift_input(),
+                *_sampling_inputs(1, "Noise seed of the repainted range; variation j uses seed + j."),
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )
@@ -255,13 +258,9 @@ class MM3Repaint(io.ComfyNode):
         if not start < end:
             raise ValueError(f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)")
         with interruptible():
-            device, dtype = _device_dtype(dit)
-            longest = max(c.shape[1] for c in condition.conds)
-            need = dit_memory(dit.hparams, longest, dtype_bytes(dtype))
-            (model,) = load([dit], memory_required=need)
+            model, run = _loaded_dit(dit, condition)
             out = logic.repaint(model, dit, condition, source, start=start, end=end, fade=fade, seed=seed, steps=steps,
-                                dit_cfg=dit_cfg, variations=variations, device=device, dtype=dtype, shift=shift,
-                                progress=node_progress(), weight_cache=spare_bytes([dit], need))
+                                dit_cfg=dit_cfg, variations=variations, shift=shift, **run)
         show_warnings(out.warnings)
         return io.NodeOutput(out, ui={"text": [f"repainted {start:g}-{end:g} s with seed {seed}"]})
 

@@ -5,8 +5,6 @@ workflows' default captions (layout and token budget)."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,7 +20,7 @@ from mm3.captions import (KEYS, LABELS, LAYERING, PRESET_SOURCES, PRESETS, SECTI
 from mm3.constants import MAX_PROMPT_TOKENS
 from mm3.prompt import Prompt, clean_caption, count_tokens, normalize_lyrics
 from tests.helpers.comfyui import CAPTION as HELPER_CAPTION
-from tests.helpers.comfyui import COMFYUI_PATH, needs_comfy
+from tests.helpers.comfyui import COMFYUI_PATH, import_pack, needs_comfy
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD_DEFAULT = ("<|genre indie pop|> <|mood bright, hopeful|>\nUpbeat indie pop with jangly electric guitars, punchy "
@@ -172,21 +170,9 @@ def test_no_warning_for_an_empty_caption():
 
 
 # -- MM3 Prompt's summary ------------------------------------------------------------------------
-def _pack(sub: str):
-    """A module of the repository imported as a package, as ComfyUI imports it."""
-    name = "mm3_pack_under_test"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return importlib.import_module(f"{name}.{sub}")
-
-
 @pytest.mark.parametrize("caption, warned", [(OLD_DEFAULT, True), (FULL_TEXT, False)])
 def test_prompt_summary_warns_about_a_caption_without_headings(caption, warned):
-    handles = _pack("nodes.handles")
+    handles = import_pack("nodes.handles")
     prompt = Prompt(torch.zeros(2, 7, dtype=torch.long), clean_caption(caption), normalize_lyrics("la"), None)
     lines = handles.PromptBundle(prompt, caption, "la").summary(MAX_PROMPT_TOKENS).split("\n")
     assert lines[0] == f"7 / {MAX_PROMPT_TOKENS} prompt tokens"

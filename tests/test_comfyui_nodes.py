@@ -12,8 +12,6 @@ WebSocket: node definitions, the shipped workflows, caching, interrupt, and the 
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -33,7 +31,7 @@ from mm3.request import MM3Request
 from tests.helpers.comfy_server import cached_nodes, executed_nodes
 from tests.helpers.comfy_workflows import api_from_ui, schema_problems
 from tests.helpers.comfyui import (API_DIR, CAPTION, COMFYUI_PATH, LOADER_ARCH, LYRICS, SET_KEYS, audio_entries,
-                                   needs_comfy, read_wav, run, tiny_workflow)
+                                   import_pack, needs_comfy, read_wav, run, tiny_workflow)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,16 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- part 1: node logic without ComfyUI ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pack():
-    """The repository imported as a package, as ComfyUI imports it (the node layer imports the
-    engine as `mm3`, the very modules the tests use)."""
-    name = "mm3_pack_under_test"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return lambda sub: importlib.import_module(f"{name}.{sub}")
+    """The repository imported as a package, as ComfyUI imports it."""
+    return import_pack
 
 
 def _handles(pack, tiny):
@@ -600,45 +590,3 @@ def test_inventory_token_count_and_download_routes(tiny):
         hub.close()
 
 
-
-@needs_comfy
-def test_natural_ending_workflow_reports_its_takes(comfy):
-    wf = tiny_workflow(comfy, "natural_ending_takes", fmt="wav16", **{"3": {"require_ending": False}})
-    entry, _ = run(comfy, wf)
-    assert len(audio_entries(entry, "8")) == 1
-    text = "".join(entry["outputs"]["3"]["text"])
-    assert [f"take {n} (lm_seed {42 + n})" in text for n in range(4)] == [True] * 4 and "kept" in text
-    replay = json.loads(comfy.view({**audio_entries(entry, "8")[0], "filename": audio_entries(entry, "8")[0]["filename"][:-4] + ".json"}))
-    assert replay["takes"] == 4 and replay["lm_take"] in range(4) and replay["lm_seed"] == 42 + replay["lm_take"]
-
-
-@needs_comfy
-def test_continue_workflow_extends_the_first_plan(comfy):
-    entry, _ = run(comfy, tiny_workflow(comfy, "continue_song", fmt="wav16"))
-    song = audio_entries(entry, "8")[0]
-    replay = json.loads(comfy.view({**song, "filename": song["filename"][:-4] + ".json"}))
-    frames = len(replay["audio_codes"].split(",")) // 8 - 1
-    assert frames == int(2 * 1.2 * 25) and replay["lm_seed"] == 43 and "continue_codes" not in replay
-    text = "".join(entry["outputs"]["3"]["text"])
-    assert "30 frames" in text  # the prior plan, kept as the start of the continuation
-
-
-@needs_comfy
-def test_repaint_workflow_keeps_the_outside_of_the_range(comfy):
-    entry, _ = run(comfy, tiny_workflow(comfy, "repaint_range", fmt="wav32"))
-    original, repainted = (read_wav_samples(comfy.view(audio_entries(entry, n)[0])) for n in ("8", "12"))
-    assert original.shape == repainted.shape
-    rate, n = 44100, original.shape[-1]
-    head, mid = slice(0, int(0.2 * rate)), slice(int(0.5 * rate), int(0.7 * rate))
-    assert torch.allclose(original[:, head], repainted[:, head], atol=1e-2)  # the same latents there
-    assert not torch.allclose(original[:, mid], repainted[:, mid], atol=1e-2)
-    song = audio_entries(entry, "12")[0]
-    replay = json.loads(comfy.view({**song, "filename": song["filename"][:-4] + ".json"}))
-    assert replay["repaint_seed"] == 8 and replay["repaint_end"] == pytest.approx(0.8) and n > 0
-
-
-def read_wav_samples(data: bytes) -> torch.Tensor:
-    """[2, frames] float32 of a 32-bit float stereo WAV."""
-    channels, rate, bits, frames = read_wav(data)
-    assert (channels, bits) == (2, 32)
-    return torch.frombuffer(bytearray(data[44:44 + frames * 8]), dtype=torch.float32).view(-1, 2).T.clone()

@@ -38,8 +38,9 @@ COMPONENTS = {folder: (s.arch, s.general_name) for folder, s in BY_FOLDER.items(
 ALIASES = {s.kind: s.folder for s in BY_FOLDER.values()}
 NATIVE = ("language_model", "rvq_depth_decoder", "transformer")  # copied byte for byte
 
-# Constructor defaults of the diffusers 0.42.1 classes, which equal the released checkpoint
-# As in diffusers, a key missing from config.json means its default.
+# Constructor defaults of the diffusers 0.42.1 classes (the released checkpoint's sizes): as in
+# diffusers, a key missing from config.json means its default. Converted files carry the sizes in
+# their metadata, which is where the engine reads them.
 DIFFUSERS_DEFAULTS = {
     "rvq_depth_decoder": dict(hidden_size=4096, num_layers=4, num_attention_heads=16, intermediate_size=6144,
                               audio_vocab_size=1024, num_codebooks=8, max_position_embeddings=16),

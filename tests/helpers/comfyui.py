@@ -3,9 +3,12 @@ pointed at the tiny models, running a prompt to its end, and reading the audio f
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,19 @@ SET_KEYS = {"lm_model": "mm3-lm", "depth_model": "mm3-depth", "cond_model": "mm3
             "vae_model": "mm3-vae"}
 LOADER_ARCH = {"MM3LoadLanguageModel": "mm3-lm", "MM3LoadDepthDecoder": "mm3-depth",
                "MM3LoadConditionEncoder": "mm3-cond", "MM3LoadDiT": "mm3-dit", "MM3LoadVocoder": "mm3-vae"}
+
+
+def import_pack(sub: str):
+    """A module of the repository imported as a package, as ComfyUI imports it (the node layer
+    imports the engine as `mm3`, the very modules the tests use)."""
+    name = "mm3_pack_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module(f"{name}.{sub}")
 
 
 def needs_comfy(test):
