@@ -9,7 +9,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .gguf.errors import ComponentError
+from .gguf.errors import ComponentError, GGUFFormatError
 from .gguf.reader import GGUFFile
 
 
@@ -155,22 +155,91 @@ def _check_size(path: str, what: str, value) -> None:
         raise ComponentError(f"{path}: {what} must be a positive integer, got {value!r}")
 
 
+# HOT-Step writes `mm3-depth`, `mm3-cond` and `mm3-dit` too, with other tensor names; its files carry this.
+FOREIGN_MARKER = ("mm3.model", "MiniMax-Music3")
+
+
+def _foreign_namesake(path, kind: str) -> bool:
+    if kind == "lm":  # the one file whose header is large (the tokenizer); HOT-Step's LM is `qwen3`
+        return False
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _NAMESAKES:
+        try:
+            with GGUFFile(path, header_only=True) as f:
+                _NAMESAKES[key] = f.metadata.get(FOREIGN_MARKER[0]) == FOREIGN_MARKER[1]
+        except GGUFFormatError:
+            _NAMESAKES[key] = False  # ours by its name, and broken: opening it says how
+    return _NAMESAKES[key]
+
+
+_NAMESAKES: dict[tuple, bool] = {}
+
+
+def kinds_of(path: str | os.PathLike) -> tuple[str, ...]:
+    """The component kinds a file holds: one for our files (by `general.architecture`), one or more
+    for another tool's files (`mm3.dialects`: a ComfyUI text encoder holds the LM and the depth
+    decoder), none for anything else (header read, cached)."""
+    from .dialects import describe
+    from .dialects.source import file_format
+    from .gguf.reader import read_architecture
+
+    try:
+        fmt = file_format(path)
+        if fmt == "gguf":
+            kind = ARCHITECTURES.get(read_architecture(path))
+            if kind is not None and not _foreign_namesake(path, kind):
+                return (kind,)
+        found = describe(path) if fmt else None
+    except (OSError, ValueError):
+        return ()
+    return found[1] if found else ()
+
+
 def open_component(path: str | os.PathLike, expect: str | None = None, *, header_only: bool = False) -> Component:
-    """Open a component file, classified by `general.architecture` (never by its name).
+    """Open a component file, classified by `general.architecture` or, for another tool's file, by
+    its tensor names (never by its file name).
 
     `expect` is a kind ("lm", "depth", "cond", "dit", "vae"); another architecture is an error
-    that says what the file is and what was expected. `header_only`: metadata and the tensor table
+    that says what the file is and what was expected (a file holding several components gives the
+    one asked for, the first one without `expect`). `header_only`: metadata and the tensor table
     only (no tensors mapped), enough for `hparams` and `check_compatible`.
     """
-    f = GGUFFile(path, header_only=header_only)
+    from .dialects import describe, open_mapped
+    from .dialects.source import file_format
+
+    fmt = file_format(path)
+    if fmt == "gguf":
+        f = GGUFFile(path, header_only=header_only)
+        try:
+            arch = f.architecture
+            kind = ARCHITECTURES.get(arch)
+            if kind is not None and f.metadata.get(FOREIGN_MARKER[0]) == FOREIGN_MARKER[1]:
+                kind = None  # HOT-Step's file under our architecture name: a dialect reads it
+            if kind is not None:
+                if expect is not None and kind != expect:
+                    raise ComponentError(f"{f.path} is {arch}, expected {ARCH_OF[expect]} ({DESCRIPTIONS[expect]})")
+                return Component(kind, str(path), f, read_hparams(f, kind))
+        except BaseException:
+            f.close()
+            raise
+        f.close()
+    elif not os.path.isfile(path):
+        raise GGUFFormatError(f"{path}: no such file")
+    found = describe(path) if fmt else None
+    if found is None:
+        if fmt == "gguf":
+            raise ComponentError(f"{path}: unknown architecture {arch!r} (expected one of {', '.join(ARCHITECTURES)}, "
+                                 "or a ComfyUI or HOT-Step MiniMax Music 3 file)")
+        raise GGUFFormatError(f"{path}: not a GGUF file, nor a safetensors file in a known MiniMax Music 3 layout")
+    what, kinds = found
+    kind = expect or kinds[0]
+    if kind not in kinds:
+        held = " and ".join(DESCRIPTIONS[k] for k in kinds)
+        raise ComponentError(f"{path} is a {what} (it holds the {held}), expected {ARCH_OF[expect]} "
+                             f"({DESCRIPTIONS[expect]})")
+    f = open_mapped(path, kind, header_only=header_only)
     try:
-        arch = f.architecture
-        kind = ARCHITECTURES.get(arch)
-        if kind is None:
-            raise ComponentError(
-                f"{f.path}: unknown architecture {arch!r} (expected one of {', '.join(ARCHITECTURES)})")
-        if expect is not None and kind != expect:
-            raise ComponentError(f"{f.path} is {arch}, expected {ARCH_OF[expect]} ({DESCRIPTIONS[expect]})")
         return Component(kind, str(path), f, read_hparams(f, kind))
     except BaseException:
         f.close()
@@ -179,13 +248,15 @@ def open_component(path: str | os.PathLike, expect: str | None = None, *, header
 
 def read_component(path: str | os.PathLike, expect: str | None = None) -> Component:
     """Kind and hyper-parameters of a file from its header alone (the file is not kept open), cached
-    by path, size and mtime: a whole request's files can be checked with `check_compatible` before
-    any model is loaded."""
+    by path, size, mtime and kind: a whole request's files can be checked with `check_compatible`
+    before any model is loaded."""
     st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    kinds = kinds_of(path)
+    kind = expect if expect in kinds else None
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, kind)
     comp = _HEADER_CACHE.get(key)
     if comp is None:
-        comp = open_component(path, header_only=True)
+        comp = open_component(path, kind, header_only=True)
         comp.close()
         if len(_HEADER_CACHE) > 64:
             _HEADER_CACHE.clear()

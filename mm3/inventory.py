@@ -12,9 +12,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .components import ARCH_OF, BY_FOLDER, KINDS, read_component
+from .components import ARCH_OF, BY_FOLDER, KINDS, kinds_of, read_component
 from .gguf.errors import ComponentError, GGUFFormatError
-from .registry import bits_per_weight
+from .registry import MODEL_SUFFIXES, bits_per_weight
 from .tools.download import PART, SETS, published_name
 
 
@@ -63,17 +63,25 @@ class Inventory:
                 "complete_sets": self.complete_sets(), "missing_kinds": self.missing_kinds()}
 
 
-def _describe(path: Path, folder: Path) -> LocalFile:
+def _describe(path: Path, folder: Path) -> list[LocalFile]:
+    """One entry per component the file holds (another tool's file may hold several), or one
+    unusable entry; none for a safetensors file that is no MM3 file (another model)."""
     name, size = path.relative_to(folder).as_posix(), path.stat().st_size
-    try:
-        comp = read_component(path)
-    except (ComponentError, GGUFFormatError, OSError, ValueError) as e:
-        return LocalFile(name, str(folder), size, None, problem=str(e))
-    file_type = comp.file.metadata.get("general.file_type")
-    if not isinstance(file_type, str):  # native files carry no file type string: name their tensors' type
-        counts = Counter(qtype.name for _, _, qtype in comp.file.tensor_infos())
-        file_type = counts.most_common(1)[0][0] if counts else ""
-    return LocalFile(name, str(folder), size, comp.kind, file_type, round(bits_per_weight(path), 2))
+    kinds = kinds_of(path)
+    if not kinds and path.suffix != ".gguf":
+        return []
+    out = []
+    for kind in kinds or (None,):
+        try:
+            comp = read_component(path, kind)
+        except (ComponentError, GGUFFormatError, OSError, ValueError) as e:
+            return [LocalFile(name, str(folder), size, None, problem=str(e))]
+        file_type = comp.file.metadata.get("general.file_type")
+        if not isinstance(file_type, str):  # native files carry no file type string: name their tensors' type
+            counts = Counter(qtype.name for _, _, qtype in comp.file.tensor_infos())
+            file_type = counts.most_common(1)[0][0] if counts else ""
+        out.append(LocalFile(name, str(folder), size, comp.kind, file_type, round(bits_per_weight(path, kind), 2)))
+    return out
 
 
 def scan(*folders: str | os.PathLike) -> Inventory:
@@ -90,9 +98,10 @@ def scan(*folders: str | os.PathLike) -> Inventory:
             rel = p.relative_to(folder).as_posix()
             if rel.endswith(".gguf" + PART):
                 parts.setdefault(rel[:-len(PART)], p.stat().st_size)
-            elif rel.endswith(".gguf") and rel not in seen:
-                f = seen[rel] = _describe(p, folder)
-                (inv.components[f.kind] if f.kind else inv.unusable).append(f)
+            elif p.suffix in MODEL_SUFFIXES and rel not in seen:
+                for f in _describe(p, folder):
+                    seen.setdefault(rel, f)
+                    (inv.components[f.kind] if f.kind else inv.unusable).append(f)
     by_base = {os.path.basename(n): f for n, f in seen.items()}
     for set_name in SETS:
         files = []

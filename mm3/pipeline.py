@@ -13,6 +13,7 @@ noise, exactly as the diffusers pipeline, so its audio is reproduced for the sam
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,8 @@ from .request import MODEL_FIELDS, MM3Request, RequestError
 from .sampling import make_generator
 from .takes import plan_and_replay_takes
 from .store import ModelStore
+
+log = logging.getLogger(__name__)
 
 # What each stage is called in error messages, and the components it runs.
 STAGE_NAMES = {"ar": "planning (LM + depth decoder)", "replay": "replaying codes (LM + depth decoder)",
@@ -248,6 +251,10 @@ class Pipeline:
                                "for takes, require_ending or continue_codes")
         with self._stage("ar"):
             lm, depth = self._ar_models(request, "reference" if rng == "reference" else "fast")
+            trained = lm.cfg.get("trained_lm_cfg")
+            if trained is not None and trained != settings.lm_cfg:
+                log.warning("%s was made for lm_cfg %g%s; this request asks for %g", request.lm_model or "the LM",
+                            trained, " (its guidance is distilled)" if trained == 1.0 else "", settings.lm_cfg)
             prefix = None
             if request.continue_codes:
                 prefix = parse_audio_codes(request.continue_codes, prompt.codes.num_semantic, depth.audio_vocab)

@@ -8,19 +8,31 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .components import ARCH_OF, ARCHITECTURES, DESCRIPTIONS, KINDS
+from .components import ARCH_OF, DESCRIPTIONS, KINDS, kinds_of
 from .gguf.errors import ComponentError, GGUFFormatError
 from .gguf.reader import read_architecture
 
 AUTO = "auto"  # a model name that lets the engine choose the file (`pick_file`)
 
 
-def bits_per_weight(path: str | os.PathLike) -> float:
-    """Stored bits per value over all of a file's tensors (header read, cached): 32 for F32, 16 for
-    BF16, about 8.5 for Q8_0 and 4.8 for Q4_K_M."""
+# Files a models folder may hold: our GGUFs, and other tools' GGUF or safetensors files.
+MODEL_SUFFIXES = (".gguf", ".safetensors", ".sft")
+
+
+def _why_not(path) -> str:
+    """Why a GGUF in a models folder is no component (for the listing of skipped files)."""
+    try:
+        return f"architecture {read_architecture(path)!r}"
+    except (GGUFFormatError, OSError) as e:
+        return f"unreadable: {e}"
+
+
+def bits_per_weight(path: str | os.PathLike, kind: str | None = None) -> float:
+    """Stored bits per value over the tensors of a file's component `kind` (its only one by
+    default; header read, cached): 32 for F32, 16 for BF16, about 8.5 for Q8_0 and 4.8 for Q4_K_M."""
     from .components import read_component
 
-    infos = read_component(path).file.tensor_infos()
+    infos = read_component(path, kind).file.tensor_infos()
     values = sum(math.prod(shape) for _, shape, _ in infos)
     return 8 * sum(_tensor_bytes(infos)) / max(1, values)
 
@@ -33,13 +45,13 @@ def _tensor_bytes(infos):
         yield math.prod(shape) // block * size
 
 
-def pick_file(paths: list[str], memory: int | None = None) -> str:
-    """The file to use when none is named: the most precise (most stored bits per weight) whose size
-    fits in `memory` bytes, else the smallest; with no limit, the most precise. Ties keep the order
-    of `paths`."""
+def pick_file(paths: list[str], memory: int | None = None, kind: str | None = None) -> str:
+    """The file to use when none is named: the most precise (most stored bits per weight of
+    component `kind`) whose size fits in `memory` bytes, else the smallest; with no limit, the most
+    precise. Ties keep the order of `paths`."""
     if not paths:
         raise ValueError("no file to pick from")
-    ranked = sorted(paths, key=lambda p: -bits_per_weight(p))  # stable: ties keep their order
+    ranked = sorted(paths, key=lambda p: -bits_per_weight(p, kind))  # stable: ties keep their order
     if memory is None:
         return ranked[0]
     fitting = [p for p in ranked if os.path.getsize(p) <= memory]
@@ -64,22 +76,19 @@ class Registry:
             folder = Path(folder)
             if not folder.is_dir():
                 continue
-            for p in sorted(folder.rglob("*.gguf")):
-                if not p.is_file():
+            for p in sorted(folder.rglob("*")):
+                if not p.is_file() or p.suffix not in MODEL_SUFFIXES:
                     continue
                 name = p.relative_to(folder).as_posix()
                 if name in reg.paths:
                     continue  # the first folder wins, as with ComfyUI's model paths
-                try:
-                    arch = read_architecture(p)
-                except (GGUFFormatError, OSError) as e:
-                    reg.foreign.append((name, f"unreadable: {e}"))
+                kinds = kinds_of(p)
+                if not kinds:
+                    if p.suffix == ".gguf":  # other safetensors are other models: not worth a line
+                        reg.foreign.append((name, _why_not(p)))
                     continue
-                kind = ARCHITECTURES.get(arch)
-                if kind is None:
-                    reg.foreign.append((name, f"architecture {arch!r}"))
-                    continue
-                reg.buckets[kind].append(name)
+                for kind in kinds:  # another tool's file may hold several components
+                    reg.buckets[kind].append(name)
                 reg.paths[name] = str(p)
         for names in reg.buckets.values():
             names.sort()
@@ -118,15 +127,17 @@ class Registry:
                     skipped += f" (and {len(self.foreign) - 5} more)"
                 raise ComponentError(
                     f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {where}{note}{skipped}")
-            return pick_file([self.paths[n] for n in names], self.memory)
+            return pick_file([self.paths[n] for n in names], self.memory, kind)
         found = self.find(kind, name)  # a bare file name also finds a file in a subfolder
         if found is not None:
             return found
         for other, others in self.buckets.items():  # the file exists, but is another component
             for n in others:
                 if name in (n, os.path.basename(n)):
-                    raise ComponentError(f"{n} is {ARCH_OF[other]} ({DESCRIPTIONS[other]}), expected "
-                                         f"{ARCH_OF[kind]} ({DESCRIPTIONS[kind]})")
+                    held = kinds_of(self.paths[n])
+                    what = (f"is {ARCH_OF[other]} ({DESCRIPTIONS[other]})" if len(held) == 1 else
+                            "holds the " + " and ".join(DESCRIPTIONS[k] for k in held))
+                    raise ComponentError(f"{n} {what}, expected {ARCH_OF[kind]} ({DESCRIPTIONS[kind]})")
         for n, why in self.foreign:
             if name in (n, os.path.basename(n)):
                 raise ComponentError(f"{n} cannot be the {ARCH_OF[kind]} model: {why}")

@@ -131,7 +131,7 @@ class MM3Tokenizer:
     def from_gguf(cls, path) -> "MM3Tokenizer":
         from .components import open_component
 
-        comp = open_component(path, expect="lm")
+        comp = open_component(path, expect="lm", header_only=True)  # the tokenizer is metadata
         try:
             return cls.from_component(comp)
         finally:

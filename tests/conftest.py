@@ -58,6 +58,20 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_foreign(tmp_path_factory):
+    """Tiny model with the sizes other tools' layouts cannot record (ComfyUI's fixed 16 depth heads,
+    64-wide DiT heads and 200000-row LM vocabulary); our five GGUFs in `gguf/`."""
+    from mm3.tools.tiny import build_tiny
+    from tests.helpers.foreign_layouts import FOREIGN_SIZES, FOREIGN_VOCAB
+
+    out = tmp_path_factory.mktemp("tiny_foreign")
+    build_tiny(out / "gguf", seed=1, lm_vocab_size=FOREIGN_VOCAB, sizes=FOREIGN_SIZES)
+    t = Tiny(out / "gguf")
+    t.diffusers = out / "gguf" / "diffusers"
+    return t
+
+
+@pytest.fixture(scope="session")
 def tiny_real_ids(tmp_path_factory):
     """Tiny model whose special tokens sit at the released ids (vocab 151675 + codes)."""
     return _build(tmp_path_factory, "real")

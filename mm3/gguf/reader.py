@@ -304,6 +304,14 @@ class GGUFFile:
     def tensor_infos(self) -> list[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
         return [(n, s, q) for n, s, q, _ in self._infos]
 
+    def tensor_range(self, name: str) -> tuple[int, int]:
+        """Absolute byte range [start, end) of a tensor's data in the file."""
+        for n, shape, qtype, offset in self._infos:
+            if n == name:
+                start = self.data_offset + offset
+                return start, start + tensor_nbytes(qtype, shape, f"{self.path}: tensor {n}")
+        raise KeyError(name)
+
     def close(self):
         self.tensors = {}
         m, self._map = getattr(self, "_map", None), None

@@ -189,7 +189,7 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: dict, ops):
         super().__init__()
-        self.embed_tokens = ops.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = ops.Embedding(cfg.get("embed_rows", cfg["vocab_size"]), cfg["hidden_size"])
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, ops) for _ in range(cfg["num_hidden_layers"]))
         self.norm = ops.Vector(cfg["hidden_size"])
 
@@ -220,9 +220,18 @@ class Qwen3LM(nn.Module):
         self.max_positions = cfg["max_position_embeddings"]
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         self.model = Qwen3Model(cfg, ops)
+        # A file may hold only the head rows of ids [head_start, head_start + head_rows) and the first
+        # embed_rows embeddings (ComfyUI's pruned text encoder): the rows the sampler can draw and
+        # the ids a prompt or a code can be. The semantic draw still spans vocab_size ids.
+        start = int(cfg.get("head_start", 0))
+        rows = int(cfg.get("head_rows", self.vocab_size - start))
+        whole = (start, rows) == (0, self.vocab_size)
+        if start < 0 or rows <= 0 or start + rows > self.vocab_size or (self.tied and not whole):
+            raise ComponentError(f"LM config: head rows {start}..{start + rows} do not fit the vocab_size "
+                                 f"{self.vocab_size}")
         if not self.tied:
-            self.lm_head = ops.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-        self.head_ids = (0, self.vocab_size)
+            self.lm_head = ops.Linear(cfg["hidden_size"], rows, bias=False)
+        self.head_ids = (start, start + rows)
         # transformers' default RoPE: inv_freq in float32 from a float base.
         inv = 1.0 / (float(cfg["rope_theta"]) ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
@@ -248,8 +257,11 @@ class Qwen3LM(nn.Module):
 
     def keep_head_rows(self, start: int, stop: int):
         """Keep only the LM-head rows of vocabulary ids [start, stop) (views; the rest is dropped)."""
+        first, last = self.head_ids
+        if not first <= start < stop <= last:
+            raise ComponentError(f"LM head rows {start}..{stop} are outside the file's head rows {first}..{last}")
         source = self.model.embed_tokens if self.tied else self.lm_head
-        rows = source.rows(start, stop)
+        rows = source.rows(start - first, stop - first)
         rows.decode_products = self.numerics == "fast"
         if not self.tied:
             del self.lm_head

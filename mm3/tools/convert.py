@@ -195,12 +195,17 @@ def _check_tensors(folder: Path, component: str, cfg: dict, entries: dict[str, T
 # Tokenizer arrays for the LM file.
 
 
-def tokenizer_arrays(tokenizer_json: Path) -> tuple[list[str], list[str]]:
-    """(tokens by id, merges as "a b") of a HF tokenizer.json: base vocab plus added tokens in their
-    id slots. The ids must be contiguous from 0."""
-    if not tokenizer_json.is_file():
-        raise FileNotFoundError(f"{tokenizer_json} not found (the LM file embeds the tokenizer)")
-    tj = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+def tokenizer_arrays(tokenizer_json: Path | dict, *, source: str | None = None) -> tuple[list[str], list[str]]:
+    """(tokens by id, merges as "a b") of a HF tokenizer.json (a path, or its parsed content named
+    `source` in errors): base vocab plus added tokens in their id slots. The ids must be contiguous
+    from 0."""
+    if isinstance(tokenizer_json, dict):
+        tj = tokenizer_json
+    else:
+        if not tokenizer_json.is_file():
+            raise FileNotFoundError(f"{tokenizer_json} not found (the LM file embeds the tokenizer)")
+        tj = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    tokenizer_json = source or tokenizer_json
     model = tj.get("model", {})
     if model.get("type") != "BPE":
         raise ValueError(f"{tokenizer_json}: model type {model.get('type')!r}, expected 'BPE'")
@@ -495,9 +500,13 @@ def convert(src_dir, out_dir, *, dav=None, components=None, progress: Progress |
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("convert", help="diffusers-layout safetensors -> the five MM3 GGUF files",
-                              description=convert.__doc__)
-    p.add_argument("src", metavar="SRC", help="folder with language_model/, tokenizer/, ... (diffusers layout)")
+    p = subparsers.add_parser("convert", help="diffusers-layout safetensors, or ComfyUI's or HOT-Step's files -> "
+                                              "the five MM3 GGUF files", description=convert.__doc__)
+    p.add_argument("src", metavar="SRC", help="folder with language_model/, tokenizer/, ... (diffusers layout); "
+                                              "with --from comfy/hotstep a file or a folder of such files")
+    p.add_argument("--from", dest="layout", choices=("diffusers", "comfy", "hotstep"), default="diffusers",
+                   help="layout of SRC: the diffusers checkpoint (default), ComfyUI's MiniMax Music 3 files "
+                        "(text encoder, DiT, DAV; safetensors or GGUF), or HOT-Step's GGUFs")
     p.add_argument("out", metavar="OUT", help="output folder for the .gguf files")
     p.add_argument("--dav", metavar="PATH", help="dav.pth training checkpoint (default: SRC/dav.pth if present)")
     p.add_argument("--only", nargs="+", metavar="COMPONENT",
@@ -517,7 +526,14 @@ def _cli(args) -> int:
             shown[component] = step
             print(f"  {component}: {100 * done // max(total, 1)}%", flush=True)
 
-    for path in convert(args.src, args.out, dav=args.dav, components=args.only, progress=report):
+    if args.layout == "diffusers":
+        paths = convert(args.src, args.out, dav=args.dav, components=args.only, progress=report)
+    else:
+        from .convert_foreign import convert_foreign
+
+        kinds = [BY_FOLDER[ALIASES.get(c, c)].kind if ALIASES.get(c, c) in BY_FOLDER else c for c in args.only or []]
+        paths = convert_foreign(args.src, args.out, args.layout, components=kinds or None, progress=report)
+    for path in paths:
         print(path)
     return 0
 

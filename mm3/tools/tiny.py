@@ -273,8 +273,11 @@ def _modular_index() -> dict:
     return index
 
 
-def build_tiny(out_dir, *, seed: int = 0, vocab: str = "small", with_gguf: bool = True) -> dict:
-    """Write the tiny checkpoint under `out_dir` (see the module docstring). Returns
+def build_tiny(out_dir, *, seed: int = 0, vocab: str = "small", with_gguf: bool = True,
+               lm_vocab_size: int | None = None, sizes: dict | None = None) -> dict:
+    """Write the tiny checkpoint under `out_dir` (see the module docstring). `lm_vocab_size`: LM
+    rows (default: the codes' end, none unused); `sizes`: {subfolder: {config key: value}} over the
+    tiny sizes. Returns
     {"diffusers": dir, "dav": dav.pth, "gguf": dir or None, "files": {subfolder: gguf path},
     "special_ids": {token: id}, "code_offset": int, "vocab_size": int}."""
     out = Path(out_dir)
@@ -284,14 +287,15 @@ def build_tiny(out_dir, *, seed: int = 0, vocab: str = "small", with_gguf: bool 
     _write_json(root / "tokenizer" / "tokenizer_config.json", _tokenizer_config(tj))
 
     gen = torch.Generator().manual_seed(seed)
-    lm_cfg = {**RELEASED_LM_CONFIG, **TINY_LM, "vocab_size": code_offset + N_SEMANTIC}
+    lm_cfg = {**RELEASED_LM_CONFIG, **TINY_LM, "vocab_size": lm_vocab_size or code_offset + N_SEMANTIC,
+              **(sizes or {}).get("language_model", {})}
     _write_json(root / "language_model" / "config.json", lm_cfg)
     lm = _lm_weights(lm_cfg, gen, code_offset, special_ids["<|audio_end|>"])
     save_file(lm, root / "language_model" / "model.safetensors", metadata={"format": "pt"})
 
     weights = {}
     for component, tiny in TINY.items():
-        cfg = {**DIFFUSERS_DEFAULTS[component], **tiny}
+        cfg = {**DIFFUSERS_DEFAULTS[component], **tiny, **(sizes or {}).get(component, {})}
         _write_json(root / component / "config.json",
                     {"_class_name": CLASS_NAMES[component][1], "_diffusers_version": DIFFUSERS_VERSION, **cfg})
         weights[component] = build_weights(component, cfg, gen)
@@ -310,7 +314,8 @@ def build_tiny(out_dir, *, seed: int = 0, vocab: str = "small", with_gguf: bool 
     else:
         (root / "test_constants.json").unlink(missing_ok=True)
     dav = root / "dav.pth"
-    torch.save(_dav_state_dict({**DIFFUSERS_DEFAULTS["vocoder"], **TINY["vocoder"]}, weights["vocoder"], gen), dav)
+    voc_cfg = {**DIFFUSERS_DEFAULTS["vocoder"], **TINY["vocoder"], **(sizes or {}).get("vocoder", {})}
+    torch.save(_dav_state_dict(voc_cfg, weights["vocoder"], gen), dav)
 
     result = {"diffusers": root, "dav": dav, "gguf": None, "files": {}, "special_ids": special_ids,
               "code_offset": code_offset, "vocab_size": lm_cfg["vocab_size"]}
