@@ -122,6 +122,7 @@ class FrameSampler:
                  dtype: torch.dtype, device: torch.device, max_frames: int = 0, prefix: torch.Tensor | None = None):
         self.lm, self.depth, self.cache, self.dtype = lm, depth, cache, dtype
         self.cfg, self.top_k = float(settings.lm_cfg), int(settings.top_k)
+        self.r = cache.rows // settings.songs  # LM rows per song: [cond, uncond], or [cond] (`rows_per_song`)
         self.code_offset, self.end_id = codes.code_offset, codes.end_id
         self.head_start, head_stop = lm.head_ids
         ids = torch.arange(self.head_start, head_stop)
@@ -145,13 +146,13 @@ class FrameSampler:
     def _semantic(self, q_sem: torch.Tensor):
         """CFG over the head rows, kept where the conditional logit is in its top-k (ties kept)."""
         logits = self.lm.head(self.last).float()  # [rows, C]
-        c, u = logits[0::2], logits[1::2]
+        c, u = (logits[0::2], logits[1::2]) if self.r == 2 else (logits, logits)
         mask, shaper = self.not_candidate, self.shaper
         if mask is not None:
             c, u = c.masked_fill(mask, _NEG_INF), u.masked_fill(mask, _NEG_INF)
         if shaper is not None:
             c, u = shaper.block_end(c, u)
-        guided = guide(c, u, self.cfg).masked_fill(c < kth_largest(c, self.top_k), _NEG_INF)
+        guided = (guide(c, u, self.cfg) if self.r == 2 else c).masked_fill(c < kth_largest(c, self.top_k), _NEG_INF)
         if mask is not None:  # guidance of two -inf values is NaN
             guided = guided.masked_fill(mask, _NEG_INF)
         if shaper is None:
@@ -174,7 +175,8 @@ class FrameSampler:
         if self.shaper is not None:
             self.shaper.observe(sem)
         # Acoustic codes c1..c7: the depth sequence [proj(last), proj(c0 embedding), proj(c1), ...].
-        sem_emb = lm.embed(sem.repeat_interleave(2) + self.code_offset, dt)  # [rows, H]
+        r = self.r
+        sem_emb = lm.embed(sem.repeat_interleave(r) + self.code_offset, dt)  # [rows, H]
         if self.depth_cache is None:  # two products, as the reference makes them
             x = torch.cat((depth.projection(last)[:, None], depth.projection(sem_emb)[:, None]), dim=1)
         else:  # one product of both positions
@@ -185,16 +187,17 @@ class FrameSampler:
         codes, hiddens = [sem], []
         for j in range(1, self.ncb):
             h = self._depth(x, seq)  # [rows, H]
-            hiddens.append(h[0::2])
+            hiddens.append(h[0::r])
             lg = depth.audio_heads[j - 1](h).float()  # [rows, audio_vocab]
-            code = draw(top_k_probs(guide(lg[0::2], lg[1::2], self.cfg), self.top_k), q_dep[:, j - 1])  # [songs]
+            guided = guide(lg[0::2], lg[1::2], self.cfg) if r == 2 else lg
+            code = draw(top_k_probs(guided, self.top_k), q_dep[:, j - 1])  # [songs]
             codes.append(code)
             if j < self.ncb - 1:
-                x = depth.projection(depth.code_embedding(code.repeat_interleave(2), j, dt))[:, None]
+                x = depth.projection(depth.code_embedding(code.repeat_interleave(r), j, dt))[:, None]
         frame = torch.stack(codes, dim=1)  # [songs, ncb]
-        hidden = torch.cat((last[0::2, None], torch.stack(hiddens, dim=1)), dim=1)  # [songs, ncb, H]
+        hidden = torch.cat((last[0::r, None], torch.stack(hiddens, dim=1)), dim=1)  # [songs, ncb, H]
         # Feedback at the next position of every row.
-        fed = frame_feedback(lm, depth, frame.repeat_interleave(2, dim=0), self.code_offset, dt)
+        fed = frame_feedback(lm, depth, frame.repeat_interleave(r, dim=0), self.code_offset, dt)
         self.last = lm(fed, self.cache)[:, -1]
         return frame, end, hidden
 
@@ -410,8 +413,9 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
             lm, depth, prompt, prefix, device=device, dtype=dtype, progress=progress).frame_hiddens
         # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
         # One spare position: the last frame is fed back too.
-        cache = lm.new_cache(2, n_prompt + known + max_frames + 1, dtype, device)
-        last = lm(lm.embed(prompt.ids.to(device), dtype), cache)[:, -1]  # [2, H], final-normed
+        r = rows_per_song(lm, settings.lm_cfg)
+        cache = lm.new_cache(r, n_prompt + known + max_frames + 1, dtype, device)
+        last = lm(lm.embed(prompt.ids[:r].to(device), dtype), cache)[:, -1]  # [r, H], final-normed
         if prefix is not None:
             last = _feed_frames(lm, depth, prefix.to(device), cs.code_offset, dtype, cache)
         if n_songs > 1:
@@ -438,6 +442,14 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     return out
 
 
+def rows_per_song(lm: Qwen3LM, lm_cfg: float) -> int:
+    """LM rows each song needs: [cond, uncond], or with guidance exactly 1 and fast numerics only
+    [cond] (u + (c - u) * 1 is c up to the last bit, so the unconditional row would be work thrown
+    away: half the AR stage of a guidance-distilled LM). Reference numerics keep both rows, as the
+    reference computes them."""
+    return 1 if float(lm_cfg) == 1.0 and lm.numerics == "fast" else 2
+
+
 def _checked_codes(codes: torch.Tensor, cs, depth: RVQDepthDecoder, what: str = "codes") -> torch.Tensor:
     """codes as CPU int64 [F + 1, ncb] (F >= 1) within the code ranges, else ValueError."""
     ncb = depth.num_codebooks
@@ -452,12 +464,12 @@ def _checked_codes(codes: torch.Tensor, cs, depth: RVQDepthDecoder, what: str = 
 
 def _feed_frames(lm: Qwen3LM, depth: RVQDepthDecoder, codes: torch.Tensor, off: int, dtype: torch.dtype,
                  cache: KVCache, chunk: int = 512) -> torch.Tensor:
-    """Teacher-force known frames into both CFG rows of `cache`; returns the state after the last
-    one [2, H] (what predicts the next frame)."""
+    """Teacher-force known frames into every CFG row of `cache`; returns the state after the last
+    one [rows, H] (what predicts the next frame)."""
     last = None
     for a in range(0, codes.shape[0], chunk):
         fed = frame_feedback(lm, depth, codes[a:a + chunk], off, dtype).transpose(0, 1)  # [1, m, H]
-        last = lm(fed.expand(2, -1, -1).contiguous(), cache)[:, -1]
+        last = lm(fed.expand(cache.rows, -1, -1).contiguous(), cache)[:, -1]
     return last
 
 

@@ -313,3 +313,24 @@ def test_weight_budget_on_mps_and_xpu(monkeypatch):
     assert budget.dit_weight_budget(torch.device("xpu")) == 5 * gib
     monkeypatch.delattr(torch.mps, "recommended_max_memory")
     assert budget.free_bytes(torch.device("mps")) is None and budget.ar_weight_budget(torch.device("mps")) == 0
+
+
+def test_guidance_one_runs_one_row_per_song(tiny_ar, monkeypatch):
+    """With lm_cfg exactly 1 the fast numerics run the conditional row only (the unconditional one
+    is work thrown away): the codes of the two-row run, hiddens within float rounding (a batch of
+    half the rows), the cache half as tall; reference numerics keep both rows."""
+    t = tiny_ar
+    settings = PlanSettings(duration=1.2, lm_seed=4, lm_cfg=1.0, songs=2)
+    assert ar.rows_per_song(t.lm, 1.0) == 1 and ar.rows_per_song(t.lm, 1.5) == 2
+    assert ar.rows_per_song(t.lm_ref, 1.0) == 2
+    caches = []
+    real_new_cache = type(t.lm).new_cache
+    monkeypatch.setattr(type(t.lm), "new_cache", lambda self, rows, *a, **k: caches.append(rows) or
+                        real_new_cache(self, rows, *a, **k))
+    one = plan(t.lm, t.depth, t.prompt, settings)
+    monkeypatch.setattr(ar, "rows_per_song", lambda lm, cfg: 2)
+    two = plan(t.lm, t.depth, t.prompt, settings)
+    assert caches == [1, 2]
+    for a, b in zip(one, two):
+        assert torch.equal(a.codes, b.codes)
+        assert rel(a.frame_hiddens, b.frame_hiddens) < 1e-5
