@@ -27,7 +27,7 @@ import torch
 
 from mm3.components import ARCH_OF, DESCRIPTIONS, GROUPS
 from mm3.gguf.ops import compressed_nbytes
-from mm3.registry import AUTO, pick_file
+from mm3.registry import AUTO, MODEL_SUFFIXES, pick_file
 from .handles import ComponentHandle, classify
 
 log = logging.getLogger("mm3")
@@ -45,17 +45,65 @@ def register_model_folder() -> None:
     folder_paths.folder_names_and_paths[FOLDER] = (merged, {".gguf"})
 
 
+# ComfyUI's own model folders (models/text_encoders and models/clip, models/diffusion_models and
+# models/unet, models/vae): their MiniMax Music 3 files are listed as "<folder>/<name>".
+COMFY_FOLDERS = ("text_encoders", "diffusion_models", "vae")
+
+
+def comfy_folder_dirs() -> list[str]:
+    """The directories of ComfyUI's standard model folders that may hold its MiniMax Music 3 files."""
+    out = []
+    for key in COMFY_FOLDERS:
+        try:
+            out += [d for d in folder_paths.get_folder_paths(key) if os.path.isdir(d)]
+        except KeyError:
+            continue
+    return out
+
+
+def _comfy_files() -> list[tuple[str, str]]:
+    """(listed name, path) of the GGUF and safetensors files in ComfyUI's standard folders (walked
+    here: ComfyUI's own lists leave .gguf out)."""
+    out, seen = [], set()
+    for key in COMFY_FOLDERS:
+        try:
+            dirs = folder_paths.get_folder_paths(key)
+        except KeyError:
+            continue
+        for base in dirs:
+            if not os.path.isdir(base):
+                continue
+            for root, _, files in os.walk(base, followlinks=True):
+                for f in sorted(files):
+                    if os.path.splitext(f)[1] not in MODEL_SUFFIXES:
+                        continue
+                    path = os.path.join(root, f)
+                    name = f"{key}/" + os.path.relpath(path, base).replace(os.sep, "/")
+                    if name not in seen:  # the first folder wins, as in ComfyUI's lists
+                        seen.add(name)
+                        out.append((name, path))
+    return sorted(out)
+
+
 def files_of(kind: str) -> list[str]:
-    """File names in the mm3 folders whose architecture is `kind` (headers read once, cached)."""
+    """Names of the files holding component `kind`: the mm3 folders' files by name, then ComfyUI's
+    own MiniMax Music 3 files as "<folder>/<name>" (headers read once, cached)."""
     out = []
     for name in folder_paths.get_filename_list(FOLDER):
         path = folder_paths.get_full_path(FOLDER, name)
-        if path and classify(path) == kind:
+        if path and kind in classify(path):
             out.append(name)
+    out += [name for name, path in _comfy_files() if kind in classify(path)]
     return out
 
 
 def full_path(name: str) -> str:
+    head = name.split("/", 1)[0]
+    if head in COMFY_FOLDERS and folder_paths.get_full_path(FOLDER, name) is None:
+        for listed, path in _comfy_files():
+            if listed == name:
+                return path
+        raise FileNotFoundError(f"{name} not found in ComfyUI's {head} folders")
     return folder_paths.get_full_path_or_raise(FOLDER, name)
 
 
@@ -72,7 +120,7 @@ def chosen_file(kind: str, name: str) -> str:
     device = load_device(kind)
     memory = None if mm.is_device_cpu(device) else int(mm.get_total_memory(device))
     by_path = {full_path(n): n for n in names}
-    return by_path[pick_file(list(by_path), memory)]
+    return by_path[pick_file(list(by_path), memory, kind)]
 
 
 # -- devices and dtype --------------------------------------------------------------------------

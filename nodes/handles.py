@@ -18,25 +18,20 @@ import torch
 
 from mm3.captions import caption_warning
 from mm3.codes import AudioCodes
-from mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable, open_component, read_component
+from mm3.components import (ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable, kinds_of, open_component,
+                            read_component)
 from mm3.fingerprint import file_fingerprint as content_fingerprint
 from mm3.gguf.errors import ComponentError
 from mm3.gguf.ops import compressed_nbytes
-from mm3.gguf.reader import read_architecture
 from mm3.models import build_model
 from mm3.prompt import Prompt
 from mm3.request import MM3Request
 
 
-def classify(path: str) -> str | None:
-    """The component kind of a GGUF file from its `general.architecture`, or None (header read,
-    cached by path, size and mtime)."""
-    from mm3.components import ARCHITECTURES
-
-    try:
-        return ARCHITECTURES.get(read_architecture(path))
-    except (OSError, ValueError):
-        return None
+def classify(path: str) -> tuple[str, ...]:
+    """The component kinds a file holds (our GGUF by its `general.architecture`, another tool's file by
+    its tensor names; none when unreadable), header read, cached by path, size and mtime."""
+    return kinds_of(path)
 
 
 class ComponentHandle:
@@ -46,8 +41,9 @@ class ComponentHandle:
 
     def __init__(self, kind: str, name: str, path: str, keep_loaded: bool = False):
         found = classify(path)
-        if found != kind:
-            what = f"is {ARCH_OF[found]}" if found else "is not a readable MM3 GGUF file"
+        if kind not in found:
+            what = ("is not a readable MM3 file" if not found else f"is {ARCH_OF[found[0]]}" if len(found) == 1
+                    else "holds the " + " and ".join(DESCRIPTIONS[k] for k in found))
             raise ComponentError(f"{name} {what}, expected {ARCH_OF[kind]} ({DESCRIPTIONS[kind]})")
         # What the command line refuses before loading anything, refused here at the loader: tensor
         # types the engine cannot dequantize, sizes the tensors cannot hold (header read, cached).

@@ -23,8 +23,10 @@ SET_FIELDS = {k: s.request_field for k, s in COMPONENTS.items()}  # the request 
 def _file_input(kind: str, id: str) -> io.Combo.Input:
     return io.Combo.Input(id, options=[AUTO] + files_of(kind), default=AUTO,
                           tooltip=f"{DESCRIPTIONS[kind]}: a GGUF in models/mm3 whose general.architecture is "
-                                  f"{ARCH_OF[kind]}; auto: the most precise one that fits the device's memory "
-                                  "(the file used is recorded in the replay JSON)")
+                                  f"{ARCH_OF[kind]}, or a MiniMax Music 3 file of ComfyUI's own (text_encoders, "
+                                  "diffusion_models, vae; recognised by its tensors) or of HOT-Step; auto: the most "
+                                  "precise one that fits the device's memory (the file used is recorded in the replay "
+                                  "JSON)")
 
 
 def _keep_input() -> io.Boolean.Input:
