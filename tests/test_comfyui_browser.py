@@ -68,6 +68,16 @@ class Editor:
         wf = self.page.evaluate(f"""async () => (await fetch("/api/workflow_templates/{PACK}/{name}.json")).json()""")
         self.page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", wf)
         self.page.wait_for_timeout(500)
+        self.close_dialogs()
+
+    def close_dialogs(self):
+        """Close what the frontend opens by itself (its template browser, on a new workflow tab)."""
+        close = self.page.locator(".p-dialog.global-dialog button:not(.pointer-events-none)")
+        for _ in range(3):  # its close button (the hidden one beside it is its back button)
+            if not close.count():
+                return
+            close.first.click()
+            self.page.wait_for_timeout(400)
 
     def queue(self) -> str:
         """Queue the open workflow as the Run button does; returns the prompt id."""
@@ -95,12 +105,15 @@ class Editor:
     def fit(self, least: float):
         """Zoom the canvas so that every node is in view, but not below `least` (the editor draws
         no text below about 0.6)."""
+        # The window's size (the canvas follows it a frame later), less the side bar and the top bar.
         self.page.evaluate("""(least) => { const c = window.app.canvas, ns = window.app.graph._nodes;
             const x0 = Math.min(...ns.map((n) => n.pos[0])), y0 = Math.min(...ns.map((n) => n.pos[1] - 40));
             const x1 = Math.max(...ns.map((n) => n.pos[0] + n.size[0])), y1 = Math.max(...ns.map((n) => n.pos[1] + n.size[1]));
-            const w = c.canvas.width / (window.devicePixelRatio || 1), h = c.canvas.height / (window.devicePixelRatio || 1);
-            const scale = Math.max(least, Math.min(w / (x1 - x0 + 80), h / (y1 - y0 + 80), 1));
-            c.ds.scale = scale; c.ds.offset = [60 / scale - x0, 60 / scale - y0]; c.setDirty(true, true); }""", least)
+            const left = 80, top = 110, w = window.innerWidth - left - 20, h = window.innerHeight - top - 20;
+            const scale = Math.max(least, Math.min(w / (x1 - x0), h / (y1 - y0), 1));
+            const dx = Math.max(0, (w - (x1 - x0) * scale) / 2), dy = Math.max(0, (h - (y1 - y0) * scale) / 2);
+            c.ds.scale = scale; c.ds.offset = [(left + dx) / scale - x0, (top + dy) / scale - y0];
+            c.setDirty(true, true); }""", least)
         self.page.wait_for_timeout(300)
 
     def screenshot(self, env: str, name: str, size=(2700, 1000), least: float = 0.65, **kw):
@@ -112,6 +125,9 @@ class Editor:
         before = self.page.viewport_size
         self.page.set_viewport_size({"width": size[0], "height": size[1]})
         self.page.wait_for_timeout(500)
+        self.close_dialogs()
+        self.page.evaluate("""async () => { try { await window.app.extensionManager.setting.set(
+            "Comfy.Minimap.Visible", false); } catch (e) {} }""")  # it would cover the graph's right end
         self.fit(least)
         self.page.screenshot(path=str(Path(folder) / name), **kw)
         self.page.set_viewport_size(before)
