@@ -316,19 +316,22 @@ def test_weight_budget_on_mps_and_xpu(monkeypatch):
 
 
 def test_guidance_one_runs_one_row_per_song(tiny_ar, monkeypatch):
-    """With lm_cfg exactly 1 the fast numerics run the conditional row only (the unconditional one
-    is work thrown away): the codes of the two-row run, hiddens within float rounding (a batch of
-    half the rows), the cache half as tall; reference numerics keep both rows."""
+    """With lm_cfg exactly 1 the fast numerics on an accelerator run the conditional row only (the
+    unconditional one is work thrown away): the codes of the two-row run, hiddens within float
+    rounding (a batch of half the rows), a cache of one row per song. Reference numerics and the CPU
+    (where one row is slower) keep both rows."""
     t = tiny_ar
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert ar.rows_per_song(t.lm, 1.0, gpu) == 1 and ar.rows_per_song(t.lm, 1.5, gpu) == 2
+    assert ar.rows_per_song(t.lm_ref, 1.0, gpu) == 2 and ar.rows_per_song(t.lm, 1.0, cpu) == 2
     settings = PlanSettings(duration=1.2, lm_seed=4, lm_cfg=1.0, songs=2)
-    assert ar.rows_per_song(t.lm, 1.0) == 1 and ar.rows_per_song(t.lm, 1.5) == 2
-    assert ar.rows_per_song(t.lm_ref, 1.0) == 2
     caches = []
     real_new_cache = type(t.lm).new_cache
     monkeypatch.setattr(type(t.lm), "new_cache", lambda self, rows, *a, **k: caches.append(rows) or
                         real_new_cache(self, rows, *a, **k))
+    monkeypatch.setattr(ar, "rows_per_song", lambda lm, cfg, device: 1)  # as on an accelerator
     one = plan(t.lm, t.depth, t.prompt, settings)
-    monkeypatch.setattr(ar, "rows_per_song", lambda lm, cfg: 2)
+    monkeypatch.setattr(ar, "rows_per_song", lambda lm, cfg, device: 2)
     two = plan(t.lm, t.depth, t.prompt, settings)
     assert caches == [1, 2]
     for a, b in zip(one, two):
