@@ -247,3 +247,15 @@ def test_composer_lm_says_its_guidance(tiny_foreign, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="mm3.pipeline"):
         Pipeline(str(tmp_path), device="cpu").run(MM3Request(**{**REQUEST, "duration": 0.8, "lm_cfg": 1.0}))
     assert "was made for" not in caplog.text
+
+
+def test_info_describes_each_component_of_a_file(layouts, capsys):
+    import json
+
+    from mm3.cli import main as cli_main
+
+    te = layouts["comfy_pruned"] / "text_encoders" / "minimax_music3_text_encoder_pruned_bf16.safetensors"
+    assert cli_main(["info", str(te), str(layouts["hotstep_bundle"] / "mm3-synth-f32.gguf"), "--json"]) == 0
+    got = [(d["component"], d["layout"]) for d in json.loads(capsys.readouterr().out)]
+    assert got == [("lm", "ComfyUI MiniMax Music 3 text encoder"), ("depth", "ComfyUI MiniMax Music 3 text encoder")] + [
+        (k, "HOT-Step MiniMax Music 3 synthesis bundle") for k in ("depth", "cond", "dit", "vae")]
