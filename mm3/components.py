@@ -159,9 +159,8 @@ def _check_size(path: str, what: str, value) -> None:
 FOREIGN_MARKER = ("mm3.model", "MiniMax-Music3")
 
 
-def _foreign_namesake(path, kind: str) -> bool:
-    if kind == "lm":  # the one file whose header is large (the tokenizer); HOT-Step's LM is `qwen3`
-        return False
+def _foreign_namesake(path) -> bool:
+    """Whether a file under one of our architecture names is another tool's (header read, cached)."""
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     if key not in _NAMESAKES:
@@ -188,7 +187,7 @@ def kinds_of(path: str | os.PathLike) -> tuple[str, ...]:
         fmt = file_format(path)
         if fmt == "gguf":
             kind = ARCHITECTURES.get(read_architecture(path))
-            if kind is not None and not _foreign_namesake(path, kind):
+            if kind is not None and not _foreign_namesake(path):
                 return (kind,)
         found = describe(path) if fmt else None
     except (OSError, ValueError):

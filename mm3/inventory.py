@@ -84,12 +84,15 @@ def _describe(path: Path, folder: Path) -> list[LocalFile]:
     return out
 
 
-def scan(*folders: str | os.PathLike) -> Inventory:
-    """The inventory of `folders` (the first folder holding a name wins, as a registry scan)."""
-    inv = Inventory([str(f) for f in folders])
+def scan(*folders: str | os.PathLike, others: tuple = ()) -> Inventory:
+    """The inventory of `folders` (the first folder holding a name wins, as a registry scan), plus
+    the component files of `others` (folders of other models too: ComfyUI's text_encoders, ...;
+    their files that are no MM3 component are not listed)."""
+    inv = Inventory([str(f) for f in (*folders, *others)])
+    only_components = {str(Path(f)) for f in others} - {str(Path(f)) for f in folders}
     seen: dict[str, LocalFile] = {}
     parts: dict[str, int] = {}
-    for folder in map(Path, folders):
+    for folder in map(Path, (*folders, *others)):
         if not folder.is_dir():
             continue
         for p in sorted(folder.rglob("*")):
@@ -99,6 +102,8 @@ def scan(*folders: str | os.PathLike) -> Inventory:
             if rel.endswith(".gguf" + PART):
                 parts.setdefault(rel[:-len(PART)], p.stat().st_size)
             elif p.suffix in MODEL_SUFFIXES and rel not in seen:
+                if str(folder) in only_components and not kinds_of(p):
+                    continue
                 for f in _describe(p, folder):
                     seen.setdefault(rel, f)
                     (inv.components[f.kind] if f.kind else inv.unusable).append(f)

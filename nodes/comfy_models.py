@@ -37,12 +37,12 @@ OFFLOAD = torch.device("cpu")
 
 # -- models folder ------------------------------------------------------------------------------
 def register_model_folder() -> None:
-    """`models/mm3` for `.gguf` files, merged with dirs an extra_model_paths.yaml already gave the
+    """`models/mm3` for `.gguf` (and other tools' `.safetensors`) files, merged with dirs an extra_model_paths.yaml already gave the
     key (that file is read before custom nodes load)."""
     base = os.path.join(folder_paths.models_dir, FOLDER)
     dirs, _ = folder_paths.folder_names_and_paths.get(FOLDER, ([], set()))
     merged = [base] + [d for d in dirs if os.path.abspath(d) != os.path.abspath(base)]
-    folder_paths.folder_names_and_paths[FOLDER] = (merged, {".gguf"})
+    folder_paths.folder_names_and_paths[FOLDER] = (merged, set(MODEL_SUFFIXES))  # other tools' files too
 
 
 # ComfyUI's own model folders (models/text_encoders and models/clip, models/diffusion_models and

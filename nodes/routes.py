@@ -128,7 +128,7 @@ def add_routes() -> None:
 
     @routes.get("/mm3/inventory")
     async def inventory(request):
-        inv = scan(*_folders(), *comfy_models.comfy_folder_dirs()).to_dict()  # ComfyUI's own MM3 files count too
+        inv = scan(*_folders(), others=tuple(comfy_models.comfy_folder_dirs())).to_dict()  # ComfyUI's MM3 files too
         inv["download"] = DOWNLOAD.status()
         return web.json_response(inv)
 

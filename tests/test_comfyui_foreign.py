@@ -41,6 +41,14 @@ def comfy_foreign(tiny_foreign):
     import torch
 
     save_file({"encoder.block.0.layer.0.weight": torch.zeros(4, 4)}, models / "text_encoders" / "t5_other.safetensors")
+    import gguf
+
+    w = gguf.GGUFWriter(str(models / "unet" / "flux_other-Q4_0.gguf"), arch="flux")  # another model's GGUF
+    w.add_tensor("img_in.weight", torch.zeros(4, 32).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     for kind in SET_FIELDS.values():
         p = tiny_foreign.file(f"mm3-{kind}")
         shutil.copy(p, models / "mm3" / "ours" / p.name)
@@ -92,3 +100,12 @@ def _arch(server, name: str) -> str:
     from mm3.gguf import read_architecture
 
     return read_architecture(server.base / "models" / "mm3" / name)
+
+
+@needs_comfy
+def test_models_sidebar_counts_comfyui_files(comfy_foreign):
+    inv = comfy_foreign.get("/mm3/inventory")
+    lm = {f["name"] for f in inv["components"]["lm"]}
+    assert TE in lm and "minimax_music3_text_encoder_pruned_Q8_0.gguf" in lm
+    assert "minimax_music3_dav.safetensors" in {f["name"] for f in inv["components"]["vae"]}
+    assert not any("other" in f["name"] for f in inv["unusable"]), inv["unusable"]  # other models are not ours

@@ -259,3 +259,50 @@ def test_info_describes_each_component_of_a_file(layouts, capsys):
     got = [(d["component"], d["layout"]) for d in json.loads(capsys.readouterr().out)]
     assert got == [("lm", "ComfyUI MiniMax Music 3 text encoder"), ("depth", "ComfyUI MiniMax Music 3 text encoder")] + [
         (k, "HOT-Step MiniMax Music 3 synthesis bundle") for k in ("depth", "cond", "dit", "vae")]
+
+
+def test_unaligned_safetensors_parts_copy_only_themselves(layouts):
+    """A fused tensor that is not 64-byte aligned in the file: each part is copied alone (aligned),
+    not the whole fused tensor once per part."""
+    te = open_component(layouts["comfy_pruned"] / "text_encoders" / "minimax_music3_text_encoder_pruned_bf16.safetensors",
+                        "lm")
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.up_proj.weight"):
+        raw = te.tensors[name].raw
+        assert raw.data_ptr() % 64 == 0 and raw.untyped_storage().nbytes() == raw.numel(), name
+
+
+def test_incomplete_files_are_component_errors(layouts, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from mm3.components import read_component
+    from mm3.inventory import scan
+
+    sd = load_file(layouts["comfy"] / "diffusion_models" / "minimax_music3_dit_fp32.safetensors")
+    del sd["cond_layer_scale"]
+    (tmp_path / "dit").mkdir()
+    save_file(sd, tmp_path / "dit" / "dit.safetensors")
+    with pytest.raises(ComponentError, match="missing tensor cond_layer_scale"):
+        read_component(tmp_path / "dit" / "dit.safetensors", "cond")
+    inv = scan(tmp_path / "dit")  # listed as unusable, not a crash
+    assert [f.name for f in inv.unusable] == ["dit.safetensors"] and "cond_layer_scale" in inv.unusable[0].problem
+    # ComfyUI's folders hold other models: those are not listed at all
+    (tmp_path / "other").mkdir()
+    save_file({"x.weight": torch.zeros(2, 2)}, tmp_path / "other" / "t5.safetensors")
+    assert scan(others=(tmp_path / "other",)).unusable == []
+
+
+def test_int8_with_one_scale_for_the_tensor(layouts, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = next(layouts["int8"].glob("*dit*"))
+    sd = load_file(src)
+    name = "diffusion_transformer.transformer.layers.0.ff.ff.2.weight"
+    q, scale = sd[name], sd[name + "_scale"]
+    sd[name + "_scale"] = scale.max().reshape(())  # one scale: int8_tensorwise in its plain form
+    save_file(sd, tmp_path / "dit.safetensors")
+    w = open_component(tmp_path / "dit.safetensors", "dit").tensors["transformer_blocks.0.ff_out.weight"].dequantize()
+    n, k = q.shape
+    g = 64
+    want = ((q.float() * scale.max()).reshape(n, k // g, g) @ hadamard(g).T).reshape(n, k)
+    assert torch.equal(w, want)

@@ -146,8 +146,10 @@ def _int8_config(src: Source, weight: str) -> tuple[str, dict] | None:
 def _int8_weight(src: Source, weight: str, scale: str, cfg: dict) -> torch.Tensor:
     q = src.int8(weight)
     n, k = q.shape
-    s = src.tensor(scale).dequantize(torch.float32).reshape(n, 1)
-    w = q.float() * s
+    s = src.tensor(scale).dequantize(torch.float32)
+    if s.numel() not in (1, n):
+        raise ComponentError(f"{src.path}: {scale} holds {s.numel()} scales, expected 1 or one per row of {weight} ({n})")
+    w = q.float() * s.reshape(-1, 1)
     if cfg.get("convrot", False):
         g = int(cfg.get("convrot_groupsize", 256))
         if k % g:
@@ -422,9 +424,14 @@ def _encoder_plans(src: Source, p: str) -> list[M.Plan]:
     if not keys:
         return []
     tops = [int(x[1]) for k in keys if (x := re.match(r"encoder\.block\.(\d+)\.", k))]
+    if not tops:  # a posterior projection without the encoder itself: nothing to encode with
+        return []
     convs, out = {}, []
     for key in keys:
-        name = rename_dav_key(key, max(tops))
+        try:
+            name = rename_dav_key(key, max(tops))
+        except KeyError as e:
+            raise ComponentError(f"{src.path}: {e.args[0]}") from None
         if name is None:
             continue
         for tail in (".parametrizations.weight.original0", ".parametrizations.weight.original1", ".weight_g",

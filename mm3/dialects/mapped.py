@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..gguf.errors import ComponentError, GGUFFormatError
 from ..gguf.reader import CompressedTensor, compressed_from_torch
-from .source import Source
+from .source import Source, TensorInfo, aligned
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,15 @@ def _row_bytes(qtype: GGMLQuantizationType, row: int) -> int:
     return row // block * size
 
 
+def info_of(src: Source, name: str) -> TensorInfo:
+    info = src.infos.get(name)
+    if info is None:
+        raise ComponentError(f"{src.path}: missing tensor {name}")
+    return info
+
+
 def _engine_type(src: Source, name: str) -> GGMLQuantizationType:
-    info = src.infos[name]
+    info = info_of(src, name)
     qtype = info.qtype
     if qtype is None:
         raise ComponentError(f"{src.path}: tensor {name} is {info.type}, which this engine cannot read as a weight")
@@ -45,7 +52,7 @@ def _engine_type(src: Source, name: str) -> GGMLQuantizationType:
 
 def same(src: Source, name: str, source_name: str, shape: tuple[int, ...] | None = None) -> Plan:
     """The source tensor's bytes under our name, optionally seen in another shape of equal size."""
-    info = src.infos[source_name]
+    info = info_of(src, source_name)
     shape = tuple(info.shape if shape is None else shape)
     qtype = _engine_type(src, source_name)
     # Floats take any shape of the same size; quantized rows are blocks of the last dimension.
@@ -62,7 +69,7 @@ def same(src: Source, name: str, source_name: str, shape: tuple[int, ...] | None
 
 def rows(src: Source, name: str, source_name: str, start: int, stop: int) -> Plan:
     """Rows [start, stop) of a 2-D source tensor (a part of a fused product): a view."""
-    info = src.infos[source_name]
+    info = info_of(src, source_name)
     if len(info.shape) != 2 or not 0 <= start < stop <= info.shape[0]:
         raise ComponentError(f"{src.path}: tensor {source_name} is {list(info.shape)}, which has no rows "
                              f"{start}..{stop}")
@@ -70,8 +77,8 @@ def rows(src: Source, name: str, source_name: str, start: int, stop: int) -> Pla
     width = _row_bytes(qtype, info.shape[1])
 
     def build(s: Source) -> CompressedTensor:
-        raw = s.tensor(source_name).raw
-        return CompressedTensor(name, qtype, (stop - start, info.shape[1]), raw[start * width:stop * width])
+        raw = s.tensor(source_name, align=False).raw[start * width:stop * width]  # the part alone is copied
+        return CompressedTensor(name, qtype, (stop - start, info.shape[1]), aligned(raw))
 
     return Plan(name, (stop - start, info.shape[1]), qtype, build)
 
@@ -81,7 +88,7 @@ def stacked(src: Source, name: str, parts: list[tuple[str, int, int] | int]) -> 
     (rows the model never reads). The source tensors must share width and type. A copy."""
     tensors = [p[0] for p in parts if not isinstance(p, int)]
     types = {_engine_type(src, t) for t in tensors}
-    widths = {src.infos[t].shape[1] for t in tensors}
+    widths = {info_of(src, t).shape[-1] for t in tensors}
     if len(types) != 1 or len(widths) != 1:
         raise ComponentError(f"{src.path}: tensors {', '.join(tensors)} differ in type or width and cannot be "
                              f"read as one {name}")
@@ -97,7 +104,7 @@ def stacked(src: Source, name: str, parts: list[tuple[str, int, int] | int]) -> 
                 at += p * row  # zero bytes are zeros in every GGML type
                 continue
             t, a, b = p
-            out[at:at + (b - a) * row] = s.tensor(t).raw[a * row:b * row]
+            out[at:at + (b - a) * row] = s.tensor(t, align=False).raw[a * row:b * row]
             at += (b - a) * row
         return CompressedTensor(name, qtype, (n, width), out)
 

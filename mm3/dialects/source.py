@@ -36,13 +36,14 @@ ALIGNMENT = 64  # bytes: what a torch allocation guarantees  # a safetensors hea
 class TensorInfo:
     shape: tuple[int, ...]  # torch order
     type: str  # "F32", "BF16", "Q4_0", ... or a safetensors dtype ("U8", "I8", "F8_E4M3")
+    ggml: bool = False  # a GGUF tensor: `type` names its GGML type
 
     @property
     def qtype(self) -> GGMLQuantizationType | None:
-        """The GGML type the engine can read it as, None for other dtypes."""
+        """The GGML type the engine can read it as, None for other dtypes (a safetensors int8)."""
         if self.type in SAFETENSORS_FLOATS:
             return SAFETENSORS_FLOATS[self.type]
-        return getattr(GGMLQuantizationType, self.type, None)
+        return getattr(GGMLQuantizationType, self.type, None) if self.ggml else None
 
 
 def file_format(path: str | os.PathLike) -> str | None:
@@ -75,7 +76,7 @@ class Source:
         if self.format == "gguf":
             self._gguf = GGUFFile(path, header_only=header_only)
             self.metadata: dict = dict(self._gguf.metadata)
-            self.infos = {n: TensorInfo(s, q.name) for n, s, q in self._gguf.tensor_infos()}
+            self.infos = {n: TensorInfo(s, q.name, ggml=True) for n, s, q in self._gguf.tensor_infos()}
         elif self.format == "safetensors":
             self.metadata, self.infos = self._read_safetensors_header()
             if not header_only:
@@ -117,9 +118,10 @@ class Source:
         return ({k: v for k, v in meta.items() if isinstance(k, str)} if isinstance(meta, dict) else {}), infos
 
     # -- access -----------------------------------------------------------------------------------
-    def tensor(self, name: str) -> CompressedTensor:
+    def tensor(self, name: str, *, align: bool = True) -> CompressedTensor:
         """A float or GGML tensor as stored (a view of the mapping; read from the file when opened
-        for the header only)."""
+        for the header only). `align` False: the view even where it is not aligned (for a caller
+        that takes a part of it, then `aligned`)."""
         info = self.infos[name]
         if not self.mapped:
             data = self.raw_bytes(name)
@@ -130,11 +132,7 @@ class Source:
         if info.type not in SAFETENSORS_FLOATS:
             raise GGUFFormatError(f"{self.path}: tensor {name} is {info.type}, not a float tensor")
         raw = self._view(name)
-        if raw.data_ptr() % ALIGNMENT:
-            # safetensors aligns a tensor only to its element size, and a CPU product's last bits can
-            # depend on where its weight sits: an aligned copy computes what our (aligned) GGUFs do.
-            raw = raw.clone()
-        return CompressedTensor(name, SAFETENSORS_FLOATS[info.type], info.shape, raw)
+        return CompressedTensor(name, SAFETENSORS_FLOATS[info.type], info.shape, aligned(raw) if align else raw)
 
     def int8(self, name: str) -> torch.Tensor:
         """An int8 tensor (ComfyUI's int8 weights) in its shape: a view of the mapping."""
@@ -174,6 +172,13 @@ class Source:
                 m.close()
             except BufferError:
                 pass  # views still alive elsewhere keep the mapping; it closes when they go
+
+
+def aligned(raw: torch.Tensor) -> torch.Tensor:
+    """`raw`, or an aligned copy where it is not 64-byte aligned. safetensors aligns a tensor only to
+    its element size, and a CPU product's last bits can depend on where its weight sits: an aligned
+    copy computes what our (aligned) GGUFs do."""
+    return raw.clone() if raw.data_ptr() % ALIGNMENT else raw
 
 
 def is_tensor_file(path: str | os.PathLike) -> bool:

@@ -509,7 +509,7 @@ def add_cli(subparsers) -> None:
                         "(text encoder, DiT, DAV; safetensors or GGUF), or HOT-Step's GGUFs")
     p.add_argument("out", metavar="OUT", help="output folder for the .gguf files")
     p.add_argument("--dav", metavar="PATH", help="dav.pth training checkpoint (default: SRC/dav.pth if present)")
-    p.add_argument("--only", nargs="+", metavar="COMPONENT",
+    p.add_argument("--only", nargs="+", metavar="COMPONENT", choices=[*COMPONENTS, *ALIASES],
                    help=f"convert only these ({', '.join(COMPONENTS)} or {', '.join(ALIASES)})")
     p.set_defaults(func=_cli)
 
@@ -531,8 +531,8 @@ def _cli(args) -> int:
     else:
         from .convert_foreign import convert_foreign
 
-        kinds = [BY_FOLDER[ALIASES.get(c, c)].kind if ALIASES.get(c, c) in BY_FOLDER else c for c in args.only or []]
-        paths = convert_foreign(args.src, args.out, args.layout, components=kinds or None, progress=report)
+        kinds = [BY_FOLDER[c].kind for c in _resolve_components(args.only)] if args.only else None
+        paths = convert_foreign(args.src, args.out, args.layout, components=kinds, progress=report)
     for path in paths:
         print(path)
     return 0

@@ -32,8 +32,6 @@ logger = logging.getLogger(__name__)
 
 DIALECT_NAMES = {"comfy": "ComfyUI", "hotstep": "HOT-Step"}
 F32_KINDS = ("cond", "vae")  # the contract keeps these in F32
-_FLOATS = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
-           GGMLQuantizationType.BF16: torch.bfloat16}
 _LM_EXTRAS = ("embed_rows", "head_start", "head_rows")  # our dialect-only LM config keys
 
 
@@ -75,7 +73,7 @@ def _tensors(comp) -> dict[str, CompressedTensor]:
             tensors[head.name] = _padded_rows(head, int(cfg.get("head_start", 0)), vocab)
     if comp.kind in F32_KINDS:
         for name, t in tensors.items():
-            if t.qtype in _FLOATS and t.qtype != GGMLQuantizationType.F32:
+            if t.qtype != GGMLQuantizationType.F32:  # floats or quantized blocks: the contract is F32
                 value = t.dequantize(torch.float32).contiguous()
                 tensors[name] = CompressedTensor(name, GGMLQuantizationType.F32, t.shape, value.view(-1).view(torch.uint8))
     return dict(sorted(tensors.items()))
