@@ -160,19 +160,12 @@ FOREIGN_MARKER = ("mm3.model", "MiniMax-Music3")
 
 
 def _foreign_namesake(path) -> bool:
-    """Whether a file under one of our architecture names is another tool's (header read, cached)."""
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key not in _NAMESAKES:
-        try:
-            with GGUFFile(path, header_only=True) as f:
-                _NAMESAKES[key] = f.metadata.get(FOREIGN_MARKER[0]) == FOREIGN_MARKER[1]
-        except GGUFFormatError:
-            _NAMESAKES[key] = False  # ours by its name, and broken: opening it says how
-    return _NAMESAKES[key]
-
-
-_NAMESAKES: dict[tuple, bool] = {}
+    """Whether a file under one of our architecture names is another tool's (header read)."""
+    try:
+        with GGUFFile(path, header_only=True) as f:
+            return f.metadata.get(FOREIGN_MARKER[0]) == FOREIGN_MARKER[1]
+    except GGUFFormatError:
+        return False  # ours by its name, and broken: opening it says how
 
 
 def kinds_of(path: str | os.PathLike) -> tuple[str, ...]:
@@ -184,15 +177,29 @@ def kinds_of(path: str | os.PathLike) -> tuple[str, ...]:
     from .gguf.reader import read_architecture
 
     try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key in _KINDS:
+        return _KINDS[key]
+    found = None
+    try:
         fmt = file_format(path)
         if fmt == "gguf":
             kind = ARCHITECTURES.get(read_architecture(path))
-            if kind is not None and not _foreign_namesake(path):
-                return (kind,)
-        found = describe(path) if fmt else None
+            found = (None, (kind,)) if kind is not None and not _foreign_namesake(path) else None
+        if found is None and fmt:
+            found = describe(path)
     except (OSError, ValueError):
         return ()
-    return found[1] if found else ()
+    if len(_KINDS) > 512:
+        _KINDS.clear()
+    _KINDS[key] = found[1] if found else ()
+    return _KINDS[key]
+
+
+_KINDS: dict[tuple, tuple[str, ...]] = {}
 
 
 def open_component(path: str | os.PathLike, expect: str | None = None, *, header_only: bool = False) -> Component:

@@ -8,7 +8,7 @@ prompt only through the template (`mm3.prompt`).
 
 The file carries no token types: special ids are found by looking their strings up in
 `tokenizer.ggml.tokens`. Semantic code c is LM token `code_offset + c`, where `code_offset` is the
-token-list length (151675 in the released file).
+token-list length (the text tokens and the MM3 specials; the codes follow them).
 """
 
 from __future__ import annotations

@@ -50,38 +50,36 @@ def register_model_folder() -> None:
 COMFY_FOLDERS = ("text_encoders", "diffusion_models", "vae")
 
 
-def comfy_folder_dirs() -> list[str]:
-    """The directories of ComfyUI's standard model folders that may hold its MiniMax Music 3 files."""
+def _comfy_dirs() -> list[tuple[str, str]]:
+    """(folder key, directory) of ComfyUI's standard model folders that exist."""
     out = []
     for key in COMFY_FOLDERS:
         try:
-            out += [d for d in folder_paths.get_folder_paths(key) if os.path.isdir(d)]
+            out += [(key, d) for d in folder_paths.get_folder_paths(key) if os.path.isdir(d)]
         except KeyError:
             continue
     return out
+
+
+def comfy_folder_dirs() -> list[str]:
+    """The directories of ComfyUI's standard model folders that may hold its MiniMax Music 3 files."""
+    return [d for _, d in _comfy_dirs()]
 
 
 def _comfy_files() -> list[tuple[str, str]]:
     """(listed name, path) of the GGUF and safetensors files in ComfyUI's standard folders (walked
     here: ComfyUI's own lists leave .gguf out)."""
     out, seen = [], set()
-    for key in COMFY_FOLDERS:
-        try:
-            dirs = folder_paths.get_folder_paths(key)
-        except KeyError:
-            continue
-        for base in dirs:
-            if not os.path.isdir(base):
-                continue
-            for root, _, files in os.walk(base, followlinks=True):
-                for f in sorted(files):
-                    if os.path.splitext(f)[1] not in MODEL_SUFFIXES:
-                        continue
-                    path = os.path.join(root, f)
-                    name = f"{key}/" + os.path.relpath(path, base).replace(os.sep, "/")
-                    if name not in seen:  # the first folder wins, as in ComfyUI's lists
-                        seen.add(name)
-                        out.append((name, path))
+    for key, base in _comfy_dirs():
+        for root, _, files in os.walk(base, followlinks=True):
+            for f in sorted(files):
+                if os.path.splitext(f)[1] not in MODEL_SUFFIXES:
+                    continue
+                path = os.path.join(root, f)
+                name = f"{key}/" + os.path.relpath(path, base).replace(os.sep, "/")
+                if name not in seen:  # the first folder wins, as in ComfyUI's lists
+                    seen.add(name)
+                    out.append((name, path))
     return sorted(out)
 
 

@@ -49,13 +49,10 @@ _DIT_SIGNATURE = "diffusion_transformer.transformer.layers.0.self_attn.to_qkv.we
 _DAV_SIGNATURE = "decoder.model.0."
 
 
-def _prefix(src: Source, signature: str, *, contains: bool = False) -> str | None:
+def _prefix(src: Source, signature: str) -> str | None:
+    """The key prefix of the tensor whose name ends with `signature` (None: no such tensor)."""
     for key in src.infos:
-        if contains:
-            i = key.find(signature)
-            if i >= 0:
-                return key[:i]
-        elif key.endswith(signature):
+        if key.endswith(signature):
             return key[:-len(signature)]
     return None
 
@@ -80,22 +77,11 @@ def detect(src: Source) -> dict[str, tuple[str, callable]]:
     return found
 
 
-def _shape(src: Source, name: str) -> tuple[int, ...]:
-    info = src.infos.get(name)
-    if info is None:
-        raise ComponentError(f"{src.path}: missing tensor {name} ({NAME} layout)")
-    return info.shape
-
-
 def _count(src: Source, pattern: str) -> int:
     n = 0
     while pattern.format(n) in src.infos:
         n += 1
     return n
-
-
-def _u32(arch: str, values: dict) -> dict:
-    return {f"{arch}.{k}": v for k, v in values.items()}
 
 
 # -- int8 weights ---------------------------------------------------------------------------------
@@ -158,19 +144,13 @@ def _int8_weight(src: Source, weight: str, scale: str, cfg: dict) -> torch.Tenso
     return w
 
 
-class _Int8Memo:
-    """The last dequantized int8 weight: the parts of a fused one (q, k, v) share one dequantization."""
-
-    name, value = None, None
-
-
 def _int8_rows(src, weight, scale, cfg, start, stop):
-    memo = getattr(src, "_int8_memo", None)
-    if memo is None:
-        memo = src._int8_memo = _Int8Memo()
-    if memo.name != weight:
-        memo.name, memo.value = weight, _int8_weight(src, weight, scale, cfg)
-    return memo.value[start:stop]
+    """Rows of a dequantized int8 weight; the parts of a fused one (q, k, v) share one dequantization
+    (the last one is kept in `src.derived`)."""
+    memo = src.derived.get("int8")
+    if memo is None or memo[0] != weight:
+        memo = src.derived["int8"] = (weight, _int8_weight(src, weight, scale, cfg))
+    return memo[1][start:stop]
 
 
 def _same(src: Source, name: str, source_name: str, shape=None) -> M.Plan:
@@ -217,15 +197,15 @@ def _lm(src: Source, p: str):
         raise ComponentError(f"{src.path}: tokenizer_json is not a usable tokenizer.json ({e})") from None
     code_offset = len(tokens)
     layers = _count(src, p + "layers.{}.input_layernorm.weight")
-    head_dim = _shape(src, p + "layers.0.self_attn.q_norm.weight")[0]
-    hidden = _shape(src, p + "norm.weight")[0]
-    heads = _shape(src, p + "layers.0.self_attn.o_proj.weight")[1] // head_dim
+    head_dim = M.shape_of(src, p + "layers.0.self_attn.q_norm.weight")[0]
+    hidden = M.shape_of(src, p + "norm.weight")[0]
+    heads = M.shape_of(src, p + "layers.0.self_attn.o_proj.weight")[1] // head_dim
     merged_qkv = p + "layers.0.self_attn.qkv_proj.weight" in src.infos
     if merged_qkv:
-        kv = (_shape(src, p + "layers.0.self_attn.qkv_proj.weight")[0] // head_dim - heads) // 2
+        kv = (M.shape_of(src, p + "layers.0.self_attn.qkv_proj.weight")[0] // head_dim - heads) // 2
     else:
-        kv = _shape(src, p + "layers.0.self_attn.k_proj.weight")[0] // head_dim
-    intermediate = _shape(src, p + "layers.0.mlp.down_proj.weight")[1]
+        kv = M.shape_of(src, p + "layers.0.self_attn.k_proj.weight")[0] // head_dim
+    intermediate = M.shape_of(src, p + "layers.0.mlp.down_proj.weight")[1]
     plans = [_same(src, "model.norm.weight", p + "norm.weight")]
     for i in range(layers):
         a, o = f"{p}layers.{i}.", f"model.layers.{i}."
@@ -248,10 +228,10 @@ def _lm(src: Source, p: str):
     extra, vocab = {}, None
     if p + "embed_tokens.weight" in src.infos:
         plans.append(_same(src, "model.embed_tokens.weight", p + "embed_tokens.weight"))
-        vocab = _shape(src, p + "embed_tokens.weight")[0]
+        vocab = M.shape_of(src, p + "embed_tokens.weight")[0]
     else:
         text, audio = p + "embed_tokens_prefill.weight", p + "embed_tokens_audio.weight"
-        n_text, n_audio = _shape(src, text)[0], _shape(src, audio)[0]
+        n_text, n_audio = M.shape_of(src, text)[0], M.shape_of(src, audio)[0]
         if n_text != code_offset:
             raise ComponentError(f"{src.path}: embed_tokens_prefill has {n_text} rows, the tokenizer {code_offset} "
                                  "tokens (they must agree: codes follow the text ids)")
@@ -259,10 +239,10 @@ def _lm(src: Source, p: str):
         extra["embed_rows"] = n_text + n_audio
     if p + "lm_head.weight" in src.infos:
         plans.append(_same(src, "lm_head.weight", p + "lm_head.weight"))
-        vocab = vocab or _shape(src, p + "lm_head.weight")[0]
+        vocab = vocab or M.shape_of(src, p + "lm_head.weight")[0]
     else:
         head = p + "lm_head_pruned.weight"
-        n = _shape(src, head)[0]
+        n = M.shape_of(src, head)[0]
         end = tokens.index("<|audio_end|>") if "<|audio_end|>" in tokens else None
         if end is None or end >= code_offset:
             raise ComponentError(f"{src.path}: the tokenizer has no <|audio_end|> below the codes")
@@ -285,8 +265,8 @@ def _depth(src: Source, p: str):
     d = p + "audio_decoder."
     layers = _count(src, d + "layers.{}.input_layernorm.weight")
     heads = _count(src, d + "audio_heads.{}.weight")
-    hidden = _shape(src, d + "norm.weight")[0]
-    intermediate = _shape(src, d + "layers.0.mlp.down_proj.weight")[1]
+    hidden = M.shape_of(src, d + "norm.weight")[0]
+    intermediate = M.shape_of(src, d + "layers.0.mlp.down_proj.weight")[1]
     plans = [_same(src, "audio_embeddings.weight", p + "audio_extra_embedding.weight"),
              _same(src, "projection.weight", d + "projection.weight"),
              _same(src, "pos_embedding.weight", d + "pos_embedding.weight"),
@@ -308,33 +288,33 @@ def _depth(src: Source, p: str):
             plans += [_same(src, o + f"{n}.weight", a + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")]
         plans.append(_same(src, o + "down_proj.weight", a + "mlp.down_proj.weight"))
     hp = {"hidden_size": hidden, "num_layers": layers, "num_attention_heads": DEPTH_HEADS,
-          "intermediate_size": intermediate, "audio_vocab_size": _shape(src, d + "audio_heads.0.weight")[0],
-          "num_codebooks": heads + 1, "max_position_embeddings": _shape(src, d + "pos_embedding.weight")[0]}
-    return "mm3-depth", _u32("mm3-depth", hp), plans
+          "intermediate_size": intermediate, "audio_vocab_size": M.shape_of(src, d + "audio_heads.0.weight")[0],
+          "num_codebooks": heads + 1, "max_position_embeddings": M.shape_of(src, d + "pos_embedding.weight")[0]}
+    return "mm3-depth", M.sizes("mm3-depth", hp), plans
 
 
 # -- DiT and condition encoder --------------------------------------------------------------------
 def _cond(src: Source, p: str):
-    w = _shape(src, p + "latent_conditioners.0.weight")
+    w = M.shape_of(src, p + "latent_conditioners.0.weight")
     plans = [_same(src, "layer_weight_logits", p + "cond_layer_logits"),
              _same(src, "layer_scale", p + "cond_layer_scale"),
              _same(src, "proj.weight", p + "latent_conditioners.0.weight"),
              _same(src, "proj.bias", p + "latent_conditioners.0.bias")]
-    hp = {"condition_hidden_dim": w[1], "num_condition_layers": _shape(src, p + "cond_layer_logits")[0],
+    hp = {"condition_hidden_dim": w[1], "num_condition_layers": M.shape_of(src, p + "cond_layer_logits")[0],
           "out_dim": w[0], **COND_RATES}
-    return "mm3-cond", _u32("mm3-cond", hp), plans
+    return "mm3-cond", M.sizes("mm3-cond", hp), plans
 
 
 def _dit(src: Source, p: str):
     d, t = p + "diffusion_transformer.", p + "diffusion_transformer.transformer."
     layers = _count(src, t + "layers.{}.self_attn.to_qkv.weight")
-    inner = _shape(src, t + "project_in.weight")[0]
-    channels = _shape(src, d + "postprocess_conv.weight")[0]
+    inner = M.shape_of(src, t + "project_in.weight")[0]
+    channels = M.shape_of(src, d + "postprocess_conv.weight")[0]
     if inner % DIT_HEAD_DIM:
         raise ComponentError(f"{src.path}: DiT width {inner} is not a multiple of ComfyUI's head size {DIT_HEAD_DIM}")
     rotary = DIT_ROTARY_DIM
     if t + "rotary_pos_emb.inv_freq" in src.infos:
-        rotary = 2 * _shape(src, t + "rotary_pos_emb.inv_freq")[0]
+        rotary = 2 * M.shape_of(src, t + "rotary_pos_emb.inv_freq")[0]
     plans = [_same(src, "time_proj.weight", d + "timestep_features.weight"),
              _same(src, "time_embed.linear_1.weight", d + "to_timestep_embed.0.weight"),
              _same(src, "time_embed.linear_1.bias", d + "to_timestep_embed.0.bias"),
@@ -354,11 +334,11 @@ def _dit(src: Source, p: str):
                   _same(src, o + "ff_in.weight", a + "ff.ff.0.proj.weight"),
                   _same(src, o + "ff_in.bias", a + "ff.ff.0.proj.bias"),
                   _same(src, o + "ff_out.weight", a + "ff.ff.2.weight"), _same(src, o + "ff_out.bias", a + "ff.ff.2.bias")]
-    hp = {"in_channels": channels, "condition_dim": _shape(src, d + "preprocess_conv.weight")[0] - 2 * channels,
+    hp = {"in_channels": channels, "condition_dim": M.shape_of(src, d + "preprocess_conv.weight")[0] - 2 * channels,
           "num_layers": layers, "num_attention_heads": inner // DIT_HEAD_DIM, "attention_head_dim": DIT_HEAD_DIM,
-          "ff_inner_dim": _shape(src, t + "layers.0.ff.ff.2.weight")[1], "rotary_dim": rotary,
-          "fourier_embedding_dim": 2 * _shape(src, d + "timestep_features.weight")[0]}
-    return "mm3-dit", _u32("mm3-dit", hp), plans
+          "ff_inner_dim": M.shape_of(src, t + "layers.0.ff.ff.2.weight")[1], "rotary_dim": rotary,
+          "fourier_embedding_dim": 2 * M.shape_of(src, d + "timestep_features.weight")[0]}
+    return "mm3-dit", M.sizes("mm3-dit", hp), plans
 
 
 # -- vocoder --------------------------------------------------------------------------------------
@@ -371,7 +351,7 @@ def _fold(src: Source, name: str, source: str) -> M.Plan:
                  (source + ".weight_g", source + ".weight_v")):
         if g in src.infos and v in src.infos:
             # torch._weight_norm over dim 0, in float32: what our converter writes for the same g and v.
-            return M.computed(name, _shape(src, v), lambda s, g=g, v=v: torch._weight_norm(
+            return M.computed(name, M.shape_of(src, v), lambda s, g=g, v=v: torch._weight_norm(
                 M.as_float(s, v), M.as_float(s, g), 0))
     return _same(src, name, source + ".weight")
 
@@ -391,7 +371,7 @@ def _vae(src: Source, p: str):
         plans.append(_same(src, name + ".bias", source + ".bias"))
 
     def alpha(name: str, source: str):
-        c = _shape(src, source)
+        c = M.shape_of(src, source)
         plans.append(_same(src, name, source, (c[1] if len(c) == 3 else c[-1],)))
 
     conv("conv_in", m + "0")
@@ -411,8 +391,8 @@ def _vae(src: Source, p: str):
     alpha("snake_out.alpha", f"{m}{blocks + 1}.alpha")
     conv("conv_out", f"{m}{blocks + 2}")
     plans += _encoder_plans(src, p)
-    hp = {"latent_channels": 2 * _shape(src, p + "dec_in_proj.weight")[1], "sampling_rate": VAE_SAMPLING_RATE}
-    meta = {**_u32("mm3-vae", hp), "mm3-vae.upsampling_ratios": ratios}
+    hp = {"latent_channels": 2 * M.shape_of(src, p + "dec_in_proj.weight")[1], "sampling_rate": VAE_SAMPLING_RATE}
+    meta = {**M.sizes("mm3-vae", hp), "mm3-vae.upsampling_ratios": ratios}
     return "mm3-vae", meta, plans
 
 
@@ -441,7 +421,7 @@ def _encoder_plans(src: Source, p: str) -> list[M.Plan]:
                 break
         else:
             if key.endswith(".alpha"):
-                c = _shape(src, p + key)
+                c = M.shape_of(src, p + key)
                 out.append(_same(src, name, p + key, (c[1] if len(c) == 3 else c[-1],)))
             else:
                 out.append(_same(src, name, p + key))

@@ -47,17 +47,6 @@ def _meta(src: Source, key: str):
     return value
 
 
-def _shape(src: Source, name: str) -> tuple[int, ...]:
-    info = src.infos.get(name)
-    if info is None:
-        raise ComponentError(f"{src.path}: missing tensor {name} ({NAME} layout)")
-    return info.shape
-
-
-def _u32(arch: str, values: dict) -> dict:
-    return {f"{arch}.{k}": int(v) for k, v in values.items()}
-
-
 def _f32(value) -> float:
     """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
     return float(str(np.float32(value)))
@@ -72,7 +61,7 @@ def _lm(src: Source):
               "num_hidden_layers": layers, "num_attention_heads": int(_meta(src, q + "attention.head_count")),
               "num_key_value_heads": int(_meta(src, q + "attention.head_count_kv")),
               "head_dim": int(_meta(src, q + "attention.key_length")),
-              "vocab_size": _shape(src, "token_embd.weight")[0],
+              "vocab_size": M.shape_of(src, "token_embd.weight")[0],
               "rms_norm_eps": _f32(_meta(src, q + "attention.layer_norm_rms_epsilon")),
               "rope_theta": _f32(_meta(src, q + "rope.freq_base")),
               "max_position_embeddings": int(_meta(src, q + "context_length")),
@@ -120,7 +109,7 @@ def _depth(src: Source):
           "intermediate_size": _meta(src, "mm3.depth.feed_forward_length"),
           "audio_vocab_size": _meta(src, "mm3.depth.audio_vocab_size"), "num_codebooks": codebooks,
           "max_position_embeddings": _meta(src, "mm3.depth.max_position")}
-    return "mm3-depth", _u32("mm3-depth", hp), plans
+    return "mm3-depth", M.sizes("mm3-depth", hp), plans
 
 
 def _cond(src: Source):
@@ -131,7 +120,7 @@ def _cond(src: Source):
           "out_dim": _meta(src, c + "out_dim")}
     for k in ("input_sampling_rate", "input_hop_length", "output_sampling_rate", "output_hop_length"):
         hp[k] = _meta(src, c + k)
-    return "mm3-cond", _u32("mm3-cond", hp), plans
+    return "mm3-cond", M.sizes("mm3-cond", hp), plans
 
 
 def _dit(src: Source):
@@ -160,7 +149,7 @@ def _dit(src: Source):
           "num_layers": layers, "num_attention_heads": _meta(src, k + "head_count"),
           "attention_head_dim": _meta(src, k + "head_dim"), "ff_inner_dim": _meta(src, k + "ff_inner"),
           "rotary_dim": _meta(src, k + "rope_dim"), "fourier_embedding_dim": _meta(src, k + "fourier_dim")}
-    return "mm3-dit", _u32("mm3-dit", hp), plans
+    return "mm3-dit", M.sizes("mm3-dit", hp), plans
 
 
 def _vae(src: Source):
@@ -169,7 +158,7 @@ def _vae(src: Source):
     res = len(_meta(src, "mm3.voc.res_dilations"))
 
     def alpha(ours: str, theirs: str):
-        return M.same(src, ours, theirs, (_shape(src, theirs)[1],))
+        return M.same(src, ours, theirs, (M.shape_of(src, theirs)[1],))
 
     plans = [M.same(src, "dec_in_proj.weight", v + "dec_in.weight"), M.same(src, "dec_in_proj.bias", v + "dec_in.bias"),
              M.same(src, "conv_in.weight", v + "conv_in.weight"), M.same(src, "conv_in.bias", v + "conv_in.bias"),
@@ -185,4 +174,4 @@ def _vae(src: Source):
             plans += [M.same(src, u + f"{c}.{t}", q + f"{c}.{t}") for c in ("conv1", "conv2") for t in ("weight", "bias")]
     hp = {"latent_channels": int(_meta(src, "mm3.voc.latent_channels")),
           "sampling_rate": int(_meta(src, "mm3.voc.sampling_rate"))}
-    return "mm3-vae", {**_u32("mm3-vae", hp), "mm3-vae.upsampling_ratios": rates}, plans
+    return "mm3-vae", {**M.sizes("mm3-vae", hp), "mm3-vae.upsampling_ratios": rates}, plans

@@ -42,6 +42,15 @@ def info_of(src: Source, name: str) -> TensorInfo:
     return info
 
 
+def shape_of(src: Source, name: str) -> tuple[int, ...]:
+    return info_of(src, name).shape
+
+
+def sizes(arch: str, values: dict) -> dict:
+    """Hyper-parameters as our metadata keys `<arch>.<key>` (integers)."""
+    return {f"{arch}.{k}": int(v) for k, v in values.items()}
+
+
 def _engine_type(src: Source, name: str) -> GGMLQuantizationType:
     info = info_of(src, name)
     qtype = info.qtype
@@ -143,6 +152,7 @@ class MappedFile:
         self.tensors: dict[str, CompressedTensor] = {}
         if source.mapped:
             self.tensors = {p.name: p.build(source) for p in plans}
+            source.derived.clear()  # what the plans shared while building is in the tensors now
 
     @property
     def architecture(self) -> str:

@@ -10,8 +10,6 @@ int8 weights) are listed with their dtype name and read as raw bytes.
 
 from __future__ import annotations
 
-import json
-import math
 import mmap
 import os
 import struct
@@ -26,8 +24,6 @@ from ..gguf.reader import GGUF_MAGIC, CompressedTensor, GGUFFile
 
 SAFETENSORS_FLOATS = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16,
                       "BF16": GGMLQuantizationType.BF16}
-_ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                  "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 _MAX_HEADER = 256 * 2**20
 ALIGNMENT = 64  # bytes: what a torch allocation guarantees  # a safetensors header beyond this is corrupt, not large
 
@@ -69,6 +65,7 @@ class Source:
     def __init__(self, path: str | os.PathLike, *, header_only: bool = False):
         self.path = str(path)
         self.mapped = not header_only
+        self.derived: dict = {}  # values a dialect computes from the tensors once per open file
         self.format = file_format(path)
         self._gguf: GGUFFile | None = None
         self._map = None
@@ -78,7 +75,7 @@ class Source:
             self.metadata: dict = dict(self._gguf.metadata)
             self.infos = {n: TensorInfo(s, q.name, ggml=True) for n, s, q in self._gguf.tensor_infos()}
         elif self.format == "safetensors":
-            self.metadata, self.infos = self._read_safetensors_header()
+            self.metadata, self.infos = self._read_safetensors_header()  # (its __metadata__ is not used)
             if not header_only:
                 with open(self.path, "rb") as f:
                     self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -86,36 +83,14 @@ class Source:
             raise GGUFFormatError(f"{self.path}: neither a GGUF nor a safetensors file")
 
     def _read_safetensors_header(self):
-        size = os.path.getsize(self.path)
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise GGUFFormatError(f"{self.path}: truncated safetensors file (header of {n} bytes, "
-                                      f"the file has {size})")
-            try:
-                header = json.loads(f.read(n))
-            except (ValueError, RecursionError) as e:
-                raise GGUFFormatError(f"{self.path}: safetensors header is not valid JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise GGUFFormatError(f"{self.path}: safetensors header is not a JSON object")
-        meta = header.pop("__metadata__", None) or {}
-        infos, base = {}, 8 + n
-        for name, entry in header.items():
-            try:
-                dtype, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
-                a, b = (int(x) for x in entry["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise GGUFFormatError(f"{self.path}: safetensors entry {name!r} lacks dtype/shape/data_offsets") from None
-            want = math.prod(shape) * _ELEMENT_BYTES.get(dtype, 0)
-            if dtype in _ELEMENT_BYTES and b - a != want:
-                raise GGUFFormatError(f"{self.path}: tensor {name} has {b - a} bytes, expected {want} for "
-                                      f"{dtype} {list(shape)}")
-            if base + b > size or a > b:
-                raise GGUFFormatError(f"{self.path}: truncated: tensor {name} needs bytes {base + a}..{base + b}, "
-                                      f"the file has {size}")
-            infos[name] = TensorInfo(shape, dtype)
-            self._entries[name] = (base + a, base + b)
-        return ({k: v for k, v in meta.items() if isinstance(k, str)} if isinstance(meta, dict) else {}), infos
+        from ..tools.safetensors_raw import file_entries
+
+        try:
+            entries = file_entries(Path(self.path))
+        except (ValueError, KeyError, TypeError) as e:
+            raise GGUFFormatError(str(e)) from None
+        self._entries = {n: (e.start, e.end) for n, e in entries.items()}
+        return {}, {n: TensorInfo(e.shape, e.dtype) for n, e in entries.items()}
 
     # -- access -----------------------------------------------------------------------------------
     def tensor(self, name: str, *, align: bool = True) -> CompressedTensor:
@@ -164,6 +139,7 @@ class Source:
         return torch.frombuffer(self._map, dtype=torch.uint8, count=b - a, offset=a)
 
     def close(self):
+        self.derived.clear()
         if self._gguf is not None:
             self._gguf.close()
         m, self._map = self._map, None

@@ -77,7 +77,8 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def _entries_of(path: Path, names: list[str] | None = None) -> dict[str, TensorEntry]:
+def file_entries(path: Path, names: list[str] | None = None) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file (or the `names` among them), checked against its size."""
     header, base = read_header(path)
     size = path.stat().st_size
     out = {}
@@ -123,7 +124,7 @@ def load_entries(folder: str | Path) -> dict[str, TensorEntry]:
     folder = Path(folder)
     files, index = find_weight_files(folder)
     if index is None:
-        return _entries_of(files[0])
+        return file_entries(files[0])
     by_shard: dict[str, list[str]] = {}
     for name, shard in _load_index(index).items():
         by_shard.setdefault(shard, []).append(name)
@@ -132,5 +133,5 @@ def load_entries(folder: str | Path) -> dict[str, TensorEntry]:
         path = folder / shard
         if not path.is_file():
             raise FileNotFoundError(f"{index}: shard {shard} is missing from {folder}")
-        out.update(_entries_of(path, names))
+        out.update(file_entries(path, names))
     return out
