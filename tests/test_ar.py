@@ -271,10 +271,15 @@ def test_real_id_layout_matches_reference(tiny_real_ids, one_thread):
         d_c.close()
 
 
-def test_quantized_weights_equal_their_dequantized_floats(tiny, ours, one_thread):
+def test_quantized_weights_equal_their_dequantized_floats(tiny, ours, one_thread, monkeypatch):
     """Q8_0 LM and depth weights (embedding rows and LM-head row ranges dequantized on demand) give
-    the same plan as F32 models holding gguf-py's dequantization of the same blocks."""
+    the same plan as F32 models holding gguf-py's dequantization of the same blocks. (The CPU int4
+    product of the fast numerics rounds inputs to bfloat16: off here, tested in test_cpu_int4.)"""
     import gguf
+
+    from mm3.gguf import cpu_int4
+
+    monkeypatch.setattr(cpu_int4, "serves", lambda *a: False)
 
     from mm3.gguf.reader import CompressedTensor
 

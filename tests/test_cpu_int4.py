@@ -1,6 +1,10 @@
-"""4-bit weights on the CPU through torch's int4 product (`mm3.gguf.cpu_int4`): the repacking of
-Q4_0, Q4_1 and Q4_K blocks against the torch dequantization, odd row counts, and the layers that use
-it (fast numerics only, no float copy kept)."""
+"""Quantized weights on the CPU through torch's int4 product (`mm3.gguf.cpu_int4`): the repacking of
+every type it takes (Q4_0, Q4_1, Q4_K as they are; Q8_0, Q5_0, Q5_1, Q5_K, Q6_K as two 4-bit planes)
+against the torch dequantization, odd row counts, and the layers that use it (fast numerics only,
+no float copy kept)."""
+
+import mmap
+import sys
 
 import gguf
 import pytest
@@ -28,7 +32,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("rows", [1, 2, 16])
 @pytest.mark.parametrize("n", [16, 37])
-@pytest.mark.parametrize("qtype", sorted(cpu_int4.INT4_TYPES, key=int), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", sorted(cpu_int4.TYPES, key=int), ids=lambda t: t.name)
 def test_products_match_the_dequantized_weight(qtype, n, rows):
     """Within bfloat16 rounding of inputs and group scales (the weights' own 4-bit error is ~100x more)."""
     raw, values = _raw(qtype, n, 512, n + rows)
@@ -73,8 +77,8 @@ def test_reference_numerics_and_other_types_stay_exact(monkeypatch):
     x = torch.randn(2, 256)
     ref, values = _layer(Q.Q4_K, 32, 256, 3, fast=False)
     assert torch.equal(ref(x), F.linear(x, values))
-    q8, values = _layer(Q.Q8_0, 32, 256, 4)
-    torch.testing.assert_close(q8(x), F.linear(x, values), rtol=1e-6, atol=1e-6)
+    q3, values = _layer(Q.Q3_K, 32, 256, 4)  # a type the kernel does not take
+    torch.testing.assert_close(q3(x), F.linear(x, values), rtol=1e-6, atol=1e-6)
 
 
 def test_repacking_follows_the_weights():
@@ -88,19 +92,59 @@ def test_repacking_follows_the_weights():
 
 
 def test_mixed_parts_each_take_their_own_product(monkeypatch):
-    """q and k in Q4_K, v in Q6_K (a `_M` mix): q and k through the int4 product, v dequantized."""
+    """q and k in Q4_K, v in Q6_K (a `_M` mix): one packing per part, no float copy of any."""
     calls = []
     real = cpu_int4.linear
-    monkeypatch.setattr(cpu_int4, "linear", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    monkeypatch.setattr(cpu_int4, "linear", lambda *a, **kw: calls.append((a[2], a[1].sub)) or real(*a, **kw))
     parts = [_layer(t, 32, 256, 7 + i) for i, t in enumerate((Q.Q4_K, Q.Q4_K, Q.Q6_K))]
     fused = gguf_ops.Fused([p for p, _ in parts])
     holder = torch.nn.Module()
     holder.q, holder.k, holder.v = (p for p, _ in parts)
     holder.qkv = fused
-    kept = gguf_ops.cache_dequantized(holder, torch.float32)
-    assert kept == 32 * 256 * 4 and set(p.qtype("weight") for p, _ in parts if p._dequantized) == {Q.Q6_K}
+    assert gguf_ops.cache_dequantized(holder, torch.float32) == 0
     x = torch.randn(2, 256)
     ys = fused(x)
-    assert calls == [32, 32]
-    torch.testing.assert_close(ys[2], F.linear(x, parts[2][1]), rtol=1e-5, atol=1e-5)
-    assert all(_rel(y, F.linear(x, v)) < 6e-3 for y, (_, v) in zip(ys[:2], parts))
+    assert calls == [(32, 0), (32, 0), (32, 16)]
+    assert all(_rel(y, F.linear(x, v)) < 6e-3 for y, (_, v) in zip(ys, parts))
+
+
+def test_two_plane_packings_take_ten_bits_a_weight_and_stack():
+    layer, values = _layer(Q.Q8_0, 64, 512, 11)
+    x = torch.randn(3, 512)
+    assert _rel(layer(x), F.linear(x, values)) < 6e-3
+    packing = layer._derived["int4"]
+    assert packing.sub == 32 and packing.nbytes() == 64 * 512 * 10 // 8
+    parts = [_layer(Q.Q5_K, n, 512, 12 + n) for n in (48, 32)]  # gate and up: one packing of both
+    fused = gguf_ops.Fused([p for p, _ in parts])
+    for y, (_, v) in zip(fused(x), parts):
+        assert _rel(y, F.linear(x, v)) < 6e-3
+    assert fused._int4[1].sub == 32
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page release is Linux only")
+def test_repacked_blocks_give_back_their_file_pages_only(tmp_path):
+    """The blocks of a repacked weight are unmapped where they are a file's pages (read back on the
+    next use); memory that is not a file's is never dropped."""
+    raw, values = _raw(Q.Q8_0, 64, 4096, 13)  # 272 KiB of blocks: whole pages inside
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(raw.numpy().tobytes())
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    blocks = torch.frombuffer(mapped, dtype=torch.uint8).view(raw.shape)
+    layer, _ = _layer(Q.Q8_0, 64, 4096, 13)
+    layer.set_stored("weight", Q.Q8_0, blocks)
+    x = torch.randn(2, 4096)
+    released = []
+    real = cpu_int4.release_pages
+    cpu_int4.release_pages = lambda t: released.append(real(t)) or released[-1]
+    try:
+        y = layer(x)
+        layer(x)
+    finally:
+        cpu_int4.release_pages = real
+    assert released == [True]  # once, at the repacking
+    assert _rel(y, F.linear(x, values)) < 6e-3
+    assert torch.equal(blocks, raw)  # read back from the file
+    anonymous = raw.clone()
+    assert not cpu_int4.release_pages(anonymous) and torch.equal(anonymous, raw)
+    del blocks, layer

@@ -161,8 +161,10 @@ def test_availability():
 
 def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeypatch):
     """The tiny model with Q8_0 LM and depth: the AR stage on the kernels gives the codes of the torch
-    path, hiddens within float rounding, and keeps no dequantized copy."""
+    path (dequantize, then multiply: the CPU int4 product, which rounds to bfloat16, is off), hiddens
+    within float rounding, and keeps no dequantized copy."""
     from mm3.ar import PlanSettings, plan
+    from mm3.gguf import cpu_int4
     from mm3.components import open_component
     from mm3.models.depth import RVQDepthDecoder
     from mm3.models.lm import Qwen3LM
@@ -174,6 +176,7 @@ def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeyp
         prompt = build_prompt(MM3Tokenizer.from_component(lm_c), "warm synth pop", "[verse]\nhello")
         settings = PlanSettings(duration=0.2, lm_seed=5)
         kernels.configure("off")
+        monkeypatch.setattr(cpu_int4, "serves", lambda *a: False)
         want = plan(lm, depth, prompt, settings, weight_budget=0)[0]
         kernels.configure("triton")
         assert kernels.works(Q.Q8_0, torch.float32, torch.device("cpu"))

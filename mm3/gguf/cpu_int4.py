@@ -1,31 +1,62 @@
-"""4-bit weights multiplied on the CPU without a float copy, through torch's int4 matrix product.
+"""Quantized weights multiplied on the CPU without a float copy, through torch's int4 matrix product.
 
 torch's CPU kernel (`torch._weight_int4pack_mm_for_cpu`) multiplies bfloat16 rows by 4-bit weights
 that carry a scale and an offset per group of 32 values along a row, w = (q - 8) * scale + offset.
-Q4_0 (w = (q - 8) d), Q4_1 (w = q d + m) and Q4_K (w = d sc q - dmin mn per 32 values) all have that
-form, so their blocks are repacked once into the kernel's layout, which takes about the bytes of the
-blocks themselves (4 bits a weight plus two bfloat16 per 32). The inputs, scales and offsets are
-rounded to bfloat16, so products differ from the float32 product of the dequantized weight by
-about 0.3 % (the 4-bit weights themselves are ~10 % off the weights they were made from); used
-for decode-shaped products of the LM and depth decoder in the fast numerics only.
 
-Measured (2-core AMD EPYC, torch 2.14.1, 1 thread, 2 rows, Q4_K at the released LM's attention
-and MLP shapes): 9.4 ms against 11.0 for the float32 product of a kept float copy and 69.8 for
-dequantizing per product (attention), 18.9 / 28.5 / 197 ms (MLP).
+One plane: Q4_0 (w = (q - 8) d), Q4_1 (w = q d + m) and Q4_K (w = d sc q - dmin mn per 32 values)
+have that form as they are; their blocks are repacked once into the kernel's layout (4 bits a
+weight plus two bfloat16 per 32, about the bytes of the blocks).
+
+Two planes: any type whose values have at most 8 bits (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) is split into
+a high and a low nibble, v = 16 h + l. Each sub-block of values (32, or Q6_K's 16) becomes two
+groups of the kernel, the high nibbles stored as h + 8 and multiplied by 16 x, the low ones by x,
+both with the sub-block's scale; the constant part of the block's formula is spread over the two
+groups' offsets (it multiplies the sum of the sub-block's inputs 17 times: 16 from the high group,
+1 from the low). The packing takes 10 bits a weight and the product reads twice the row length.
+
+Inputs, scales and offsets are rounded to bfloat16, so products differ from the float32 product of
+the dequantized weight by about 0.3 % (less than the quantization's own error); used for
+decode-shaped products of the LM and depth decoder in the fast numerics only.
+
+Measured (2-core AMD EPYC, torch 2.14.1, 2 threads, 2 rows, against the float32 product of a kept
+float copy in its fastest form, `torch.mm(w, x.T)`): Q4_K at the released LM's attention and MLP
+shapes 9.4 / 18.9 ms against 11.0 / 28.5 (1 thread); two planes (Q8_0), 12288 x 4096: 3.9 ms
+against 10.3, 3072 x 1024: 0.31 against 0.46; with 8 rows 10.0 against 22.0, 16 rows 20.9 against
+24.9 (the kernel's work then grows with the rows).
 """
 
 from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+from typing import NamedTuple
 
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ..matmul import DECODE_MAX_ROWS
-from .quants import _halves, _k4_scale_min
+from .quants import _halves, _k4_scale_min, _q5_high
 
-INT4_TYPES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
 GROUP = 32
+ONE_PLANE = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
+# Two-plane types -> values per sub-block (one scale each).
+TWO_PLANES = {QT.Q8_0: 32, QT.Q5_0: 32, QT.Q5_1: 32, QT.Q5_K: 32, QT.Q6_K: 16}
+TYPES = ONE_PLANE | frozenset(TWO_PLANES)
 _PROBE: list[bool] = []
+
+
+class Packing(NamedTuple):
+    """A weight in the kernel's layout: `weight` (packed nibbles), `pairs` ([groups, N, 2] bfloat16
+    scales and offsets), `sub` (0: one plane; else values per sub-block of a two-plane packing)."""
+
+    weight: torch.Tensor
+    pairs: torch.Tensor
+    sub: int = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.pairs))
 
 
 def available() -> bool:
@@ -53,8 +84,8 @@ ROWS_MULTIPLE = 16  # the packing takes whole groups of 16 rows: others get zero
 
 def serves(layer, qtype: QT | None, device: torch.device) -> bool:
     """Whether a decode-shaped product of this layer (`mm3.gguf.ops.Linear`) on `device` comes here:
-    a 4-bit weight of the LM or depth decoder in the fast numerics, on the CPU, with the kernel."""
-    return (device.type == "cpu" and qtype in INT4_TYPES and layer.decode_products and layer.fused_kernels
+    a weight of one of `TYPES` in the LM or depth decoder in the fast numerics, on the CPU."""
+    return (device.type == "cpu" and qtype in TYPES and layer.decode_products and layer.fused_kernels
             and available())
 
 
@@ -65,25 +96,23 @@ def reads(layer, qtype: QT | None, x: torch.Tensor) -> bool:
     return not layer.keeps_copy_for(x) and layer.stored("weight").device.type == "cpu"
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, K] int32 in 0..15, scale and offset [N, K/32] -> (packed weight, scales and offsets)."""
+def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, sub: int = 0) -> Packing:
+    """q [N, K] int32 in 0..15, scale and offset [N, K/32] -> the kernel's packing."""
     pad = -q.shape[0] % ROWS_MULTIPLE
     if pad:
         q = torch.cat((q, q.new_full((pad, q.shape[1]), 8)))
         scale, offset = (torch.cat((t, t.new_zeros(pad, t.shape[1]))) for t in (scale, offset))
     packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     pairs = torch.stack((scale, offset), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/32, N, 2]
-    return packed, pairs
+    return Packing(packed, pairs, sub)
 
 
-def _product(x2: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), packed[0], GROUP, packed[1]).float()
+def _product(x2: torch.Tensor, packed: Packing) -> torch.Tensor:
+    return torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), packed.weight, GROUP, packed.pairs).float()
 
 
-def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF block rows [N, row_bytes] of a 4-bit type -> the kernel's (packed weight, scales and offsets)."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    b = raw.reshape(-1, size).contiguous()
+def _one_plane(b: torch.Tensor, qtype: QT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks of a 4-bit type -> q [n, block] (0..15), scale and offset [n, block / 32]."""
     n_blocks = b.shape[0]
     if qtype == QT.Q4_K:  # d, dmin, scales[12], qs[128]; byte k of chunk c: values 64c + k, 64c + 32 + k
         qs = b[:, 16:].reshape(n_blocks, 4, 1, 32)
@@ -91,22 +120,127 @@ def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) ->
         dm = _halves(b, 0, 2)
         sm = _k4_scale_min(b[:, 4:16]).float()  # [n, 2, 8]
         scale = dm[:, :1] * sm[:, 0]  # [n, 8]
-        offset = 8 * scale - dm[:, 1:] * sm[:, 1]
-    else:  # Q4_0: d, qs[16]; Q4_1: d, m, qs[16] (value j low nibble of byte j, 16 + j high)
-        start = 2 if qtype == QT.Q4_0 else 4
-        qs = b[:, start:start + 16]
-        q = torch.cat((qs & 0x0F, qs >> 4), dim=1)
-        scale = _halves(b, 0)
-        offset = torch.zeros_like(scale) if qtype == QT.Q4_0 else 8 * scale + _halves(b, 2)
-    groups = in_features // GROUP
-    q = q.to(torch.int32).reshape(out_features, in_features)
-    return pack(q, scale.reshape(out_features, groups), offset.reshape(out_features, groups))
+        return q, scale, 8 * scale - dm[:, 1:] * sm[:, 1]
+    # Q4_0: d, qs[16]; Q4_1: d, m, qs[16] (value j low nibble of byte j, 16 + j high)
+    start = 2 if qtype == QT.Q4_0 else 4
+    qs = b[:, start:start + 16]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=1)
+    scale = _halves(b, 0)
+    return q, scale, torch.zeros_like(scale) if qtype == QT.Q4_0 else 8 * scale + _halves(b, 2)
 
 
-def linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], out_features: int,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def _two_planes(b: torch.Tensor, qtype: QT):
+    """Blocks of an up-to-8-bit type -> (H, L) [n, block] uint8 and the sub-block scale S and constant
+    c [n, block / sub] with w = S (16 (H - 8) + L) + c. The high nibble is stored off-centre where
+    that takes the constant out of the scale (a smaller offset rounds less)."""
+    n = b.shape[0]
+    if qtype == QT.Q8_0:  # d, qs[32] int8: v = 16 (v >> 4) + (v & 15), arithmetic shift
+        qs = b[:, 2:]
+        d = _halves(b, 0)
+        return (qs.view(torch.int8) >> 4).view(torch.uint8) + 8, qs & 0x0F, d, torch.zeros_like(d)
+    if qtype in (QT.Q5_0, QT.Q5_1):  # d[, m], qh[4], qs[16]: v = low nibble | fifth bit << 4
+        start = 2 if qtype == QT.Q5_0 else 4
+        qs = b[:, start + 4:start + 20]
+        low = torch.cat((qs & 0x0F, qs >> 4), dim=1)
+        high = _q5_high(b[:, start:start + 4]) >> 4
+        d = _halves(b, 0)
+        if qtype == QT.Q5_0:  # v - 16 = 16 (high - 1) + low
+            return high + 7, low, d, torch.zeros_like(d)
+        return high + 8, low, d, _halves(b, 2)
+    if qtype == QT.Q5_K:  # d, dmin, scales[12], qh[32] (bit j: fifth bit of sub-block j), qs[128]
+        qs = b[:, 48:].reshape(n, 4, 1, 32)
+        low = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, 256)
+        bits = torch.stack([(b[:, 16:48] >> j) & 1 for j in range(8)], dim=1)  # [n, 8, 32]
+        high = bits.reshape(n, 256) + 8
+        dm = _halves(b, 0, 2)
+        sm = _k4_scale_min(b[:, 4:16]).float()
+        return high, low, dm[:, :1] * sm[:, 0], -dm[:, 1:] * sm[:, 1]
+    # Q6_K: ql[128], qh[64], scales[16] int8, d; per 128-half h, value 32 i + k (i < 4, k < 32) has
+    # its low bits in byte 64 h + 32 (i % 2) + k (nibble i // 2) and its high bits in qh byte 32 h + k
+    # (crumb i); v = (low | high << 4) - 32
+    ql = b[:, :128].reshape(n, 2, 2, 32)  # half, byte row, k
+    low = torch.stack((ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4), dim=2)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    high = torch.cat([(qh >> (2 * i)) & 3 for i in range(4)], dim=2) + 6  # v - 32 = 16 (high - 2) + low
+    s = _halves(b, 208) * b[:, 192:208].view(torch.int8)  # [n, 16]
+    return high.reshape(n, 256), low.reshape(n, 256), s, torch.zeros_like(s)
+
+
+def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> Packing:
+    """GGUF block rows [N, row_bytes] of one of `TYPES` -> the kernel's packing."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = raw.reshape(-1, size).contiguous()
+    n, k = out_features, in_features
+    if qtype in ONE_PLANE:
+        q, scale, offset = _one_plane(b, qtype)
+        groups = k // GROUP
+        return pack(q.to(torch.int32).reshape(n, k), scale.reshape(n, groups), offset.reshape(n, groups))
+    sub = TWO_PLANES[qtype]
+    high, low, s, c = _two_planes(b, qtype)
+    # w = S (16 (H - 8) + (L - 8)) + (8 S + c): the kernel's (q - 8) scale for both planes, and the
+    # constant 8 S + c as the offsets, 17 parts of it per sub-block (16 x from the high group's inputs)
+    subs = k // sub
+    q = torch.stack((high.reshape(n, subs, sub), low.reshape(n, subs, sub)), dim=2).reshape(n, 2 * k)
+    s, offset = s.reshape(n, subs), (8 * s + c).reshape(n, subs) / 17
+    if sub == GROUP:  # each sub-block is two groups
+        s, offset = s.repeat_interleave(2, dim=1), offset.repeat_interleave(2, dim=1)
+    return pack(q.to(torch.int32), s, offset, sub)
+
+
+MADV_DONTNEED = 4
+_LIBC: list = []
+
+
+def release_pages(t: torch.Tensor) -> bool:
+    """Unmap the pages wholly inside CPU tensor t when they are pages of a mapped file (Linux): once
+    a weight is repacked, decode products no longer read its GGUF blocks, whose pages would
+    otherwise stay mapped (and counted in the process's memory) next to the packing. They stay in
+    the page cache, which the system reclaims as it needs, and come back on the next read (a
+    prefill, a move to another device). Memory that is not a file's is left alone (dropping it
+    would lose it). Returns whether pages were released."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux") or t.numel() == 0:
+        return False
+    page = mmap.PAGESIZE
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first or not _in_mapped_file(first, last):
+        return False
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            _LIBC.append(libc)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    return _LIBC[0] is not None and _LIBC[0].madvise(first, last - first, MADV_DONTNEED) == 0
+
+
+def _in_mapped_file(first: int, last: int) -> bool:
+    """Whether [first, last) lies inside one mapping of a file (/proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                low, high = (int(v, 16) for v in fields[0].split("-"))
+                if low <= first < high:
+                    return last <= high and fields[4] != "0" and len(fields) == 6 and fields[5].startswith("/")
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _planes_input(x2: torch.Tensor, sub: int) -> torch.Tensor:
+    """x [rows, K] -> [rows, 2K]: per sub-block, 16 x (for the high nibbles) then x (the low ones)."""
+    rows, k = x2.shape
+    xb = x2.to(torch.bfloat16).view(rows, k // sub, 1, sub)
+    return torch.cat((xb * 16, xb), dim=2).view(rows, 2 * k)
+
+
+def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (float32) @ W.T (+ bias) -> [..., N] float32, W in the kernel's packing."""
     x2 = x.reshape(-1, x.shape[-1])
+    if packed.sub:
+        x2 = _planes_input(x2, packed.sub)
     y = _product(x2, packed)[:, :out_features].to(x.dtype)
     if bias is not None:
         y = y + bias

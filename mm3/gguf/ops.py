@@ -203,6 +203,7 @@ class Linear(WeightSlots):
             if packed is None:
                 packed = self._derived["int4"] = cpu_int4.repack(self.stored("weight"), qtype, self.out_features,
                                                                  self.in_features)
+                cpu_int4.release_pages(self.stored("weight"))
             return cpu_int4.linear(x, packed, self.out_features, b)
         w = self.get("weight", x.dtype, x.device, scratch=True)
         return decode_linear(x, w, b) if self.decode_products else F.linear(x, w, b)
@@ -279,6 +280,8 @@ class Fused:
         held = getattr(self, "_int4", None)
         if held is None or held[0] != key:
             held = self._int4 = (key, cpu_int4.repack(torch.cat(stored), qtype, sum(self.sizes), self.in_features))
+            for t in stored:
+                cpu_int4.release_pages(t)
         return held[1]
 
     def stacked_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
