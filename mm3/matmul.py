@@ -1,9 +1,13 @@
 """The forms of matrix products the engine picks on the CPU, and a reusable dequantization buffer.
 
 Decode-shaped products (`decode_linear`): decoding multiplies a handful of rows (the CFG pair of
-each song) by large weights, so its speed is the speed of reading the weights. On the CPU, MKL runs
-`x @ w.T` with 2-4 rows (what `F.linear` calls) at ~10 GB/s of weights on the AMD EPYC we measured,
-but the same product as `w @ x.T` (weight-major) at 25-40 GB/s; accelerators keep `F.linear`.
+each song) by large weights, so its speed is the speed of reading the weights. On the CPU the same
+product runs at very different speeds in its two forms, and which is faster depends on the
+processor: on an AMD EPYC MKL ran `x @ w.T` with 2-4 rows (what `F.linear` calls) at ~10 GB/s of
+weights and `w @ x.T` (weight-major) at 25-40 GB/s; on an Intel Xeon the opposite, `F.linear` 2x
+faster (6144 x 1024: 47 against 19 GB/s). So the form is timed on the first product of each
+shape (both forms, alternately, best of 3) and the faster one kept for the process;
+`MM3_DECODE_FORM` = "linear" or "weight-major" names one instead. Accelerators keep `F.linear`.
 
 `Scratch`: one flat buffer per dtype for per-call dequantization on the CPU, where a fresh
 allocation of a large weight means page faults on every product.
@@ -26,7 +30,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import math
+import os
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -34,15 +40,43 @@ import torch.nn.functional as F
 DECODE_MAX_ROWS = 16  # beyond this the weight-major form stops paying on the CPU (measured up to 16)
 
 
+DECODE_FORMS = ("auto", "linear", "weight-major")
+_WEIGHT_MAJOR: dict[tuple, bool] = {}  # (N, K, rows, dtype) -> whether w @ x.T is the faster form
+
+
 def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w [N, K].T (+ b) -> [..., N], in the fastest form for a few rows on x's device."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or rows > DECODE_MAX_ROWS:
         return F.linear(x, w, b)
-    y = torch.mm(w, x.reshape(rows, x.shape[-1]).T).T  # [rows, N]: MKL's weight-major GEMM
+    x2 = x.reshape(rows, x.shape[-1])
+    if not _weight_major(x2, w):
+        return F.linear(x, w, b)
+    y = torch.mm(w, x2.T).T  # [rows, N]
     if b is not None:
         y = y + b
     return y.contiguous().view(*x.shape[:-1], w.shape[0])
+
+
+def _weight_major(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    key = (w.shape[0], w.shape[1], x2.shape[0], w.dtype)
+    answer = _WEIGHT_MAJOR.get(key)
+    if answer is None:
+        named = os.environ.get("MM3_DECODE_FORM", "auto").strip().lower()
+        if named in ("linear", "weight-major"):
+            answer = named == "weight-major"
+        else:
+            forms = {True: lambda: torch.mm(w, x2.T), False: lambda: F.linear(x2, w)}
+            forms[False]()  # the first product touches the weight's pages: not timed
+            best = {True: math.inf, False: math.inf}
+            for _ in range(3):
+                for form, run in forms.items():
+                    start = time.perf_counter()
+                    run()
+                    best[form] = min(best[form], time.perf_counter() - start)
+            answer = best[True] < best[False]
+        _WEIGHT_MAJOR[key] = answer
+    return answer
 
 
 class Scratch(threading.local):

@@ -73,6 +73,24 @@ def test_decode_linear_equals_linear(rows):
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["linear", "weight-major", "auto"])
+def test_decode_form_is_named_or_timed_once_per_shape(form, monkeypatch):
+    from mm3 import matmul
+
+    monkeypatch.setattr(matmul, "_WEIGHT_MAJOR", {})
+    monkeypatch.setenv("MM3_DECODE_FORM", form)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 256, generator=g), torch.randn(512, 256, generator=g)
+    y = decode_linear(x, w)
+    chosen = matmul._WEIGHT_MAJOR[(512, 256, 2, torch.float32)]
+    if form != "auto":
+        assert chosen == (form == "weight-major")
+    assert torch.equal(y, torch.mm(w, x.T).T.contiguous() if chosen else F.linear(x, w))
+    monkeypatch.setenv("MM3_DECODE_FORM", "weight-major" if not chosen else "linear")
+    assert torch.equal(decode_linear(x, w), y)  # kept for the process, whatever is asked later
+    assert len(matmul._WEIGHT_MAJOR) == 1
+
+
 @pytest.mark.parametrize("qtypes", [(Q.F32,) * 3, (Q.Q8_0,) * 3, (Q.Q8_0, Q.Q6_K, Q.Q8_0)])
 def test_fused_is_the_stacked_product_and_restacks_in_place(qtypes):
     g = torch.Generator().manual_seed(0)
