@@ -119,12 +119,16 @@ def test_two_plane_packings_take_ten_bits_a_weight_and_stack():
     for y, (_, v) in zip(fused(x), parts):
         assert _rel(y, F.linear(x, v)) < 6e-3
     assert fused._int4[1].sub == 32
+    wide = torch.randn(40, 512)  # a prefill: the float product of the dequantized parts
+    for y, (_, v) in zip(fused(wide), parts):
+        torch.testing.assert_close(y, F.linear(wide, v), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page release is Linux only")
 def test_repacked_blocks_give_back_their_file_pages_only(tmp_path):
     """The blocks of a repacked weight are unmapped where they are a file's pages (read back on the
-    next use); memory that is not a file's is never dropped."""
+    next use, and unmapped again after a prefill's product); memory that is not a file's is never
+    dropped."""
     raw, values = _raw(Q.Q8_0, 64, 4096, 13)  # 272 KiB of blocks: whole pages inside
     path = tmp_path / "blocks.bin"
     path.write_bytes(raw.numpy().tobytes())
@@ -140,9 +144,12 @@ def test_repacked_blocks_give_back_their_file_pages_only(tmp_path):
     try:
         y = layer(x)
         layer(x)
+        assert released == [True]  # once, at the repacking
+        wide = torch.randn(40, 4096)  # a prefill: the float product reads the blocks again
+        torch.testing.assert_close(layer(wide), F.linear(wide, values), rtol=1e-5, atol=1e-5)
     finally:
         cpu_int4.release_pages = real
-    assert released == [True]  # once, at the repacking
+    assert released == [True, True]  # and gives them back after it
     assert _rel(y, F.linear(x, values)) < 6e-3
     assert torch.equal(blocks, raw)  # read back from the file
     anonymous = raw.clone()

@@ -203,10 +203,19 @@ class Linear(WeightSlots):
             if packed is None:
                 packed = self._derived["int4"] = cpu_int4.repack(self.stored("weight"), qtype, self.out_features,
                                                                  self.in_features)
-                cpu_int4.release_pages(self.stored("weight"))
+                self.give_back_pages()
             return cpu_int4.linear(x, packed, self.out_features, b)
         w = self.get("weight", x.dtype, x.device, scratch=True)
-        return decode_linear(x, w, b) if self.decode_products else F.linear(x, w, b)
+        y = decode_linear(x, w, b) if self.decode_products else F.linear(x, w, b)
+        if "int4" in self._derived:  # a prefill read the blocks again: decode products will not
+            self.give_back_pages()
+        return y
+
+    def give_back_pages(self) -> None:
+        """Unmap the weight's file pages once they are packed for the int4 product
+        (`cpu_int4.release_pages`); remembers when the weight is not a file's."""
+        if self._derived.get("file_pages", True):
+            self._derived["file_pages"] = cpu_int4.release_pages(self.stored("weight"))
 
     def rows(self, start: int, stop: int) -> "Linear":
         """A Linear of weight rows [start, stop): views of this layer's tensors, nothing copied."""
@@ -271,6 +280,9 @@ class Fused:
             return [p(x) for p in self.parts]
         w = self.stacked_weight(x.dtype, x.device)
         y = decode_linear(x, w) if self.parts[0].decode_products else F.linear(x, w)
+        if all("int4 in a stack" in p._derived for p in self.parts):  # a prefill read the packed blocks again
+            for p in self.parts:
+                p.give_back_pages()
         return y.split_with_sizes(self.sizes, dim=-1)
 
     def _int4_stack(self, qtype: GGMLQuantizationType):
@@ -280,8 +292,9 @@ class Fused:
         held = getattr(self, "_int4", None)
         if held is None or held[0] != key:
             held = self._int4 = (key, cpu_int4.repack(torch.cat(stored), qtype, sum(self.sizes), self.in_features))
-            for t in stored:
-                cpu_int4.release_pages(t)
+            for p in self.parts:
+                p._derived["int4 in a stack"] = True  # forgotten with the part's weights
+                p.give_back_pages()
         return held[1]
 
     def stacked_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
