@@ -33,6 +33,7 @@ import math
 import os
 import threading
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,10 @@ def _weight_major(x2: torch.Tensor, w: torch.Tensor) -> bool:
     key = (w.shape[0], w.shape[1], x2.shape[0], w.dtype)
     answer = _WEIGHT_MAJOR.get(key)
     if answer is None:
-        named = os.environ.get("MM3_DECODE_FORM", "auto").strip().lower()
+        named = os.environ.get("MM3_DECODE_FORM", "auto").strip().lower() or "auto"
+        if named not in DECODE_FORMS:
+            warnings.warn(f"MM3_DECODE_FORM={named!r} is not one of {', '.join(DECODE_FORMS)}; timing both",
+                          stacklevel=2)
         if named in ("linear", "weight-major"):
             answer = named == "weight-major"
         else:
