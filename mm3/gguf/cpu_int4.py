@@ -8,11 +8,13 @@ have that form as they are; their blocks are repacked once into the kernel's lay
 weight plus two bfloat16 per 32, about the bytes of the blocks).
 
 Two planes: any type whose values have at most 8 bits (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) is split into
-a high and a low nibble, v = 16 h + l. Each sub-block of values (32, or Q6_K's 16) becomes two
-groups of the kernel, the high nibbles stored as h + 8 and multiplied by 16 x, the low ones by x,
-both with the sub-block's scale; the constant part of the block's formula is spread over the two
-groups' offsets (it multiplies the sum of the sub-block's inputs 17 times: 16 from the high group,
-1 from the low). The packing takes 10 bits a weight and the product reads twice the row length.
+a high and a low nibble, v = 16 h + l. Each sub-block (one scale) becomes a run of its high
+nibbles, multiplied by 16 x, and a run of its low ones, multiplied by x, both with the sub-block's
+scale: two groups of the kernel for 32 values, one for Q6_K's 16. The high nibbles are stored as
+h + 8 (h + 7 for Q5_0, h + 6 for Q6_K, which takes their constant out of the scale); what remains
+of the formula's constant is spread over the groups' offsets (it multiplies the sum of the
+sub-block's inputs 17 times: 16 from the high run, 1 from the low). The packing takes 10 bits a
+weight and the product reads twice the row length.
 
 Inputs, scales and offsets are rounded to bfloat16, so products differ from the float32 product of
 the dequantized weight by about 0.3 % (less than the quantization's own error); used for
