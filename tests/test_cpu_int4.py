@@ -43,6 +43,16 @@ def test_products_match_the_dequantized_weight(qtype, n, rows):
     assert _rel(y, F.linear(x.double(), values.double(), bias.double())) < 6e-3
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_repacking_in_row_chunks_is_the_whole_packing(qtype, monkeypatch):
+    raw, _ = _raw(qtype, 200, 256, 21)
+    whole = cpu_int4.repack(raw, qtype, 200, 256)
+    monkeypatch.setattr(cpu_int4, "REPACK_ROWS", 64)
+    chunked = cpu_int4.repack(raw, qtype, 200, 256)
+    assert torch.equal(chunked.weight, whole.weight) and torch.equal(chunked.pairs, whole.pairs)
+    assert chunked.sub == whole.sub
+
+
 def _layer(qtype, n, k, seed, fast=True):
     layer = gguf_ops.Linear(k, n, bias=False)
     raw, values = _raw(qtype, n, k, seed)

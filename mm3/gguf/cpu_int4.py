@@ -168,11 +168,23 @@ def _two_planes(b: torch.Tensor, qtype: QT):
     return high.reshape(n, 256), low.reshape(n, 256), s, torch.zeros_like(s)
 
 
+REPACK_ROWS = 1024  # rows unpacked at a time: bounds the temporaries (a multiple of the packing's 64-row tile)
+
+
 def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> Packing:
-    """GGUF block rows [N, row_bytes] of one of `TYPES` -> the kernel's packing."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    b = raw.reshape(-1, size).contiguous()
-    n, k = out_features, in_features
+    """GGUF block rows [N, row_bytes] of one of `TYPES` -> the kernel's packing, REPACK_ROWS rows at
+    a time (the integer temporaries of a whole released-size weight would take hundreds of MB)."""
+    rows = raw.reshape(out_features, -1)
+    parts = [_repack_rows(rows[i:i + REPACK_ROWS], qtype, in_features)
+             for i in range(0, out_features, REPACK_ROWS)]
+    if len(parts) == 1:
+        return parts[0]
+    return Packing(torch.cat([p.weight for p in parts]), torch.cat([p.pairs for p in parts], dim=1), parts[0].sub)
+
+
+def _repack_rows(raw: torch.Tensor, qtype: QT, in_features: int) -> Packing:
+    b = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1]).contiguous()
+    n, k = raw.shape[0], in_features
     if qtype in ONE_PLANE:
         q, scale, offset = _one_plane(b, qtype)
         groups = k // GROUP
