@@ -5,7 +5,7 @@ each song) by large weights, so its speed is the speed of reading the weights. O
 product runs at very different speeds in its two forms, and which is faster depends on the
 processor: on an AMD EPYC MKL ran `x @ w.T` with 2-4 rows (what `F.linear` calls) at ~10 GB/s of
 weights and `w @ x.T` (weight-major) at 25-40 GB/s; on an Intel Xeon the opposite, `F.linear` 2x
-faster (6144 x 1024: 47 against 19 GB/s). So the form is timed on the first product of each
+faster (the medium bench config's fused gate/up weight: 47 against 19 GB/s). So the form is timed on the first product of each
 shape (both forms, alternately, best of 3) and the faster one kept for the process;
 `MM3_DECODE_FORM` = "linear" or "weight-major" names one instead. Accelerators keep `F.linear`.
 

@@ -150,7 +150,7 @@ def test_repacked_blocks_give_back_their_file_pages_only(tmp_path):
     x = torch.randn(2, 4096)
     released = []
     real = cpu_int4.release_pages
-    cpu_int4.release_pages = lambda t: released.append(real(t)) or released[-1]
+    cpu_int4.release_pages = lambda span: released.append(real(span)) or released[-1]
     try:
         y = layer(x)
         layer(x)
@@ -163,5 +163,6 @@ def test_repacked_blocks_give_back_their_file_pages_only(tmp_path):
     assert _rel(y, F.linear(x, values)) < 6e-3
     assert torch.equal(blocks, raw)  # read back from the file
     anonymous = raw.clone()
-    assert not cpu_int4.release_pages(anonymous) and torch.equal(anonymous, raw)
+    assert cpu_int4.file_pages(anonymous) is None and not cpu_int4.release_pages(cpu_int4.file_pages(anonymous))
+    assert torch.equal(anonymous, raw)
     del blocks, layer

@@ -22,9 +22,9 @@ decode-shaped products of the LM and depth decoder in the fast numerics only.
 
 Measured (2-core AMD EPYC, torch 2.14.1, 2 threads, 2 rows, against the float32 product of a kept
 float copy in its fastest form, `torch.mm(w, x.T)`): Q4_K at the released LM's attention and MLP
-shapes 9.4 / 18.9 ms against 11.0 / 28.5 (1 thread); two planes (Q8_0), 12288 x 4096: 3.9 ms
-against 10.3, 3072 x 1024: 0.31 against 0.46; with 8 rows 10.0 against 22.0, 16 rows 20.9 against
-24.9 (the kernel's work then grows with the rows).
+shapes 9.4 / 18.9 ms against 11.0 / 28.5 (1 thread); two planes (Q8_0), the released LM's gate
+projection: 3.9 ms against 10.3, the medium bench config's: 0.31 against 0.46; with 8 rows 10.0
+against 22.0, 16 rows 20.9 against 24.9 (the kernel's work then grows with the rows).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ..matmul import DECODE_MAX_ROWS
-from .quants import _halves, _k4_scale_min, _q5_high
+from .quants import _BITS, _CRUMBS, _NIBBLES, _halves, _k4_scale_min, _q5_high, _unpack
 
 GROUP = 32
 ONE_PLANE = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
@@ -117,16 +117,14 @@ def _one_plane(b: torch.Tensor, qtype: QT) -> tuple[torch.Tensor, torch.Tensor, 
     """Blocks of a 4-bit type -> q [n, block] (0..15), scale and offset [n, block / 32]."""
     n_blocks = b.shape[0]
     if qtype == QT.Q4_K:  # d, dmin, scales[12], qs[128]; byte k of chunk c: values 64c + k, 64c + 32 + k
-        qs = b[:, 16:].reshape(n_blocks, 4, 1, 32)
-        q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n_blocks, 256)
+        q = _unpack(b[:, 16:].reshape(n_blocks, 4, 32), _NIBBLES, 0x0F).reshape(n_blocks, 256)
         dm = _halves(b, 0, 2)
         sm = _k4_scale_min(b[:, 4:16]).float()  # [n, 2, 8]
         scale = dm[:, :1] * sm[:, 0]  # [n, 8]
         return q, scale, 8 * scale - dm[:, 1:] * sm[:, 1]
     # Q4_0: d, qs[16]; Q4_1: d, m, qs[16] (value j low nibble of byte j, 16 + j high)
     start = 2 if qtype == QT.Q4_0 else 4
-    qs = b[:, start:start + 16]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=1)
+    q = _unpack(b[:, start:start + 16], _NIBBLES, 0x0F).reshape(n_blocks, 32)
     scale = _halves(b, 0)
     return q, scale, torch.zeros_like(scale) if qtype == QT.Q4_0 else 8 * scale + _halves(b, 2)
 
@@ -142,28 +140,23 @@ def _two_planes(b: torch.Tensor, qtype: QT):
         return (qs.view(torch.int8) >> 4).view(torch.uint8) + 8, qs & 0x0F, d, torch.zeros_like(d)
     if qtype in (QT.Q5_0, QT.Q5_1):  # d[, m], qh[4], qs[16]: v = low nibble | fifth bit << 4
         start = 2 if qtype == QT.Q5_0 else 4
-        qs = b[:, start + 4:start + 20]
-        low = torch.cat((qs & 0x0F, qs >> 4), dim=1)
+        low = _unpack(b[:, start + 4:start + 20], _NIBBLES, 0x0F).reshape(n, 32)
         high = _q5_high(b[:, start:start + 4]) >> 4
         d = _halves(b, 0)
         if qtype == QT.Q5_0:  # v - 16 = 16 (high - 1) + low
             return high + 7, low, d, torch.zeros_like(d)
         return high + 8, low, d, _halves(b, 2)
     if qtype == QT.Q5_K:  # d, dmin, scales[12], qh[32] (bit j: fifth bit of sub-block j), qs[128]
-        qs = b[:, 48:].reshape(n, 4, 1, 32)
-        low = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, 256)
-        bits = torch.stack([(b[:, 16:48] >> j) & 1 for j in range(8)], dim=1)  # [n, 8, 32]
-        high = bits.reshape(n, 256) + 8
+        low = _unpack(b[:, 48:].reshape(n, 4, 32), _NIBBLES, 0x0F).reshape(n, 256)
+        high = _unpack(b[:, 16:48].reshape(n, 1, 32), _BITS, 1).reshape(n, 256) + 8
         dm = _halves(b, 0, 2)
         sm = _k4_scale_min(b[:, 4:16]).float()
         return high, low, dm[:, :1] * sm[:, 0], -dm[:, 1:] * sm[:, 1]
     # Q6_K: ql[128], qh[64], scales[16] int8, d; per 128-half h, value 32 i + k (i < 4, k < 32) has
     # its low bits in byte 64 h + 32 (i % 2) + k (nibble i // 2) and its high bits in qh byte 32 h + k
     # (crumb i); v = (low | high << 4) - 32
-    ql = b[:, :128].reshape(n, 2, 2, 32)  # half, byte row, k
-    low = torch.stack((ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4), dim=2)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32)
-    high = torch.cat([(qh >> (2 * i)) & 3 for i in range(4)], dim=2) + 6  # v - 32 = 16 (high - 2) + low
+    low = _unpack(b[:, :128].reshape(n, 2, 64), _NIBBLES, 0x0F)  # [n, half, nibble, 64 bytes] = [n, 2, 4, 32]
+    high = _unpack(b[:, 128:192].reshape(n, 2, 32), _CRUMBS, 3) + 6  # v - 32 = 16 (high - 2) + low
     s = _halves(b, 208) * b[:, 192:208].view(torch.int8)  # [n, 16]
     return high.reshape(n, 256), low.reshape(n, 256), s, torch.zeros_like(s)
 
@@ -205,19 +198,25 @@ MADV_DONTNEED = 4
 _LIBC: list = []
 
 
-def release_pages(t: torch.Tensor) -> bool:
-    """Unmap the pages wholly inside CPU tensor t when they are pages of a mapped file (Linux): once
-    a weight is repacked, decode products no longer read its GGUF blocks, whose pages would
-    otherwise stay mapped (and counted in the process's memory) next to the packing. They stay in
-    the page cache, which the system reclaims as it needs, and come back on the next read (a
-    prefill, a move to another device). Memory that is not a file's is left alone (dropping it
-    would lose it). Returns whether pages were released."""
+def file_pages(t: torch.Tensor) -> tuple[int, int] | None:
+    """The address range of the memory pages wholly inside CPU tensor t when they are pages of a
+    mapped file (Linux), else None. Memory that is not a file's must never be released: dropping it
+    would lose it."""
     if t.device.type != "cpu" or not sys.platform.startswith("linux") or t.numel() == 0:
-        return False
+        return None
     page = mmap.PAGESIZE
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     first, last = -(-start // page) * page, end // page * page
-    if last <= first or not _in_mapped_file(first, last):
+    return (first, last) if last > first and _in_mapped_file(first, last) else None
+
+
+def release_pages(span: tuple[int, int] | None) -> bool:
+    """Unmap the file pages of `span` (`file_pages`): once a weight is repacked, decode products no
+    longer read its GGUF blocks, whose pages would otherwise stay mapped (and counted in the
+    process's memory) next to the packing. They stay in the page cache, which the system reclaims
+    as it needs, and come back on the next read (a prefill, a move to another device). Returns
+    whether pages were released."""
+    if span is None:
         return False
     if not _LIBC:
         try:
@@ -226,7 +225,7 @@ def release_pages(t: torch.Tensor) -> bool:
             _LIBC.append(libc)
         except (OSError, AttributeError):
             _LIBC.append(None)
-    return _LIBC[0] is not None and _LIBC[0].madvise(first, last - first, MADV_DONTNEED) == 0
+    return _LIBC[0] is not None and _LIBC[0].madvise(span[0], span[1] - span[0], MADV_DONTNEED) == 0
 
 
 def _in_mapped_file(first: int, last: int) -> bool:

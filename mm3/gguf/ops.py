@@ -213,9 +213,10 @@ class Linear(WeightSlots):
 
     def give_back_pages(self) -> None:
         """Unmap the weight's file pages once they are packed for the int4 product
-        (`cpu_int4.release_pages`); remembers when the weight is not a file's."""
-        if self._derived.get("file_pages", True):
-            self._derived["file_pages"] = cpu_int4.release_pages(self.stored("weight"))
+        (`cpu_int4.release_pages`); where they lie is looked up once per weight."""
+        if "file pages" not in self._derived:
+            self._derived["file pages"] = cpu_int4.file_pages(self.stored("weight"))
+        cpu_int4.release_pages(self._derived["file pages"])
 
     def rows(self, start: int, stop: int) -> "Linear":
         """A Linear of weight rows [start, stop): views of this layer's tensors, nothing copied."""
