@@ -24,6 +24,7 @@ import torch
 
 from .constants import DEFAULT_DIT_CFG, DEFAULT_STEPS, MAX_VARIATIONS
 from .errors import RunError
+from .cpu_bf16 import dit_dtype
 from .device import dit_weight_budget, model_device
 from .gguf.ops import cache_dequantized, dequantized_nbytes, release_dequantized
 from .matmul import CPU_SCRATCH, onednn_matmul, pays_for
@@ -223,7 +224,8 @@ class _Run:
     cfg_batch: bool
     group: int  # variations per DiT call
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the latents and the Euler steps
+    compute_dtype: torch.dtype  # of the DiT's forward
     progress: Progress
     windows: int
     total: int  # progress units: windows x groups x steps
@@ -240,7 +242,8 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
                    variations: int = 1, variation_batch: int = 1, cfg_batch: bool = True, device=None,
                    dtype: torch.dtype = torch.float32, progress: Progress | None = None,
                    weight_cache: int | None = None, fast_matmul: bool | None = None,
-                   shift: float = 1.0, keep: Keep | None = None) -> list[torch.Tensor]:
+                   shift: float = 1.0, keep: Keep | None = None,
+                   compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Denoise every window; returns one latent [variations, C, L_k] per window (uncropped).
 
     conditions: the condition of every window, [1, L_k, D] (`encode_conditions`); not modified.
@@ -263,6 +266,9 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
     to its original latents moved to that step's noise level (from the window's own noise, as the
     overlap with the previous window is), and to the original itself at the end; windows kept
     whole are not sampled at all.
+    compute_dtype: of the DiT's forward (the latents and the Euler steps stay in `dtype`); None =
+    `dtype`, except bfloat16 on a CPU where it pays (`mm3.cpu_bf16.dit_dtype`) unless `cfg_batch`
+    is False (the bit-exact reference mode).
     """
     gens = _check_args(steps, dit_cfg, seed, generator, variations)
     if not conditions:
@@ -272,12 +278,14 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
         keep.check(conditions, dit.in_channels)
     group = max(1, min(int(variation_batch), variations))
     n_groups = -(-variations // group)
+    if compute_dtype is None:
+        compute_dtype = dit_dtype(device, dtype) if cfg_batch else dtype
     run = _Run(dit, flow_sigmas(steps, shift).to(device), float(dit_cfg), cfg_batch, group, device, dtype,
-               progress or Progress(), len(conditions), len(conditions) * n_groups * steps, keep)
+               compute_dtype, progress or Progress(), len(conditions), len(conditions) * n_groups * steps, keep)
     budget = dit_weight_budget(device) if weight_cache is None else int(weight_cache)
     own = budget > 0 and dequantized_nbytes(dit) == 0  # copies someone else keeps are left alone
     if own:
-        cache_dequantized(dit, dtype, budget, device)
+        cache_dequantized(dit, compute_dtype, budget, device)
     try:
         with onednn_matmul(device, (cfg_batch and pays_for(dit)) if fast_matmul is None else fast_matmul):
             return _sample_windows(run, conditions, gens)
@@ -335,7 +343,12 @@ def _denoise_window(run: _Run, x, cond, prev, ov, ctx, done0, kept=None):
     # A guidance scale of 1 is the conditional prediction alone: the reference guider then skips the
     # unconditional call, and so do we.
     guided = not math.isclose(dit_cfg, 1.0)
-    cond_in = cond.expand(v_n, -1, -1)
+    cd, latent_dtype = run.compute_dtype, x.dtype
+
+    def velocity(x_in, t_in, c_in):  # the DiT in its compute dtype; the velocity in the latents'
+        return dit(x_in.to(cd), t_in.to(cd), c_in).to(latent_dtype)
+
+    cond_in = cond.expand(v_n, -1, -1).to(cd)
     uncond = torch.zeros_like(cond_in)
     pair = torch.cat([cond_in, uncond]) if guided and run.cfg_batch else None
     for i in range(steps):
@@ -350,13 +363,13 @@ def _denoise_window(run: _Run, x, cond, prev, ov, ctx, done0, kept=None):
             x = torch.lerp(x, (1.0 - (1.0 - BLEND_SIGMA_MIN) * tv) * noise + tv * kept[0], kept[1])
         tt = t.expand(v_n).to(x.dtype)
         if not guided:
-            v = dit(x, tt, cond_in)
+            v = velocity(x, tt, cond_in)
         else:
             if pair is not None:  # both CFG branches in one batch: rows [cond x V, zeros x V], same latents
-                v2 = dit(torch.cat([x, x]), t.expand(2 * v_n).to(x.dtype), pair)
+                v2 = velocity(torch.cat([x, x]), t.expand(2 * v_n).to(x.dtype), pair)
                 v_c, v_u = v2[:v_n], v2[v_n:]
             else:
-                v_c, v_u = dit(x, tt, cond_in), dit(x, tt, uncond)
+                v_c, v_u = velocity(x, tt, cond_in), velocity(x, tt, uncond)
             v = v_u + dit_cfg * (v_c - v_u)
         x = (x.to(torch.float32) + (sig[i + 1] - sig[i]) * v).to(v.dtype)  # the scheduler's Euler step
         if not bool(torch.isfinite(v).all() & torch.isfinite(x).all()):

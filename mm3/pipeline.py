@@ -116,6 +116,8 @@ class Pipeline:
         self.device = device if isinstance(device, torch.device) else pick_device(device)
         self.registry.memory = total_bytes(self.device)  # "" / "auto" names: the most precise file that fits
         self.dtype = pick_dtype(self.device, dtype)
+        # A named dtype is the DiT's too; automatic lets the sampler pick bfloat16 where it pays (CPU).
+        self.dit_dtype = None if dtype in (None, "auto") else self.dtype
         self.store = ModelStore(self.registry, self.device, keep_loaded=keep_loaded)
         self.timings = Timings()
         self._last: dict[str, tuple[int, int, dict]] = {}  # stage -> its latest progress report
@@ -339,7 +341,7 @@ class Pipeline:
             # The reference RNG reproduces the reference's render: its schedule unless a shift is asked for.
             auto_is_reference = generator is not None and request.dit_shift == AUTO_SHIFT
             common = dict(steps=request.steps, dit_cfg=request.dit_cfg, device=self.device, dtype=self.dtype,
-                          progress=progress, shift=1.0 if auto_is_reference else schedule_shift(request.steps,
+                          compute_dtype=self.dit_dtype, progress=progress, shift=1.0 if auto_is_reference else schedule_shift(request.steps,
                                                                                                 request.dit_shift))
             if request.repaints:
                 latents = self._repaint(request, song, source, cond, dit, conditions, common)

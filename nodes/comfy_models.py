@@ -132,6 +132,14 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if mm.should_use_bf16(device) else torch.float32
 
 
+def dit_compute_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The DiT forward's dtype: `dtype` where ComfyUI was told to keep float32 (--force-fp32,
+    --fp32-unet), else None: the engine decides (bfloat16 on a CPU whose bfloat16 products pay)."""
+    from comfy.cli_args import args
+
+    return dtype if getattr(args, "force_fp32", False) or getattr(args, "fp32_unet", False) else None
+
+
 # -- the patcher --------------------------------------------------------------------------------
 class MM3Module(torch.nn.Module):
     """What ModelPatcher holds: the engine model plus the plain attributes ComfyUI sets on the model

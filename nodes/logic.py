@@ -187,15 +187,18 @@ def encode_condition(cond_model, cond: ComponentHandle, song: PlannedSong, *, de
 @torch.no_grad()
 def sample(dit_model, dit: ComponentHandle, condition: ConditionBundle, *, seed: int, steps: int, dit_cfg: float,
            variations: int, device, dtype: torch.dtype, progress: Progress | None = None,
-           weight_cache: int | None = None, shift: float = AUTO_SHIFT) -> LatentsBundle:
+           weight_cache: int | None = None, shift: float = AUTO_SHIFT,
+           compute_dtype: torch.dtype | None = None) -> LatentsBundle:
     """`mm3.flow.sample_latents` over the bundle's conditions. `weight_cache`: bytes of dequantized
     DiT weights the sampler may keep (None: its own rule). `shift`: of the flow schedule (0:
-    automatic, `mm3.flow.schedule_shift`)."""
+    automatic, `mm3.flow.schedule_shift`). `compute_dtype`: of the DiT's forward (None: the
+    sampler's rule)."""
     parts = check_parts(condition.parts, dit=dit)
     warnings = check_models(condition.song, condition.song.request, dit_model=dit)
     latents = sample_latents(dit_model, condition.conds, steps=steps, dit_cfg=dit_cfg, seed=seed,
                              variations=variations, device=device, dtype=dtype, progress=progress,
-                             weight_cache=weight_cache, shift=schedule_shift(steps, shift))
+                             weight_cache=weight_cache, shift=schedule_shift(steps, shift),
+                             compute_dtype=compute_dtype)
     request = replace(condition.request, seed=int(seed), steps=int(steps), dit_cfg=float(dit_cfg),
                       synth_batch_size=int(variations), dit_shift=float(shift))
     return LatentsBundle(condition, [x.to(STORE) for x in latents], with_model(request, "dit_model", dit), parts,
@@ -206,7 +209,7 @@ def sample(dit_model, dit: ComponentHandle, condition: ConditionBundle, *, seed:
 def repaint(dit_model, dit: ComponentHandle, condition: ConditionBundle, source: LatentsBundle, *, start: float,
             end: float, fade: float, seed: int, steps: int, dit_cfg: float, variations: int, device, dtype: torch.dtype,
             shift: float = AUTO_SHIFT, progress: Progress | None = None,
-            weight_cache: int | None = None) -> LatentsBundle:
+            weight_cache: int | None = None, compute_dtype: torch.dtype | None = None) -> LatentsBundle:
     """Seconds [start, end) of the song sampled anew (noise from seed + j for variation j), the rest
     kept from `source` (its first variation): latents of the same codes' windows, from the Flow DiT
     Sampler or from recorded audio (MM3 Vocoder Encode)."""
@@ -219,7 +222,8 @@ def repaint(dit_model, dit: ComponentHandle, condition: ConditionBundle, source:
     keep = Keep.seconds([x[:1] for x in source.latents], start, end, fade, rate, source.covered)
     latents = sample_latents(dit_model, condition.conds, steps=steps, dit_cfg=dit_cfg, seed=seed,
                              variations=variations, device=device, dtype=dtype, progress=progress,
-                             weight_cache=weight_cache, shift=schedule_shift(steps, shift), keep=keep)
+                             weight_cache=weight_cache, shift=schedule_shift(steps, shift), keep=keep,
+                             compute_dtype=compute_dtype)
     src = source.request
     request = replace(condition.request, seed=src.seed, steps=int(steps), dit_cfg=float(dit_cfg),
                       synth_batch_size=int(variations), dit_shift=float(shift), repaint_start=float(start),

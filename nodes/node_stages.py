@@ -30,7 +30,7 @@ from mm3.request import DEFAULT_REPAINT_FADE
 from mm3.shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, MAX_TEMPERATURE, PENALTIES, Shaping
 from mm3.takes import MAX_ENDING_ROUNDS, MAX_TAKES, Takes
 from . import logic
-from .comfy_models import compute_dtype, load, patcher, spare_bytes
+from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher, spare_bytes
 from .common import (
     ADVANCED,
     AUDIO_CODES,
@@ -227,7 +227,8 @@ def _loaded_dit(dit, condition):
     device, dtype = _device_dtype(dit)
     need = dit_memory(dit.hparams, max(c.shape[1] for c in condition.conds), dtype_bytes(dtype))
     (model,) = load([dit], memory_required=need)
-    return model, dict(device=device, dtype=dtype, progress=node_progress(), weight_cache=spare_bytes([dit], need))
+    return model, dict(device=device, dtype=dtype, compute_dtype=dit_compute_dtype(dtype), progress=node_progress(),
+                       weight_cache=spare_bytes([dit], need))
 
 
 class MM3Repaint(io.ComfyNode):

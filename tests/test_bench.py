@@ -69,6 +69,26 @@ def test_quantized_weights_are_compared_on_the_same_values(work):
     assert r["dit"]["rel_diff_vs_diffusers"] < 1e-5 and r["dit"]["kept_dequantized_mib"] > 0
 
 
+def test_a_bfloat16_dit_is_timed_and_compared_beside_the_float32_one(work, monkeypatch):
+    """Where the engine computes the DiT in bfloat16 on the CPU (mm3.cpu_bf16), "ours" is that run,
+    the bench's float32 run is reported beside it, and the error is set against the reference's own
+    bfloat16 forward."""
+    pytest.importorskip("diffusers")
+    monkeypatch.setenv("MM3_CPU_BF16", "on")
+    r = bench.run(_args(work, "--quant", "Q8_0", "--stages", "dit,e2e"))["dit"]
+    assert r["compute_dtype"] == "bfloat16" and r["ours_float32_ms_per_step"] > 0 and r["ours_ms_per_step"] > 0
+    assert r["float32_rel_diff_vs_diffusers"] < 1e-5
+    assert 0 < r["rel_diff_vs_diffusers"] <= 1.25 * r["diffusers_bfloat16_rel_diff"]
+    assert "bfloat16 (mm3.cpu_bf16); in float32" in bench.summary({**_summary_base(), "dit": r})
+    named = bench.run(_args(work, "--quant", "Q8_0", "--stages", "dit", "--dtype", "float32"))["dit"]
+    assert named["compute_dtype"] == "float32" and named["rel_diff_vs_diffusers"] < 1e-5
+
+
+def _summary_base():
+    return {"config": "tiny", "quant": "Q8_0", "dtype": "float32", "date": "", "notes": [],
+            "machine": {"device": "cpu", "cpu": "x", "threads": 1, "torch": torch.__version__}}
+
+
 def test_without_diffusers_the_reference_is_skipped(work, monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers", None)  # `import diffusers` now fails
     r = bench.run(_args(work, "--stages", "dit"))

@@ -167,6 +167,7 @@ def _run(args) -> dict:
 
     ctx = Context(ckpt, device, dtype, have_reference, args.repeat, args.seed)
     ctx.compile = args.compile
+    ctx.dtype_named = args.dtype not in (None, "auto")
     with _quiet_reference(have_reference):
         if "ar" in stages:
             report["ar"] = ar.measure(ctx, report["settings"]["frames"])
@@ -197,6 +198,10 @@ def summary(report: dict) -> str:
         fmt = (lambda v: "n/a" if v is None else f"{v:.2f}")
         lines.append(f"  {stage:8s} ours {fmt(ours):>9s}  diffusers {fmt(ref):>9s} {unit:12s} "
                      f"ratio {fmt(r.get('ratio'))}x")
+        if stage == "dit" and r.get("compute_dtype", report["dtype"]) != report["dtype"]:
+            same = r.get(f"ours_{report['dtype']}_ms_per_step")
+            lines.append(f"           ours computes the DiT in {r['compute_dtype']} (mm3.cpu_bf16); in "
+                         f"{report['dtype']} {fmt(same)} ms/step")
     lines += [f"  note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 

@@ -35,8 +35,11 @@ def _window_inputs(ctx: Context):
 @torch.no_grad()
 def measure_dit(ctx: Context) -> dict:
     """ms per DiT step of one full window (the CFG pair). "ours" is what mm3.flow.sample_latents
-    runs by default (weights kept dequantized within the budget, oneDNN products on the CPU);
-    "ours_mkl" the same with torch's default CPU GEMM; "ours_per_step_dequant" neither."""
+    runs by default (weights kept dequantized within the budget, oneDNN products on the CPU, the
+    forward in bfloat16 where `mm3.cpu_bf16` picks it); "ours_<dtype>" the same in the bench's dtype
+    where that differs; "ours_mkl" the bench's dtype with torch's default CPU GEMM;
+    "ours_per_step_dequant" neither."""
+    from ..cpu_bf16 import dit_dtype
     from ..device import dit_weight_budget
     from ..gguf.ops import cache_dequantized, release_dequantized
     from ..matmul import onednn_matmul, pays_for
@@ -45,13 +48,20 @@ def measure_dit(ctx: Context) -> dict:
     x, t, cond = _window_inputs(ctx)
     px, pt, pc = torch.cat([x, x]), t.expand(2), torch.cat([cond, torch.zeros_like(cond)])
     zeros = torch.zeros_like(cond)
+    compute = ctx.dtype if ctx.dtype_named else dit_dtype(ctx.device, ctx.dtype)
+    same = str(ctx.dtype).removeprefix("torch.")
+    cx, ct, cc = px.to(compute), pt.to(compute), pc.to(compute)
 
-    def ours():
+    def ours():  # as the sampler calls it: inputs in the compute dtype, velocity in the latents'
+        with onednn_matmul(ctx.device, pays_for(dit)):
+            return dit(cx, ct, cc).to(ctx.dtype)
+
+    def ours_same():
         with onednn_matmul(ctx.device, pays_for(dit)):
             return dit(px, pt, pc)
 
     fns = {} if ctx.light else {"ours_per_step_dequant": lambda: dit(px, pt, pc)}
-    out = {"window_latents": cond.shape[1]}
+    out = {"window_latents": cond.shape[1], "compute_dtype": str(compute).removeprefix("torch.")}
     if ctx.have_reference:
         ref = ctx.reference("transformer")
 
@@ -61,16 +71,32 @@ def measure_dit(ctx: Context) -> dict:
 
         fns["diffusers"] = ref_step
         v_ref = ref_step().float()
-        for key, fn in (("rel_diff_vs_diffusers", ours), ("mkl_rel_diff_vs_diffusers", fns["ours_per_step_dequant"])):
+        compared = {"rel_diff_vs_diffusers": ours, "mkl_rel_diff_vs_diffusers": fns["ours_per_step_dequant"]}
+        if compute != ctx.dtype:
+            compared[f"{same}_rel_diff_vs_diffusers"] = ours_same
+        for key, fn in compared.items():
             out[key] = float((fn().float() - v_ref).norm() / v_ref.norm())
-    kept = cache_dequantized(dit, ctx.dtype, dit_weight_budget(ctx.device))
-    if not ctx.light:
+        if compute != ctx.dtype:  # the reference's own forward in the compute dtype, for scale
+            import copy
+
+            low = copy.deepcopy(ref).to(compute)
+            v_low = torch.cat([low(hidden_states=x.to(compute), timestep=t.to(compute),
+                                   encoder_hidden_states=c.to(compute), return_dict=False)[0] for c in (cond, zeros)])
+            out[f"diffusers_{out['compute_dtype']}_rel_diff"] = float((v_low.float() - v_ref).norm() / v_ref.norm())
+            del low
+    best = {}
+    if compute != ctx.dtype and not ctx.light:  # the bench's dtype, with weight copies of its own
+        cache_dequantized(dit, ctx.dtype, dit_weight_budget(ctx.device))
+        best.update(best_of({f"ours_{same}": ours_same}, ctx.repeat, ctx.device))
+        release_dequantized(dit)
+    kept = cache_dequantized(dit, compute, dit_weight_budget(ctx.device))
+    if not ctx.light and compute == ctx.dtype:
         fns["ours_mkl"] = lambda: dit(px, pt, pc)
     fns["ours"] = ours
     with onednn_matmul(ctx.device, pays_for(dit)) as switched:
         out["onednn_matmul"] = switched
     with PeakMemory(ctx.device) as timed:
-        best = best_of(fns, ctx.repeat, ctx.device)
+        best.update(best_of(fns, ctx.repeat, ctx.device))
     mem = {"ours": timed.as_dict()} if ctx.light else {}  # ours alone: the timed runs' peak is its own
     for side in ("ours", "diffusers"):
         if side in fns and side not in mem:
@@ -114,8 +140,8 @@ def measure_e2e(ctx: Context, seconds: float, steps: int) -> dict:
     from ..request import MM3Request
     from .checkpoints import CAPTION, LYRICS
 
-    pipe = Pipeline(ctx.ckpt.models, device=ctx.device, dtype=str(ctx.dtype).removeprefix("torch."),
-                    keep_loaded=True)
+    pipe = Pipeline(ctx.ckpt.models, device=ctx.device, keep_loaded=True,
+                    dtype=str(ctx.dtype).removeprefix("torch.") if ctx.dtype_named else None)
     request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=seconds, steps=steps, seed=ctx.seed,
                          lm_seed=ctx.seed, output_format="wav32")
     from ..gguf.ops import compressed_nbytes
