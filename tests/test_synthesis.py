@@ -175,6 +175,32 @@ def test_decode_and_stitch(case, ours):
     assert torch.equal(both[1:], decode(voc, [c.flip(-1) for c in case["chunks"]]))
 
 
+def test_snakes_in_place_give_the_same_samples(case, ours):
+    """The Snakes' reused output tensor and in-place arithmetic (CPU) change no sample, leave their
+    input alone and hold no memory after a decode; with gradients on, the plain formula runs."""
+    from mm3.models.vocoder import Snake
+
+    voc = ours[2]
+    lat = case["chunks"][0]
+    keep = lat.clone()
+    with torch.no_grad():
+        fast = voc.decode(lat)
+        assert voc.slot.tensor is None and torch.equal(lat, keep)
+        snakes = [m for m in voc.modules() if isinstance(m, Snake)]
+        try:
+            for m in snakes:
+                m.slot = None
+            plain = voc.decode(lat)
+        finally:
+            for m in snakes:
+                m.slot = voc.slot
+    assert torch.equal(fast, plain)
+    x = torch.randn(2, snakes[-1]._slot_shapes["alpha"][0], 50, requires_grad=True)
+    y = snakes[-1](x)
+    y.sum().backward()
+    assert x.grad is not None and voc.slot.tensor is None
+
+
 def test_variations_use_seed_plus_j(ours, ref):
     cond, dit, _ = ours
     fh = torch.randn(230, 512, generator=torch.Generator().manual_seed(7))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 
 import torch
 import torch.nn as nn
@@ -27,16 +28,44 @@ SNAKE_EPS = 1e-9  # MiniMaxMusic3Snake1d (diffusers 0.42.1)
 DILATIONS = (1, 3, 9)  # residual units of every block, decoder and encoder alike
 
 
+class OutputSlot(threading.local):
+    """One reusable output tensor for the Snakes of a model, on the CPU. Each Snake's output is read
+    only by the convolution right after it, so the next Snake may overwrite it; the activations of
+    the last blocks are tens of MB, and a fresh CPU tensor of that size is paid again in page faults
+    at every Snake (with the in-place arithmetic below, 5.0 -> 3.1 s for 8 s of audio on the bench's
+    medium vocoder, the same samples)."""
+
+    def __init__(self):
+        self.tensor: torch.Tensor | None = None
+
+    def like(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":  # accelerators' caching allocators reuse memory already
+            return torch.empty_like(x)
+        t = self.tensor
+        if t is None or t.shape != x.shape or t.dtype != x.dtype or t.stride() != x.stride():
+            t = self.tensor = torch.empty_like(x)
+        return t
+
+    def clear(self) -> None:
+        self.tensor = None
+
+
 class Snake(WeightSlots):
     """x + sin(alpha x)^2 / (alpha + 1e-9), alpha per channel (GGUF `<name>.alpha`, [C])."""
 
     def __init__(self, channels: int):
         super().__init__()
         self.declare("alpha", channels)
+        self.slot: OutputSlot | None = None  # set by the model that owns it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alpha = self.get("alpha", x.dtype, x.device).view(1, -1, 1)
-        return x + (alpha + SNAKE_EPS).reciprocal() * torch.sin(alpha * x).pow(2)
+        inverse = (alpha + SNAKE_EPS).reciprocal()
+        if x.requires_grad or self.slot is None:
+            return x + inverse * torch.sin(alpha * x).pow(2)
+        # The same operations in the same order (the same samples), in place in the slot's tensor.
+        out = torch.mul(x, alpha, out=self.slot.like(x))
+        return out.sin_().square_().mul_(inverse).add_(x)
 
 
 class ResidualUnit(nn.Module):
@@ -48,7 +77,8 @@ class ResidualUnit(nn.Module):
         self.conv2 = ops.Conv1d(channels, channels, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(self.snake2(self.conv1(self.snake1(x))))
+        y = self.conv2(self.snake2(self.conv1(self.snake1(x))))  # a new tensor: added to in place
+        return y.add_(x) if not y.requires_grad else x + y
 
 
 class DecoderBlock(nn.Module):
@@ -152,6 +182,10 @@ class Vocoder(nn.Module):
                 raise ComponentError(f"{source}: the encoder downsamples by {self.encoder.hop} to {mean_ch} "
                                      f"channels, the decoder expects {self.hop} and {half}")
         self.source = source
+        self.slot = OutputSlot()
+        for m in self.modules():
+            if isinstance(m, Snake):
+                m.slot = self.slot
 
     @classmethod
     def load(cls, component, ops=default_ops, with_encoder: bool | None = None) -> "Vocoder":
@@ -181,10 +215,13 @@ class Vocoder(nn.Module):
 
     def decode_sides(self, x: torch.Tensor) -> torch.Tensor:
         """Mono streams [N, C/2, L] -> waveforms [N, 1, hop * L]; each row is independent."""
-        x = self.conv_in(self.dec_in_proj(x))
-        for block in self.blocks:
-            x = block(x)
-        return torch.tanh(self.conv_out(self.snake_out(x)))
+        try:
+            x = self.conv_in(self.dec_in_proj(x))
+            for block in self.blocks:
+                x = block(x)
+            return torch.tanh(self.conv_out(self.snake_out(x)))
+        finally:
+            self.slot.clear()
 
     forward = decode
 
@@ -194,7 +231,10 @@ class Vocoder(nn.Module):
         b, sides, t = audio.shape
         if sides != 2 or t % self.hop:
             raise ValueError(f"audio is {list(audio.shape)}, expected [B, 2, T] with T a multiple of {self.hop}")
-        z = self.encoder(audio.reshape(b * 2, 1, t))  # [2B, C/2, T / hop]
+        try:
+            z = self.encoder(audio.reshape(b * 2, 1, t))  # [2B, C/2, T / hop]
+        finally:
+            self.slot.clear()
         return z.reshape(b, self.latent_channels, -1)  # left side -> channels 0..C/2-1
 
 
