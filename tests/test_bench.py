@@ -80,6 +80,8 @@ def test_a_bfloat16_dit_is_timed_and_compared_beside_the_float32_one(work, monke
     assert r["float32_rel_diff_vs_diffusers"] < 1e-5
     assert 0 < r["rel_diff_vs_diffusers"] <= 1.25 * r["diffusers_bfloat16_rel_diff"]
     assert "bfloat16 (mm3.cpu_bf16); in float32" in bench.summary({**_summary_base(), "dit": r})
+    alone = {k: v for k, v in r.items() if k != "ours_float32_ms_per_step"}  # released sizes: ours alone
+    assert "(mm3.cpu_bf16)\n" in bench.summary({**_summary_base(), "dit": alone}) + "\n"
     named = bench.run(_args(work, "--quant", "Q8_0", "--stages", "dit", "--dtype", "float32"))["dit"]
     assert named["compute_dtype"] == "float32" and named["rel_diff_vs_diffusers"] < 1e-5
 

@@ -5,6 +5,7 @@ denoise / decode blocks, recorded with hooks (tests/helpers/reference_synth.py).
 files. CPU float32 with one thread, as exact comparisons need.
 """
 
+import copy
 import math
 
 import numpy as np
@@ -195,6 +196,8 @@ def test_snakes_in_place_give_the_same_samples(case, ours):
             for m in snakes:
                 m.slot = voc.slot
     assert torch.equal(fast, plain)
+    clone = copy.deepcopy(voc)  # a copy's Snakes share a slot of its own
+    assert clone.slot is not voc.slot and all(m.slot is clone.slot for m in clone.modules() if isinstance(m, Snake))
     x = torch.randn(2, snakes[-1]._slot_shapes["alpha"][0], 50, requires_grad=True)
     y = snakes[-1](x)
     y.sum().backward()

@@ -200,8 +200,8 @@ def summary(report: dict) -> str:
                      f"ratio {fmt(r.get('ratio'))}x")
         if stage == "dit" and r.get("compute_dtype", report["dtype"]) != report["dtype"]:
             same = r.get(f"ours_{report['dtype']}_ms_per_step")
-            lines.append(f"           ours computes the DiT in {r['compute_dtype']} (mm3.cpu_bf16); in "
-                         f"{report['dtype']} {fmt(same)} ms/step")
+            lines.append(f"           ours computes the DiT in {r['compute_dtype']} (mm3.cpu_bf16)"
+                         + ("" if same is None else f"; in {report['dtype']} {fmt(same)} ms/step"))
     lines += [f"  note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 

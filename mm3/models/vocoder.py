@@ -49,6 +49,9 @@ class OutputSlot(threading.local):
     def clear(self) -> None:
         self.tensor = None
 
+    def __reduce__(self):  # copies and pickles of a model get an empty slot of their own
+        return (OutputSlot, ())
+
 
 class Snake(WeightSlots):
     """x + sin(alpha x)^2 / (alpha + 1e-9), alpha per channel (GGUF `<name>.alpha`, [C])."""
