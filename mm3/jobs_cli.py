@@ -165,9 +165,13 @@ def _pipeline(args):
     if not Path(args.models).is_dir():
         raise RequestError(f"--models {args.models} is not a folder")
     try:
-        return Pipeline(args.models, device=args.device, dtype=args.dtype, keep_loaded=args.keep_loaded)
+        pipe = Pipeline(args.models, device=args.device, dtype=args.dtype, keep_loaded=args.keep_loaded)
     except ValueError as e:  # an unavailable --device or unknown --dtype
         raise RequestError(str(e)) from None
+    if pipe.dit_dtype != pipe.dtype and not getattr(args, "quiet", False):
+        print(f"note: the DiT computes in {str(pipe.dit_dtype).removeprefix('torch.')} on this {pipe.device.type} "
+              f"(native products); --dtype {str(pipe.dtype).removeprefix('torch.')} keeps it in that", file=sys.stderr)
+    return pipe
 
 
 def _match_models(pipe, req: MM3Request, args, kinds=None) -> MM3Request:
@@ -367,7 +371,7 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--device", default=None, help="cuda, cuda:1, xpu, mps or cpu (default: the best available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 for every stage (default: per device; "
-                                                 "on a CPU, the DiT in bfloat16 where that is timed faster)")
+                                                 "on a CPU with native bfloat16 products, the DiT in bfloat16)")
     p.add_argument("--keep-loaded", action="store_true", help="keep both model groups resident")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_job)

@@ -25,6 +25,7 @@ from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
 from .constants import FRAME_RATE, RNG_MODES
+from .cpu_bf16 import dit_dtype
 from .device import empty_cache, pick_device, pick_dtype, total_bytes
 from .errors import RunError
 from .fingerprint import file_fingerprint
@@ -116,8 +117,8 @@ class Pipeline:
         self.device = device if isinstance(device, torch.device) else pick_device(device)
         self.registry.memory = total_bytes(self.device)  # "" / "auto" names: the most precise file that fits
         self.dtype = pick_dtype(self.device, dtype)
-        # A named dtype is the DiT's too; automatic lets the sampler pick bfloat16 where it pays (CPU).
-        self.dit_dtype = None if dtype in (None, "auto") else self.dtype
+        # The DiT's forward: a named dtype; automatic, bfloat16 on a CPU that multiplies it natively.
+        self.dit_dtype = dit_dtype(self.device, self.dtype) if dtype in (None, "", "auto") else self.dtype
         self.store = ModelStore(self.registry, self.device, keep_loaded=keep_loaded)
         self.timings = Timings()
         self._last: dict[str, tuple[int, int, dict]] = {}  # stage -> its latest progress report
@@ -339,9 +340,11 @@ class Pipeline:
             conditions = encode_conditions(cond, song.frame_hiddens, device=self.device, dtype=self.dtype,
                                            progress=progress)
             # The reference RNG reproduces the reference's render: its schedule unless a shift is asked for.
+            # It also computes in the reference's dtype, so the DiT stays in `dtype` there.
             auto_is_reference = generator is not None and request.dit_shift == AUTO_SHIFT
             common = dict(steps=request.steps, dit_cfg=request.dit_cfg, device=self.device, dtype=self.dtype,
-                          compute_dtype=self.dit_dtype, progress=progress, shift=1.0 if auto_is_reference else schedule_shift(request.steps,
+                          compute_dtype=self.dtype if generator is not None else self.dit_dtype,
+                          progress=progress, shift=1.0 if auto_is_reference else schedule_shift(request.steps,
                                                                                                 request.dit_shift))
             if request.repaints:
                 latents = self._repaint(request, song, source, cond, dit, conditions, common)

@@ -5,7 +5,12 @@ conftest pins MM3_CPU_BF16=off for the float32 parity tests; these tests set it 
 """
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,9 @@ from mm3.flow import encode_conditions, sample_latents
 from mm3.models.cond import ConditionEncoder
 from mm3.models.dit import FlowDiT
 from mm3.pipeline import Pipeline
+from tests.helpers.comfyui import COMFYUI_PATH, needs_comfy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -33,69 +41,57 @@ def conditions(models):
 
 
 @pytest.fixture
-def probe(monkeypatch):
-    """Set the timed speedup without timing anything; returns a setter."""
-    def set_speedup(value: float):
-        monkeypatch.setattr(cpu_bf16, "_SPEEDUP", [value])
-    return set_speedup
+def processor(monkeypatch):
+    """Set what `native` answers without asking the processor; returns a setter."""
+    def set_native(value: bool):
+        monkeypatch.setattr(cpu_bf16, "native", lambda: value)
+    return set_native
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_auto_follows_the_timing(monkeypatch, probe):
+def test_auto_follows_the_processor(monkeypatch, processor):
     monkeypatch.setenv("MM3_CPU_BF16", "auto")
-    probe(cpu_bf16.MIN_SPEEDUP + 0.1)
+    processor(True)
     assert cpu_bf16.dit_dtype("cpu", torch.float32) == torch.bfloat16
-    probe(cpu_bf16.MIN_SPEEDUP - 0.1)
-    assert cpu_bf16.dit_dtype("cpu", torch.float32) == torch.float32
-    probe(0.0)  # bfloat16 products failed or were wrong
+    processor(False)
     assert cpu_bf16.dit_dtype("cpu", torch.float32) == torch.float32
 
 
-def test_named_and_other_devices(monkeypatch, probe):
-    probe(0.0)
+def test_named_and_other_devices(monkeypatch, processor):
+    processor(False)
     monkeypatch.setenv("MM3_CPU_BF16", "on")
     assert cpu_bf16.dit_dtype("cpu", torch.float32) == torch.bfloat16
     assert cpu_bf16.dit_dtype("cpu", torch.float16) == torch.float16  # a named non-float32 dtype stays
-    probe(9.0)
+    processor(True)
     monkeypatch.setenv("MM3_CPU_BF16", "off")
     assert cpu_bf16.dit_dtype("cpu", torch.float32) == torch.float32
     monkeypatch.setenv("MM3_CPU_BF16", "on")
     assert cpu_bf16.dit_dtype("meta", torch.float32) == torch.float32  # only the CPU is affected
 
 
-def test_bad_value_warns_and_times(monkeypatch, probe):
+def test_bad_value_warns_and_asks_the_processor(monkeypatch, processor):
     monkeypatch.setenv("MM3_CPU_BF16", "yes please")
-    probe(cpu_bf16.MIN_SPEEDUP + 1)
+    processor(True)
     with pytest.warns(UserWarning, match=r"MM3_CPU_BF16='yes please' is not one of auto, on, off"):
         assert cpu_bf16.dit_dtype("cpu", torch.float32) == torch.bfloat16
 
 
-def test_timing_runs_once(monkeypatch):
-    calls = []
-    monkeypatch.setattr(cpu_bf16, "_SPEEDUP", [])
-    monkeypatch.setattr(cpu_bf16, "_measure", lambda: calls.append(1) or 1.25)
-    assert cpu_bf16.speedup() == 1.25 and cpu_bf16.speedup() == 1.25
-    assert calls == [1]
+@pytest.mark.parametrize("avx512_bf16, amx, onednn, want", [
+    (True, False, True, True), (False, True, True, True), (False, False, True, False), (True, True, False, False)])
+def test_native_reads_torchs_processor_flags(monkeypatch, avx512_bf16, amx, onednn, want):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: onednn)
+    assert cpu_bf16.native() is want
 
 
-def test_measure_times_real_products(monkeypatch):
-    monkeypatch.setattr(cpu_bf16, "PROBE_SHAPE", (32, 256, 128))
-    assert 0.0 < cpu_bf16._measure() < 1e3  # a ratio of two real timings on this processor
-
-
-def test_measure_refuses_wrong_bf16_products(monkeypatch):
-    real = torch.nn.functional.linear
-
-    def wrong(x, w, b=None):
-        y = real(x, w, b)
-        return y * 1.1 if x.dtype == torch.bfloat16 else y
-
-    monkeypatch.setattr(cpu_bf16.F, "linear", wrong)
-    monkeypatch.setattr(cpu_bf16, "PROBE_SHAPE", (32, 256, 128))
-    assert cpu_bf16._measure() == 0.0
+def test_native_without_the_flags_in_this_torch(monkeypatch):
+    for name in cpu_bf16.NATIVE_FLAGS:
+        monkeypatch.delattr(torch.cpu, name, raising=False)
+    assert cpu_bf16.native() is False
 
 
 def test_forward_as_close_as_the_references_bf16(models, tiny):
@@ -142,21 +138,21 @@ def test_sampler_keeps_float32_latents(models, conditions):
     assert all(p.dtype == torch.float32 for p in dit.parameters())  # the model itself is not re-typed
 
 
-def test_automatic_choice_in_the_sampler(monkeypatch, probe, models, conditions):
+def test_automatic_choice_in_the_sampler(monkeypatch, processor, models, conditions):
     _, dit = models
     f32 = sample_latents(dit, conditions, steps=3, seed=5, compute_dtype=torch.float32)
     b16 = sample_latents(dit, conditions, steps=3, seed=5, compute_dtype=torch.bfloat16)
     monkeypatch.setenv("MM3_CPU_BF16", "auto")
-    probe(cpu_bf16.MIN_SPEEDUP + 1)
+    processor(True)
     auto = sample_latents(dit, conditions, steps=3, seed=5)
     assert all(torch.equal(a, b) for a, b in zip(auto, b16))
-    # The reference mode (two CFG calls) reproduces the reference: float32 whatever the timing says.
+    # The reference mode (two CFG calls) reproduces the reference: float32 on any processor.
     ref_mode = sample_latents(dit, conditions, steps=3, seed=5, cfg_batch=False)
     exact = sample_latents(dit, conditions, steps=3, seed=5, cfg_batch=False, compute_dtype=torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(ref_mode, exact))
-    probe(0.0)
-    slow = sample_latents(dit, conditions, steps=3, seed=5)
-    assert all(torch.equal(a, b) for a, b in zip(slow, f32))
+    processor(False)
+    plain = sample_latents(dit, conditions, steps=3, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(plain, f32))
 
 
 def test_quantized_weight_copies_in_the_compute_dtype(monkeypatch, models, conditions):
@@ -172,9 +168,77 @@ def test_quantized_weight_copies_in_the_compute_dtype(monkeypatch, models, condi
     assert seen == [torch.bfloat16]
 
 
-def test_pipeline_named_dtype_pins_the_dit(tiny):
+def test_pipeline_named_dtype_pins_the_dit(tiny, monkeypatch, processor):
+    processor(True)
+    monkeypatch.setenv("MM3_CPU_BF16", "auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert Pipeline(tiny.gguf, device="cpu").dit_dtype is None  # automatic: the sampler decides
+        for named in (None, "", "auto"):
+            assert Pipeline(tiny.gguf, device="cpu", dtype=named).dit_dtype == torch.bfloat16
         assert Pipeline(tiny.gguf, device="cpu", dtype="float32").dit_dtype == torch.float32
-        assert Pipeline(tiny.gguf, device="cpu", dtype="auto").dit_dtype is None
+        processor(False)
+        assert Pipeline(tiny.gguf, device="cpu").dit_dtype == torch.float32
+
+
+def test_pipeline_reference_rng_stays_float32(tiny, monkeypatch):
+    """--rng reference renders the reference's audio: the DiT stays float32 where bfloat16 is on, and
+    the independent mode does use it."""
+    from mm3.request import MM3Request
+
+    request = MM3Request(caption="dark synth", lyrics="[verse]\nla la", duration=0.6, steps=2, seed=3, lm_seed=3,
+                         output_format="wav32")
+    runs = {}
+    for setting in ("off", "on"):
+        monkeypatch.setenv("MM3_CPU_BF16", setting)
+        pipe = Pipeline(tiny.gguf, device="cpu", keep_loaded=True)
+        runs[setting] = {rng: pipe.run(request, rng=rng)[0].audio for rng in ("reference", "independent")}
+    assert torch.equal(runs["on"]["reference"], runs["off"]["reference"])
+    assert not torch.equal(runs["on"]["independent"], runs["off"]["independent"])
+
+
+NODE_SCRIPT = r"""
+import importlib, importlib.util, json, sys
+import torch
+sys.path.append(sys.argv[2])
+import comfy.cli_args
+args = comfy.cli_args.args
+args.cpu = not torch.cuda.is_available()  # model_management needs a device at import
+spec = importlib.util.spec_from_file_location("pack", sys.argv[1] + "/__init__.py",
+                                              submodule_search_locations=[sys.argv[1]])
+pack = importlib.util.module_from_spec(spec); sys.modules["pack"] = pack; spec.loader.exec_module(pack)
+pick = importlib.import_module("pack.nodes.comfy_models").dit_compute_dtype
+seen = [str(pick(torch.float32))]
+args.force_fp32 = True
+seen.append(str(pick(torch.float32)))
+args.force_fp32, args.fp32_unet = False, True
+seen.append(str(pick(torch.float32)))
+print(json.dumps(seen))
+"""
+
+
+@needs_comfy
+def test_comfyui_fp32_switches_pin_the_dit():
+    """In ComfyUI the engine decides, unless ComfyUI was told to keep float32 (--force-fp32, --fp32-unet)."""
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    out = subprocess.run([python, "-c", NODE_SCRIPT, str(ROOT), COMFYUI_PATH], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["None", "torch.float32", "torch.float32"]
+
+
+def test_command_line_says_when_the_dit_is_bfloat16(tiny, tmp_path, monkeypatch, capsys):
+    from mm3.cli import main as cli_main
+
+    def generate(*extra):
+        capsys.readouterr()
+        assert cli_main(["generate", "--models", str(tiny.gguf), "--caption", "dark synth", "--lyrics", "[verse] la",
+                         "--duration", "0.6", "--steps", "2", "--seed", "1", "--lm-seed", "1", "--overwrite",
+                         "--out", str(tmp_path / "a.wav"), *extra]) == 0
+        return capsys.readouterr().err
+
+    monkeypatch.setenv("MM3_CPU_BF16", "on")
+    assert "note: the DiT computes in bfloat16 on this cpu (native products); --dtype float32 keeps it" in generate()
+    assert "note: the DiT" not in generate("--dtype", "float32")
+    assert "note: the DiT" not in generate("--quiet")
+    monkeypatch.setenv("MM3_CPU_BF16", "off")
+    assert "note: the DiT" not in generate()

@@ -196,9 +196,18 @@ def test_snakes_in_place_give_the_same_samples(case, ours):
             for m in snakes:
                 m.slot = voc.slot
     assert torch.equal(fast, plain)
+    snake, width = snakes[-1], snakes[-1]._slot_shapes["alpha"][0]
+    x = torch.randn(2, width, 50)
+    with torch.no_grad():
+        twice = snake(snake(x))  # the second one reads the slot's tensor: it must not write over it
+        snake.slot = None
+        plain_twice = snake(snake(x))
+        snake.slot = voc.slot
+        voc.slot.clear()
+    assert torch.equal(twice, plain_twice)
     clone = copy.deepcopy(voc)  # a copy's Snakes share a slot of its own
     assert clone.slot is not voc.slot and all(m.slot is clone.slot for m in clone.modules() if isinstance(m, Snake))
-    x = torch.randn(2, snakes[-1]._slot_shapes["alpha"][0], 50, requires_grad=True)
+    x = torch.randn(2, width, 50, requires_grad=True)
     y = snakes[-1](x)
     y.sum().backward()
     assert x.grad is not None and voc.slot.tensor is None

@@ -167,7 +167,7 @@ def _run(args) -> dict:
 
     ctx = Context(ckpt, device, dtype, have_reference, args.repeat, args.seed)
     ctx.compile = args.compile
-    ctx.dtype_named = args.dtype not in (None, "auto")
+    ctx.dtype_named = args.dtype not in (None, "", "auto")
     with _quiet_reference(have_reference):
         if "ar" in stages:
             report["ar"] = ar.measure(ctx, report["settings"]["frames"])

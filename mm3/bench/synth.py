@@ -36,9 +36,11 @@ def _window_inputs(ctx: Context):
 def measure_dit(ctx: Context) -> dict:
     """ms per DiT step of one full window (the CFG pair). "ours" is what mm3.flow.sample_latents
     runs by default (weights kept dequantized within the budget, oneDNN products on the CPU, the
-    forward in bfloat16 where `mm3.cpu_bf16` picks it); "ours_<dtype>" the same in the bench's dtype
-    where that differs; "ours_mkl" the bench's dtype with torch's default CPU GEMM;
-    "ours_per_step_dequant" neither."""
+    forward in bfloat16 where `mm3.cpu_bf16` picks it), timed in turns with the reference;
+    "ours_mkl" the same with torch's default CPU GEMM (where the forward is in the bench's dtype);
+    in passes of their own before those, "ours_per_step_dequant" in the bench's dtype with no
+    weight copies and "ours_<dtype>" in the bench's dtype with its own copies, where the forward's
+    dtype differs."""
     from ..cpu_bf16 import dit_dtype
     from ..device import dit_weight_budget
     from ..gguf.ops import cache_dequantized, release_dequantized
@@ -60,7 +62,7 @@ def measure_dit(ctx: Context) -> dict:
         with onednn_matmul(ctx.device, pays_for(dit)):
             return dit(px, pt, pc)
 
-    fns = {} if ctx.light else {"ours_per_step_dequant": lambda: dit(px, pt, pc)}
+    fns = {}
     out = {"window_latents": cond.shape[1], "compute_dtype": str(compute).removeprefix("torch.")}
     if ctx.have_reference:
         ref = ctx.reference("transformer")
@@ -71,7 +73,7 @@ def measure_dit(ctx: Context) -> dict:
 
         fns["diffusers"] = ref_step
         v_ref = ref_step().float()
-        compared = {"rel_diff_vs_diffusers": ours, "mkl_rel_diff_vs_diffusers": fns["ours_per_step_dequant"]}
+        compared = {"rel_diff_vs_diffusers": ours, "mkl_rel_diff_vs_diffusers": lambda: dit(px, pt, pc)}
         if compute != ctx.dtype:
             compared[f"{same}_rel_diff_vs_diffusers"] = ours_same
         for key, fn in compared.items():
@@ -84,7 +86,7 @@ def measure_dit(ctx: Context) -> dict:
                                    encoder_hidden_states=c.to(compute), return_dict=False)[0] for c in (cond, zeros)])
             out[f"diffusers_{out['compute_dtype']}_rel_diff"] = float((v_low.float() - v_ref).norm() / v_ref.norm())
             del low
-    best = {}
+    best = {} if ctx.light else best_of({"ours_per_step_dequant": lambda: dit(px, pt, pc)}, ctx.repeat, ctx.device)
     if compute != ctx.dtype and not ctx.light:  # the bench's dtype, with weight copies of its own
         cache_dequantized(dit, ctx.dtype, dit_weight_budget(ctx.device))
         best.update(best_of({f"ours_{same}": ours_same}, ctx.repeat, ctx.device))

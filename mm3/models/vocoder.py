@@ -42,6 +42,9 @@ class OutputSlot(threading.local):
         if x.device.type != "cpu":  # accelerators' caching allocators reuse memory already
             return torch.empty_like(x)
         t = self.tensor
+        if t is not None and t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            # x is (part of) the previous Snake's output: write elsewhere, never over the input
+            return torch.empty_like(x)
         if t is None or t.shape != x.shape or t.dtype != x.dtype or t.stride() != x.stride():
             t = self.tensor = torch.empty_like(x)
         return t
