@@ -35,8 +35,8 @@ def stitched_length(latent_lengths: list[int], hop: int) -> int:
 
 @torch.no_grad()
 def decode_windows(vocoder, windows: list[torch.Tensor], *, hop: int | None = None, max_rows: int = 2,
-                   device=None, dtype: torch.dtype | None = None,
-                   progress: Progress | None = None) -> list[torch.Tensor]:
+                   device=None, dtype: torch.dtype | None = None, progress: Progress | None = None,
+                   exact: bool = False) -> list[torch.Tensor]:
     """Decode each window's latents [B, C, L_k] whole: -> per window [B, 2, hop * L_k] float32 on
     `device` (default: the latents'), for `stitch`.
 
@@ -46,6 +46,7 @@ def decode_windows(vocoder, windows: list[torch.Tensor], *, hop: int | None = No
     variation decodes to the same samples alone or in a batch (CPU convolutions pick kernels by
     batch size, and rounding differences grow through the layers); 1 halves the peak memory.
     dtype: the vocoder's compute dtype (default: its weights' float type, else float32).
+    exact: the reference's convolutions, bit for bit (`Vocoder.decode_sides`).
     """
     if hop is not None and hop != vocoder.hop:
         raise ValueError(f"condition encoder hop {hop} != vocoder upsampling factor {vocoder.hop}")
@@ -63,7 +64,7 @@ def decode_windows(vocoder, windows: list[torch.Tensor], *, hop: int | None = No
         at = lat.device if device is None else torch.device(device)
         rows = lat.to(device=at, dtype=dtype).reshape(b * 2, c // 2, length)  # row 2b = left, 2b + 1 = right
         step = max(1, int(max_rows))
-        out = torch.cat([vocoder.decode_sides(rows[r:r + step]) for r in range(0, rows.shape[0], step)])
+        out = torch.cat([vocoder.decode_sides(rows[r:r + step], exact) for r in range(0, rows.shape[0], step)])
         waves.append(out.reshape(b, 2, -1).float())
         progress.on_progress("vae", k + 1, len(windows), {"window": k, "windows": len(windows)})
     return waves

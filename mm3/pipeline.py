@@ -358,7 +358,8 @@ class Pipeline:
         with self._stage("vae"):
             vae = self.store.model("vae", request.vae_model)
             start = time.perf_counter()
-            audio = stitch(decode_windows(vae, latents, hop=hop, device=self.device, progress=progress), hop)
+            audio = stitch(decode_windows(vae, latents, hop=hop, device=self.device, progress=progress,
+                                          exact=generator is not None), hop)  # the reference RNG: its samples
             _check_audio(audio, [lat.shape[-1] for lat in latents], hop)
         self.timings.add("vae", time.perf_counter() - start)
         return audio.float().cpu()

@@ -434,8 +434,12 @@ class Conv1d(WeightSlots):
             self.declare("bias", out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, C, L], or [B, C, 1, L] (a 1-D signal as a 2-D image, e.g. channels-last)."""
         b = self.get("bias", x.dtype, x.device) if self.has_bias else None
-        return F.conv1d(x, self.get("weight", x.dtype, x.device), b, self.stride, self.padding, self.dilation)
+        w = self.get("weight", x.dtype, x.device)
+        if x.dim() == 4:
+            return F.conv2d(x, w.unsqueeze(2), b, (1, self.stride), (0, self.padding), (1, self.dilation))
+        return F.conv1d(x, w, b, self.stride, self.padding, self.dilation)
 
 
 class ConvTranspose1d(WeightSlots):
@@ -448,8 +452,12 @@ class ConvTranspose1d(WeightSlots):
             self.declare("bias", out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, C, L], or [B, C, 1, L] as `Conv1d`."""
         b = self.get("bias", x.dtype, x.device) if self.has_bias else None
-        return F.conv_transpose1d(x, self.get("weight", x.dtype, x.device), b, self.stride, self.padding)
+        w = self.get("weight", x.dtype, x.device)
+        if x.dim() == 4:
+            return F.conv_transpose2d(x, w.unsqueeze(2), b, (1, self.stride), (0, self.padding))
+        return F.conv_transpose1d(x, w, b, self.stride, self.padding)
 
 
 class Vector(WeightSlots):
