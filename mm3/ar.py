@@ -33,7 +33,7 @@ from .codes import AudioCodes
 from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
 from .device import ar_weight_budget, keeps_ar_copies, model_device
 from .errors import RunError
-from .gguf.ops import cache_dequantized, dequantized_nbytes, release_dequantized
+from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
 from .matmul import CPU_SCRATCH, onednn_matmul
 from .models.depth import RVQDepthDecoder
 from .models.lm import KVCache, Qwen3LM

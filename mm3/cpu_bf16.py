@@ -3,9 +3,10 @@
 A DiT step is almost all large matrix products (the medium bench config: ~45 GFLOP a step, 55 %
 of its time in products at near the float32 peak of the two cores we measured). Processors with
 native bfloat16 dot products (AVX512-BF16, AMX) run oneDNN's bfloat16 products 1.8-2.7x faster
-than float32 ones (measured on an AVX512-BF16 EPYC: 256 x 1024 x 1024 1.8-1.9x, 690 x 512 x 4096
-2.7x), and a whole DiT step 1.7-2.0x (medium config: ~205 against ~350-400 ms a step; `python -m
-mm3 bench --config medium --stages dit`). Elsewhere bfloat16 products are emulated and slower.
+than float32 ones (measured on an AVX512-BF16 EPYC, on products of the DiT's shapes), and a whole
+DiT step 1.7-2.0x (medium config: ~205 against ~350-400 ms a step;
+`python -m mm3 bench --config medium --stages dit`). Elsewhere bfloat16 products are emulated and
+slower.
 
 So the choice follows what torch reports of the processor, not a timing: a timing at startup
 flips between runs on a loaded machine (a competing process moved one such probe between 0.5x

@@ -26,7 +26,7 @@ from .constants import DEFAULT_DIT_CFG, DEFAULT_STEPS, MAX_VARIATIONS
 from .errors import RunError
 from .cpu_bf16 import dit_dtype
 from .device import dit_weight_budget, model_device
-from .gguf.ops import cache_dequantized, dequantized_nbytes, release_dequantized
+from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
 from .matmul import CPU_SCRATCH, onednn_matmul, pays_for
 from .progress import Cancelled, Progress
 

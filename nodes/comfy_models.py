@@ -26,7 +26,7 @@ import folder_paths
 import torch
 
 from mm3.components import ARCH_OF, DESCRIPTIONS, GROUPS
-from mm3.gguf.ops import compressed_nbytes
+from mm3.gguf.weight_copies import compressed_nbytes
 from mm3.registry import AUTO, MODEL_SUFFIXES, pick_file
 from .handles import ComponentHandle, classify
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from mm3.bench.random_models import random_tensor
 from mm3.gguf import cpu_int4
 from mm3.gguf import ops as gguf_ops
+from mm3.gguf import weight_copies
 from mm3.gguf.quants import dequantize
 
 Q = gguf.GGMLQuantizationType
@@ -68,7 +69,7 @@ def test_fast_layers_use_it_and_keep_no_float_copy(monkeypatch):
     one, values = _layer(Q.Q4_K, 48, 256, 1)
     parts = [_layer(Q.Q4_0, n, 256, 2 + n) for n in (32, 16)]
     fused = gguf_ops.Fused([p for p, _ in parts])
-    assert gguf_ops.cache_dequantized([one, *(p for p, _ in parts)], torch.float32) == 0
+    assert weight_copies.cache_dequantized([one, *(p for p, _ in parts)], torch.float32) == 0
     x = torch.randn(2, 256)
     assert _rel(one(x), F.linear(x, values)) < 6e-3
     for y, (_, v) in zip(fused(x), parts):
@@ -111,7 +112,7 @@ def test_mixed_parts_each_take_their_own_product(monkeypatch):
     holder = torch.nn.Module()
     holder.q, holder.k, holder.v = (p for p, _ in parts)
     holder.qkv = fused
-    assert gguf_ops.cache_dequantized(holder, torch.float32) == 0
+    assert weight_copies.cache_dequantized(holder, torch.float32) == 0
     x = torch.randn(2, 256)
     ys = fused(x)
     assert calls == [(32, 0), (32, 0), (32, 16)]

@@ -20,6 +20,7 @@ from mm3.ar import PlanSettings, ZeroFramesError, plan
 from mm3.components import open_component
 from mm3.flow import encode_conditions, sample_latents
 from mm3.gguf import ops as gguf_ops
+from mm3.gguf import weight_copies
 from mm3.gguf.encode import quantize
 from mm3.gguf.reader import CompressedTensor, compressed_from_torch
 from mm3.matmul import decode_linear
@@ -261,7 +262,7 @@ def test_quantized_weights_and_weight_cache(tiny_ar):
     runs = [plan(tiny_ar.lm, depth, tiny_ar.prompt, PlanSettings(duration=1.0, lm_seed=4), weight_budget=b)[0]
             for b in (0, 1 << 40)]
     assert torch.equal(runs[0].codes, runs[1].codes) and torch.equal(runs[0].frame_hiddens, runs[1].frame_hiddens)
-    assert gguf_ops.dequantized_nbytes(depth) == 0  # released after the call
+    assert weight_copies.dequantized_nbytes(depth) == 0  # released after the call
 
 
 def test_other_ops_layers_run_the_same_decode_path(tiny_ar, monkeypatch):
@@ -309,10 +310,10 @@ def test_dit_weight_cache_keeps_numbers(tiny):
         plain = sample_latents(dit, conditions, steps=3, seed=1, weight_cache=0)
         kept = sample_latents(dit, conditions, steps=3, seed=1, weight_cache=1 << 40)
         assert all(torch.equal(a, b) for a, b in zip(plain, kept))
-        assert gguf_ops.dequantized_nbytes(dit) == 0  # released after the call
-        used = gguf_ops.cache_dequantized(dit, torch.float32, budget_bytes=40_000)
-        assert 0 < used <= 40_000 and gguf_ops.dequantized_nbytes(dit) == used
-        assert gguf_ops.release_dequantized(dit) == used
+        assert weight_copies.dequantized_nbytes(dit) == 0  # released after the call
+        used = weight_copies.cache_dequantized(dit, torch.float32, budget_bytes=40_000)
+        assert 0 < used <= 40_000 and weight_copies.dequantized_nbytes(dit) == used
+        assert weight_copies.release_dequantized(dit) == used
     finally:
         comp.close()
         cond_c.close()

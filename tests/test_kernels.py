@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from mm3.gguf import kernels
 from mm3.gguf import ops as gguf_ops
+from mm3.gguf import weight_copies
 from mm3.gguf.quants import SCALE_OFFSETS, dequantize
 
 triton = pytest.importorskip("triton", reason="this torch installation has no Triton")
@@ -145,7 +146,7 @@ def test_kept_copies_and_reference_numerics_bypass_the_kernel(monkeypatch):
     layer.fused_kernels = False  # reference numerics
     assert torch.equal(layer(x).cpu(), F.linear(x.cpu(), values))
     layer.fused_kernels = True
-    gguf_ops.cache_dequantized(layer, torch.float32)
+    weight_copies.cache_dequantized(layer, torch.float32)
     assert torch.equal(layer(x).cpu(), F.linear(x.cpu(), values))
 
 

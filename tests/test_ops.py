@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from tests.helpers.gguf_util import write_gguf
 from mm3.gguf import ComponentError, GGUFFile
 from mm3.gguf import ops
-from mm3.gguf.ops import compressed_nbytes, load_tensors
+from mm3.gguf.ops import load_tensors
+from mm3.gguf.weight_copies import compressed_nbytes
 
 Q = gguf.GGMLQuantizationType
 

@@ -104,7 +104,7 @@ def frame_weight_bytes(lm, depth, head_rows: int) -> int:
     """Bytes of weights, as stored, that one frame reads: the LM layers, the head rows of the
     candidates, and per depth step (7) the depth layers, the projection and one audio head
     (the bandwidth floor of a frame is this over the memory bandwidth)."""
-    from ..gguf.ops import compressed_nbytes
+    from ..gguf.weight_copies import compressed_nbytes
 
     head = lm.model.embed_tokens if lm.tied else lm.lm_head
     row = compressed_nbytes(head) // (lm.vocab_size if lm.tied else head.out_features)  # a GGUF row is whole blocks

@@ -43,7 +43,7 @@ def measure_dit(ctx: Context) -> dict:
     dtype differs."""
     from ..cpu_bf16 import dit_dtype
     from ..device import dit_weight_budget
-    from ..gguf.ops import cache_dequantized, release_dequantized
+    from ..gguf.weight_copies import cache_dequantized, release_dequantized
     from ..matmul import onednn_matmul, pays_for
 
     dit = ctx.ours("dit")
@@ -146,7 +146,7 @@ def measure_e2e(ctx: Context, seconds: float, steps: int) -> dict:
                     dtype=str(ctx.dtype).removeprefix("torch.") if ctx.dtype_named else None)
     request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=seconds, steps=steps, seed=ctx.seed,
                          lm_seed=ctx.seed, output_format="wav32")
-    from ..gguf.ops import compressed_nbytes
+    from ..gguf.weight_copies import compressed_nbytes
 
     weights = sum(compressed_nbytes(pipe.store.model(kind)) for kind in ("lm", "depth", "cond", "dit", "vae"))
     # (loading is not part of the timed run)
