@@ -55,6 +55,34 @@ BY_FOLDER = {s.folder: s for s in COMPONENTS.values()}
 GROUPS = {g: tuple(s.kind for s in COMPONENTS.values() if s.group == g) for g in ("ar", "synth")}
 GROUP_OF = {s.kind: s.group for s in COMPONENTS.values()}
 
+# Sizes of the published files in bytes, by component kind and file type (the figures of the released
+# model table, rounded as published: 17.2 GB, 0.69 GB, 101 MB, ...).
+PUBLISHED_SIZES = {
+    ("lm", "BF16"): 17.2e9, ("lm", "Q8_0"): 9.1e9, ("lm", "Q6_K"): 7.0e9, ("lm", "Q5_K_M"): 6.3e9,
+    ("depth", "BF16"): 1.3e9, ("depth", "Q8_0"): 0.69e9,
+    ("cond", "F32"): 101e6,
+    ("dit", "F32"): 9.7e9, ("dit", "Q8_0"): 2.6e9, ("dit", "Q6_K"): 2.0e9, ("dit", "Q5_K_M"): 1.7e9,
+    ("dit", "Q4_K_M"): 1.4e9,
+    ("vae", "F32"): 306e6,
+}
+SIZE_TOLERANCE = 0.1  # a published file's size is its table figure within this share (the figures are rounded)
+# Values (weights) of each released component, from its unquantized published file (BF16: 2 bytes, F32: 4).
+RELEASED_VALUES = {"lm": 17.2e9 / 2, "depth": 1.3e9 / 2, "cond": 101e6 / 4, "dit": 9.7e9 / 4, "vae": 306e6 / 4}
+FULL_SIZE_SHARE = 0.5  # a full-size file holds at least this share of them (a vocoder without its encoder: 0.7)
+
+
+def matches_published(kind: str, file_type: str, size: int) -> bool:
+    """Whether a file of `kind` and `file_type` has the size of the published file of that type."""
+    want = PUBLISHED_SIZES.get((kind, file_type))
+    return want is not None and abs(size - want) <= SIZE_TOLERANCE * want
+
+
+def is_full_size(component: "Component") -> bool:
+    """Whether a component holds (about) the released model's number of values, whatever its
+    precision: a tiny test model or a toy conversion does not."""
+    return component.values() >= FULL_SIZE_SHARE * RELEASED_VALUES[component.kind]
+
+
 # Metadata keys each architecture must carry, under the `<arch>.` prefix.
 HPARAM_KEYS = {
     "depth": ("hidden_size", "num_layers", "num_attention_heads", "intermediate_size",
@@ -94,6 +122,10 @@ class Component:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def values(self) -> int:
+        """Number of stored values over its tensors (header read)."""
+        return sum(math.prod(shape) for _, shape, _ in self.file.tensor_infos())
 
     def close(self):
         self.file.close()

@@ -1,5 +1,7 @@
 """What a user has: the component files in one or more model folders and, for each published set, which
-of its files are present, partly downloaded, missing or unreadable (headers read only, no network).
+of its files are present, partly downloaded, missing or unusable (headers read only, no network). A
+set's file is present when it has the published name, component, file type and size (a tiny test
+model or another file under a published name is not).
 
 The ComfyUI model panel and `python -m mm3 info --inventory` show this; downloads go through
 `mm3.tools.download` (huggingface_hub underneath), which resumes the `.part` files counted here.
@@ -12,9 +14,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .components import ARCH_OF, BY_FOLDER, KINDS, kinds_of, read_component
-from .gguf.errors import ComponentError, GGUFFormatError
-from .registry import MODEL_SUFFIXES, bits_per_weight
+from .components import ARCH_OF, BY_FOLDER, KINDS, PUBLISHED_SIZES, kinds_of, matches_published, read_component
+from .registry import MODEL_SUFFIXES, bits_per_weight, file_problem
 from .tools.download import PART, SETS, published_name
 
 
@@ -65,23 +66,28 @@ class Inventory:
 
 def _describe(path: Path, folder: Path) -> list[LocalFile]:
     """One entry per component the file holds (another tool's file may hold several), or one
-    unusable entry; none for a safetensors file that is no MM3 file (another model)."""
+    unusable entry (`mm3.registry.file_problem`, the check "auto" and the loaders' lists make); none
+    for a safetensors file that is no MM3 file (another model)."""
     name, size = path.relative_to(folder).as_posix(), path.stat().st_size
     kinds = kinds_of(path)
     if not kinds and path.suffix != ".gguf":
         return []
     out = []
     for kind in kinds or (None,):
-        try:
-            comp = read_component(path, kind)
-        except (ComponentError, GGUFFormatError, OSError, ValueError) as e:
-            return [LocalFile(name, str(folder), size, None, problem=str(e))]
+        why = file_problem(path, kind or KINDS[0])
+        if why:
+            return [LocalFile(name, str(folder), size, None, problem=why)]
+        comp = read_component(path, kind)
         file_type = comp.file.metadata.get("general.file_type")
         if not isinstance(file_type, str):  # native files carry no file type string: name their tensors' type
             counts = Counter(qtype.name for _, _, qtype in comp.file.tensor_infos())
             file_type = counts.most_common(1)[0][0] if counts else ""
         out.append(LocalFile(name, str(folder), size, comp.kind, file_type, round(bits_per_weight(path, kind), 2)))
     return out
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 def scan(*folders: str | os.PathLike, others: tuple = ()) -> Inventory:
@@ -113,11 +119,17 @@ def scan(*folders: str | os.PathLike, others: tuple = ()) -> Inventory:
         for component, file_type in SETS[set_name].items():
             name, kind = published_name(component, file_type), BY_FOLDER[component].kind
             f = by_base.get(name)
-            if f is not None and f.kind == kind:
+            if f is not None and f.kind == kind and f.file_type == file_type and matches_published(kind, file_type, f.size):
                 files.append(SetFile(name, kind, "present", f.size))
             elif f is not None:
-                what = ARCH_OF[f.kind] if f.kind else f.problem
-                files.append(SetFile(name, kind, "unusable", f.size, f"{name}: {what}, expected {ARCH_OF[kind]}"))
+                if f.kind != kind:
+                    what = f"{ARCH_OF[f.kind]}, expected {ARCH_OF[kind]}" if f.kind else f.problem
+                elif f.file_type != file_type:
+                    what = f"its tensors are {f.file_type}, the published file's {file_type}"
+                else:
+                    what = (f"{_size(f.size)}, the published file {_size(PUBLISHED_SIZES[kind, file_type])} "
+                            "(another model under the published name)")
+                files.append(SetFile(name, kind, "unusable", f.size, f"{name}: {what}"))
             elif name in parts:
                 files.append(SetFile(name, kind, "partial", parts[name]))
             else:

@@ -3,16 +3,18 @@ the choice of a file where none is named ("" or "auto")."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .components import ARCH_OF, DESCRIPTIONS, KINDS, kinds_of
+from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_loadable, is_full_size, kinds_of, read_component
 from .gguf.errors import ComponentError, GGUFFormatError
 from .gguf.reader import read_architecture
 
 AUTO = "auto"  # a model name that lets the engine choose the file (`pick_file`)
+log = logging.getLogger(__name__)
 
 
 # Files a models folder may hold: our GGUFs, and other tools' GGUF or safetensors files.
@@ -45,17 +47,73 @@ def _tensor_bytes(infos):
         yield math.prod(shape) // block * size
 
 
+def file_problem(path: str | os.PathLike, kind: str) -> str:
+    """Why file `path` cannot be the `kind` component, or "" when it can: its header and tensor
+    table readable, every tensor inside the file, the right component, tensor types the engine
+    dequantizes and sizes its tensors can hold (header read; cached by path, size and mtime)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, kind)
+    if key not in _PROBLEMS:
+        try:
+            held = kinds_of(path)
+            if not held:
+                read_component(path)  # raises, saying why the file is no component
+                raise ComponentError(f"{path} is no readable MM3 file")
+            if kind not in held:
+                raise ComponentError(f"{path} is {' and '.join(ARCH_OF[k] for k in held)}, expected {ARCH_OF[kind]}")
+            check_loadable(read_component(path, kind))
+            why = ""
+        except (ComponentError, GGUFFormatError, OSError, ValueError) as e:
+            why = str(e)
+        if len(_PROBLEMS) > 512:
+            _PROBLEMS.clear()
+        _PROBLEMS[key] = why
+    return _PROBLEMS[key]
+
+
+_PROBLEMS: dict[tuple, str] = {}
+_WARNED: set[tuple] = set()
+
+
 def pick_file(paths: list[str], memory: int | None = None, kind: str | None = None) -> str:
-    """The file to use when none is named: the most precise (most stored bits per weight of
-    component `kind`) whose size fits in `memory` bytes, else the smallest; with no limit, the most
-    precise. Ties keep the order of `paths`."""
+    """The file to use when none is named, among usable files: full-size models before tiny ones
+    (`is_full_size`), then the most precise (most stored bits per weight of component `kind`) whose
+    size fits in `memory` bytes, else the smallest; with no limit, the most precise. Ties keep the
+    order of `paths`."""
     if not paths:
         raise ValueError("no file to pick from")
-    ranked = sorted(paths, key=lambda p: -bits_per_weight(p, kind))  # stable: ties keep their order
+    full = [p for p in paths if is_full_size(read_component(p, kind))]
+    tier = full or list(paths)
+    ranked = sorted(tier, key=lambda p: -bits_per_weight(p, kind))  # stable: ties keep their order
     if memory is None:
         return ranked[0]
     fitting = [p for p in ranked if os.path.getsize(p) <= memory]
-    return fitting[0] if fitting else min(paths, key=os.path.getsize)
+    return fitting[0] if fitting else min(tier, key=os.path.getsize)
+
+
+def pick_usable(paths: list[str], memory: int | None, kind: str, names: dict[str, str] | None = None) -> str:
+    """`pick_file` over the files of `paths` that `kind` can use; each file skipped is one warning
+    (once per file and version) naming it and why. None usable: a ComponentError listing each file
+    and its problem. `names`: path -> the name to show (default: the path)."""
+    names = names or {}
+    problems = {p: file_problem(p, kind).removeprefix(f"{p}: ") for p in paths}
+    usable = [p for p in paths if not problems[p]]
+    if not usable:
+        listing = "; ".join(f"{names.get(p, p)}: {why}" for p, why in problems.items())
+        raise ComponentError(f"no usable {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file: {listing}")
+    chosen = pick_file(usable, memory, kind)
+    for p, why in problems.items():
+        if why:
+            st = os.stat(p) if os.path.exists(p) else None
+            key = (os.path.abspath(p), kind, st and st.st_size, st and st.st_mtime_ns)
+            if key not in _WARNED:
+                _WARNED.add(key)
+                log.warning("MM3: auto skips %s for the %s, as it cannot be used (%s); using %s",
+                            names.get(p, p), DESCRIPTIONS[kind], why, names.get(chosen, chosen))
+    return chosen
 
 
 @dataclass
@@ -112,8 +170,8 @@ class Registry:
         raise KeyError(path)
 
     def resolve(self, kind: str, name: str = "") -> str:
-        """Full path of `name` in the `kind` bucket; "" or "auto" picks one (`pick_file`: the most
-        precise file that fits `self.memory`)."""
+        """Full path of `name` in the `kind` bucket; "" or "auto" picks one (`pick_usable`: a usable
+        file, full-size before tiny, the most precise that fits `self.memory`)."""
         if kind not in self.buckets:
             raise ComponentError(f"unknown component kind {kind!r} (expected one of {', '.join(KINDS)})")
         names = self.buckets[kind]
@@ -127,7 +185,7 @@ class Registry:
                     skipped += f" (and {len(self.foreign) - 5} more)"
                 raise ComponentError(
                     f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {where}{note}{skipped}")
-            return pick_file([self.paths[n] for n in names], self.memory, kind)
+            return pick_usable([self.paths[n] for n in names], self.memory, kind, {self.paths[n]: n for n in names})
         found = self.find(kind, name)  # a bare file name also finds a file in a subfolder
         if found is not None:
             return found

@@ -27,7 +27,7 @@ import torch
 
 from mm3.components import ARCH_OF, DESCRIPTIONS, GROUPS
 from mm3.gguf.weight_copies import compressed_nbytes
-from mm3.registry import AUTO, MODEL_SUFFIXES, pick_file
+from mm3.registry import AUTO, MODEL_SUFFIXES, file_problem, pick_usable
 from .handles import ComponentHandle, classify
 
 log = logging.getLogger("mm3")
@@ -83,15 +83,18 @@ def _comfy_files() -> list[tuple[str, str]]:
     return sorted(out)
 
 
-def files_of(kind: str) -> list[str]:
+def files_of(kind: str, usable: bool = True) -> list[str]:
     """Names of the files holding component `kind`: the mm3 folders' files by name, then ComfyUI's
-    own MiniMax Music 3 files as "<folder>/<name>" (headers read once, cached)."""
+    own MiniMax Music 3 files as "<folder>/<name>" (headers read once, cached). `usable`: only
+    those the component can use (`mm3.registry.file_problem`, as the model sidebar marks them):
+    a truncated or unreadable file is not offered, and hides no other."""
     out = []
     for name in folder_paths.get_filename_list(FOLDER):
         path = folder_paths.get_full_path(FOLDER, name)
-        if path and kind in classify(path):
+        if path and kind in classify(path) and not (usable and file_problem(path, kind)):
             out.append(name)
-    out += [name for name, path in _comfy_files() if kind in classify(path)]
+    out += [name for name, path in _comfy_files()
+            if kind in classify(path) and not (usable and file_problem(path, kind))]
     return out
 
 
@@ -106,11 +109,12 @@ def full_path(name: str) -> str:
 
 
 def chosen_file(kind: str, name: str) -> str:
-    """The file a loader's name means: itself, or for "auto" the most precise file of `kind` that
-    fits the memory of the device its model runs on (`mm3.registry.pick_file`)."""
+    """The file a loader's name means: itself, or for "auto" a usable file of `kind`, full-size
+    before tiny, the most precise that fits the memory of the device its model runs on
+    (`mm3.registry.pick_usable`: an unusable file is skipped with one warning)."""
     if name != AUTO:
         return name
-    names = files_of(kind)
+    names = files_of(kind, usable=False)
     if not names:
         folders = ", ".join(folder_paths.get_folder_paths(FOLDER))
         raise ValueError(f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {folders}: download a set with "
@@ -118,7 +122,7 @@ def chosen_file(kind: str, name: str) -> str:
     device = load_device(kind)
     memory = None if mm.is_device_cpu(device) else int(mm.get_total_memory(device))
     by_path = {full_path(n): n for n in names}
-    return by_path[pick_file(list(by_path), memory, kind)]
+    return by_path[pick_usable(list(by_path), memory, kind, by_path)]
 
 
 # -- devices and dtype --------------------------------------------------------------------------

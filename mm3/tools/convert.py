@@ -465,12 +465,13 @@ def _resolve_components(components) -> list[str]:
     return out
 
 
-def convert(src_dir, out_dir, *, dav=None, components=None, progress: Progress | None = None) -> list[Path]:
+def convert(src_dir, out_dir, *, dav=None, components=None, progress: Progress | None = None,
+            prefix: str = "MiniMax-Music3-") -> list[Path]:
     """Convert `src_dir` (diffusers layout) into GGUF files in `out_dir`; returns their paths
     (existing outputs are kept and returned). `dav`: the training checkpoint whose encoder goes
     into the vocoder file (default `src_dir/dav.pth` when present). `components`: subfolder names
     or aliases (lm, depth, cond, dit, vae); all five by default. `progress(component, done_bytes,
-    total_bytes)` is called after each tensor."""
+    total_bytes)` is called after each tensor. `prefix`: the file names' start (`<prefix><subfolder>-<TYPE>.gguf`)."""
     src, out = Path(src_dir), Path(out_dir)
     if not src.is_dir():
         raise FileNotFoundError(f"{src} not found (expected the diffusers layout of MiniMax Music 3)")
@@ -482,7 +483,7 @@ def convert(src_dir, out_dir, *, dav=None, components=None, progress: Progress |
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for component in _resolve_components(components):
-        path = out / f"MiniMax-Music3-{component}-{_output_type(_component_folder(src, component), component)}.gguf"
+        path = out / f"{prefix}{component}-{_output_type(_component_folder(src, component), component)}.gguf"
         if path.exists():
             logger.info("skip %s: %s exists", component, path)
         else:

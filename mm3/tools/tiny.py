@@ -4,7 +4,9 @@
 `ModularPipeline.from_pretrained(dir)` + `load_components()` (tokenizer, language_model,
 rvq_depth_decoder, condition_encoder, transformer, vocoder, scheduler, modular_model_index.json),
 a `dav.pth` with the vocoder encoder in the original training names, and (unless told not to)
-the five GGUF files in `out/gguf/` through `mm3.tools.convert`. Only torch, safetensors and json are
+the five GGUF files in `out/` through `mm3.tools.convert`, named `MiniMax-Music3-tiny-<subfolder>-F32.gguf`:
+names of their own, so a tiny file never passes for a published one. Files of OUT other than
+these five (a downloaded set) are left alone. Only torch, safetensors and json are
 used: diffusers and transformers are not needed to build it.
 
 Vocabulary variants:
@@ -36,6 +38,7 @@ SPECIAL_IDS = {
 REAL_CODE_OFFSET = 151675  # semantic code c is LM token 151675 + c
 QWEN3_BASE_VOCAB = 151643  # Qwen3 base vocabulary size: ids below it are BPE tokens
 N_SEMANTIC = 64            # tiny semantic codebook (released: 16384)
+TINY_PREFIX = "MiniMax-Music3-tiny-"  # the tiny GGUFs' names: never a published file's
 
 # Qwen3 config of the released LM, written in the transformers 4.x style.
 RELEASED_LM_CONFIG = {
@@ -321,9 +324,10 @@ def build_tiny(out_dir, *, seed: int = 0, vocab: str = "small", with_gguf: bool 
               "code_offset": code_offset, "vocab_size": lm_cfg["vocab_size"]}
     if with_gguf:
         result["gguf"] = out  # the five files sit at the top, so OUT is a models folder
-        for stale in out.glob("MiniMax-Music3-*.gguf"):  # the converter skips existing files
-            stale.unlink()
-        paths = convert(root, out, dav=dav)
+        for component in COMPONENTS:  # the converter skips existing files: replace our own, only them
+            for stale in out.glob(f"{TINY_PREFIX}{component}-*.gguf"):
+                stale.unlink()
+        paths = convert(root, out, dav=dav, prefix=TINY_PREFIX)
         result["files"] = dict(zip(COMPONENTS, paths))
     return result
 
@@ -331,7 +335,8 @@ def build_tiny(out_dir, *, seed: int = 0, vocab: str = "small", with_gguf: bool 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("tiny", help="build a tiny random-weight MM3 checkpoint (diffusers layout + GGUFs)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", metavar="OUT", help="output folder (gets the five GGUFs and diffusers/)")
+    p.add_argument("out", metavar="OUT", help="output folder: gets the five GGUFs (MiniMax-Music3-tiny-*.gguf, "
+                                              "replacing only earlier tiny ones) and diffusers/")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--vocab", choices=("small", "real", "qwen3"), default="small", help="vocabulary variant")
     p.add_argument("--no-gguf", action="store_true", help="write the diffusers layout only")
