@@ -87,7 +87,7 @@ def _describe(path: Path, folder: Path) -> list[LocalFile]:
 
 
 def _size(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
 def scan(*folders: str | os.PathLike, others: tuple = ()) -> Inventory:

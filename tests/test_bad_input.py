@@ -71,19 +71,19 @@ def broken(tiny, tmp_path_factory):
 # -- model files --------------------------------------------------------------------------------
 @pytest.mark.parametrize("case, message", [
     ("not_gguf", "no mm3-dit (flow DiT) file in"),
-    ("cut_header", "MiniMax-Music3-transformer-F32.gguf: truncated GGUF header while reading"),
-    ("cut_data", "MiniMax-Music3-transformer-F32.gguf: truncated: tensor"),
-    ("missing", "MiniMax-Music3-transformer-F32.gguf: missing tensor(s) proj_in.weight"),
-    ("misshaped", "MiniMax-Music3-transformer-F32.gguf: tensor proj_in.weight has shape [64, 32], expected [64, 64]"),
+    ("cut_header", "MiniMax-Music3-tiny-transformer-F32.gguf: truncated GGUF header while reading"),
+    ("cut_data", "MiniMax-Music3-tiny-transformer-F32.gguf: truncated: tensor"),
+    ("missing", "MiniMax-Music3-tiny-transformer-F32.gguf: missing tensor(s) proj_in.weight"),
+    ("misshaped", "MiniMax-Music3-tiny-transformer-F32.gguf: tensor proj_in.weight has shape [64, 32], expected [64, 64]"),
     ("q8_1", "tensor proj_in.weight is Q8_1, which this engine cannot dequantize (supported: BF16, F16, F32, Q2_K"),
-    ("depth_hidden", "LM and depth decoder do not fit together: MiniMax-Music3-language_model-F32.gguf has "
-                     "hidden_size 64, MiniMax-Music3-rvq_depth_decoder-F32.gguf has hidden_size 32"),
-    ("dit_cond", "condition encoder and DiT do not fit together: MiniMax-Music3-condition_encoder-F32.gguf has "
-                 "out_dim 32, MiniMax-Music3-transformer-F32.gguf has condition_dim 48"),
-    ("vae_latent", "DiT and vocoder do not fit together: MiniMax-Music3-transformer-F32.gguf has in_channels 16, "
-                   "MiniMax-Music3-vocoder-F32.gguf has latent_channels 8"),
-    ("vae_hop", "MiniMax-Music3-condition_encoder-F32.gguf has output_hop_length 512, "
-                "MiniMax-Music3-vocoder-F32.gguf upsamples by 8 x 8 x 4 x 4 = 1024"),
+    ("depth_hidden", "LM and depth decoder do not fit together: MiniMax-Music3-tiny-language_model-F32.gguf has "
+                     "hidden_size 64, MiniMax-Music3-tiny-rvq_depth_decoder-F32.gguf has hidden_size 32"),
+    ("dit_cond", "condition encoder and DiT do not fit together: MiniMax-Music3-tiny-condition_encoder-F32.gguf has "
+                 "out_dim 32, MiniMax-Music3-tiny-transformer-F32.gguf has condition_dim 48"),
+    ("vae_latent", "DiT and vocoder do not fit together: MiniMax-Music3-tiny-transformer-F32.gguf has in_channels 16, "
+                   "MiniMax-Music3-tiny-vocoder-F32.gguf has latent_channels 8"),
+    ("vae_hop", "MiniMax-Music3-tiny-condition_encoder-F32.gguf has output_hop_length 512, "
+                "MiniMax-Music3-tiny-vocoder-F32.gguf upsamples by 8 x 8 x 4 x 4 = 1024"),
     ("hparam_type", "metadata mm3-dit.num_layers must be a positive integer, got 'two'"),
     ("hparam_huge", "num_layers 1073741824 is more than the 33 tensors the file holds"),
     ("lm_config", "mm3.config_json lacks vocab_size"),
@@ -97,16 +97,16 @@ def test_broken_model_file(broken, tmp_path, capsys, case, message):
 
 def test_not_a_gguf_named_explicitly(broken, tmp_path, capsys):
     err = fails(capsys, ["generate", "--models", str(broken["not_gguf"]), "--caption", "a", "--lyrics", "b",
-                         "--dit-model", "MiniMax-Music3-transformer-F32.gguf", "--out", str(tmp_path / "x.wav"),
-                         *FAST], "MiniMax-Music3-transformer-F32.gguf cannot be the mm3-dit model: unreadable:",
+                         "--dit-model", "MiniMax-Music3-tiny-transformer-F32.gguf", "--out", str(tmp_path / "x.wav"),
+                         *FAST], "MiniMax-Music3-tiny-transformer-F32.gguf cannot be the mm3-dit model: unreadable:",
                 tmp_path)
     assert "not a GGUF file (magic b'PK\\x03\\x04', expected b'GGUF')" in err
 
 
 def test_wrong_architecture_for_the_slot(tiny, tmp_path, capsys):
     fails(capsys, ["generate", "--models", str(tiny.gguf), "--caption", "a", "--lyrics", "b", "--dit-model",
-                   "MiniMax-Music3-language_model-F32.gguf", "--out", str(tmp_path / "x.wav"), *FAST],
-          "MiniMax-Music3-language_model-F32.gguf is mm3-lm (language model (Qwen3)), expected mm3-dit (flow DiT)",
+                   "MiniMax-Music3-tiny-language_model-F32.gguf", "--out", str(tmp_path / "x.wav"), *FAST],
+          "MiniMax-Music3-tiny-language_model-F32.gguf is mm3-lm (language model (Qwen3)), expected mm3-dit (flow DiT)",
           tmp_path)
 
 

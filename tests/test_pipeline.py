@@ -92,7 +92,7 @@ def test_user_errors_are_clear_and_write_nothing(tiny, tmp_path, capsys):
     assert "duration must be positive" in capsys.readouterr().err
     assert generate(tiny, out, "--dit-model", "nope.gguf", "--duration", "1") == 2
     err = capsys.readouterr().err
-    assert "unknown mm3-dit model 'nope.gguf'" in err and "MiniMax-Music3-transformer-F32.gguf" in err
+    assert "unknown mm3-dit model 'nope.gguf'" in err and "MiniMax-Music3-tiny-transformer-F32.gguf" in err
     out.write_bytes(b"keep me")
     assert generate(tiny, out, "--duration", "1") == 2
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == b"keep me"

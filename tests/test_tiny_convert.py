@@ -68,7 +68,7 @@ def readers(tiny):
 
 
 def test_five_files_named_and_classified(tiny, readers):
-    assert [p.name for p in tiny["files"].values()] == [f"MiniMax-Music3-{c}-F32.gguf" for c in ARCH]
+    assert [p.name for p in tiny["files"].values()] == [f"MiniMax-Music3-tiny-{c}-F32.gguf" for c in ARCH]
     for component, reader in readers.items():
         assert _field(reader, "general.architecture")[0] == ARCH[component]
         assert _field(reader, "general.name")[0].startswith("MiniMax-Music3 ")
@@ -456,3 +456,22 @@ def test_real_vocab_ids(tmp_path):
     assert hf.get_vocab_size() == 151675
     lm = load_file(r["diffusers"] / "language_model" / "model.safetensors")
     assert lm["lm_head.weight"][151670].abs().max() == 0 and lm["lm_head.weight"].shape[0] == 151739
+
+
+def test_tiny_replaces_only_its_own_files(tiny, tmp_path):
+    """Writing the tiny model into a models folder keeps the files already there (a downloaded set
+    under the published names, another tool's file) and replaces only an earlier tiny model's."""
+    folder = tmp_path / "mm3"
+    folder.mkdir()
+    published = folder / "MiniMax-Music3-transformer-Q8_0.gguf"
+    others = {published: b"a downloaded file", folder / "MiniMax-Music3-vocoder-F32.gguf": b"another",
+              folder / "my-dit.gguf": b"mine"}
+    for p, data in others.items():
+        p.write_bytes(data)
+    stale = folder / "MiniMax-Music3-tiny-transformer-Q8_0.gguf"  # an earlier tiny file, another type
+    stale.write_bytes(b"old tiny")
+    r = build_tiny(folder, seed=0)
+    assert all(p.read_bytes() == data for p, data in others.items())
+    assert not stale.exists()
+    assert sorted(p.name for p in r["files"].values()) == sorted(p.name for p in tiny["files"].values())
+    assert all(p.read_bytes() == q.read_bytes() for p, q in zip(r["files"].values(), tiny["files"].values()))

@@ -86,13 +86,13 @@ def rewrite(src, dst, *, kv=None, drop=(), tensors=None):
     return Path(dst)
 
 
-# The tiny model's files by component (`python -m mm3 tiny` names them as the published files).
+# The tiny model's files by component (`python -m mm3 tiny` names them MiniMax-Music3-tiny-<subfolder>-F32.gguf).
 TINY_FILES = {"lm": "language_model", "depth": "rvq_depth_decoder", "cond": "condition_encoder",
               "dit": "transformer", "vae": "vocoder"}
 
 
 def tiny_file(folder, kind) -> Path:
-    (p,) = Path(folder).glob(f"MiniMax-Music3-{TINY_FILES[kind]}-*.gguf")
+    (p,) = Path(folder).glob(f"MiniMax-Music3-tiny-{TINY_FILES[kind]}-*.gguf")
     return p
 
 
@@ -106,3 +106,32 @@ def models_with(tiny, folder, kind=None, make=None) -> Path:
         else:
             shutil.copy(p, folder / p.name)
     return folder
+
+
+def published_size_copy(src, dst, size: float, qtype=gguf.GGMLQuantizationType.F32) -> Path:
+    """A copy of GGUF `src` as large as a published file (`size` bytes, within one block): its
+    tensors plus one more of type `qtype` whose data is a hole at the end of a sparse file (no
+    disk written, nothing read: header reads, the inventory and "auto" see a released-size file)."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    with GGUFFile(src) as f:
+        w = Writer(str(dst), f.architecture)
+        copy_metadata(w, f)
+        raws = []
+        for name, t in f.tensors.items():
+            raw = t.raw.numpy().copy().reshape(*t.shape[:-1], -1)
+            w.add_tensor_info(name, raw.shape, raw.dtype, raw.nbytes, raw_dtype=t.qtype)
+            raws.append(raw)
+        header = sum(r.nbytes for r in raws) + 4096  # about what the rest of the file takes
+        blocks = max(1, int(size - header) // nbytes)
+        w.add_tensor_info("padding", (blocks * nbytes,), np.dtype(np.uint8), blocks * nbytes, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for raw in raws:
+            w.write_tensor_data(raw)
+        w.fout[0].flush()
+        end = w.fout[0].tell()
+        w.close()
+    with open(dst, "r+b") as out:
+        out.truncate(end + blocks * nbytes)
+    return Path(dst)
