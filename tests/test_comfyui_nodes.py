@@ -555,7 +555,8 @@ def test_low_vram_loading_in_comfyui_classes(comfy):
 def test_inventory_token_count_and_download_routes(tiny):
     """The routes behind the editor's model sidebar and token count: the inventory of models/mm3,
     a token count with the LM "auto" resolves to, and a published set fetched from a (local) hub
-    into models/mm3 until the inventory calls it complete."""
+    into models/mm3 (the hub serves the tiny model's files: the inventory lists them under the
+    published names, and, not being the published sizes, they complete no set)."""
     import urllib.error
 
     from mm3.tools.download import SETS, published_name
@@ -571,8 +572,7 @@ def test_inventory_token_count_and_download_routes(tiny):
         inv = server.get("/mm3/inventory")
         assert inv["missing_kinds"] == [] and "light" not in inv["complete_sets"]
         states = {f["kind"]: f["state"] for f in inv["sets"]["light"]}
-        assert states == {"lm": "missing", "depth": "missing", "cond": "present", "dit": "missing",
-                          "vae": "present"}, states  # the tiny F32 condition encoder and vocoder have the names
+        assert set(states.values()) == {"missing"}, states  # the tiny model's files have names of their own
         got = server.post("/mm3/tokens", {"lm_model": "auto", "caption": "dark synth", "lyrics": "[verse]\nla"})
         assert got["tokens"] > 5 and got["limit"] == 5000 and not got["over"] and got["lm_model"].endswith(".gguf")
         with pytest.raises(urllib.error.HTTPError) as e:
@@ -584,9 +584,69 @@ def test_inventory_token_count_and_download_routes(tiny):
             assert time.monotonic() < deadline, status
             time.sleep(0.2)
         assert status["state"] == "done", status
-        assert "light" in server.get("/mm3/inventory")["complete_sets"]
+        folder = server.base / "models" / "mm3"
+        assert all((folder / n).read_bytes() == data for n, data in hub.files.items())
+        inv = server.get("/mm3/inventory")
+        assert "light" not in inv["complete_sets"], inv
+        assert {f["state"] for f in inv["sets"]["light"]} == {"unusable"}, inv["sets"]["light"]
+        assert all("the published file" in f["problem"] for f in inv["sets"]["light"]), inv["sets"]["light"]
     finally:
         server.stop()
         hub.close()
 
 
+
+
+LOADER_FILES_SCRIPT = r"""
+import importlib, importlib.util, json, logging, sys
+import torch
+sys.path.insert(0, sys.argv[2])
+import comfy.cli_args
+comfy.cli_args.args.cpu = not torch.cuda.is_available()  # model_management needs a device at import
+import folder_paths
+models = sys.argv[3]
+folder_paths.models_dir = models
+for key in ("text_encoders", "diffusion_models", "vae"):  # none of ComfyUI's own folders' files
+    folder_paths.folder_names_and_paths[key] = ([models + "/" + key], {".gguf", ".safetensors"})
+spec = importlib.util.spec_from_file_location("pack", sys.argv[1] + "/__init__.py",
+                                              submodule_search_locations=[sys.argv[1]])
+pack = importlib.util.module_from_spec(spec); sys.modules["pack"] = pack; spec.loader.exec_module(pack)
+cm = importlib.import_module("pack.nodes.comfy_models")
+loaders = importlib.import_module("pack.nodes.node_loaders")
+cm.register_model_folder()
+warnings = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("mm3").addHandler(Keep(logging.WARNING))
+from mm3.inventory import scan
+dit_loader = next(c for c in loaders.NODES if c.__name__ == "MM3LoadDiT")
+options = dit_loader.define_schema().inputs[0].options
+handles = [dit_loader.execute("auto").args[0].name, loaders.MM3LoadModelSet.execute().args[3].name]
+print(json.dumps({"files": cm.files_of("dit"), "options": options, "handles": handles, "warnings": warnings,
+                  "sidebar": [f.name for f in scan(models + "/mm3").components["dit"]],
+                  "unusable": [f.name for f in scan(models + "/mm3").unusable]}))
+"""
+
+
+@needs_comfy
+def test_loader_lists_and_auto_skip_an_unusable_file(tiny, tmp_path):
+    """In ComfyUI's interpreter, with a truncated DiT under a published name beside the good one in
+    models/mm3: the DiT loader's list offers the good file only (as the sidebar's inventory lists
+    it; the bad one is among its unusable files), and "auto" loads the good one, warning once."""
+    mm3_dir = tmp_path / "mm3"
+    mm3_dir.mkdir()
+    for p in tiny.gguf.glob("*.gguf"):
+        (mm3_dir / p.name).write_bytes(p.read_bytes())
+    good = tiny.file("mm3-dit").name
+    bad = mm3_dir / "MiniMax-Music3-transformer-Q8_0.gguf"
+    bad.write_bytes((mm3_dir / good).read_bytes()[:(mm3_dir / good).stat().st_size // 2])
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    out = subprocess.run([python, "-c", LOADER_FILES_SCRIPT, str(ROOT), COMFYUI_PATH, str(tmp_path)],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["files"] == got["sidebar"] == [good], got
+    assert got["options"] == ["auto", good] and got["unusable"] == [bad.name], got
+    assert got["handles"] == [good, good], got
+    assert len(got["warnings"]) == 1 and bad.name in got["warnings"][0] and "truncated" in got["warnings"][0], got

@@ -170,3 +170,23 @@ def test_reference_rng_reproduces_diffusers_audio(tiny, one_thread, duration, st
     assert float((track.audio - ref[0]).abs().max()) <= 1e-5
     windows = 1 if ref.shape[-1] <= 352768 else 2
     assert windows == (1 if duration < 8 else 2) or track.codes.ended_naturally
+
+
+def test_generate_with_auto_skips_a_truncated_file(tiny, tmp_path):
+    """A truncated DiT under a published name beside the good one: `generate` with every model on
+    auto runs, on the good DiT, and says once which file it skipped and why."""
+    models = tmp_path / "mm3"
+    models.mkdir()
+    for p in tiny.gguf.glob("*.gguf"):
+        (models / p.name).write_bytes(p.read_bytes())
+    good = tiny.file("mm3-dit").name
+    bad = models / "MiniMax-Music3-transformer-Q8_0.gguf"
+    bad.write_bytes((models / good).read_bytes()[:(models / good).stat().st_size // 2])
+    out = tmp_path / "song.wav"
+    run = subprocess.run([sys.executable, "-m", "mm3", "generate", "--models", str(models), "--caption", CAPTION,
+                          "--lyrics", LYRICS, "--duration", "0.5", "--steps", "2", "--out", str(out), "--quiet"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    skips = [line for line in run.stderr.splitlines() if bad.name in line]
+    assert len(skips) == 1 and "skips" in skips[0] and "truncated: tensor" in skips[0] and good in skips[0], run.stderr
+    assert json.loads(out.with_suffix(".json").read_text())["dit_model"] == good
