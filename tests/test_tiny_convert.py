@@ -388,6 +388,9 @@ def test_cli(tmp_path):
     args = parser.parse_args(["convert", str(tmp_path / "t" / "diffusers"), str(tmp_path / "g"), "--only", "cond"])
     assert args.func(args) == 0
     assert [p.name for p in (tmp_path / "g").iterdir()] == ["MiniMax-Music3-condition_encoder-F32.gguf"]
+    help_text = " ".join(sub.choices["tiny"].format_help().split())
+    assert "out/gguf" not in help_text and "the five GGUF files in `out/` itself" in help_text
+    assert "MiniMax-Music3-tiny-" in help_text and "replacing only earlier tiny ones" in help_text
 
 
 def test_deterministic_from_seed(tiny, tmp_path):

@@ -3,11 +3,11 @@
 `build_tiny(out)` writes `out/diffusers/` in the layout diffusers 0.42.1 loads with
 `ModularPipeline.from_pretrained(dir)` + `load_components()` (tokenizer, language_model,
 rvq_depth_decoder, condition_encoder, transformer, vocoder, scheduler, modular_model_index.json),
-a `dav.pth` with the vocoder encoder in the original training names, and (unless told not to)
-the five GGUF files in `out/` through `mm3.tools.convert`, named `MiniMax-Music3-tiny-<subfolder>-F32.gguf`:
-names of their own, so a tiny file never passes for a published one. Files of OUT other than
-these five (a downloaded set) are left alone. Only torch, safetensors and json are
-used: diffusers and transformers are not needed to build it.
+`out/diffusers/dav.pth` with the vocoder encoder in the original training names, and (unless told
+not to) the five GGUF files in `out/` itself through `mm3.tools.convert`, so OUT is a models folder.
+They are named `MiniMax-Music3-tiny-<subfolder>-F32.gguf`, never a published file's name; they
+replace earlier tiny files, and every other file in OUT (a downloaded set) is left alone. Only
+torch, safetensors and json are used: diffusers and transformers are not needed to build it.
 
 Vocabulary variants:
   small  256 byte tokens + the ten MM3 specials at 256..265, codes at 266 (LM vocab 330); diffusers
