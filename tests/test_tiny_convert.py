@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from mm3.tools.convert import add_cli as add_convert_cli
 from mm3.tools.convert import convert, rename_dav_key
 from mm3.tools.tiny import add_cli as add_tiny_cli
-from mm3.tools.tiny import build_tiny
+from mm3.tools.tiny import TINY_PREFIX, build_tiny
 
 ARCH = {"language_model": "mm3-lm", "rvq_depth_decoder": "mm3-depth", "condition_encoder": "mm3-cond",
         "transformer": "mm3-dit", "vocoder": "mm3-vae"}
@@ -217,7 +217,7 @@ def test_wrapped_dav_and_weight_normed_mean_proj(tiny, readers, tmp_path):
 def test_idempotent_second_run(tiny, caplog):
     before = {p: p.stat().st_mtime_ns for p in tiny["files"].values()}
     with caplog.at_level("INFO", logger="mm3.tools.convert"):
-        again = convert(tiny["diffusers"], tiny["gguf"])
+        again = convert(tiny["diffusers"], tiny["gguf"], prefix=TINY_PREFIX)
     assert again == list(tiny["files"].values())
     assert {p: p.stat().st_mtime_ns for p in again} == before
     assert caplog.text.count("exists") == 5
