@@ -128,7 +128,7 @@ def scan(*folders: str | os.PathLike, others: tuple = ()) -> Inventory:
                     what = f"its tensors are {f.file_type}, the published file's {file_type}"
                 else:
                     what = (f"{_size(f.size)}, the published file {_size(PUBLISHED_SIZES[kind, file_type])} "
-                            "(another model under the published name)")
+                            "(not the published model)")
                 files.append(SetFile(name, kind, "unusable", f.size, f"{name}: {what}"))
             elif name in parts:
                 files.append(SetFile(name, kind, "partial", parts[name]))
