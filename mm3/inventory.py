@@ -3,7 +3,7 @@ of its files are present, partly downloaded, missing or unusable (headers read o
 set's file is present when it has the published name, component, file type and size (a tiny test
 model or another file under a published name is not).
 
-The ComfyUI model panel and `python -m mm3 info --inventory` show this; downloads go through
+The ComfyUI model panel shows this (`/mm3/inventory`); downloads go through
 `mm3.tools.download` (huggingface_hub underneath), which resumes the `.part` files counted here.
 """
 
