@@ -119,7 +119,8 @@ def scan(*folders: str | os.PathLike, others: tuple = ()) -> Inventory:
         for component, file_type in SETS[set_name].items():
             name, kind = published_name(component, file_type), BY_FOLDER[component].kind
             f = by_base.get(name)
-            if f is not None and f.kind == kind and f.file_type == file_type and matches_published(kind, file_type, f.size):
+            published = f is not None and f.file_type == file_type and matches_published(kind, file_type, f.size)
+            if f is not None and f.kind == kind and published:
                 files.append(SetFile(name, kind, "present", f.size))
             elif f is not None:
                 if f.kind != kind:

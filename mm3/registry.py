@@ -80,9 +80,9 @@ _WARNED: set[tuple] = set()
 
 def pick_file(paths: list[str], memory: int | None = None, kind: str | None = None) -> str:
     """The file to use when none is named, of files that can be used (`pick_usable` sorts them
-    out): full-size models before tiny ones (`is_full_size`), then the most precise (most stored bits per weight of component `kind`) whose
-    size fits in `memory` bytes, else the smallest; with no limit, the most precise. Ties keep the
-    order of `paths`."""
+    out): full-size models before tiny ones (`is_full_size`), then the most precise (most stored
+    bits per weight of component `kind`) whose size fits in `memory` bytes, else the smallest; with
+    no limit, the most precise. Ties keep the order of `paths`."""
     if not paths:
         raise ValueError("no file to pick from")
     full = [p for p in paths if is_full_size(read_component(p, kind))]

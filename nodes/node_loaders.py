@@ -24,9 +24,9 @@ def _file_input(kind: str, id: str) -> io.Combo.Input:
     return io.Combo.Input(id, options=[AUTO] + files_of(kind), default=AUTO,
                           tooltip=f"{DESCRIPTIONS[kind]}: a GGUF in models/mm3 whose general.architecture is "
                                   f"{ARCH_OF[kind]}, or a MiniMax Music 3 file of ComfyUI's own (text_encoders, "
-                                  "diffusion_models, vae; recognised by its tensors) or of HOT-Step (files it cannot use are "
-                                  "not listed); auto: a full-size model before a tiny one, the most precise that fits "
-                                  "the device's memory (the file used is recorded in the replay JSON)")
+                                  "diffusion_models, vae; recognised by its tensors) or of HOT-Step (files it cannot "
+                                  "use are not listed); auto: a full-size model before a tiny one, the most precise "
+                                  "that fits the device's memory (the file used is recorded in the replay JSON)")
 
 
 def _keep_input() -> io.Boolean.Input:

@@ -74,7 +74,8 @@ def broken(tiny, tmp_path_factory):
     ("cut_header", "MiniMax-Music3-tiny-transformer-F32.gguf: truncated GGUF header while reading"),
     ("cut_data", "MiniMax-Music3-tiny-transformer-F32.gguf: truncated: tensor"),
     ("missing", "MiniMax-Music3-tiny-transformer-F32.gguf: missing tensor(s) proj_in.weight"),
-    ("misshaped", "MiniMax-Music3-tiny-transformer-F32.gguf: tensor proj_in.weight has shape [64, 32], expected [64, 64]"),
+    ("misshaped", "MiniMax-Music3-tiny-transformer-F32.gguf: tensor proj_in.weight has shape [64, 32], "
+                  "expected [64, 64]"),
     ("q8_1", "tensor proj_in.weight is Q8_1, which this engine cannot dequantize (supported: BF16, F16, F32, Q2_K"),
     ("depth_hidden", "LM and depth decoder do not fit together: MiniMax-Music3-tiny-language_model-F32.gguf has "
                      "hidden_size 64, MiniMax-Music3-tiny-rvq_depth_decoder-F32.gguf has hidden_size 32"),
