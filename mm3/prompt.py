@@ -157,6 +157,6 @@ def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
     sp = tokenizer.special
     if len(ids) > max_tokens:
         raise PromptError(f"Prompt exceeds the {max_tokens} token budget: the assembled prompt has {len(ids)} "
-                          f"tokens (caption {len(cap)} chars, lyrics {len(lyr)} chars)")
+                          f"tokens (caption {len(cap)} chars, lyrics {len(lyr)} chars): shorten the caption or lyrics")
     cond = torch.tensor([ids], dtype=torch.long)
     return Prompt(torch.cat([cond, unconditional_ids(cond, sp.audio_cfg)]), cap, lyr, tokenizer.codes)

@@ -182,7 +182,8 @@ def test_write_track_reads_back(pack, tmp_path):
 
 def test_prompt_over_the_budget_is_refused_with_the_count(pack, tiny):
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
-    with pytest.raises(ValueError, match=r"Prompt exceeds the 5000 token budget: the assembled prompt has \d+ tokens"):
+    with pytest.raises(ValueError, match=r"Prompt exceeds the 5000 token budget: the assembled prompt has \d+ tokens "
+                                         r"\(caption \d+ chars, lyrics \d+ chars\): shorten the caption or lyrics$"):
         logic.assemble_prompt(hs["lm"], CAPTION, "[verse]\n" + "la " * 3000)
 
 
