@@ -26,7 +26,9 @@ _BULLET = re.compile(r"^\s*[*+-]\s+")
 _STAR_BULLET = re.compile(r"^\s*\*\s+")
 _BOLD = re.compile(r"\*\*([^*]+)\*\*")
 _ITALIC = re.compile(r"(?<!\*)\*([^*\n]+)\*(?!\*)")
-_RULE_LINE = re.compile(r"^\s*[-*_]{3,}\s*$", flags=re.MULTILINE)
+_RULE_LINE = re.compile(r"^\s*[-*_]{3,}\s*$", flags=re.MULTILINE)  # the reference's pattern
+_RULE_AT = re.compile(r"\s*[-*_]{3,}\s*$", flags=re.MULTILINE)  # the same after its ^, tried at one line start
+_SPACES = re.compile(r"\s*")
 _LEADING_TAGS = re.compile(r"^[ \t]*((?:\[[^\]]+\][ \t]*)+)")  # "[Verse][Chorus] ..." at a line start
 _BRACKETED = re.compile(r"\[([^\]]+)\]")
 
@@ -76,12 +78,44 @@ def _unwrap_markdown(line: str) -> str:
     return _ITALIC.sub(r"\1", line).rstrip()
 
 
+def _drop_rule_lines(text: str) -> str:
+    """`_RULE_LINE.sub("", text)` in linear time. The pattern's leading \\s* spans lines, so the
+    regex engine retries it from every line start of a blank run (quadratic: a caption of 256 Ki
+    newlines took minutes). Every line start of one whitespace run meets the same first visible
+    character, so they all fail or the first matches: after a failure the run is skipped."""
+    out, kept, pos = [], 0, 0
+    while True:
+        m = _RULE_AT.match(text, pos)
+        if m:
+            out.append(text[kept:pos])
+            kept = end = m.end()
+            if text[end - 1] == "\n":  # the match ends at a line start: try there
+                pos = end
+                continue
+            after = end
+        else:
+            after = _SPACES.match(text, pos).end()
+        nl = text.find("\n", after)
+        if nl < 0:
+            break
+        pos = nl + 1
+    out.append(text[kept:])
+    return "".join(out)
+
+
+def _lower_tags(text: str) -> str:
+    """Every [tag] lower-cased, as `_BRACKETED.sub` does, in linear time: no match starts after
+    the last "]", where the regex would scan to the end from every "[" (quadratic)."""
+    end = text.rfind("]") + 1
+    return _BRACKETED.sub(lambda m: f"[{m.group(1).lower()}]", text[:end]) + text[end:]
+
+
 def clean_caption(caption: str) -> str:
     """Markdown-ish caption -> plain lines: `<|a b|>` -> "a is b", headings, bullets, bold and
     italics unwrapped, rule lines dropped, "• " and 4-space runs deleted, blank lines collapsed."""
     text = _TAG.sub(_tag_as_words, caption)
     text = "\n".join(_unwrap_markdown(line) for line in text.splitlines())
-    text = _RULE_LINE.sub("", text)
+    text = _drop_rule_lines(text)
     text = text.replace("• ", "").replace("    ", "")
     return re.sub(r"\n{2,}", "\n", text)
 
@@ -94,7 +128,7 @@ def normalize_lyrics(lyrics: str) -> str:
         m = _LEADING_TAGS.match(line)
         lines.append(m.group(1).strip() if m else line)
     text = "\n".join(lines).replace("] ", "]\n").replace(" [", "\n[").replace(" ^ ", "\n")
-    text = _BRACKETED.sub(lambda m: f"[{m.group(1).lower()}]", text)
+    text = _lower_tags(text)
     return "[start]\n" + text
 
 
