@@ -75,25 +75,41 @@ def test_rule_lines_and_tags_equal_reference(text):
     assert normalize_lyrics(text) == enc._normalize_lyrics(text)
 
 
-# Texts the reference's regexes take quadratic time over (a blank run, tags that never close).
-SLOW_FOR_REGEX = {"newlines": "\n", "blank lines": " \n", "open tags": "[", "open words": "[a"}
+# Texts of about n characters the reference takes quadratic time over: a blank run (rule lines),
+# tags that never close, bold nested k deep (one layer a round).
+SLOW_FOR_REGEX = {
+    "newlines": lambda n: "\n" * n, "blank lines": lambda n: " \n" * (n // 2), "open tags": lambda n: "[" * n,
+    "open words": lambda n: "[a" * (n // 2), "nested bold": lambda n: "**" * (n // 4) + "a" + "**" * (n // 4),
+}
 
 
-@pytest.mark.parametrize("unit", SLOW_FOR_REGEX.values(), ids=SLOW_FOR_REGEX.keys())
-def test_cleaning_takes_linear_time(reference, unit):
+@pytest.mark.parametrize("make", SLOW_FOR_REGEX.values(), ids=SLOW_FOR_REGEX.keys())
+def test_cleaning_takes_linear_time(reference, make):
     """The texts a token count may be sent (up to 256 KiB) clean in well under a second each,
-    where the reference's regexes take minutes (a 48 Ki-newline caption: tens of seconds); at a
-    size the reference manages, the same result."""
+    where the reference takes minutes (48 Ki characters: tens of seconds); at a size the
+    reference manages, the same result."""
     import time
 
-    small = unit * (3000 // len(unit))
+    small = make(3000)
     assert clean_caption(small) == reference._clean_caption(small)
     assert normalize_lyrics(small) == reference._normalize_lyrics(small)
-    big = unit * (48 * 1024 // len(unit))
+    big = make(48 * 1024)
     for f in (clean_caption, normalize_lyrics):
         t = time.perf_counter()
         f(big)
         assert time.perf_counter() - t < 3.0, f.__name__
+
+
+BOLD = st.text(alphabet="**ab ", max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(BOLD)
+def test_bold_unwraps_as_the_reference(text):
+    """Runs of stars of every length around text, unwrapped round by round as the reference does."""
+    enc = pytest.importorskip("diffusers.modular_pipelines.minimax_music3.encoders")
+
+    assert clean_caption(text) == enc._clean_caption(text)
 
 
 def test_corpus_texts_equal_reference(reference, corpus):
