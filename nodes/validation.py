@@ -26,18 +26,19 @@ def verdict(*problems: str | None) -> bool | str:
 
 
 def out_of_range(node, **values) -> str | None:
-    """The first of `values` outside its widget's min..max in `node`'s schema, or None."""
+    """The first of `values` outside its widget's min..max in `node`'s schema (or not a finite
+    number), or None."""
     inputs = {i.id: i for i in node.define_schema().inputs}
     for name, value in values.items():
         if not _given(value) or not isinstance(value, (int, float)):
             continue
-        spec = inputs[name]
-        low, high = getattr(spec, "min", None), getattr(spec, "max", None)
-        if (isinstance(value, float) and not math.isfinite(value)) or (low is not None and value < low) or \
-                (high is not None and value > high):
-            bounds = " and ".join(f"{b:g}" for b in (low, high) if b is not None)
-            return f"{name} must be {'between' if low is not None and high is not None else 'within'} {bounds}, " \
-                   f"got {value:g}"
+        low, high = getattr(inputs[name], "min", None), getattr(inputs[name], "max", None)
+        if math.isfinite(value) and (low is None or value >= low) and (high is None or value <= high):
+            continue
+        if low is not None and high is not None:
+            return f"{name} must be between {low:g} and {high:g}, got {value:g}"
+        return f"{name} must be a finite number{f' of at least {low:g}' if low is not None else ''}" \
+               f"{f' of at most {high:g}' if high is not None else ''}, got {value:g}"
     return None
 
 
