@@ -67,7 +67,8 @@ def test_bodies_past_the_limit_are_refused_413(comfy):
     assert status == 413 and f"over the {SMALL_LIMIT} byte limit" in got["error"], (status, got)
     assert comfy.get("/mm3/download")["state"] == "idle"
     # A body under the limit is still counted.
-    status, got = post_json(comfy, "/mm3/tokens", {"lm_model": "auto", "caption": "synth", "lyrics": lyrics_of(200_000)})
+    status, got = post_json(comfy, "/mm3/tokens", {"lm_model": "auto", "caption": "synth",
+                                                   "lyrics": lyrics_of(200_000)})
     assert status == 200 and got["tokens"] > 100_000 and got["over"], got
 
 
@@ -170,7 +171,8 @@ def messages(errors: dict, node: str) -> str:
     ("text_to_song", "MM3ARPlan", {"duration": 0.0}, "duration must be between 0.04 and 360, got 0"),
     ("text_to_song", "MM3PromptAssemble", {"caption": "dark\x1b[31m synth"},
      "caption contains the control character U+001B at position 4"),
-    ("text_to_song", "MM3PromptAssemble", {"lyrics": "[verse]\nla\x00"}, "lyrics contains the control character U+0000"),
+    ("text_to_song", "MM3PromptAssemble", {"lyrics": "[verse]\nla\x00"},
+     "lyrics contains the control character U+0000"),
 ], ids=["repaint-backwards", "repaint-empty", "repaint-negative", "plan-min-duration", "plan-zero",
         "prompt-escape", "prompt-nul"])
 def test_bad_widget_values_are_refused_when_queued(comfy, workflow, node_class, values, reason):
