@@ -101,8 +101,8 @@ def test_malformed_bodies_are_400_with_the_reason(comfy, path, data, reason):
 
 @needs_comfy
 def test_the_server_answers_while_long_texts_are_counted(comfy):
-    """Counts of the longest allowed texts run off the event loop: a cheap request answers within a
-    fraction of one count's time while several run, and counts beyond the few that may wait are
+    """Counts of the longest allowed texts run off the event loop: a cheap request answers within
+    about one count's time while eight are sent at once, and counts beyond the few that may wait are
     refused (503) rather than queued without end."""
     body = json.dumps({"lm_model": "auto", "caption": "synth", "lyrics": lyrics_of(TOKENS_LIMIT - 1000)}).encode()
     assert len(body) <= TOKENS_LIMIT
@@ -128,7 +128,9 @@ def test_the_server_answers_while_long_texts_are_counted(comfy):
         time.sleep(0.01)
     for th in threads:
         th.join()
-    assert len(waits) >= 3 and max(waits) < min(0.25, one / 2), (f"one count {one:.3f} s", sorted(waits)[-5:])
+    # On the event loop, a request waits for every count queued before it (3.1 s here for 0.44 s
+    # counts); off it, a few milliseconds, more only where the machine is loaded.
+    assert len(waits) >= 3 and max(waits) < 2 * one, (f"one count {one:.3f} s", sorted(waits)[-5:])
     statuses = sorted(s for s, _ in results)
     assert set(statuses) <= {200, 503} and 200 in statuses and 503 in statuses, statuses
     busy = next(g for s, g in results if s == 503)
