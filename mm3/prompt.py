@@ -24,9 +24,12 @@ _TAG = re.compile(r"<\|([^|]*)\|>")  # <|key C|> style tags in captions
 _HEADING = re.compile(r"^\s{0,3}#{1,6}\s+")
 _BULLET = re.compile(r"^\s*[*+-]\s+")
 _STAR_BULLET = re.compile(r"^\s*\*\s+")
-_BOLD = re.compile(r"\*\*([^*]+)\*\*")
+_BOLD = re.compile(r"\*\*([^*]+)\*\*")  # the reference's pattern (see _unwrap_bold)
+_STARS = re.compile(r"(\*+)")
 _ITALIC = re.compile(r"(?<!\*)\*([^*\n]+)\*(?!\*)")
-_RULE_LINE = re.compile(r"^\s*[-*_]{3,}\s*$", flags=re.MULTILINE)
+_RULE_LINE = re.compile(r"^\s*[-*_]{3,}\s*$", flags=re.MULTILINE)  # the reference's pattern
+_RULE_AT = re.compile(r"\s*[-*_]{3,}\s*$", flags=re.MULTILINE)  # the same after its ^, tried at one line start
+_SPACES = re.compile(r"\s*")
 _LEADING_TAGS = re.compile(r"^[ \t]*((?:\[[^\]]+\][ \t]*)+)")  # "[Verse][Chorus] ..." at a line start
 _BRACKETED = re.compile(r"\[([^\]]+)\]")
 
@@ -68,12 +71,89 @@ def _unwrap_markdown(line: str) -> str:
     line = _HEADING.sub("", line)
     line = _BULLET.sub("", line)
     line = _STAR_BULLET.sub("", line)
-    while "**" in line:  # nested / repeated bold, until nothing changes
-        unwrapped = _BOLD.sub(r"\1", line)
-        if unwrapped == line:
-            break
-        line = unwrapped
+    if "**" in line:  # nested / repeated bold, until nothing changes
+        line = _unwrap_bold(line)
     return _ITALIC.sub(r"\1", line).rstrip()
+
+
+def _unwrap_bold(line: str) -> str:
+    """The reference's `_BOLD.sub` repeated until nothing changes, without rescanning the line on
+    every round (quadratic: one layer of "**" per round, so k nested layers took k scans).
+
+    The line is star runs and the text between them. A round unwraps text whose star run on
+    either side has two stars it has not used that round: the text's left run needs 4 when the
+    text before it was unwrapped in the same round (that took the run's first two), else 2; the
+    right run needs 2. Unwrapping takes 2 stars from each run; a run between texts that empties
+    joins them. Text that fails a round fails every later round (runs only shrink) unless it
+    was joined, so each round looks only at the texts that changed."""
+    pieces = _STARS.split(line)  # text, stars, text, ..., text
+    texts, runs, stars = [], [], 0  # runs[i] / runs[i + 1]: the stars left / right of texts[i]
+    for i, piece in enumerate(pieces):
+        if i % 2:
+            stars += len(piece)
+        elif piece:
+            texts.append(piece)
+            runs.append(stars)
+            stars = 0
+    runs.append(stars)
+    last = len(runs) - 1
+    right = {i: i + 1 for i in range(len(texts))}  # text (by its left run) -> its right run
+    left = {i + 1: i for i in range(len(texts))}  # right run -> the text's left run
+    candidates = set(right)
+    while candidates:
+        unwrapped, taken = [], None  # the right run of the text last unwrapped this round
+        for a in sorted(candidates):
+            b = right[a]
+            if runs[a] >= (4 if taken == a else 2) and runs[b] >= 2:
+                unwrapped.append(a)
+                taken = b
+        candidates, touched = set(unwrapped), set()
+        for a in unwrapped:
+            runs[a] -= 2
+            runs[right[a]] -= 2
+            touched.update((a, right[a]))
+        for run in sorted(touched):
+            if 0 < run < last and not runs[run]:  # an emptied run between two texts joins them
+                head, tail = left.pop(run), right.pop(run)
+                right[head], left[tail] = tail, head
+                candidates.discard(run)
+                candidates.add(head)
+    out = ["*" * runs[0]]
+    for text, n in zip(texts, runs[1:]):
+        out += [text, "*" * n]
+    return "".join(out)
+
+
+def _drop_rule_lines(text: str) -> str:
+    """`_RULE_LINE.sub("", text)` in linear time. The pattern's leading \\s* spans lines, so the
+    regex engine retries it from every line start of a blank run (quadratic: a caption of 256 Ki
+    newlines took minutes). Every line start of one whitespace run meets the same first visible
+    character, so they all fail or the first matches: after a failure the run is skipped."""
+    out, kept, pos = [], 0, 0
+    while True:
+        m = _RULE_AT.match(text, pos)
+        if m:
+            out.append(text[kept:pos])
+            kept = end = m.end()
+            if text[end - 1] == "\n":  # the match ends at a line start: try there
+                pos = end
+                continue
+            after = end
+        else:
+            after = _SPACES.match(text, pos).end()
+        nl = text.find("\n", after)
+        if nl < 0:
+            break
+        pos = nl + 1
+    out.append(text[kept:])
+    return "".join(out)
+
+
+def _lower_tags(text: str) -> str:
+    """Every [tag] lower-cased, as `_BRACKETED.sub` does, in linear time: no match starts after
+    the last "]", where the regex would scan to the end from every "[" (quadratic)."""
+    end = text.rfind("]") + 1
+    return _BRACKETED.sub(lambda m: f"[{m.group(1).lower()}]", text[:end]) + text[end:]
 
 
 def clean_caption(caption: str) -> str:
@@ -81,7 +161,7 @@ def clean_caption(caption: str) -> str:
     italics unwrapped, rule lines dropped, "• " and 4-space runs deleted, blank lines collapsed."""
     text = _TAG.sub(_tag_as_words, caption)
     text = "\n".join(_unwrap_markdown(line) for line in text.splitlines())
-    text = _RULE_LINE.sub("", text)
+    text = _drop_rule_lines(text)
     text = text.replace("• ", "").replace("    ", "")
     return re.sub(r"\n{2,}", "\n", text)
 
@@ -94,7 +174,7 @@ def normalize_lyrics(lyrics: str) -> str:
         m = _LEADING_TAGS.match(line)
         lines.append(m.group(1).strip() if m else line)
     text = "\n".join(lines).replace("] ", "]\n").replace(" [", "\n[").replace(" ^ ", "\n")
-    text = _BRACKETED.sub(lambda m: f"[{m.group(1).lower()}]", text)
+    text = _lower_tags(text)
     return "[start]\n" + text
 
 
@@ -157,6 +237,6 @@ def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
     sp = tokenizer.special
     if len(ids) > max_tokens:
         raise PromptError(f"Prompt exceeds the {max_tokens} token budget: the assembled prompt has {len(ids)} "
-                          f"tokens (caption {len(cap)} chars, lyrics {len(lyr)} chars)")
+                          f"tokens (caption {len(cap)} chars, lyrics {len(lyr)} chars): shorten the caption or lyrics")
     cond = torch.tensor([ids], dtype=torch.long)
     return Prompt(torch.cat([cond, unconditional_ids(cond, sp.audio_cfg)]), cap, lyr, tokenizer.codes)

@@ -49,6 +49,7 @@ from .common import (
     show_warnings,
 )
 from .handles import ar_memory, dit_memory, dtype_bytes, vocoder_memory
+from .validation import UNSET, out_of_range, plan_durations, prompt_texts, repaint_range, verdict
 
 # Seeds of song i / variation j are seed + i / seed + j and must stay in the request's 0..SEED_MAX.
 LM_SEED_MAX = SEED_MAX - (MAX_SONGS - 1)
@@ -76,6 +77,10 @@ class MM3PromptAssemble(io.ComfyNode):
             ],
             outputs=[PROMPT.Output("prompt", display_name="prompt")],
         )
+
+    @classmethod
+    def validate_inputs(cls, caption=None, lyrics=None) -> bool | str:
+        return verdict(prompt_texts(caption=caption, lyrics=lyrics))
 
     @classmethod
     def execute(cls, lm, caption: str, lyrics: str) -> io.NodeOutput:
@@ -131,6 +136,11 @@ class MM3ARPlan(io.ComfyNode):
             ],
             outputs=[AUDIO_CODES.Output("codes", display_name="codes", is_output_list=True)],
         )
+
+    @classmethod
+    def validate_inputs(cls, duration=None, min_duration=None, prior_codes=UNSET) -> bool | str:
+        return verdict(out_of_range(MM3ARPlan, duration=duration, min_duration=min_duration),
+                       plan_durations(duration, min_duration, prior_codes))
 
     @classmethod
     def execute(cls, lm, depth, prompt, duration: float, lm_seed: int, lm_cfg: float, lm_top_k: int,
@@ -252,6 +262,10 @@ class MM3Repaint(io.ComfyNode):
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )
+
+    @classmethod
+    def validate_inputs(cls, start=None, end=None) -> bool | str:
+        return verdict(out_of_range(MM3Repaint, start=start, end=end), repaint_range(start, end))
 
     @classmethod
     def execute(cls, dit, condition, source, start: float, end: float, fade: float, seed: int, steps: int,

@@ -10,20 +10,27 @@
                        hand (the .part is kept and the next start resumes it)
 
 The work behind them is engine code (`mm3.prompt.count_tokens`, `mm3.inventory`,
-`mm3.tools.download`); a download runs in one background thread, one set at a time.
+`mm3.tools.download`); a download runs in one background thread, one set at a time. Nothing slow
+runs on the server's event loop: a token count runs on one worker thread of its own (a few waiting
+at most), the inventory's file scan on the loop's executor. A body is read up to its route's
+limit and refused past it (413); a body that is not a JSON object, or a field of the wrong type,
+is a 400 with the reason.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from mm3.constants import MAX_PROMPT_TOKENS
 from mm3.errors import MM3Error
 from mm3.inventory import scan
-from mm3.prompt import count_tokens
+from mm3.prompt import count_tokens, text_problem
 from mm3.tools.download import SETS, download_set
 
 from . import comfy_models
@@ -88,18 +95,115 @@ def _folders() -> list[str]:
     return list(comfy_models.folder_paths.get_folder_paths(comfy_models.FOLDER))
 
 
-def tokens(body: dict) -> dict:
+# Body limits. A 5000-token prompt is a few tens of KiB of JSON even with every character escaped
+# (\uXXXX, six bytes for what is often one token): 256 KiB is room for several times that. A
+# download names a set in a few bytes.
+TOKENS_BODY_LIMIT = 256 * 1024
+SMALL_BODY_LIMIT = 4 * 1024
+TOKENS_WAITING = 4  # token counts queued behind the one running; more are refused (503)
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+class BodyError(ValueError):
+    """A request body the route refuses, with its HTTP status (400 or 413)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def json_type(value) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+async def read_json(request, limit: int) -> dict:
+    """The request's body as a JSON object, read `limit` bytes at most: a Content-Length over the
+    limit is refused before anything is read, a body without one once it passes the limit."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise BodyError(f"{request.path}: the body is {declared} bytes, over the {limit} byte limit", 413)
+    data = bytearray()
+    while chunk := await request.content.readany():
+        data += chunk
+        if len(data) > limit:
+            raise BodyError(f"{request.path}: the body is over the {limit} byte limit", 413)
+    try:
+        body = json.loads(bytes(data)) if data.strip() else {}
+    except RecursionError:
+        raise BodyError(f"{request.path}: the body is not JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise BodyError(f"{request.path}: the body is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise BodyError(f"{request.path}: the body must be a JSON object, got {json_type(body)}")
+    return body
+
+
+def string_field(body: dict, name: str, default: str = "") -> str:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise BodyError(f"{name} must be a string, got {json_type(value)}")
+    return value
+
+
+def token_request(body: dict) -> tuple[str, str, str]:
+    """(lm_model, caption, lyrics) of a token-count body; refuses text the MM3 Prompt node refuses
+    (control characters, unpaired surrogates), so the live count says so where it is typed."""
+    name = string_field(body, "lm_model") or "auto"
+    caption, lyrics = string_field(body, "caption"), string_field(body, "lyrics")
+    for field, text in (("caption", caption), ("lyrics", lyrics)):
+        problem = text_problem(field, text)
+        if problem:
+            raise BodyError(problem)
+    return name, caption, lyrics
+
+
+def tokens(name: str, caption: str, lyrics: str) -> dict:
     """The token count of a caption and lyrics with the tokenizer of the LM a loader names."""
-    name = body.get("lm_model") or "auto"
-    caption, lyrics = body.get("caption", ""), body.get("lyrics", "")
-    if not isinstance(caption, str) or not isinstance(lyrics, str) or not isinstance(name, str):
-        raise ValueError("lm_model, caption and lyrics must be strings")
     from mm3.tokenizer import MM3Tokenizer
 
     chosen = comfy_models.chosen_file("lm", name)
     tokenizer = MM3Tokenizer.from_gguf(comfy_models.full_path(chosen))
     n = count_tokens(tokenizer, caption, lyrics)
     return {"tokens": n, "limit": MAX_PROMPT_TOKENS, "over": n > MAX_PROMPT_TOKENS, "lm_model": chosen}
+
+
+class Counter:
+    """Token counts on one worker thread, so a long text never holds up the server's event loop;
+    at most `waiting` counts wait behind the running one (the editor recounts as one types, and
+    only the last count matters)."""
+
+    def __init__(self, waiting: int = TOKENS_WAITING):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mm3-tokens")
+        self.waiting = waiting
+        self.lock = threading.Lock()
+        self.queued = 0  # submitted and not yet finished, counted down by the worker itself
+
+    def _run(self, *args) -> dict:
+        try:
+            return tokens(*args)
+        finally:
+            with self.lock:
+                self.queued -= 1
+
+    async def count(self, name: str, caption: str, lyrics: str) -> dict:
+        with self.lock:
+            if self.queued > self.waiting:
+                raise RuntimeError(f"the token counter is busy ({self.queued} counts in hand); try again")
+            self.queued += 1
+        try:
+            future = self.pool.submit(self._run, name, caption, lyrics)
+        except BaseException:
+            with self.lock:
+                self.queued -= 1
+            raise
+        return await asyncio.wrap_future(future)
+
+
+COUNTER = Counter()
 
 
 def add_routes() -> None:
@@ -113,7 +217,7 @@ def add_routes() -> None:
     routes = PromptServer.instance.routes
 
     def refused(e: Exception, status: int = 400):
-        return web.json_response({"error": str(e)}, status=status)
+        return web.json_response({"error": str(e)}, status=getattr(e, "status", status))
 
     @routes.get("/mm3/resident")
     async def resident(request):
@@ -122,23 +226,28 @@ def add_routes() -> None:
     @routes.post("/mm3/tokens")
     async def count(request):
         try:
-            return web.json_response(tokens(await request.json()))
+            return web.json_response(await COUNTER.count(*token_request(await read_json(request, TOKENS_BODY_LIMIT))))
         except (ValueError, MM3Error, OSError) as e:
             return refused(e)
+        except RuntimeError as e:
+            return refused(e, 503)
 
     @routes.get("/mm3/inventory")
     async def inventory(request):
-        inv = scan(*_folders(), others=tuple(comfy_models.comfy_folder_dirs())).to_dict()  # ComfyUI's MM3 files too
+        def scan_folders():  # ComfyUI's own MM3 files too
+            return scan(*_folders(), others=tuple(comfy_models.comfy_folder_dirs())).to_dict()
+
+        inv = await asyncio.get_running_loop().run_in_executor(None, scan_folders)
         inv["download"] = DOWNLOAD.status()
         return web.json_response(inv)
 
     @routes.post("/mm3/download")
     async def download(request):
         try:
-            body = await request.json()
+            set_name = string_field(await read_json(request, SMALL_BODY_LIMIT), "set")
             folders = _folders()
             folder = folders[0] if folders else os.path.join(comfy_models.folder_paths.models_dir, "mm3")
-            return web.json_response(DOWNLOAD.start(body.get("set", ""), folder), status=202)
+            return web.json_response(DOWNLOAD.start(set_name, folder), status=202)
         except ValueError as e:
             return refused(e)
         except RuntimeError as e:
@@ -149,6 +258,6 @@ def add_routes() -> None:
         return web.json_response(DOWNLOAD.status())
 
     @routes.post("/mm3/download/cancel")
-    async def cancel(request):
+    async def cancel(request):  # the body, if any, is not read (aiohttp discards it)
         DOWNLOAD.stop.set()
         return web.json_response(DOWNLOAD.status())

@@ -182,7 +182,8 @@ def test_write_track_reads_back(pack, tmp_path):
 
 def test_prompt_over_the_budget_is_refused_with_the_count(pack, tiny):
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
-    with pytest.raises(ValueError, match=r"Prompt exceeds the 5000 token budget: the assembled prompt has \d+ tokens"):
+    with pytest.raises(ValueError, match=r"Prompt exceeds the 5000 token budget: the assembled prompt has \d+ tokens "
+                                         r"\(caption \d+ chars, lyrics \d+ chars\): shorten the caption or lyrics$"):
         logic.assemble_prompt(hs["lm"], CAPTION, "[verse]\n" + "la " * 3000)
 
 
@@ -191,6 +192,8 @@ JS_APP = """export const app = { extensions: [], registerExtension(e) { this.ext
 JS_API = """export const api = { calls: [], async fetchApi(path, opts) {
   this.calls.push([path, opts?.body ? JSON.parse(opts.body) : null]);
   const body = JSON.parse(opts.body); const n = body.caption.length + body.lyrics.length;
+  if (body.caption.includes("\\u001b")) return { ok: false, status: 400,
+    json: async () => ({ error: "caption contains the control character U+001B at position 3" }) };
   return { ok: true, json: async () => ({ tokens: n, limit: 10, over: n > 10, lm_model: body.lm_model }) }; } };"""
 JS_HARNESS = """globalThis.requestAnimationFrame = (f) => f();
 globalThis.setTimeout = (f) => { f(); return 0; }; globalThis.clearTimeout = () => {};
@@ -222,9 +225,13 @@ node.widgets[0].value = "a much longer caption";
 node.widgets[0].inputEl.listeners.input[0]();
 await settle(); await settle();
 const over = node.widgets.at(-1).value;
+node.widgets[0].value = "bad\\u001b";
+node.widgets[0].inputEl.listeners.input[0]();
+await settle(); await settle();
+const refused = [node.widgets.at(-1).value, node.widgets.at(-1).element.style.color];
 node.onExecuted({ text: ["a", "b"] });
 const info = node.widgets.at(-1);
-console.log(JSON.stringify({ name: ext.name, audioUI: save.input.required.audioUI, first, over,
+console.log(JSON.stringify({ name: ext.name, audioUI: save.input.required.audioUI, first, over, refused,
   tab: app.extensionManager.tabs.map((t) => t.id), calls: api.calls.map((c) => [c[0], c[1]?.lm_model]),
   widgets: node.widgets.map((w) => w.name), info: [info.value, info.serialize, info.options.serialize,
   info.element.readOnly] }));
@@ -255,6 +262,9 @@ def test_web_extension_shows_node_text(tmp_path):
     assert got["info"] == ["a\nb", False, False, True]
     assert got["first"] == "2 / 10 prompt tokens"
     assert got["over"].startswith("22 / 10 prompt tokens (over the budget by 12")
+    assert got["over"].endswith("shorten the caption or lyrics)")
+    # A text the count refuses shows the reason, in the warning colour.
+    assert got["refused"] == ["caption contains the control character U+001B at position 3", "var(--error-text, #f66)"]
     assert got["calls"][-1] == ["/mm3/tokens", "lm-q8.gguf"] and got["tab"] == ["mm3-models"]
 
 

@@ -61,6 +61,57 @@ def test_random_markdown_equals_reference(text):
     assert normalize_lyrics(text) == enc._normalize_lyrics(text)
 
 
+RULES_AND_TAGS = st.text(alphabet="-*_[]aB \n\t\r\x0b\x0c\x1c\x85\xa0\u2028", max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(RULES_AND_TAGS)
+def test_rule_lines_and_tags_equal_reference(text):
+    """Rule lines across blank runs and tags without an end, in every kind of whitespace, as the
+    reference cleans them (the cleaning's linear-time rewrite of its two regexes)."""
+    enc = pytest.importorskip("diffusers.modular_pipelines.minimax_music3.encoders")
+
+    assert clean_caption(text) == enc._clean_caption(text)
+    assert normalize_lyrics(text) == enc._normalize_lyrics(text)
+
+
+# Texts of about n characters the reference takes quadratic time over: a blank run (rule lines),
+# tags that never close, bold nested k deep (one layer a round).
+SLOW_FOR_REGEX = {
+    "newlines": lambda n: "\n" * n, "blank lines": lambda n: " \n" * (n // 2), "open tags": lambda n: "[" * n,
+    "open words": lambda n: "[a" * (n // 2), "nested bold": lambda n: "**" * (n // 4) + "a" + "**" * (n // 4),
+}
+
+
+@pytest.mark.parametrize("make", SLOW_FOR_REGEX.values(), ids=SLOW_FOR_REGEX.keys())
+def test_cleaning_takes_linear_time(reference, make):
+    """The texts a token count may be sent (up to 256 KiB) clean in well under a second each,
+    where the reference takes minutes (48 Ki characters: tens of seconds); at a size the
+    reference manages, the same result."""
+    import time
+
+    small = make(3000)
+    assert clean_caption(small) == reference._clean_caption(small)
+    assert normalize_lyrics(small) == reference._normalize_lyrics(small)
+    big = make(48 * 1024)
+    for f in (clean_caption, normalize_lyrics):
+        t = time.perf_counter()
+        f(big)
+        assert time.perf_counter() - t < 3.0, f.__name__
+
+
+BOLD = st.text(alphabet="**ab ", max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(BOLD)
+def test_bold_unwraps_as_the_reference(text):
+    """Runs of stars of every length around text, unwrapped round by round as the reference does."""
+    enc = pytest.importorskip("diffusers.modular_pipelines.minimax_music3.encoders")
+
+    assert clean_caption(text) == enc._clean_caption(text)
+
+
 def test_corpus_texts_equal_reference(reference, corpus):
     for name, req in corpus.items():
         assert clean_caption(req["caption"]) == reference._clean_caption(req["caption"]), name

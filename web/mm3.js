@@ -68,7 +68,8 @@ async function countTokens(node) {
     const got = await r.json();
     if (node.mm3CountAsked !== asked) return; // a newer count is on its way
     if (!r.ok) {
-      text = `token count unavailable: ${got.error ?? r.status}`;
+      warn = r.status === 400; // a refused text (a control character, ...) or no LM to count with
+      text = r.status === 400 && got.error ? got.error : `token count unavailable: ${got.error ?? r.status}`;
     } else {
       warn = got.over;
       text = `${got.tokens} / ${got.limit} prompt tokens` +
