@@ -165,3 +165,20 @@ def test_decode_refuses_other_files_and_warns_of_another_vocoder(models, decoder
     # the decoder-only file has the same decoder weights but another fingerprint: a warning, not a refusal
     assert main(["decode", str(lat), str(tmp_path / "a_out.wav"), "--models", str(decoder_only), "--quiet"]) == 0
     assert "was encoded with" in capsys.readouterr().err
+
+
+def test_encode_reads_mp3_as_comfyui_does(models, tmp_path):
+    """An MP3 is decoded with PyAV (ComfyUI's Load Audio reader): the latents are those of its
+    decoded samples, at their length."""
+    pytest.importorskip("av")
+    from mm3.audio import encode_audio
+    from mm3.output import mp3_bytes
+
+    (tmp_path / "a.mp3").write_bytes(mp3_bytes(np.stack([tone(0.5), 0 * tone(0.5)])))
+    out = tmp_path / "a.safetensors"
+    assert main(["encode", str(tmp_path / "a.mp3"), str(out), "--models", str(models), "--quiet"]) == 0
+    latents, meta = load_latents(out)
+    wave_, rate = read_audio(tmp_path / "a.mp3")
+    assert rate == RATE and wave_.shape[0] == 2 and meta["length"] == wave_.shape[-1] >= int(0.5 * RATE)
+    voc, _ = vocoder(models)
+    assert torch.equal(latents, encode_audio(voc, wave_, rate)[0])
