@@ -153,7 +153,7 @@ def parse_error(command: str, full: bool) -> str | None:
         return None
     main = _main_of(program)
     if main is None:
-        return None  # a script without a parser: it existing is all there is to check
+        return f"{program} has no main(argv) with an argument parser to check the command against"
     args = words[3:] if words[1] == "-m" else words[2:]
     for argv in ([args] if full else _alternatives(args)):
         err = io.StringIO()
@@ -200,6 +200,8 @@ def test_documented_command_parses(where, command, full):
     ("python -m mm3 generate --models m --out x.wav --no-such-flag", True),
     ("python -m mm3 frobnicate", False),
     ("python -m mm3 generate --models m", True),
+    ("python tests/helpers/comfy_lowvram_check.py COMFYUI_PATH", True),  # a required argument left out
+    ("python -m mm3.registry", True),  # a module without a command line
 ])
 def test_bad_commands_are_caught(command, full):
     assert parse_error(command, full) is not None
