@@ -373,8 +373,10 @@ def test_variations_workflow_through_api_example(comfy, tmp_path):
     path.write_text(json.dumps(wf))
     out = subprocess.run([sys.executable, str(ROOT / "workflows" / "api_example.py"), "--server", comfy.url,
                           "--workflow", str(path), "--out", str(tmp_path / "out"), "--lm-seed", "3", "--seed", "40",
+                          "--caption", "Dreamy synth-pop, female vocal, 100 BPM",  # none of the format's headings
                           "--timeout", "120"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr + comfy.log_tail()
+    assert "warning: node 6 (MM3PromptAssemble): the caption has none of the headings" in out.stderr, out.stderr
     wavs = sorted((tmp_path / "out").glob("*.wav"))
     flacs = sorted((tmp_path / "out").glob("*.flac"))
     jsons = sorted((tmp_path / "out").glob("*.json"))

@@ -205,3 +205,47 @@ def test_documented_command_parses(where, command, full):
 ])
 def test_bad_commands_are_caught(command, full):
     assert parse_error(command, full) is not None
+
+
+def _api_example():
+    spec = importlib.util.spec_from_file_location("doc_api_example", ROOT / "workflows" / "api_example.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_example_shows_the_nodes_warnings():
+    """The warning MM3 Prompt shows for a caption without the format's headings reaches the
+    script's user, naming the node; other text stays out."""
+    from mm3.captions import caption_warning
+
+    warning = caption_warning("Dreamy synth-pop, female vocal, 100 BPM")
+    workflow = {"2": {"class_type": "MM3PromptAssemble"}, "3": {"class_type": "MM3ARPlan"}}
+    entry = {"outputs": {"2": {"text": [f"12 / 5000 prompt tokens\nwarning: {warning}\n\ncaption (cleaned):\nx"]},
+                         "3": {"text": ["250 frames"]}, "8": {"audio": [{"filename": "a.mp3"}]}}}
+    assert _api_example().node_warnings(entry, workflow) == [f"warning: node 2 (MM3PromptAssemble): {warning}"]
+
+
+def test_documented_example_captions_have_the_format_headings():
+    """The captions the READMEs and the script's help pass with --caption draw no format warning."""
+    from mm3.captions import caption_warning
+
+    captions = [shlex.split(c)[shlex.split(c).index("--caption") + 1] for _, c, _ in COMMANDS if "--caption" in c]
+    assert captions
+    for caption in captions:
+        assert caption_warning(caption) is None, caption
+
+
+def test_workflows_readme_lists_every_workflow_and_its_loaders_are_auto():
+    """workflows/README.md has one table row per shipped workflow, and its word that every loader
+    is `auto` holds for every API file."""
+    text = (ROOT / "workflows" / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\w+)` \|", text, re.M)
+    shipped = sorted(p.stem for p in (ROOT / "workflows" / "api").glob("*.json"))
+    assert sorted(rows) == shipped and len(shipped) == 6
+    assert "Every loader is set to `auto`" in text
+    for name in shipped:
+        workflow = json.loads((ROOT / "workflows" / "api" / f"{name}.json").read_text(encoding="utf-8"))
+        models = {k: v for node in workflow.values() if node["class_type"].startswith("MM3Load")
+                  and node["class_type"] != "MM3LoadAudioCodes" for k, v in node["inputs"].items() if "model" in k}
+        assert models and set(models.values()) == {"auto"}, (name, models)
