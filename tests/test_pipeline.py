@@ -182,3 +182,25 @@ def test_reference_rng_reproduces_diffusers_audio(tiny, one_thread, duration, st
     assert float((track.audio - ref[0]).abs().max()) <= 1e-5
     windows = 1 if ref.shape[-1] <= 352768 else 2
     assert windows == (1 if duration < 8 else 2) or track.codes.ended_naturally
+
+
+def test_demo_writes_the_tiny_model_once_and_says_where_the_song_is(tmp_path, capsys):
+    """`python -m mm3 demo`: the tiny model is written where its five components are not all
+    present (found by architecture, whatever the files are called), then a song is generated and
+    its path printed."""
+    from mm3.demo import has_model
+
+    folder = tmp_path / "demo"
+    args = ["demo", "--dir", str(folder), "--duration", "1", "--steps", "2", "--quiet"]
+    assert cli_main(args) == 0
+    captured = capsys.readouterr()
+    assert "wrote the tiny random-weight model" in captured.err
+    assert f"the song: {folder / 'song.mp3'}" in captured.out
+    assert has_model(folder) and (folder / "song.mp3").read_bytes()[:1] in (b"I", b"\xff")
+    assert json.loads((folder / "song.json").read_text())["audio_codes"]
+    for i, p in enumerate(sorted(folder.glob("*.gguf"))):  # other names: still the model, not rebuilt
+        p.rename(folder / f"renamed_{i}.gguf")
+    before = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.gguf")}
+    assert cli_main(args) == 0
+    assert "wrote the tiny" not in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("*.gguf")} == before
