@@ -16,7 +16,7 @@ from .progress import Cancelled, Progress
 
 CROP_LEFT_LATENTS = 86  # decoders.py _CROP_LEFT_LATENT: dropped at the start of windows 1..
 CROP_RIGHT_LATENTS = 258  # decoders.py _CROP_RIGHT_LATENT: dropped at the end of windows ..n-2
-TIMELINE_WINDOW_LATENTS = 690  # `decode_timeline`'s window: about the latents of a 200-frame (8 s) DiT window
+TIMELINE_WINDOW_LATENTS = 689  # `decode_timeline`'s window: the latents of a 200-frame (8 s) DiT window
 
 
 def as_stereo(wave: torch.Tensor) -> torch.Tensor:
