@@ -185,9 +185,10 @@ def load_latents(path) -> tuple[torch.Tensor, dict]:
             meta[key] = int(meta[key])
     except (KeyError, ValueError):
         raise InputError(f"{path}: metadata needs integer sample_rate, hop and length, got {meta}") from None
-    if latents.dim() != 2 or not latents.is_floating_point() or latents.shape[-1] != math.ceil(meta["length"] / meta["hop"]):
+    need = math.ceil(meta["length"] / meta["hop"])
+    if latents.dim() != 2 or not latents.is_floating_point() or latents.shape[-1] != need:
         raise InputError(f"{path}: latents {list(latents.shape)} {latents.dtype} do not cover length {meta['length']} "
-                         f"at hop {meta['hop']} (expected [C, {math.ceil(meta['length'] / meta['hop'])}] float)")
+                         f"at hop {meta['hop']} (expected [C, {need}] float)")
     return latents.float(), meta
 
 

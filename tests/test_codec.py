@@ -18,6 +18,7 @@ from mm3.fingerprint import file_fingerprint
 from mm3.models import build_model
 
 RATE = 44100
+CPU = ["--device", "cpu"]  # compared with the CPU engine calls, bit for bit
 
 
 def write_wav(path, x: np.ndarray, rate: int = RATE):
@@ -80,7 +81,7 @@ def test_latents_equal_the_nodes_encode(models, tmp_path):
     for name, (x, rate) in cases.items():
         write_wav(tmp_path / name, x, rate)
         out = tmp_path / (name + ".safetensors")
-        assert main(["encode", str(tmp_path / name), str(out), "--models", str(models), "--quiet"]) == 0
+        assert main(["encode", str(tmp_path / name), str(out), "--models", str(models), "--quiet", *CPU]) == 0
         latents, meta = load_latents(out)
         length = math.ceil(x.shape[-1] * RATE / rate)
         assert meta["sample_rate"] == RATE and meta["length"] == length and meta["hop"] == 512
@@ -107,8 +108,9 @@ def test_decode_keeps_length_and_channel_order(models, tmp_path):
     for name, pair in {"left": [x, 0 * x], "right": [0 * x, x]}.items():
         write_wav(tmp_path / f"{name}.wav", np.stack(pair))
         lat = tmp_path / f"{name}.safetensors"
-        assert main(["encode", str(tmp_path / f"{name}.wav"), str(lat), "--models", str(models), "--quiet"]) == 0
-        assert main(["decode", str(lat), str(tmp_path / f"{name}_out.wav"), "--models", str(models), "--quiet"]) == 0
+        assert main(["encode", str(tmp_path / f"{name}.wav"), str(lat), "--models", str(models), "--quiet", *CPU]) == 0
+        decoded = tmp_path / f"{name}_out.wav"
+        assert main(["decode", str(lat), str(decoded), "--models", str(models), "--quiet", *CPU]) == 0
         outs[name], rate = read_float_wav(tmp_path / f"{name}_out.wav")
         assert rate == RATE and outs[name].shape == (2, n)
     np.testing.assert_array_equal(outs["left"][::-1], outs["right"])
@@ -159,11 +161,11 @@ def test_decode_refuses_other_files_and_warns_of_another_vocoder(models, decoder
     assert "not an MM3 latents file" in capsys.readouterr().err
     write_wav(tmp_path / "a.wav", tone(0.2)[None])
     lat = tmp_path / "a.safetensors"
-    assert main(["encode", str(tmp_path / "a.wav"), str(lat), "--models", str(models), "--quiet"]) == 0
+    assert main(["encode", str(tmp_path / "a.wav"), str(lat), "--models", str(models), "--quiet", *CPU]) == 0
     assert main(["decode", str(lat), str(tmp_path / "a.mp3"), "--models", str(models)]) == 2
     assert "should end in .wav" in capsys.readouterr().err
     # the decoder-only file has the same decoder weights but another fingerprint: a warning, not a refusal
-    assert main(["decode", str(lat), str(tmp_path / "a_out.wav"), "--models", str(decoder_only), "--quiet"]) == 0
+    assert main(["decode", str(lat), str(tmp_path / "a_out.wav"), "--models", str(decoder_only), "--quiet", *CPU]) == 0
     assert "was encoded with" in capsys.readouterr().err
 
 
@@ -176,7 +178,7 @@ def test_encode_reads_mp3_as_comfyui_does(models, tmp_path):
 
     (tmp_path / "a.mp3").write_bytes(mp3_bytes(np.stack([tone(0.5), 0 * tone(0.5)])))
     out = tmp_path / "a.safetensors"
-    assert main(["encode", str(tmp_path / "a.mp3"), str(out), "--models", str(models), "--quiet"]) == 0
+    assert main(["encode", str(tmp_path / "a.mp3"), str(out), "--models", str(models), "--quiet", *CPU]) == 0
     latents, meta = load_latents(out)
     wave_, rate = read_audio(tmp_path / "a.mp3")
     assert rate == RATE and wave_.shape[0] == 2 and meta["length"] == wave_.shape[-1] >= int(0.5 * RATE)

@@ -413,7 +413,8 @@ def test_vocoder_encode_of_a_recording_feeds_repaint(comfy):
         w.writeframes(np.round(x.T * 32767).astype("<i2").tobytes())
     wf = tiny_workflow(comfy, "repaint_range", fmt="wav16", **{"12": {"filename_prefix": "mm3/from_recording"}})
     wf["20"] = {"class_type": "LoadAudio", "inputs": {"audio": "mm3_recording.wav"}}
-    wf["21"] = {"class_type": "MM3VocoderEncode", "inputs": {"vae": ["1", 4], "audio": ["20", 0], "condition": ["4", 0]}}
+    wf["21"] = {"class_type": "MM3VocoderEncode",
+                "inputs": {"vae": ["1", 4], "audio": ["20", 0], "condition": ["4", 0]}}
     wf["9"]["inputs"]["source"] = ["21", 0]
     entry, events = run(comfy, wf)
     assert "21" in executed_nodes(events)

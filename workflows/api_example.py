@@ -2,14 +2,16 @@
 
 Posts an API-format workflow to /prompt, waits for it on /history/{prompt_id}, then downloads
 every file the workflow's output nodes wrote through /view (audio, the replay JSON beside each song,
-codes files). The warnings the nodes showed (a caption without the trained format's headings, a
-model file that differs from the one that made a song) are printed on stderr. Common settings have flags; the model files are picked by component (--lm, --depth,
---cond, --dit, --vae: a file name in models/mm3, or auto); any other input is set with
---set NODE.INPUT=VALUE (VALUE is JSON, or a plain string).
+codes files), and prints on stderr the warnings the nodes showed (a caption without the trained
+format's headings, a model file other than the one that made a song). Common settings have flags;
+the model files are picked by component (--lm, --depth, --cond, --dit, --vae: a file name in
+models/mm3, or auto); any other input is set with --set NODE.INPUT=VALUE (VALUE is JSON, or a
+plain string).
 
     python workflows/api_example.py --server http://127.0.0.1:8188 \
-        --caption "Basic Attributes: bpm is 100. Dreamy synth-pop, female vocal." --lyrics-file lyrics.txt \
-        --duration 90 --lm-seed 7 --seed 1 --lm MiniMax-Music3-language_model-Q8_0.gguf --out songs/
+        --caption "Basic Attributes: bpm is 100. Dreamy synth-pop, female vocal." \
+        --lyrics-file lyrics.txt --duration 90 --lm-seed 7 --seed 1 \
+        --lm MiniMax-Music3-language_model-Q8_0.gguf --out songs/
 """
 
 from __future__ import annotations
