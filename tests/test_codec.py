@@ -184,3 +184,16 @@ def test_encode_reads_mp3_as_comfyui_does(models, tmp_path):
     assert rate == RATE and wave_.shape[0] == 2 and meta["length"] == wave_.shape[-1] >= int(0.5 * RATE)
     voc, _ = vocoder(models)
     assert torch.equal(latents, encode_audio(voc, wave_, rate)[0])
+
+
+def test_auto_encodes_with_a_file_that_carries_the_encoder(models, decoder_only, tmp_path):
+    """`--vocoder auto` for encode chooses among the vocoder files with the encoder, even where a
+    decoder-only file of the same precision comes first."""
+    folder = tmp_path / "both"
+    folder.mkdir()
+    shutil.copy(next(decoder_only.glob("*.gguf")), folder / "a_decoder_only.gguf")
+    shutil.copy(next(models.glob("*.gguf")), folder / "b_with_encoder.gguf")
+    write_wav(tmp_path / "a.wav", tone(0.2)[None])
+    out = tmp_path / "a.safetensors"
+    assert main(["encode", str(tmp_path / "a.wav"), str(out), "--models", str(folder), "--quiet", *CPU]) == 0
+    assert load_latents(out)[1]["vocoder"] == "b_with_encoder.gguf"
