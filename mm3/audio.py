@@ -3,7 +3,9 @@
 Decoding follows diffusers 0.42.1 `decoders.py`: each window is decoded whole, then the samples of
 the first 86 latents are dropped from every window but the first and those of the last 258 from
 every window but the last (hop = 512 samples per latent), the pieces are concatenated and clamped
-to [-1, 1]. The result is planar stereo float32 at the vocoder's rate (44100 Hz).
+to [-1, 1]. The result is planar stereo float32 at the vocoder's rate (44100 Hz). A latent timeline
+of any length (an encoded recording) is decoded the same way, in windows of the reference's size
+(`decode_timeline`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ from .progress import Cancelled, Progress
 
 CROP_LEFT_LATENTS = 86  # decoders.py _CROP_LEFT_LATENT: dropped at the start of windows 1..
 CROP_RIGHT_LATENTS = 258  # decoders.py _CROP_RIGHT_LATENT: dropped at the end of windows ..n-2
+TIMELINE_WINDOW_LATENTS = 689  # `decode_timeline`'s window: the latents of a 200-frame (8 s) DiT window
+
+
+def as_stereo(wave: torch.Tensor) -> torch.Tensor:
+    """[C, T] -> [2, T]: mono is doubled; more than two channels is an error."""
+    if wave.dim() != 2 or wave.shape[0] not in (1, 2):
+        raise ValueError(f"expected mono or stereo audio [1 or 2, T], got shape {list(wave.shape)}")
+    return wave.expand(2, -1) if wave.shape[0] == 1 else wave
+
+
+def resampled_length(samples: int, sample_rate: int, target_rate: int) -> int:
+    """Samples that `encode_audio`'s resampling (torchaudio's) makes of `samples` at `sample_rate`."""
+    return samples if sample_rate == target_rate else -(-samples * target_rate // sample_rate)
 
 
 def stitch(waves: list[torch.Tensor], hop: int) -> torch.Tensor:
@@ -68,6 +83,30 @@ def decode_windows(vocoder, windows: list[torch.Tensor], *, hop: int | None = No
         waves.append(out.reshape(b, 2, -1).float())
         progress.on_progress("vae", k + 1, len(windows), {"window": k, "windows": len(windows)})
     return waves
+
+
+def timeline_windows(total: int, window: int = TIMELINE_WINDOW_LATENTS) -> list[int]:
+    """Latent lengths of windows of at most `window` latents whose stitch covers a timeline of
+    `total` latents exactly (`mm3.flow.window_offsets`: neighbours share the 344 latents the stitch
+    crops, 258 at the end of one and 86 at the start of the next)."""
+    overlap = CROP_LEFT_LATENTS + CROP_RIGHT_LATENTS
+    if total < 1 or window <= overlap:
+        raise ValueError(f"need at least one latent and a window over {overlap} latents, got {total}, {window}")
+    if total <= window:
+        return [total]
+    full = -(-(total - window) // (window - overlap))  # whole windows before the last one
+    return [window] * full + [total - full * (window - overlap)]
+
+
+@torch.no_grad()
+def decode_timeline(vocoder, latents: torch.Tensor, *, window: int = TIMELINE_WINDOW_LATENTS, device=None,
+                    progress: Progress | None = None) -> torch.Tensor:
+    """Latents on one timeline [B, C, T] (`encode_audio`'s) -> audio [B, 2, hop * T] float32 in
+    [-1, 1]: split into windows (`timeline_windows`), each decoded whole and stitched as a song's."""
+    from .flow import split_timeline
+
+    windows = split_timeline(latents, timeline_windows(latents.shape[-1], window))
+    return stitch(decode_windows(vocoder, windows, device=device, progress=progress), vocoder.hop)
 
 
 @torch.no_grad()

@@ -71,9 +71,10 @@ class ComponentHandle:
         return self.component().hparams
 
     def model(self) -> torch.nn.Module:
-        """The engine model (the CLI's builder, fast numerics), on the CPU over the file's mapping."""
+        """The engine model (the CLI's builder, fast numerics), on the CPU over the file's mapping; a
+        vocoder with its encoder when the file carries one (MM3 Vocoder Encode needs it)."""
         if self._model is None:
-            self._model = build_model(self.component())
+            self._model = build_model(self.component(), with_encoder=None if self.kind == "vae" else False)
         return self._model
 
     @property

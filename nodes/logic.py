@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mm3.ar import PlanSettings, replay
-from mm3.audio import decode_windows, encode_audio, stitch
+from mm3.audio import as_stereo, decode_windows, encode_audio, stitch
 from mm3.codes import AudioCodes, parse_audio_codes
 from mm3.components import check_compatible
 from mm3.constants import MAX_PROMPT_TOKENS
@@ -274,14 +274,6 @@ def stitch_audio(windows: WindowsBundle) -> dict:
     item's replay request for Save Song."""
     return {"waveform": stitch(windows.waves, windows.hop).contiguous(), "sample_rate": windows.sample_rate,
             AUDIO_REQUESTS_KEY: [r.to_dict() for r in windows.replay_requests()]}
-
-
-def as_stereo(wave: torch.Tensor) -> torch.Tensor:
-    """[C, T] -> [2, T]: mono is doubled; more than two channels is an error."""
-    if wave.dim() != 2 or wave.shape[0] not in (1, 2):
-        raise ValueError(f"Save Song writes stereo: got an audio item of shape {list(wave.shape)}, "
-                         "expected [1 or 2, T]")
-    return wave.expand(2, -1) if wave.shape[0] == 1 else wave
 
 
 def write_track(path: Path, wave: torch.Tensor, sample_rate: int, fmt: str, *, mp3_bitrate: int, peak_clip: int,

@@ -383,8 +383,10 @@ def test_variations_workflow_through_api_example(comfy, tmp_path):
     path.write_text(json.dumps(wf))
     out = subprocess.run([sys.executable, str(ROOT / "workflows" / "api_example.py"), "--server", comfy.url,
                           "--workflow", str(path), "--out", str(tmp_path / "out"), "--lm-seed", "3", "--seed", "40",
+                          "--caption", "Dreamy synth-pop, female vocal, 100 BPM",  # none of the format's headings
                           "--timeout", "120"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr + comfy.log_tail()
+    assert "warning: node 6 (MM3PromptAssemble): the caption has none of the headings" in out.stderr, out.stderr
     wavs = sorted((tmp_path / "out").glob("*.wav"))
     flacs = sorted((tmp_path / "out").glob("*.flac"))
     jsons = sorted((tmp_path / "out").glob("*.json"))
@@ -404,6 +406,31 @@ def test_variations_workflow_through_api_example(comfy, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "(MM3ARPlan): " in out.stderr and "duration" in out.stderr, out.stderr
     assert "{" not in out.stderr, out.stderr  # no raw JSON dump
+
+
+@needs_comfy
+def test_vocoder_encode_of_a_recording_feeds_repaint(comfy):
+    """A recording through ComfyUI's Load Audio and MM3 Vocoder Encode is the kept part of a repaint
+    (the vocoder file carries its encoder; the node builds it)."""
+    import numpy as np
+
+    t = np.arange(int(1.2 * 44100)) / 44100
+    x = np.stack([0.5 * np.sin(2 * np.pi * 440 * t), 0.3 * np.sin(2 * np.pi * 660 * t)])
+    with wave.open(str(comfy.base / "input" / "mm3_recording.wav"), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(44100)
+        w.writeframes(np.round(x.T * 32767).astype("<i2").tobytes())
+    wf = tiny_workflow(comfy, "repaint_range", fmt="wav16", **{"12": {"filename_prefix": "mm3/from_recording"}})
+    wf["20"] = {"class_type": "LoadAudio", "inputs": {"audio": "mm3_recording.wav"}}
+    wf["21"] = {"class_type": "MM3VocoderEncode",
+                "inputs": {"vae": ["1", 4], "audio": ["20", 0], "condition": ["4", 0]}}
+    wf["9"]["inputs"]["source"] = ["21", 0]
+    entry, events = run(comfy, wf)
+    assert "21" in executed_nodes(events)
+    out = audio_entries(entry, "12")[0]
+    data = (comfy.base / "output" / out["subfolder"] / out["filename"]).read_bytes()
+    assert read_wav(data)[:3] == (2, 44100, 16)
 
 
 @needs_comfy

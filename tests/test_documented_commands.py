@@ -153,7 +153,7 @@ def parse_error(command: str, full: bool) -> str | None:
         return None
     main = _main_of(program)
     if main is None:
-        return None  # a script without a parser: it existing is all there is to check
+        return f"{program} has no main(argv) with an argument parser to check the command against"
     args = words[3:] if words[1] == "-m" else words[2:]
     for argv in ([args] if full else _alternatives(args)):
         err = io.StringIO()
@@ -200,6 +200,79 @@ def test_documented_command_parses(where, command, full):
     ("python -m mm3 generate --models m --out x.wav --no-such-flag", True),
     ("python -m mm3 frobnicate", False),
     ("python -m mm3 generate --models m", True),
+    ("python tests/helpers/comfy_lowvram_check.py COMFYUI_PATH", True),  # a required argument left out
+    ("python -m mm3.registry", True),  # a module without a command line
 ])
 def test_bad_commands_are_caught(command, full):
     assert parse_error(command, full) is not None
+
+
+def _api_example():
+    spec = importlib.util.spec_from_file_location("doc_api_example", ROOT / "workflows" / "api_example.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_example_shows_the_nodes_warnings():
+    """The warning MM3 Prompt shows for a caption without the format's headings reaches the
+    script's user, naming the node; other text stays out."""
+    from mm3.captions import caption_warning
+
+    warning = caption_warning("Dreamy synth-pop, female vocal, 100 BPM")
+    workflow = {"2": {"class_type": "MM3PromptAssemble"}, "3": {"class_type": "MM3ARPlan"}}
+    entry = {"outputs": {"2": {"text": [f"12 / 5000 prompt tokens\nwarning: {warning}\n\ncaption (cleaned):\nx"]},
+                         "3": {"text": ["250 frames"]}, "8": {"audio": [{"filename": "a.mp3"}]}}}
+    assert _api_example().node_warnings(entry, workflow) == [f"warning: node 2 (MM3PromptAssemble): {warning}"]
+
+
+def test_documented_example_captions_have_the_format_headings():
+    """The captions the READMEs and the script's help pass with --caption draw no format warning."""
+    from mm3.captions import caption_warning
+
+    captions = [shlex.split(c)[shlex.split(c).index("--caption") + 1] for _, c, _ in COMMANDS if "--caption" in c]
+    assert captions
+    for caption in captions:
+        assert caption_warning(caption) is None, caption
+
+
+def test_workflows_readme_lists_every_workflow_and_its_loaders_are_auto():
+    """workflows/README.md has one table row per shipped workflow, and its word that every loader
+    is `auto` holds for every API file."""
+    text = (ROOT / "workflows" / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\w+)` \|", text, re.M)
+    shipped = sorted(p.stem for p in (ROOT / "workflows" / "api").glob("*.json"))
+    assert sorted(rows) == shipped and len(shipped) == 6
+    assert "Every loader is set to `auto`" in text
+    for name in shipped:
+        workflow = json.loads((ROOT / "workflows" / "api" / f"{name}.json").read_text(encoding="utf-8"))
+        models = {k: v for node in workflow.values() if node["class_type"].startswith("MM3Load")
+                  and node["class_type"] != "MM3LoadAudioCodes" for k, v in node["inputs"].items() if "model" in k}
+        assert models and set(models.values()) == {"auto"}, (name, models)
+
+
+@pytest.mark.parametrize("script,extra", [("tests/setup_and_run.sh", ["-m", "not slow"]),
+                                          (".ci/run", [])])
+def test_one_command_installs_and_runs_the_suite(script, extra, tmp_path):
+    """The README's test setup is one command; CI runs the same script (printing the slowest 25
+    tests). Run with a `python` that records its arguments: the test requirements and torchaudio
+    are installed, then pytest runs with the given arguments."""
+    import os
+    import subprocess
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Run the tests"):]
+    section = section[:section.index("\n## ", 3)]
+    assert re.findall(r"```bash\n(.*?)```", section, re.S)[0] == "bash tests/setup_and_run.sh\n"
+    log = tmp_path / "calls"
+    shim = tmp_path / "bin" / "python"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    shim.chmod(0o755)
+    env = dict(os.environ, PATH=f"{shim.parent}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(["bash", str(ROOT / script), *extra], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    assert len(calls) == 3 and "-r requirements-test.txt" in calls[0] and "--no-deps torchaudio==" in calls[1]
+    assert calls[2] == " ".join(["-m", "pytest", *(["--durations=25"] if script == ".ci/run" else []), *extra])

@@ -35,15 +35,15 @@ def generate(tiny, out, *extra):
 
 def test_generate_then_render_reproduces_bit_for_bit(tiny, tmp_path):
     out = tmp_path / "song.wav"
-    assert generate(tiny, out, "--duration", "10", "--steps", "4", "--seed", "11", "--lm-seed", "3") == 0
+    # --min-duration 10: the song may not end before the 10 s cap, so it has exactly 250 frames
+    assert generate(tiny, out, "--duration", "10", "--min-duration", "10", "--steps", "4", "--seed", "11",
+                    "--lm-seed", "3") == 0
     channels, rate, frames, data = read_wav(out)
     assert (channels, rate) == (2, 44100)
     replay = json.loads((tmp_path / "song.json").read_text())
     assert replay["seed"] == 11 and replay["lm_seed"] == 3 and replay["output_format"] == "wav16"
-    n_frames = len(replay["audio_codes"].split(",")) // 8 - 1
-    assert n_frames == 250 or frames < 440832  # the tiny LM may end a song early
-    if n_frames == 250:
-        assert frames == 440832  # two windows: 431 + 430 latents x 512
+    assert len(replay["audio_codes"].split(",")) // 8 - 1 == 250
+    assert frames == 440832  # two windows (689 + 516 latents), of which 431 + 430 are kept, x 512
     again = tmp_path / "again.wav"
     assert cli_main(["render", "--models", str(tiny.gguf), "--request", str(tmp_path / "song.json"),
                      "--out", str(again), "--quiet"]) == 0
@@ -83,7 +83,19 @@ def test_corpus_request_renders(tiny_qwen3, tmp_path, corpus):
     path.write_text(json.dumps(data))
     assert cli_main(["generate", "--models", str(tiny.gguf), "--request", str(path),
                      "--out", str(tmp_path / "v.mp3"), "--quiet"]) == 0
-    assert (tmp_path / "v.mp3").stat().st_size > 0
+    replay = json.loads((tmp_path / "v.json").read_text())
+    assert (replay["caption"], replay["lyrics"], replay["output_format"]) == (data["caption"], data["lyrics"], "mp3")
+    frames = len(replay["audio_codes"].split(",")) // 8 - 1
+    assert 1 <= frames <= 12  # 0.5 s at 25 frames per second
+    from mm3.components import open_component
+    from mm3.models.cond import ConditionEncoder
+
+    samples = 512 * ConditionEncoder.load(open_component(tiny.file("mm3-cond"), "cond")).latent_length(frames)
+    miniaudio = pytest.importorskip("miniaudio")
+    dec = miniaudio.decode_file(str(tmp_path / "v.mp3"), output_format=miniaudio.SampleFormat.SIGNED16)
+    assert (dec.nchannels, dec.sample_rate) == (2, 44100)
+    assert samples <= dec.num_frames <= samples + 3 * 1152  # the song's samples plus the encoder's delay
+    assert max(abs(v) for v in dec.samples) > 0.9 * 32767  # peak-normalised, not silence
 
 
 def test_user_errors_are_clear_and_write_nothing(tiny, tmp_path, capsys):
@@ -190,3 +202,25 @@ def test_generate_with_auto_skips_a_truncated_file(tiny, tmp_path):
     skips = [line for line in run.stderr.splitlines() if bad.name in line]
     assert len(skips) == 1 and "skips" in skips[0] and "truncated: tensor" in skips[0] and good in skips[0], run.stderr
     assert json.loads(out.with_suffix(".json").read_text())["dit_model"] == good
+
+
+def test_demo_writes_the_tiny_model_once_and_says_where_the_song_is(tmp_path, capsys):
+    """`python -m mm3 demo`: the tiny model is written where its five components are not all
+    present (found by architecture, whatever the files are called), then a song is generated and
+    its path printed."""
+    from mm3.demo import has_model
+
+    folder = tmp_path / "demo"
+    args = ["demo", "--dir", str(folder), "--duration", "1", "--steps", "2", "--quiet"]
+    assert cli_main(args) == 0
+    captured = capsys.readouterr()
+    assert "wrote the tiny random-weight model" in captured.err
+    assert f"the song: {folder / 'song.mp3'}" in captured.out
+    assert has_model(folder) and (folder / "song.mp3").read_bytes()[:1] in (b"I", b"\xff")
+    assert json.loads((folder / "song.json").read_text())["audio_codes"]
+    for i, p in enumerate(sorted(folder.glob("*.gguf"))):  # other names: still the model, not rebuilt
+        p.rename(folder / f"renamed_{i}.gguf")
+    before = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.gguf")}
+    assert cli_main(args) == 0
+    assert "wrote the tiny" not in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("*.gguf")} == before

@@ -99,6 +99,26 @@ def test_windows_and_lengths_match_reference(ref, ours):
     assert [cond.latent_length(f) for f in (200, 150, 100)] == [689, 516, 344]
 
 
+def test_song_length_is_the_references_not_the_requested_duration(ref, ours):
+    """A 60 s request (1500 frames) gives 2649088 samples, 60.07 s, as the reference pipeline: it
+    never trims to the duration. Each 200-frame window holds int(200 * 3.4453) = 689 latents and
+    neighbours share 344, so a window adds 345 latents per 100 frames where 344.53 would be exact;
+    250 frames (10 s) come out 168 samples short for the same reason."""
+    from diffusers.modular_pipelines.minimax_music3 import decoders
+
+    width = ref.condition_encoder.config.num_condition_layers * ref.condition_encoder.config.condition_hidden_dim
+    hop = ref.condition_encoder.config.output_hop_length
+    for frames, samples in ((1500, 2649088), (250, 440832)):
+        bounds = window_bounds(frames)
+        theirs = [ref.condition_encoder(torch.zeros(1, e - s, width)).shape[1] for s, e in bounds]
+        n = len(theirs)  # the reference's decode step: crops of its own constants, then concatenation
+        kept = sum(L - (k > 0) * decoders._CROP_LEFT_LATENT - (k < n - 1) * decoders._CROP_RIGHT_LATENT
+                   for k, L in enumerate(theirs))
+        assert hop * kept == samples
+        assert stitched_length([ours[0].latent_length(e - s) for s, e in bounds], hop) == samples
+    assert 2649088 - 60 * 44100 == 3088
+
+
 def test_condition_per_window(case, ours):
     cond = ours[0]
     assert len(case["rec"].cond_calls) == len(case["starts"])

@@ -2,13 +2,16 @@
 
 Posts an API-format workflow to /prompt, waits for it on /history/{prompt_id}, then downloads
 every file the workflow's output nodes wrote through /view (audio, the replay JSON beside each song,
-codes files). Common settings have flags; the model files are picked by component (--lm, --depth,
---cond, --dit, --vae: a file name in models/mm3, or auto); any other input is set with
---set NODE.INPUT=VALUE (VALUE is JSON, or a plain string).
+codes files), and prints on stderr the warnings the nodes showed (a caption without the trained
+format's headings, a model file other than the one that made a song). Common settings have flags;
+the model files are picked by component (--lm, --depth, --cond, --dit, --vae: a file name in
+models/mm3, or auto); any other input is set with --set NODE.INPUT=VALUE (VALUE is JSON, or a
+plain string).
 
     python workflows/api_example.py --server http://127.0.0.1:8188 \
-        --caption "Dreamy synth-pop, female vocal, 100 BPM" --lyrics-file lyrics.txt \
-        --duration 90 --lm-seed 7 --seed 1 --lm MiniMax-Music3-language_model-Q8_0.gguf --out songs/
+        --caption "Basic Attributes: bpm is 100. Dreamy synth-pop, female vocal." \
+        --lyrics-file lyrics.txt --duration 90 --lm-seed 7 --seed 1 \
+        --lm MiniMax-Music3-language_model-Q8_0.gguf --out songs/
 """
 
 from __future__ import annotations
@@ -87,6 +90,18 @@ def refusal(text: str, workflow: dict) -> str:
     return "\n".join(lines)
 
 
+def node_warnings(entry: dict, workflow: dict) -> list[str]:
+    """The "warning: ..." lines of the text each node showed (its `text` output in /history)."""
+    found = []
+    for node_id, node_output in (entry.get("outputs") or {}).items():
+        cls = workflow.get(node_id, {}).get("class_type", "?")
+        for text in node_output.get("text", []):
+            for line in str(text).splitlines():
+                if line.startswith("warning: "):
+                    found.append(f"warning: node {node_id} ({cls}): {line[len('warning: '):]}")
+    return found
+
+
 def run(server: str, workflow: dict, out: Path, timeout: float) -> list[Path]:
     client_id = uuid.uuid4().hex
     try:
@@ -113,6 +128,8 @@ def run(server: str, workflow: dict, out: Path, timeout: float) -> list[Path]:
         if time.monotonic() > deadline:
             raise SystemExit(f"no result after {timeout:.0f} s (prompt {prompt_id} is still queued or running)")
         time.sleep(1.0)
+    for line in node_warnings(entry, workflow):
+        print(line, file=sys.stderr)
     written = []
     out.mkdir(parents=True, exist_ok=True)
     for node_output in entry["outputs"].values():

@@ -27,11 +27,11 @@ def _loader(kind: str):
     return cls.load
 
 
-def build_model(component: Component, *, numerics: str = "fast", with_encoder: bool = False) -> torch.nn.Module:
+def build_model(component: Component, *, numerics: str = "fast", with_encoder: bool | None = False) -> torch.nn.Module:
     """The engine model of an opened component, on the CPU with its weights still compressed (views
     of the file's mapping), in eval mode. `numerics` ("fast" or "reference", `mm3.models.lm`)
     applies to the LM and the depth decoder; `with_encoder` also builds the vocoder's encoder (audio
-    -> latents; generation only decodes).
+    -> latents; generation only decodes): True requires it, None when the file carries one.
 
     Every failure caused by the file is a `ComponentError` naming it: unsupported tensor types and
     implausible sizes are refused before anything is built, and what the model classes raise about

@@ -14,6 +14,7 @@ Run with ComfyUI's interpreter: python tests/helpers/comfy_lowvram_check.py COMF
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import json
@@ -23,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def main(comfy_path: str, models_dir: str) -> dict:
+def check(comfy_path: str, models_dir: str) -> dict:
     sys.path.insert(0, comfy_path)
     sys.path.append(str(ROOT))
     sys.argv = [sys.argv[0], "--cpu"]
@@ -100,5 +101,14 @@ def main(comfy_path: str, models_dir: str) -> dict:
     return out
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="ComfyUI's low-VRAM loading of the MM3 models, on the meta device")
+    parser.add_argument("comfy_path", metavar="COMFYUI_PATH", help="the ComfyUI checkout")
+    parser.add_argument("models_dir", metavar="MODELS_DIR", help="folder of the tiny GGUF files")
+    args = parser.parse_args(argv)
+    print(json.dumps(check(args.comfy_path, args.models_dir)))
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2])))
+    sys.exit(main())

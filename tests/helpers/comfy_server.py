@@ -256,7 +256,11 @@ def cached_nodes(events: list[dict]) -> list[str]:
     return [n for e in events if e["type"] == "execution_cached" for n in e["data"]["nodes"]]
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(description="Start a ComfyUI with this pack and the tiny models (COMFYUI_PATH, "
+                                         "COMFYUI_PYTHON) and print its URL").parse_args(argv)
     server = ComfyServer(os.environ["COMFYUI_PATH"], os.environ.get("COMFYUI_PYTHON")).start()
     print(f"{server.url} (base {server.base}); Ctrl-C stops it", flush=True)
     try:
@@ -265,3 +269,8 @@ if __name__ == "__main__":
         pass
     finally:
         server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
