@@ -221,7 +221,7 @@ def test_typing_lyrics_updates_the_token_count(editor, comfy):
         return n.widgets.find((w) => w.name === "mm3_info")?.value ?? ""; }"""
     editor.page.wait_for_function(f"({read})().includes('prompt tokens')", timeout=20000)
     before = editor.page.evaluate(read)
-    box = editor.page.locator("textarea[placeholder=lyrics]").first
+    box = editor.page.locator("textarea[placeholder^="Lyrics:"]").first
     box.click()
     box.press("Control+End")
     box.type("\nand a new line of lyrics that adds some tokens")

@@ -258,6 +258,69 @@ def test_web_extension_shows_node_text(tmp_path):
     assert got["calls"][-1] == ["/mm3/tokens", "lm-q8.gguf"] and got["tab"] == ["mm3-models"]
 
 
+JS_UPGRADE = """globalThis.document = { createElement: () => ({ style: {} }) };
+const { app } = await import("./scripts/app.js");
+const { upgradeWorkflow } = await import("./extensions/pack/mm3.js");
+const ext = app.extensions[0];
+const old = (knobs) => ({ last_node_id: 4, last_link_id: 2, links: [[1, 1, 0, 3, 0, "MM3_LM"], [2, 2, 0, 3, 1, "X"]],
+  nodes: [{ id: 1, type: "A", outputs: [{ links: [1] }] }, { id: 2, type: "B", outputs: [{ links: [2] }] },
+    { id: 3, type: "MM3ARPlan", pos: [10, 20], size: [400, 300],
+      inputs: [{ name: "lm", link: 1 }, { name: "lm_top_k", link: null, widget: { name: "lm_top_k" } },
+               { name: "prior_codes", link: 2 }],
+      widgets_values: [120, 42, "fixed", 1.5, knobs.top_k ?? 50, 1, 4, true, knobs.rounds ?? 1, 30, 1, 1, "none",
+                       1.1, 320, 15] }] });
+const plain = upgradeWorkflow(old({}));
+const tuned = upgradeWorkflow(old({ top_k: 7, rounds: 2 }));
+// A seed widget with its control, on a node whose seed input is wired, then unwired.
+class Node { constructor() { const control = { name: "control_after_generate", value: "fixed" };
+  this.widgets = [{ name: "seed", value: 1, linkedWidgets: [control] }, control];
+  this.inputs = [{ name: "seed", widget: { name: "seed" }, link: 5 }]; } }
+await ext.beforeRegisterNodeDef(Node, { name: "MM3FlowSampler",
+  input: { required: { seed: ["INT", { control_after_generate: true }] } } });
+const node = new Node();
+node.onConfigure();
+const wired = node.widgets[1].hidden;
+node.inputs[0].link = null;
+node.onConnectionsChange();
+console.log(JSON.stringify({ plain, tuned, wired, unwired: node.widgets[1].hidden }));
+"""
+
+
+def test_web_extension_upgrades_old_plans_and_hides_wired_seed_controls(tmp_path):
+    """web/mm3.js (needs node.js): an editor workflow saved with the old AR Plan (16 widget values)
+    loads with the new AR Plan's values; knobs off their defaults come back on an MM3 Sampling
+    Options node wired into `options`; at the defaults no node is added. A seed's "control after
+    generate" is hidden while the seed is wired in, and shown again once it is not."""
+    import shutil
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node.js is not installed")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "extensions" / "pack").mkdir(parents=True)
+    (tmp_path / "scripts" / "app.js").write_text(JS_APP)
+    (tmp_path / "scripts" / "api.js").write_text(JS_API)
+    shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
+    (tmp_path / "package.json").write_text('{"type": "module"}')
+    (tmp_path / "harness.js").write_text(JS_UPGRADE)
+    out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    plan = [n for n in got["plain"]["nodes"] if n["type"] == "MM3ARPlan"][0]
+    assert plan["widgets_values"] == [120, 42, "fixed", 1.5, 1, 4, True, 30]
+    assert [i["name"] for i in plan["inputs"]] == ["lm", "prior_codes"]
+    assert got["plain"]["links"] == [[1, 1, 0, 3, 0, "MM3_LM"], [2, 2, 0, 3, 1, "X"]]  # prior_codes moved up
+    assert len(got["plain"]["nodes"]) == 3
+    options = [n for n in got["tuned"]["nodes"] if n["type"] == "MM3SamplingOptions"]
+    assert len(options) == 1 and options[0]["id"] == 5
+    assert options[0]["widgets_values"] == [7, 1, 1, "none", 1.1, 320, 15, 2]
+    plan = [n for n in got["tuned"]["nodes"] if n["type"] == "MM3ARPlan"][0]
+    assert plan["inputs"][-1] == {"name": "options", "type": "MM3_SAMPLING_OPTIONS", "link": 3}
+    assert got["tuned"]["links"][-1] == [3, 5, 0, 3, 2, "MM3_SAMPLING_OPTIONS"]
+    assert options[0]["outputs"][0]["links"] == [3] and got["tuned"]["last_link_id"] == 3
+    assert got["wired"] is True and got["unwired"] is False
+
+
 # -- part 2: a real ComfyUI ---------------------------------------------------------------------
 LOADER_INPUTS = ["model_name", "keep_loaded"]
 NODE_INPUTS = {  # node id -> its inputs in order
@@ -265,7 +328,9 @@ NODE_INPUTS = {  # node id -> its inputs in order
     "MM3LoadConditionEncoder": LOADER_INPUTS, "MM3LoadDiT": LOADER_INPUTS, "MM3LoadVocoder": LOADER_INPUTS,
     "MM3LoadModelSet": ["lm_model", "depth_model", "cond_model", "dit_model", "vae_model", "keep_loaded"],
     "MM3PromptAssemble": ["lm", "caption", "lyrics"],
-    "MM3ARPlan": ["lm", "depth", "prompt", "duration", "lm_seed", "lm_cfg", "lm_top_k", "songs"],
+    "MM3ARPlan": ["lm", "depth", "prompt", "duration", "lm_seed", "lm_cfg", "songs"],
+    "MM3SamplingOptions": ["lm_top_k", "lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength",
+                           "lm_penalty_window", "lm_dry_min_match", "ending_rounds"],
     "MM3ConditionEncode": ["cond", "codes"],
     "MM3FlowSampler": ["dit", "condition", "seed", "steps", "dit_cfg", "variations"],
     "MM3VocoderDecode": ["vae", "latents"], "MM3Stitch": ["windows"],
@@ -304,7 +369,10 @@ def test_object_info_lists_every_node(comfy):
     assert categories == {"MiniMax Music 3 (GGUF)"}
     plan = info["MM3ARPlan"]["input"]["required"]
     assert [plan[k][0] for k in ("lm", "depth", "prompt")] == ["MM3_LM", "MM3_DEPTH", "MM3_PROMPT"]
-    assert plan["lm_seed"][1]["control_after_generate"] and plan["lm_top_k"][1]["advanced"]
+    assert plan["lm_seed"][1]["control_after_generate"]
+    assert info["MM3ARPlan"]["input_order"]["optional"] == ["takes", "require_ending", "min_duration", "options",
+                                                            "prior_codes"]
+    assert info["MM3ARPlan"]["input"]["optional"]["options"][0] == info["MM3SamplingOptions"]["output"][0]
     assert info["MM3ARPlan"]["output"] == ["AUDIO_CODES"] and info["MM3ARPlan"]["output_is_list"] == [True]
     assert info["MM3FlowSampler"]["input"]["required"]["seed"][1]["control_after_generate"]
     assert info["MM3SaveSong"]["output_node"] and info["MM3LoadAudioCodes"]["output"] == [
@@ -317,6 +385,57 @@ def test_object_info_lists_every_node(comfy):
     for key, arch in SET_KEYS.items():
         assert info["MM3LoadModelSet"]["input"]["required"][key][1]["options"] == ["auto", comfy.files[arch]]
     assert f"/extensions/{'ComfyUI-MM3-GGUF'}/mm3.js" in comfy.get("/extensions")
+
+
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+@needs_comfy
+def test_every_widget_says_what_it_changes(comfy):
+    """Every widget of every MM3 node has a tooltip (hover text) of a sentence at least, and the
+    caption and lyrics boxes say what goes in them while empty."""
+    info = comfy.get("/object_info")
+    bare = []
+    for node, spec in info.items():
+        if not node.startswith("MM3"):
+            continue
+        for cat in ("required", "optional"):
+            for name, (typ, *rest) in spec["input"].get(cat, {}).items():
+                opts = rest[0] if rest else {}
+                widget = (isinstance(typ, list) or typ in WIDGET_TYPES) and not opts.get("forceInput")
+                if widget and len(opts.get("tooltip") or "") < 20:
+                    bare.append(f"{node}.{name}")
+    assert not bare, bare
+    assert NODE_IDS <= set(info)
+    prompt = info["MM3PromptAssemble"]["input"]["required"]
+    assert prompt["caption"][1]["placeholder"].startswith("Caption:"), prompt["caption"]
+    assert prompt["lyrics"][1]["placeholder"].startswith("Lyrics:"), prompt["lyrics"]
+
+
+@needs_comfy
+def test_sampling_options_and_old_prompts_that_set_them_on_ar_plan(comfy):
+    """MM3 Sampling Options changes the song; at its defaults it gives the song AR Plan gives without
+    it; an old API prompt that sets the knobs on AR Plan itself gives the song the options node does."""
+    info = comfy.get("/object_info")["MM3SamplingOptions"]["input"]["required"]
+    defaults = {k: spec[1]["default"] for k, spec in info.items()}
+    knobs = {"lm_top_k": 3, "lm_temperature": 1.6, "lm_penalty": "dry", "lm_penalty_strength": 1.15}
+
+    def song(wf) -> list[bytes]:
+        entry, _ = run(comfy, wf)
+        return [comfy.view(f) for f in audio_entries(entry, "8")]
+
+    def with_options(values: dict) -> dict:
+        wf = tiny_workflow(comfy, "text_to_song", fmt="wav32", **{"3": {"lm_seed": 77}})
+        wf["20"] = {"class_type": "MM3SamplingOptions", "inputs": {**defaults, **values}}
+        wf["3"]["inputs"]["options"] = ["20", 0]
+        return wf
+
+    plain = song(tiny_workflow(comfy, "text_to_song", fmt="wav32", **{"3": {"lm_seed": 77}}))
+    assert song(with_options({})) == plain
+    tuned = song(with_options(knobs))
+    assert tuned != plain
+    old = tiny_workflow(comfy, "text_to_song", fmt="wav32", **{"3": {"lm_seed": 77, **defaults, **knobs}})
+    assert song(old) == tuned
 
 
 @needs_comfy
