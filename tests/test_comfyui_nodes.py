@@ -321,6 +321,27 @@ def test_web_extension_upgrades_old_plans_and_hides_wired_seed_controls(tmp_path
     assert got["wired"] is True and got["unwired"] is False
 
 
+def test_shipped_workflows_fit_the_window_at_their_saved_view():
+    """Each editor workflow, opened at its saved view in a 1600 x 1000 window, shows every node (its
+    Note too) whole inside the part of the window the editor's bars leave free, at a scale where
+    the editor still draws text, without overlaps; more than five columns wrap onto a second row."""
+    from tests.helpers.comfy_workflows import BOTTOM, LEFT, RIGHT, TOP, WINDOW, boxes_on_screen
+
+    for path in sorted((ROOT / "workflows").glob("*.json")):
+        ui = json.loads(path.read_text())
+        assert ui["extra"]["ds"]["scale"] >= 0.6, path.name
+        boxes = boxes_on_screen(ui)
+        assert any(name.startswith("Note ") for name, _ in boxes), path.name
+        outside = [(name, [round(v) for v in b]) for name, b in boxes
+                   if b[0] < LEFT or b[1] < TOP or b[2] > WINDOW[0] - RIGHT or b[3] > WINDOW[1] - BOTTOM]
+        assert not outside, (path.name, outside)
+        for i, (a, p) in enumerate(boxes):
+            for b, q in boxes[i + 1:]:
+                assert not (p[0] < q[2] and q[0] < p[2] and p[1] < q[3] and q[1] < p[3]), (path.name, a, b)
+        first = min(n["pos"][1] + n["size"][1] for n in ui["nodes"] if n["type"].startswith("MM3Load"))
+        assert all(n["pos"][1] > first for n in ui["nodes"] if n["type"] == "MM3SaveSong"), path.name  # row 2
+
+
 # -- part 2: a real ComfyUI ---------------------------------------------------------------------
 LOADER_INPUTS = ["model_name", "keep_loaded"]
 NODE_INPUTS = {  # node id -> its inputs in order
