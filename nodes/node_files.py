@@ -87,8 +87,9 @@ class MM3LoadAudioCodes(io.ComfyNode):
                         "its codes by teacher forcing (no sampling). Also outputs the file's DiT settings.",
             inputs=[LM.Input("lm"), DEPTH.Input("depth"),
                     io.Combo.Input("codes_file", options=codes_files(),
-                                   tooltip="The saved song to render again: a replay JSON with audio_codes (written by Save Song or Save "
-                                           "Audio Codes; [output]: in the output folder). The list is read when the page loads."),
+                                   tooltip="The saved song to render again: a replay JSON with audio_codes (written "
+                                           "by Save Song or Save Audio Codes; [output]: in the output folder). The "
+                                           "list is read when the page loads."),
                     io.Combo.Input("model_check", options=list(logic.MODEL_CHECKS), default="warn",
                                    extra_dict=ADVANCED,
                                    tooltip="When a model file of this graph is not the one that made the song "

@@ -185,8 +185,9 @@ class MM3FlowSampler(io.ComfyNode):
                         "draws its noise from seed + j.",
             inputs=[
                 DIT.Input("dit"), CONDITION.Input("condition"),
-                *_sampling_inputs(0, "Picks the rendering of the planned song: another seed plays the same melody and words "
-                                     "with other sound detail. Variation j uses seed + j (the same on any device)."),
+                *_sampling_inputs(0, "Picks the rendering of the planned song: another seed plays the same melody "
+                                     "and words with other sound detail. Variation j uses seed + j (the same on any "
+                                     "device)."),
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )
@@ -249,12 +250,13 @@ class MM3Repaint(io.ComfyNode):
                                tooltip="Second where the part sung and played anew begins (0 up to the song's length); "
                                        "must be before end."),
                 io.Float.Input("end", default=20.0, min=0.0, max=MAX_DURATION, step=0.5, round=0.01,
-                               tooltip="Second where the part played anew ends (after start, at most the song's length)."),
+                               tooltip="Second where the part played anew ends (after start, at most the song's "
+                                       "length)."),
                 io.Float.Input("fade", default=DEFAULT_REPAINT_FADE, min=0.0, max=10.0, step=0.05,
                                tooltip="Seconds of crossfade inside each edge of the range, so the new part blends in; "
                                        "0.1-1 is safe, at most half the range."),
-                *_sampling_inputs(1, "Picks the new take of the repainted range: another seed, another rendering of those "
-                                     "seconds. Variation j uses seed + j."),
+                *_sampling_inputs(1, "Picks the new take of the repainted range: another seed, another rendering "
+                                     "of those seconds. Variation j uses seed + j."),
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )
