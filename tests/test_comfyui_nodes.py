@@ -342,6 +342,54 @@ def test_shipped_workflows_fit_the_window_at_their_saved_view():
         assert all(n["pos"][1] > first for n in ui["nodes"] if n["type"] == "MM3SaveSong"), path.name  # row 2
 
 
+JS_SIDEBAR = """class El { constructor(tag) { this.tag = tag; this.style = {}; this.children = []; this.textContent = ""; }
+  append(...c) { this.children.push(...c); } replaceChildren(...c) { this.children = c; }
+  insertRow() { const r = new El("tr"); this.children.push(r); return r; }
+  text() { return [this.textContent, ...this.children.map((c) => c.text())].filter(Boolean).join("\\n"); } }
+globalThis.document = { createElement: (tag) => new El(tag) };
+const { renderInventory } = await import("./extensions/pack/mm3.js");
+const bad = "MiniMax-Music3-vocoder-F32.gguf";
+const file = (name, state, problem = "") => ({ name, state, size: 4000, problem });
+const inv = { folders: ["/models/mm3"], free: 10e9,
+  components: { lm: [{ name: "tiny-lm.gguf", file_type: "F32", size: 3 * 1024 }], depth: [] },
+  unusable: [{ name: bad, problem: "truncated: tensor t needs bytes 0..9999" }],
+  sets: { native: [file(bad, "unusable", `${bad}: truncated: tensor t needs bytes 0..9999, expected mm3-vae`)],
+          light: [file(bad, "unusable", `${bad}: truncated: tensor t needs bytes 0..9999, expected mm3-vae`),
+                  file("MiniMax-Music3-transformer-Q4_K_M.gguf", "partial")] },
+  set_sizes: { native: { total: 28.6e9, to_fetch: 28.6e9 }, light: { total: 8.8e9, to_fetch: 4.2e9 } } };
+const root = new El("div");
+renderInventory(root, inv);
+console.log(JSON.stringify(root.text()));
+"""
+
+
+def test_web_sidebar_says_sizes_free_space_and_each_problem_once(tmp_path):
+    """The MM3 models sidebar (web/mm3.js, needs node.js): each set's published size and what is
+    left to download against the free space, a problem said once (later mentions point to it),
+    small files in KiB."""
+    import shutil
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node.js is not installed")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "extensions" / "pack").mkdir(parents=True)
+    (tmp_path / "scripts" / "app.js").write_text(JS_APP)
+    (tmp_path / "scripts" / "api.js").write_text(JS_API)
+    shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
+    (tmp_path / "package.json").write_text('{"type": "module"}')
+    (tmp_path / "harness.js").write_text(JS_SIDEBAR)
+    out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = json.loads(out.stdout)
+    assert text.count("truncated") == 1, text
+    assert "MiniMax-Music3-vocoder-F32.gguf: unusable (see above)" in text
+    assert "tiny-lm.gguf (F32, 3 KiB)" in text and "(4 KiB so far)" in text
+    assert "about 28.6 GB; to download: about 28.6 GB, 9.3 GiB free in /models/mm3: not enough space" in text
+    assert "about 8.8 GB; to download: about 4.2 GB, 9.3 GiB free in /models/mm3" in text
+    assert "Download the light set" in text
+
+
 # -- part 2: a real ComfyUI ---------------------------------------------------------------------
 LOADER_INPUTS = ["model_name", "keep_loaded"]
 NODE_INPUTS = {  # node id -> its inputs in order

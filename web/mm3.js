@@ -138,7 +138,9 @@ function dropInput(graph, node, index) {
   const gone = node.inputs[index].link;
   node.inputs.splice(index, 1);
   graph.links = (graph.links ?? []).filter((l) => !(Array.isArray(l) && l[0] === gone));
-  for (const n of graph.nodes) for (const o of n.outputs ?? []) o.links = o.links?.filter((id) => id !== gone) ?? o.links;
+  for (const n of graph.nodes) {
+    for (const o of n.outputs ?? []) if (o.links) o.links = o.links.filter((id) => id !== gone);
+  }
   for (const l of graph.links) if (Array.isArray(l) && l[3] === node.id && l[4] > index) l[4] -= 1;
 }
 
@@ -169,8 +171,14 @@ export function upgradeWorkflow(graph) {
 }
 
 // -- the model inventory sidebar ----------------------------------------------------------------
-function gib(bytes) {
-  return bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(1)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+export function gib(bytes) {
+  if (bytes >= 2 ** 30) return `${(bytes / 2 ** 30).toFixed(1)} GiB`;
+  if (bytes >= 2 ** 20) return `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+  return `${Math.max(1, Math.round(bytes / 2 ** 10))} KiB`;
+}
+
+function gb(bytes) { // the published sizes are decimal GB
+  return `${(bytes / 1e9).toFixed(1)} GB`;
 }
 
 function cell(tag, text, style = "") {
@@ -187,7 +195,7 @@ function toast(severity, summary, detail) {
 
 const STATE_TEXT = { present: "present", partial: "partly downloaded", missing: "missing", unusable: "unusable" };
 
-function renderInventory(root, inv) {
+export function renderInventory(root, inv) {
   root.replaceChildren();
   root.style.cssText = "padding: 8px; font-size: 13px; overflow-y: auto; height: 100%;";
   root.append(cell("h3", "MiniMax Music 3 models", "margin: 4px 0 8px;"));
@@ -204,8 +212,10 @@ function renderInventory(root, inv) {
     row.append(list);
   }
   root.append(table);
+  const said = new Map(); // each problem once: later mentions point back to it
   for (const f of inv.unusable) {
     root.append(cell("div", `unusable: ${f.name}: ${f.problem}`, "color: #f66;"));
+    said.set(f.name, "see above");
   }
   const dl = inv.download ?? { state: "idle" };
   root.append(cell("h4", "Published sets", "margin: 12px 0 4px;"));
@@ -215,9 +225,25 @@ function renderInventory(root, inv) {
     const complete = files.every((f) => f.state === "present");
     box.append(cell("div", `${set}${complete ? ": complete" : ""}`, "font-weight: 600;"));
     for (const f of files) {
-      const extra = f.state === "partial" ? ` (${gib(f.size)} so far)` : f.problem ? ` (${f.problem})` : "";
+      let extra = "";
+      if (f.state === "partial") extra = ` (${gib(f.size)} so far)`;
+      else if (f.problem && said.has(f.name)) extra = ` (${said.get(f.name)})`;
+      else if (f.problem) {
+        const problem = f.problem.startsWith(`${f.name}: `) ? f.problem.slice(f.name.length + 2) : f.problem;
+        extra = ` (${problem})`;
+        said.set(f.name, `see the ${set} set`);
+      }
       box.append(cell("div", `${f.name}: ${STATE_TEXT[f.state] ?? f.state}${extra}`,
                       f.state === "present" ? "opacity: 0.7;" : ""));
+    }
+    const size = inv.set_sizes?.[set];
+    if (size && !complete) {
+      const short = inv.free != null && size.to_fetch > inv.free;
+      const free = inv.free != null ? `, ${gib(inv.free)} free in ${inv.folders[0] ?? "the models folder"}` : "";
+      box.append(cell("div", `about ${gb(size.total)}; to download: about ${gb(size.to_fetch)}${free}` +
+                      (short ? ": not enough space" : ""), short ? "color: #f66;" : "opacity: 0.8;"));
+    } else if (size) {
+      box.append(cell("div", `about ${gb(size.total)}`, "opacity: 0.7;"));
     }
     if (!complete && dl.state !== "running") {
       const button = cell("button", `Download the ${set} set`, "margin-top: 4px;");
