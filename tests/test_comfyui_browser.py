@@ -125,7 +125,7 @@ class Editor:
         folder = os.environ.get("MM3_SCREENSHOTS")
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
-            self.page.mouse.move(1, 1)  # no hover highlight or tooltip
+            self.page.mouse.move(1592, 600)  # on the bare canvas: no hover highlight or tooltip
             self.page.wait_for_timeout(300)
             self.page.screenshot(path=str(Path(folder) / name))
 
@@ -272,7 +272,7 @@ def test_typing_lyrics_updates_the_token_count(editor, comfy):
         return n.widgets.find((w) => w.name === "mm3_info")?.value ?? ""; }"""
     editor.page.wait_for_function(f"({read})().includes('prompt tokens')", timeout=20000)
     before = editor.page.evaluate(read)
-    box = editor.page.locator("textarea[placeholder^="Lyrics:"]").first
+    box = editor.page.locator('textarea[placeholder^="Lyrics:"]').first
     box.click()
     box.press("Control+End")
     box.type("\nand a new line of lyrics that adds some tokens")
@@ -289,6 +289,8 @@ def test_model_sidebar_lists_the_components(editor, comfy):
     text = editor.page.inner_text("body")
     for title in ("Language model", "Depth decoder", "Condition encoder", "DiT", "Vocoder", "q8", "light", "native"):
         assert title in text, title
+    assert "about 28.6 GB; to download: about" in text and " GiB free in " in text, text  # before the click
+    assert " KiB)" in text and "(F32, 0.0 MiB)" not in text, text  # the tiny files' sizes
     folder = os.environ.get("MM3_SCREENSHOTS")
     if folder:  # the sidebar, not the canvas
         editor.page.screenshot(path=str(Path(folder) / "models_sidebar.png"), clip={"x": 0, "y": 0, "width": 900,
