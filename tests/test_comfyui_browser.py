@@ -289,7 +289,7 @@ def test_model_sidebar_lists_the_components(editor, comfy):
     text = editor.page.inner_text("body")
     for title in ("Language model", "Depth decoder", "Condition encoder", "DiT", "Vocoder", "q8", "light", "native"):
         assert title in text, title
-    assert "about 28.6 GB; to download: about" in text and " GiB free in " in text, text  # before the click
+    assert "about 28.6 GB; to download: about" in text and " GB free in " in text, text  # before the click
     assert " KiB)" in text and "(F32, 0.0 MiB)" not in text, text  # the tiny files' sizes
     folder = os.environ.get("MM3_SCREENSHOTS")
     if folder:  # the sidebar, not the canvas

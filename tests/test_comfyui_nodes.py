@@ -385,8 +385,8 @@ def test_web_sidebar_says_sizes_free_space_and_each_problem_once(tmp_path):
     assert text.count("truncated") == 1, text
     assert "MiniMax-Music3-vocoder-F32.gguf: unusable (see above)" in text
     assert "tiny-lm.gguf (F32, 3 KiB)" in text and "(4 KiB so far)" in text
-    assert "about 28.6 GB; to download: about 28.6 GB, 9.3 GiB free in /models/mm3: not enough space" in text
-    assert "about 8.8 GB; to download: about 4.2 GB, 9.3 GiB free in /models/mm3" in text
+    assert "about 28.6 GB; to download: about 28.6 GB, 10.0 GB free in /models/mm3: not enough space" in text
+    assert "about 8.8 GB; to download: about 4.2 GB, 10.0 GB free in /models/mm3" in text
     assert "Download the light set" in text
 
 

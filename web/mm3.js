@@ -161,7 +161,7 @@ export function upgradeWorkflow(graph) {
     const id = (graph.last_node_id = Math.max(graph.last_node_id ?? 0, ...graph.nodes.map((n) => +n.id || 0)) + 1);
     const link = (graph.last_link_id = (graph.last_link_id ?? 0) + 1);
     graph.nodes.push({ id, type: "MM3SamplingOptions", pos: [node.pos[0], node.pos[1] + (node.size?.[1] ?? 300) + 60],
-      size: [node.size?.[0] ?? 400, 290], flags: {}, order: node.order ?? 0, mode: 0, inputs: [],
+      size: [node.size?.[0] ?? 400, 320], flags: {}, order: node.order ?? 0, mode: 0, inputs: [],
       outputs: [{ name: "options", type: OPTIONS_TYPE, links: [link], slot_index: 0 }],
       properties: { "Node name for S&R": "MM3SamplingOptions" }, widgets_values: knobs.map((k) => value[k]) });
     node.inputs.push({ name: "options", type: OPTIONS_TYPE, link });
@@ -239,7 +239,7 @@ export function renderInventory(root, inv) {
     const size = inv.set_sizes?.[set];
     if (size && !complete) {
       const short = inv.free != null && size.to_fetch > inv.free;
-      const free = inv.free != null ? `, ${gib(inv.free)} free in ${inv.folders[0] ?? "the models folder"}` : "";
+      const free = inv.free != null ? `, ${gb(inv.free)} free in ${inv.folders[0] ?? "the models folder"}` : "";
       box.append(cell("div", `about ${gb(size.total)}; to download: about ${gb(size.to_fetch)}${free}` +
                       (short ? ": not enough space" : ""), short ? "color: #f66;" : "opacity: 0.8;"));
     } else if (size) {
