@@ -284,6 +284,7 @@ def test_typing_lyrics_updates_the_token_count(editor, comfy):
 
 @needs_comfy
 def test_model_sidebar_lists_the_components(editor, comfy):
+    editor.close_dialogs()  # a first visit opens the template browser over the side bar
     editor.page.locator(".mm3-models-tab-button").first.click()
     editor.page.wait_for_selector("text=MiniMax Music 3 models", timeout=20000)
     text = editor.page.inner_text("body")
