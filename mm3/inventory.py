@@ -10,6 +10,7 @@ The ComfyUI model panel shows this (`/mm3/inventory`); downloads go through
 from __future__ import annotations
 
 import os
+import shutil
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +18,11 @@ from pathlib import Path
 from .components import ARCH_OF, BY_FOLDER, KINDS, PUBLISHED_SIZES, kinds_of, matches_published, read_component
 from .registry import MODEL_SUFFIXES, bits_per_weight, file_problem
 from .tools.download import PART, SETS, published_name
+
+def published_bytes(component: str, file_type: str) -> int:
+    """About how many bytes the published file of `component` in `file_type` is (the rounded figure
+    the model's repository lists)."""
+    return round(PUBLISHED_SIZES[BY_FOLDER[component].kind, file_type])
 
 
 @dataclass
@@ -41,6 +47,7 @@ class SetFile:
     state: str  # "present", "partial" (a .part left by an interrupted download), "missing", "unusable"
     size: int = 0  # bytes on disk (for "partial": bytes downloaded so far)
     problem: str = ""
+    published: int = 0  # about how many bytes the published file is
 
 
 @dataclass
@@ -49,9 +56,24 @@ class Inventory:
     components: dict[str, list[LocalFile]] = field(default_factory=lambda: {k: [] for k in KINDS})
     unusable: list[LocalFile] = field(default_factory=list)
     sets: dict[str, list[SetFile]] = field(default_factory=dict)
+    free: int | None = None  # bytes free where a download goes (the first folder), None: unknown
 
     def complete_sets(self) -> list[str]:
         return [s for s, files in self.sets.items() if all(f.state == "present" for f in files)]
+
+    def set_sizes(self) -> dict[str, dict[str, int]]:
+        """Per set: about how many bytes its files are, and how many a download still fetches
+        (a partly downloaded file resumes; an unusable one is fetched again)."""
+        out = {}
+        for s, files in self.sets.items():
+            left = sum(0 if f.state == "present" else max(f.published - f.size, 0) if f.state == "partial"
+                       else f.published for f in files)
+            out[s] = {"total": sum(f.published for f in files), "to_fetch": left}
+        return out
+
+    def unusable_in_set(self, set_name: str) -> list[str]:
+        """The set's files that are there under their published names but cannot be used."""
+        return [f.name for f in self.sets.get(set_name, []) if f.state == "unusable"]
 
     def missing_kinds(self) -> list[str]:
         return [k for k in KINDS if not self.components[k]]
@@ -61,7 +83,19 @@ class Inventory:
                 "components": {k: [asdict(f) for f in v] for k, v in self.components.items()},
                 "unusable": [asdict(f) for f in self.unusable],
                 "sets": {s: [asdict(f) for f in v] for s, v in self.sets.items()},
-                "complete_sets": self.complete_sets(), "missing_kinds": self.missing_kinds()}
+                "complete_sets": self.complete_sets(), "missing_kinds": self.missing_kinds(),
+                "set_sizes": self.set_sizes(), "free": self.free}
+
+
+def free_bytes(folder: str | os.PathLike) -> int | None:
+    """Bytes free on the disk of `folder` (or of its nearest existing parent: a download creates it)."""
+    p = Path(folder).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
 
 
 def _describe(path: Path, folder: Path) -> list[LocalFile]:
@@ -118,10 +152,10 @@ def scan(*folders: str | os.PathLike, others: tuple = ()) -> Inventory:
         files = []
         for component, file_type in SETS[set_name].items():
             name, kind = published_name(component, file_type), BY_FOLDER[component].kind
-            f = by_base.get(name)
-            published = f is not None and f.file_type == file_type and matches_published(kind, file_type, f.size)
-            if f is not None and f.kind == kind and published:
-                files.append(SetFile(name, kind, "present", f.size))
+            f, published = by_base.get(name), published_bytes(component, file_type)
+            matches = f is not None and f.file_type == file_type and matches_published(kind, file_type, f.size)
+            if f is not None and f.kind == kind and matches:
+                files.append(SetFile(name, kind, "present", f.size, published=published))
             elif f is not None:
                 if f.kind != kind:
                     what = f"{ARCH_OF[f.kind]}, expected {ARCH_OF[kind]}" if f.kind else f.problem
@@ -130,10 +164,12 @@ def scan(*folders: str | os.PathLike, others: tuple = ()) -> Inventory:
                 else:
                     what = (f"{_size(f.size)}, the published file {_size(PUBLISHED_SIZES[kind, file_type])} "
                             "(not the published model)")
-                files.append(SetFile(name, kind, "unusable", f.size, f"{name}: {what}"))
+                files.append(SetFile(name, kind, "unusable", f.size, f"{name}: {what}", published))
             elif name in parts:
-                files.append(SetFile(name, kind, "partial", parts[name]))
+                files.append(SetFile(name, kind, "partial", parts[name], published=published))
             else:
-                files.append(SetFile(name, kind, "missing"))
+                files.append(SetFile(name, kind, "missing", published=published))
         inv.sets[set_name] = files
+    if folders:
+        inv.free = free_bytes(folders[0])
     return inv

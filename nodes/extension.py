@@ -6,13 +6,14 @@ import logging
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import comfy_models, routes
+from . import comfy_models, node_options, routes
 from .node_caption import NODES as CAPTION_NODES
 from .node_files import NODES as FILE_NODES
 from .node_loaders import NODES as LOADER_NODES
+from .node_options import NODES as OPTION_NODES
 from .node_stages import NODES as STAGE_NODES
 
-NODES: list[type[io.ComfyNode]] = LOADER_NODES + STAGE_NODES + FILE_NODES + CAPTION_NODES
+NODES: list[type[io.ComfyNode]] = LOADER_NODES + STAGE_NODES + OPTION_NODES + FILE_NODES + CAPTION_NODES
 
 
 class MM3Extension(ComfyExtension):
@@ -28,6 +29,7 @@ def extension() -> MM3Extension:
     if not _registered:
         comfy_models.register_model_folder()
         routes.add_routes()
+        node_options.add_prompt_upgrade()  # API prompts that set the moved knobs on AR Plan
         _registered = True
         logging.getLogger("mm3").info("MM3: %d nodes, models folder %s", len(NODES),
                                       comfy_models.folder_paths.get_folder_paths(comfy_models.FOLDER))

@@ -60,7 +60,11 @@ class MM3SaveAudioCodes(io.ComfyNode):
             node_id="MM3SaveAudioCodes", display_name="MM3 Save Audio Codes", category=CATEGORY,
             description="Writes the song's replay request (caption, lyrics, settings, seeds and audio_codes) as "
                         "JSON in the output folder; Load Audio Codes or the command line render it again.",
-            inputs=[AUDIO_CODES.Input("codes"), io.String.Input("filename_prefix", default="mm3/codes")],
+            inputs=[AUDIO_CODES.Input("codes"),
+                    io.String.Input("filename_prefix", default="mm3/codes",
+                                    tooltip="Where the plan is saved, under ComfyUI's output folder: mm3/codes "
+                                            "writes output/mm3/codes_00001_.json (numbered on). Folders are made "
+                                            "as needed.")],
             is_output_node=True,
         )
 
@@ -83,7 +87,9 @@ class MM3LoadAudioCodes(io.ComfyNode):
                         "its codes by teacher forcing (no sampling). Also outputs the file's DiT settings.",
             inputs=[LM.Input("lm"), DEPTH.Input("depth"),
                     io.Combo.Input("codes_file", options=codes_files(),
-                                   tooltip="JSON with audio_codes, e.g. written by Save Song or Save Audio Codes"),
+                                   tooltip="The saved song to render again: a replay JSON with audio_codes (written "
+                                           "by Save Song or Save Audio Codes; [output]: in the output folder). The "
+                                           "list is read when the page loads."),
                     io.Combo.Input("model_check", options=list(logic.MODEL_CHECKS), default="warn",
                                    extra_dict=ADVANCED,
                                    tooltip="When a model file of this graph is not the one that made the song "
@@ -131,12 +137,21 @@ class MM3SaveSong(io.ComfyNode):
                         "float raw) in the output folder; MM3 audio also gets its replay request JSON beside it.",
             inputs=[
                 io.Audio.Input("audio"),
-                io.String.Input("filename_prefix", default="mm3/song"),
-                io.Combo.Input("format", options=list(OUTPUT_FORMATS), default="mp3"),
+                io.String.Input("filename_prefix", default="mm3/song",
+                                tooltip="Where the song is saved, under ComfyUI's output folder: mm3/song writes "
+                                        "output/mm3/song_00001_.mp3 (numbered on) and its replay .json beside it. "
+                                        "Folders are made as needed; %batch_num% becomes the item's number."),
+                io.Combo.Input("format", options=list(OUTPUT_FORMATS), default="mp3",
+                               tooltip="mp3: small, for listening and sharing; wav16 / wav24: lossless, made as loud "
+                                       "as it goes without clipping; wav32: lossless float, the level as rendered "
+                                       "(for mixing)."),
                 io.Combo.Input("mp3_bitrate", options=[str(b) for b in MP3_BITRATES], default=str(DEFAULT_MP3_BITRATE),
-                               tooltip="kbps (MP3 only)"),
+                               tooltip=f"MP3 quality in kbit/s: {DEFAULT_MP3_BITRATE} is the default, 192-320 sounds "
+                                       "best, below 96 audibly worse. Ignored for WAV."),
                 io.Int.Input("peak_clip", default=DEFAULT_PEAK_CLIP, min=0, max=MAX_PEAK_CLIP, extra_dict=ADVANCED,
-                             tooltip="Parts per million of samples allowed to clip when normalising (not wav32)."),
+                             tooltip="How loud the file is made: samples per million allowed to clip when "
+                                     f"normalising. {DEFAULT_PEAK_CLIP} is the default (louder, inaudible clipping); "
+                                     "0 never clips; above 100 can crackle. Not for wav32."),
             ],
             is_output_node=True,
         )

@@ -22,7 +22,9 @@ SET_FIELDS = {k: s.request_field for k, s in COMPONENTS.items()}  # the request 
 
 def _file_input(kind: str, id: str) -> io.Combo.Input:
     return io.Combo.Input(id, options=[AUTO] + files_of(kind), default=AUTO,
-                          tooltip=f"{DESCRIPTIONS[kind]}: a GGUF in models/mm3 whose general.architecture is "
+                          tooltip=f"Which file plays this part of the model ({DESCRIPTIONS[kind]}): a larger, more "
+                                  "precise file sounds closest to the released model, a smaller one fits a smaller "
+                                  f"GPU; auto is right for most. A GGUF in models/mm3 whose general.architecture is "
                                   f"{ARCH_OF[kind]}, or a MiniMax Music 3 file of ComfyUI's own (text_encoders, "
                                   "diffusion_models, vae; recognised by its tensors) or of HOT-Step (files it cannot "
                                   "use are not listed); auto: a full-size model before a tiny one, the most precise "
@@ -32,8 +34,9 @@ def _file_input(kind: str, id: str) -> io.Combo.Input:
 def _keep_input() -> io.Boolean.Input:
     return io.Boolean.Input(
         "keep_loaded", default=False, extra_dict=ADVANCED,
-        tooltip="Keep this model resident while the other stage group runs. By default the AR models (LM, depth) "
-                "and the synthesis models (condition encoder, DiT, vocoder) are never resident together.")
+        tooltip="Keep this model resident while the other stage group runs: faster re-runs, more memory. By default "
+                "the AR models (LM, depth) and the synthesis models (condition encoder, DiT, vocoder) are never "
+                "resident together; leave it off unless the GPU holds both.")
 
 
 def _fingerprint(*pairs: tuple[str, str]):

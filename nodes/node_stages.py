@@ -14,7 +14,6 @@ from mm3.constants import (
     DEFAULT_DURATION,
     DEFAULT_LM_CFG,
     DEFAULT_STEPS,
-    DEFAULT_TOP_K,
     FRAME_RATE,
     MAX_AUDIO_FRAMES,
     MAX_DURATION,
@@ -22,17 +21,15 @@ from mm3.constants import (
     MAX_SONGS,
     MAX_VARIATIONS,
     SEED_MAX,
-    SEMANTIC_VOCAB_SIZE,
 )
 from mm3.ar import PlanSettings
 from mm3.flow import AUTO_SHIFT, MAX_SHIFT
 from mm3.request import DEFAULT_REPAINT_FADE
-from mm3.shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, MAX_TEMPERATURE, PENALTIES, Shaping
-from mm3.takes import MAX_ENDING_ROUNDS, MAX_TAKES, Takes
+from mm3.shaping import Shaping
+from mm3.takes import MAX_TAKES, Takes
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher, spare_bytes
 from .common import (
-    ADVANCED,
     AUDIO_CODES,
     AUDIO_WINDOWS,
     CATEGORY,
@@ -49,6 +46,7 @@ from .common import (
     show_warnings,
 )
 from .handles import ar_memory, dit_memory, dtype_bytes, vocoder_memory
+from .node_options import SAMPLING_OPTIONS, SamplingOptions
 from .validation import UNSET, out_of_range, plan_durations, prompt_texts, repaint_range, verdict
 
 # Seeds of song i / variation j are seed + i / seed + j and must stay in the request's 0..SEED_MAX.
@@ -71,9 +69,16 @@ class MM3PromptAssemble(io.ComfyNode):
             inputs=[
                 LM.Input("lm"),
                 io.String.Input("caption", multiline=True, default="",
-                                tooltip="Structured caption: genre, mood, instruments, vocals, tempo, key ..."),
+                                placeholder="Caption: what the song sounds like (genre, mood, tempo and key, "
+                                            "instruments, vocals), or wire in MM3 Caption Builder",
+                                tooltip="What the song sounds like: genre, mood, tempo and key, instruments, the "
+                                        "voice. The long structured layout (MM3 Caption Builder writes one) follows "
+                                        f"best. With the lyrics at most {MAX_PROMPT_TOKENS} tokens (counted below)."),
                 io.String.Input("lyrics", multiline=True, default="",
-                                tooltip="Lyrics with section tags such as [verse], [chorus]; ' ^ ' breaks a line."),
+                                placeholder="Lyrics: [verse], [chorus], [bridge] ... each on its own line, then the "
+                                            "sung lines; empty for an instrumental",
+                                tooltip="The words sung, in sections such as [intro], [verse], [chorus], [outro] (the "
+                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental."),
             ],
             outputs=[PROMPT.Output("prompt", display_name="prompt")],
         )
@@ -98,39 +103,32 @@ class MM3ARPlan(io.ComfyNode):
             inputs=[
                 LM.Input("lm"), DEPTH.Input("depth"), PROMPT.Input("prompt"),
                 io.Float.Input("duration", default=DEFAULT_DURATION, min=1.0 / FRAME_RATE, max=MAX_DURATION, step=1.0,
-                               round=0.01, tooltip="Longest song to plan, in seconds."),
+                               round=0.01, tooltip="Longest the song may be, in seconds (up to "
+                                                   f"{MAX_DURATION:g}); the model may end it sooner by itself. "
+                                                   "Planning time grows with it."),
                 io.Int.Input("lm_seed", default=0, min=0, max=LM_SEED_MAX, control_after_generate=True,
-                             tooltip="Seed of the AR sampling; song i of a batch uses lm_seed + i."),
+                             tooltip="Picks the song: the same seed and settings give the same melody, words and "
+                                     "arrangement, another seed another song. Song i of a batch uses lm_seed + i."),
                 io.Float.Input("lm_cfg", default=DEFAULT_LM_CFG, min=0.0, max=10.0, step=0.05,
-                               tooltip="Classifier-free guidance of the AR sampling."),
-                io.Int.Input("lm_top_k", default=DEFAULT_TOP_K, min=1, max=SEMANTIC_VOCAB_SIZE, extra_dict=ADVANCED,
-                             tooltip="Candidates per code (top-k sampling)."),
+                               tooltip="How closely the song follows the caption and lyrics (guidance of the plan). "
+                                       f"{DEFAULT_LM_CFG:g} is the model's own; 1-3 is safe, higher can sound forced, "
+                                       "1 follows them loosest."),
                 io.Int.Input("songs", default=1, min=1, max=MAX_SONGS,
-                             tooltip="Songs planned together (one list item each, lm_seed + i)."),
+                             tooltip=f"Different songs planned at once (1-{MAX_SONGS}), one list item each from "
+                                     "lm_seed + i; memory and time grow with it."),
                 # Beyond the reference; the defaults are the reference's draw.
                 io.Int.Input("takes", default=1, min=1, max=MAX_TAKES, optional=True,
-                             tooltip="Candidates per song (seeds lm_seed + n): those that ended by themselves are "
-                                     "kept first."),
+                             tooltip=f"Tries per song (1-{MAX_TAKES}, seeds lm_seed + n); the tries that ended by "
+                                     "themselves are kept first. Each try costs a plan's time; 2-4 is typical."),
                 io.Boolean.Input("require_ending", default=False, optional=True,
-                                 tooltip="Keep only takes that ended before the duration; plan more rounds if none did."),
-                io.Int.Input("ending_rounds", default=1, min=1, max=MAX_ENDING_ROUNDS, optional=True,
-                             extra_dict=ADVANCED, tooltip="Rounds of takes (at the next seeds) with require_ending."),
+                                 tooltip="Keep only tries that ended by themselves before the duration; plan more "
+                                         "rounds if none did (ending_rounds on MM3 Sampling Options)."),
                 io.Float.Input("min_duration", default=0.0, min=0.0, max=MAX_DURATION, step=1.0, round=0.01,
-                               optional=True, tooltip="Seconds before which the song may not end."),
-                io.Float.Input("lm_temperature", default=1.0, min=0.05, max=MAX_TEMPERATURE, step=0.05, optional=True,
-                               extra_dict=ADVANCED, tooltip="Temperature of the semantic draw (1 = the reference)."),
-                io.Float.Input("lm_top_p", default=1.0, min=0.01, max=1.0, step=0.01, optional=True,
-                               extra_dict=ADVANCED, tooltip="Nucleus over the top-k candidates (1 = off)."),
-                io.Combo.Input("lm_penalty", options=list(PENALTIES), default="none", optional=True,
-                               extra_dict=ADVANCED,
-                               tooltip="Repetition penalty of the semantic draw: dry pushes out verbatim loops."),
-                io.Float.Input("lm_penalty_strength", default=1.1, min=0.0, max=10.0, step=0.01, optional=True,
-                               extra_dict=ADVANCED,
-                               tooltip="dry: base of the penalty (1.05-1.15); frequency/presence: logit per repeat."),
-                io.Int.Input("lm_penalty_window", default=DEFAULT_PENALTY_WINDOW, min=1, max=MAX_AUDIO_FRAMES,
-                             optional=True, extra_dict=ADVANCED, tooltip="Frames the penalty looks back (25 per second)."),
-                io.Int.Input("lm_dry_min_match", default=DEFAULT_DRY_MIN_MATCH, min=1, max=MAX_AUDIO_FRAMES,
-                             optional=True, extra_dict=ADVANCED, tooltip="Shortest repeat (frames) dry penalises."),
+                               optional=True, tooltip="Seconds before which the song may not end (0 = any time); "
+                                                      "keep it well below the duration."),
+                SAMPLING_OPTIONS.Input("options", optional=True,
+                                       tooltip="Expert knobs from MM3 Sampling Options (top-k, temperature, "
+                                               "repetition penalty, ending rounds); unwired: the model's own."),
                 AUDIO_CODES.Input("prior_codes", optional=True,
                                   tooltip="Continue this song: its codes, then new frames up to the duration."),
             ],
@@ -143,20 +141,18 @@ class MM3ARPlan(io.ComfyNode):
                        plan_durations(duration, min_duration, prior_codes))
 
     @classmethod
-    def execute(cls, lm, depth, prompt, duration: float, lm_seed: int, lm_cfg: float, lm_top_k: int,
-                songs: int, takes: int = 1, require_ending: bool = False, ending_rounds: int = 1,
-                min_duration: float = 0.0, lm_temperature: float = 1.0, lm_top_p: float = 1.0,
-                lm_penalty: str = "none", lm_penalty_strength: float = 1.1,
-                lm_penalty_window: int = DEFAULT_PENALTY_WINDOW, lm_dry_min_match: int = DEFAULT_DRY_MIN_MATCH,
+    def execute(cls, lm, depth, prompt, duration: float, lm_seed: int, lm_cfg: float, songs: int, takes: int = 1,
+                require_ending: bool = False, min_duration: float = 0.0, options: SamplingOptions | None = None,
                 prior_codes=None) -> io.NodeOutput:
+        o = options or SamplingOptions()
         frames = min(int(duration * FRAME_RATE), MAX_AUDIO_FRAMES)
-        shaping = Shaping(temperature=lm_temperature, top_p=lm_top_p, penalty=lm_penalty,
-                          penalty_strength=lm_penalty_strength if lm_penalty != "none" else 0.0,
-                          penalty_window=lm_penalty_window, min_match=lm_dry_min_match,
+        shaping = Shaping(temperature=o.lm_temperature, top_p=o.lm_top_p, penalty=o.lm_penalty,
+                          penalty_strength=o.lm_penalty_strength if o.lm_penalty != "none" else 0.0,
+                          penalty_window=o.lm_penalty_window, min_match=o.lm_dry_min_match,
                           min_frames=int(min_duration * FRAME_RATE))
-        settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=lm_top_k, songs=songs,
+        settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=o.lm_top_k, songs=songs,
                                 shaping=shaping)
-        rounds = Takes(takes=takes, require_ending=require_ending, rounds=ending_rounds)
+        rounds = Takes(takes=takes, require_ending=require_ending, rounds=o.ending_rounds)
         with interruptible():
             device, dtype = _device_dtype(lm)
             batch = min(MAX_SONGS, songs * takes)
@@ -199,7 +195,9 @@ class MM3FlowSampler(io.ComfyNode):
                         "draws its noise from seed + j.",
             inputs=[
                 DIT.Input("dit"), CONDITION.Input("condition"),
-                *_sampling_inputs(0, "Noise seed; variation j uses seed + j (drawn on the CPU: same on any device)."),
+                *_sampling_inputs(0, "Picks the rendering of the planned song: another seed plays the same melody "
+                                     "and words with other sound detail. Variation j uses seed + j (the same on any "
+                                     "device)."),
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )
@@ -220,14 +218,20 @@ def _sampling_inputs(seed_default: int, seed_tooltip: str) -> list:
     return [
         io.Int.Input("seed", default=seed_default, min=0, max=DIT_SEED_MAX, control_after_generate=True,
                      tooltip=seed_tooltip),
-        io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=200),
+        io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=200,
+                     tooltip="Denoising steps: more gives cleaner detail and takes longer (time grows with the "
+                             f"steps). {DEFAULT_STEPS} is the model's own; 20-50 is safe, below 10 sounds thin."),
         io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=10.0, step=0.05,
-                       tooltip="Classifier-free guidance of the DiT (1 = conditional only)."),
+                       tooltip="How strongly the sound follows the plan and caption (guidance of the DiT; 1 = "
+                               f"conditional only). {DEFAULT_DIT_CFG:g} is the model's own; 1-3 is safe, higher "
+                               "can sound harsh."),
         io.Int.Input("variations", default=1, min=1, max=MAX_VARIATIONS,
-                     tooltip="Renderings of the same plan (a batch of audio)."),
+                     tooltip=f"Renderings of the same plan (1-{MAX_VARIATIONS}): the same song played again with "
+                             "other sound detail, one audio item each (seed + j)."),
         io.Float.Input("shift", default=AUTO_SHIFT, min=0.0, max=MAX_SHIFT, step=0.05, optional=True,
-                       tooltip="Flow schedule shift: 0 = automatic (29 / (steps - 1) below 30 steps, where few "
-                               "steps sound thin), 1 = off (the reference's schedule)."),
+                       tooltip="Where the denoising spends its steps (flow schedule shift): 0 = automatic (29 / "
+                               "(steps - 1) below 30 steps, where few steps sound thin), 1 = off (the reference's "
+                               f"schedule); up to {MAX_SHIFT:g}. Leave at 0 unless comparing with the reference."),
     ]
 
 
@@ -253,12 +257,16 @@ class MM3Repaint(io.ComfyNode):
                 LATENTS.Input("source", tooltip="The song's latents (Flow DiT Sampler, or MM3 Vocoder Encode of a "
                                                  "recording) for the same codes."),
                 io.Float.Input("start", default=10.0, min=0.0, max=MAX_DURATION, step=0.5, round=0.01,
-                               tooltip="First second to repaint."),
+                               tooltip="Second where the part sung and played anew begins (0 up to the song's length); "
+                                       "must be before end."),
                 io.Float.Input("end", default=20.0, min=0.0, max=MAX_DURATION, step=0.5, round=0.01,
-                               tooltip="Second where the repaint ends."),
+                               tooltip="Second where the part played anew ends (after start, at most the song's "
+                                       "length)."),
                 io.Float.Input("fade", default=DEFAULT_REPAINT_FADE, min=0.0, max=10.0, step=0.05,
-                               tooltip="Seconds of crossfade inside each edge of the range."),
-                *_sampling_inputs(1, "Noise seed of the repainted range; variation j uses seed + j."),
+                               tooltip="Seconds of crossfade inside each edge of the range, so the new part blends in; "
+                                       "0.1-1 is safe, at most half the range."),
+                *_sampling_inputs(1, "Picks the new take of the repainted range: another seed, another rendering "
+                                     "of those seconds. Variation j uses seed + j."),
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )

@@ -75,7 +75,7 @@ class Download:
 
         try:
             download_set(set_name, folder, progress=progress, log=lambda m: log.info("MM3 download: %s", m),
-                         should_stop=self.stop.is_set)
+                         should_stop=self.stop.is_set, replace=tuple(scan(folder).unusable_in_set(set_name)))
         except MM3Error as e:
             cancelled = self.stop.is_set()
             self._update(state="cancelled" if cancelled else "failed", error=str(e))

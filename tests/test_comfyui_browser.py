@@ -3,11 +3,13 @@ models/mm3, driven in headless Chromium through Playwright (the system's Chromiu
 `chromium` on the PATH; Playwright never downloads a browser here).
 
 Each shipped workflow is opened from the template browser's files and run without editing a widget;
-its nodes do not overlap and are wide enough for their widgets. Changing only the DiT seed re-runs
+it opens at its saved view with every node in sight in a 1600 x 1000 window, its nodes do not
+overlap and are wide enough for their widgets. Changing only the DiT seed re-runs
 the synthesis while AR Plan comes from ComfyUI's cache. Typing lyrics updates MM3 Prompt's token
 count before anything runs. The pack's script loads without a console error or warning, and every
-template has its thumbnail. With MM3_SCREENSHOTS=DIR the test also writes screenshots there (the
-README's) and with MM3_THUMBNAILS=DIR the templates' thumbnails.
+template has its thumbnail. With MM3_SCREENSHOTS=DIR the test also writes screenshots there (each
+workflow at its saved view after its run, and the sidebar: docs/images) and with MM3_THUMBNAILS=DIR
+the templates' thumbnails.
 """
 
 from __future__ import annotations
@@ -98,6 +100,35 @@ class Editor:
             id: n.id, type: n.type, pos: [...n.pos], size: [...n.size], need: [...n.computeSize()],
             widgets: (n.widgets || []).map((w) => [w.name, w.value]) }))""")
 
+    def view(self) -> dict:
+        return self.page.evaluate("() => ({ scale: window.app.canvas.ds.scale, offset: [...window.app.canvas.ds.offset] })")
+
+    def hidden_nodes(self) -> list[str]:
+        """Nodes not wholly in sight at the current view: a corner of the node (its title bar
+        included) off the window, or under something that is neither the canvas nor a node's own
+        widget (the editor's side bar, top bar, menus, minimap)."""
+        return self.page.evaluate("""() => { const c = window.app.canvas, s = c.ds.scale, [ox, oy] = c.ds.offset;
+            const r = c.canvas.getBoundingClientRect(), title = 30;
+            const seen = (x, y) => { if (x < 0 || y < 0 || x > innerWidth || y > innerHeight) return false;
+                const e = document.elementFromPoint(x, y);
+                return e === c.canvas || !!e?.closest?.(".dom-widget") || ["TEXTAREA", "AUDIO"].includes(e?.tagName); };
+            if (seen(10, innerHeight / 2)) return ["the side bar is not found over the canvas: check this test"];
+            return window.app.graph._nodes.flatMap((n) => {
+                const x0 = r.left + (n.pos[0] + ox) * s + 3, y0 = r.top + (n.pos[1] - title + oy) * s + 3;
+                const x1 = r.left + (n.pos[0] + n.size[0] + ox) * s - 3, y1 = r.top + (n.pos[1] + n.size[1] + oy) * s - 3;
+                const out = [[x0, y0], [x1, y0], [x0, y1], [x1, y1]].filter(([x, y]) => !seen(x, y));
+                return out.length ? [`${n.type} #${n.id} at ${out.map((p) => p.map(Math.round).join(",")).join(" ")}`] : [];
+            }); }""")
+
+    def saved_view_screenshot(self, name: str):
+        """With MM3_SCREENSHOTS set to a folder: the window as it is (the workflow's saved view)."""
+        folder = os.environ.get("MM3_SCREENSHOTS")
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.page.mouse.move(1592, 600)  # on the bare canvas: no hover highlight or tooltip
+            self.page.wait_for_timeout(300)
+            self.page.screenshot(path=str(Path(folder) / name))
+
     def pack_messages(self) -> list[str]:
         return [m for m in self.console if m.startswith(("warning", "error", "pageerror"))
                 and any(k in m for k in PACK_WARNINGS)]
@@ -126,10 +157,14 @@ class Editor:
         self.page.set_viewport_size({"width": size[0], "height": size[1]})
         self.page.wait_for_timeout(500)
         self.close_dialogs()
-        self.page.evaluate("""async () => { try { await window.app.extensionManager.setting.set(
-            "Comfy.Minimap.Visible", false); } catch (e) {} }""")  # it would cover the graph's right end
+        minimap = self.page.evaluate("""async () => { try { const s = window.app.extensionManager.setting;
+            const was = s.get("Comfy.Minimap.Visible"); await s.set("Comfy.Minimap.Visible", false); return was; }
+            catch (e) { return null; } }""")  # it would cover the graph's right end
         self.fit(least)
         self.page.screenshot(path=str(Path(folder) / name), **kw)
+        if minimap is not None:
+            self.page.evaluate("""async (was) => { await window.app.extensionManager.setting.set(
+                "Comfy.Minimap.Visible", was); }""", minimap)
         self.page.set_viewport_size(before)
         self.page.wait_for_timeout(300)
 
@@ -177,12 +212,19 @@ def _cached(entry: dict) -> set[str]:
 @needs_comfy
 def test_each_workflow_runs_as_shipped_with_only_the_tiny_files(editor, comfy):
     """Open every template, run it untouched (rerender_from_codes after text_to_song saved a song
-    and the page was reloaded, as its note says), check layout, console and thumbnails."""
+    and the page was reloaded, as its note says), check layout, console and thumbnails. Each opens
+    at its saved view with every node, the Note too, in sight in the 1600 x 1000 window, before and
+    after its run; a seed wired in shows no "control after generate"."""
     order = ["text_to_song"] + [w for w in WORKFLOWS if w != "text_to_song"]
     for name in order:
         if name == "rerender_from_codes":
             editor.open()  # the codes file list is read when the page loads
         editor.load_template(name)
+        saved = json.loads((ROOT / "workflows" / f"{name}.json").read_text())["extra"]["ds"]
+        view = editor.view()
+        assert view["scale"] == pytest.approx(saved["scale"]) and view["offset"] == pytest.approx(saved["offset"]), (
+            name, view, saved)
+        assert not editor.hidden_nodes(), (name, editor.hidden_nodes())
         nodes = editor.nodes()
         assert not _overlaps(nodes), (name, _overlaps(nodes))
         narrow = [(n["type"], n["size"][0], n["need"][0]) for n in nodes if n["size"][0] + 1 < n["need"][0]]
@@ -190,8 +232,18 @@ def test_each_workflow_runs_as_shipped_with_only_the_tiny_files(editor, comfy):
         loaders = [w for n in nodes if n["type"].startswith("MM3Load") and "Codes" not in n["type"]
                    for w in n["widgets"] if w[0].endswith(("model_name", "_model"))]
         assert loaders and all(v == "auto" for _, v in loaders), (name, loaders)
-        editor.screenshot("MM3_THUMBNAILS", f"{name}.jpg", size=(960, 540), least=0.1, type="jpeg", quality=70)
+        wired = editor.page.evaluate("""() => window.app.graph._nodes.flatMap((n) => (n.widgets || [])
+            .filter((w) => w.linkedWidgets && n.inputs?.find((i) => i.widget?.name === w.name)?.link != null)
+            .map((w) => [n.type, w.name, !!w.linkedWidgets[0].hidden]))""")
+        assert all(hidden for _, _, hidden in wired), (name, wired)
+        if name == "rerender_from_codes":  # the file's seed is wired into the sampler
+            assert wired, name
         _entry(comfy, editor.queue())
+        editor.page.wait_for_timeout(500)  # the nodes' texts and the audio player
+        nodes = editor.nodes()
+        assert not _overlaps(nodes) and not editor.hidden_nodes(), (name, _overlaps(nodes), editor.hidden_nodes())
+        editor.saved_view_screenshot(f"{name}.png")
+        editor.screenshot("MM3_THUMBNAILS", f"{name}.jpg", size=(960, 540), least=0.1, type="jpeg", quality=70)
     assert not editor.pack_messages(), editor.pack_messages()
     thumbs = [f for f in editor.failed if "workflow_templates" in f or "/extensions/" in f]
     assert not thumbs, thumbs
@@ -211,7 +263,6 @@ def test_changing_only_the_dit_seed_reuses_the_ar_plan(editor, comfy):
     assert str(ar) in _cached(second), (_cached(first), _cached(second))
     sampler = next(n["id"] for n in editor.nodes() if n["type"] == "MM3FlowSampler")
     assert str(sampler) not in _cached(second)
-    editor.screenshot("MM3_SCREENSHOTS", "text_to_song.png")
 
 
 @needs_comfy
@@ -221,7 +272,7 @@ def test_typing_lyrics_updates_the_token_count(editor, comfy):
         return n.widgets.find((w) => w.name === "mm3_info")?.value ?? ""; }"""
     editor.page.wait_for_function(f"({read})().includes('prompt tokens')", timeout=20000)
     before = editor.page.evaluate(read)
-    box = editor.page.locator("textarea[placeholder=lyrics]").first
+    box = editor.page.locator('textarea[placeholder^="Lyrics:"]').first
     box.click()
     box.press("Control+End")
     box.type("\nand a new line of lyrics that adds some tokens")
@@ -233,11 +284,14 @@ def test_typing_lyrics_updates_the_token_count(editor, comfy):
 
 @needs_comfy
 def test_model_sidebar_lists_the_components(editor, comfy):
+    editor.close_dialogs()  # a first visit opens the template browser over the side bar
     editor.page.locator(".mm3-models-tab-button").first.click()
     editor.page.wait_for_selector("text=MiniMax Music 3 models", timeout=20000)
     text = editor.page.inner_text("body")
     for title in ("Language model", "Depth decoder", "Condition encoder", "DiT", "Vocoder", "q8", "light", "native"):
         assert title in text, title
+    assert "about 28.6 GB; to download: about" in text and " GB free in " in text, text  # before the click
+    assert " KiB)" in text and "(F32, 0.0 MiB)" not in text, text  # the tiny files' sizes
     folder = os.environ.get("MM3_SCREENSHOTS")
     if folder:  # the sidebar, not the canvas
         editor.page.screenshot(path=str(Path(folder) / "models_sidebar.png"), clip={"x": 0, "y": 0, "width": 900,

@@ -268,6 +268,138 @@ def test_web_extension_shows_node_text(tmp_path):
     assert got["calls"][-1] == ["/mm3/tokens", "lm-q8.gguf"] and got["tab"] == ["mm3-models"]
 
 
+JS_UPGRADE = """globalThis.document = { createElement: () => ({ style: {} }) };
+const { app } = await import("./scripts/app.js");
+const { upgradeWorkflow } = await import("./extensions/pack/mm3.js");
+const ext = app.extensions[0];
+const old = (knobs) => ({ last_node_id: 4, last_link_id: 2, links: [[1, 1, 0, 3, 0, "MM3_LM"], [2, 2, 0, 3, 1, "X"]],
+  nodes: [{ id: 1, type: "A", outputs: [{ links: [1] }] }, { id: 2, type: "B", outputs: [{ links: [2] }] },
+    { id: 3, type: "MM3ARPlan", pos: [10, 20], size: [400, 300],
+      inputs: [{ name: "lm", link: 1 }, { name: "lm_top_k", link: null, widget: { name: "lm_top_k" } },
+               { name: "prior_codes", link: 2 }],
+      widgets_values: [120, 42, "fixed", 1.5, knobs.top_k ?? 50, 1, 4, true, knobs.rounds ?? 1, 30, 1, 1, "none",
+                       1.1, 320, 15] }] });
+const plain = upgradeWorkflow(old({}));
+const tuned = upgradeWorkflow(old({ top_k: 7, rounds: 2 }));
+// A seed widget with its control, on a node whose seed input is wired, then unwired.
+class Node { constructor() { const control = { name: "control_after_generate", value: "fixed" };
+  this.widgets = [{ name: "seed", value: 1, linkedWidgets: [control] }, control];
+  this.inputs = [{ name: "seed", widget: { name: "seed" }, link: 5 }]; } }
+await ext.beforeRegisterNodeDef(Node, { name: "MM3FlowSampler",
+  input: { required: { seed: ["INT", { control_after_generate: true }] } } });
+const node = new Node();
+node.onConfigure();
+const wired = node.widgets[1].hidden;
+node.inputs[0].link = null;
+node.onConnectionsChange();
+console.log(JSON.stringify({ plain, tuned, wired, unwired: node.widgets[1].hidden }));
+"""
+
+
+def test_web_extension_upgrades_old_plans_and_hides_wired_seed_controls(tmp_path):
+    """web/mm3.js (needs node.js): an editor workflow saved with the old AR Plan (16 widget values)
+    loads with the new AR Plan's values; knobs off their defaults come back on an MM3 Sampling
+    Options node wired into `options`; at the defaults no node is added. A seed's "control after
+    generate" is hidden while the seed is wired in, and shown again once it is not."""
+    import shutil
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node.js is not installed")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "extensions" / "pack").mkdir(parents=True)
+    (tmp_path / "scripts" / "app.js").write_text(JS_APP)
+    (tmp_path / "scripts" / "api.js").write_text(JS_API)
+    shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
+    (tmp_path / "package.json").write_text('{"type": "module"}')
+    (tmp_path / "harness.js").write_text(JS_UPGRADE)
+    out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    plan = [n for n in got["plain"]["nodes"] if n["type"] == "MM3ARPlan"][0]
+    assert plan["widgets_values"] == [120, 42, "fixed", 1.5, 1, 4, True, 30]
+    assert [i["name"] for i in plan["inputs"]] == ["lm", "prior_codes"]
+    assert got["plain"]["links"] == [[1, 1, 0, 3, 0, "MM3_LM"], [2, 2, 0, 3, 1, "X"]]  # prior_codes moved up
+    assert len(got["plain"]["nodes"]) == 3
+    options = [n for n in got["tuned"]["nodes"] if n["type"] == "MM3SamplingOptions"]
+    assert len(options) == 1 and options[0]["id"] == 5
+    assert options[0]["widgets_values"] == [7, 1, 1, "none", 1.1, 320, 15, 2]
+    plan = [n for n in got["tuned"]["nodes"] if n["type"] == "MM3ARPlan"][0]
+    assert plan["inputs"][-1] == {"name": "options", "type": "MM3_SAMPLING_OPTIONS", "link": 3}
+    assert got["tuned"]["links"][-1] == [3, 5, 0, 3, 2, "MM3_SAMPLING_OPTIONS"]
+    assert options[0]["outputs"][0]["links"] == [3] and got["tuned"]["last_link_id"] == 3
+    assert got["wired"] is True and got["unwired"] is False
+
+
+def test_shipped_workflows_fit_the_window_at_their_saved_view():
+    """Each editor workflow, opened at its saved view in a 1600 x 1000 window, shows every node (its
+    Note too) whole inside the part of the window the editor's bars leave free, at a scale where
+    the editor still draws text, without overlaps; more than five columns wrap onto a second row."""
+    from tests.helpers.comfy_workflows import BOTTOM, LEFT, RIGHT, TOP, WINDOW, boxes_on_screen
+
+    for path in sorted((ROOT / "workflows").glob("*.json")):
+        ui = json.loads(path.read_text())
+        assert ui["extra"]["ds"]["scale"] >= 0.6, path.name
+        boxes = boxes_on_screen(ui)
+        assert any(name.startswith("Note ") for name, _ in boxes), path.name
+        outside = [(name, [round(v) for v in b]) for name, b in boxes
+                   if b[0] < LEFT or b[1] < TOP or b[2] > WINDOW[0] - RIGHT or b[3] > WINDOW[1] - BOTTOM]
+        assert not outside, (path.name, outside)
+        for i, (a, p) in enumerate(boxes):
+            for b, q in boxes[i + 1:]:
+                assert not (p[0] < q[2] and q[0] < p[2] and p[1] < q[3] and q[1] < p[3]), (path.name, a, b)
+        first = min(n["pos"][1] + n["size"][1] for n in ui["nodes"] if n["type"].startswith("MM3Load"))
+        assert all(n["pos"][1] > first for n in ui["nodes"] if n["type"] == "MM3SaveSong"), path.name  # row 2
+
+
+JS_SIDEBAR = """class El { constructor(tag) { this.tag = tag; this.style = {}; this.children = []; this.textContent = ""; }
+  append(...c) { this.children.push(...c); } replaceChildren(...c) { this.children = c; }
+  insertRow() { const r = new El("tr"); this.children.push(r); return r; }
+  text() { return [this.textContent, ...this.children.map((c) => c.text())].filter(Boolean).join("\\n"); } }
+globalThis.document = { createElement: (tag) => new El(tag) };
+const { renderInventory } = await import("./extensions/pack/mm3.js");
+const bad = "MiniMax-Music3-vocoder-F32.gguf";
+const file = (name, state, problem = "") => ({ name, state, size: 4000, problem });
+const inv = { folders: ["/models/mm3"], free: 10e9,
+  components: { lm: [{ name: "tiny-lm.gguf", file_type: "F32", size: 3 * 1024 }], depth: [] },
+  unusable: [{ name: bad, problem: "truncated: tensor t needs bytes 0..9999" }],
+  sets: { native: [file(bad, "unusable", `${bad}: truncated: tensor t needs bytes 0..9999, expected mm3-vae`)],
+          light: [file(bad, "unusable", `${bad}: truncated: tensor t needs bytes 0..9999, expected mm3-vae`),
+                  file("MiniMax-Music3-transformer-Q4_K_M.gguf", "partial")] },
+  set_sizes: { native: { total: 28.6e9, to_fetch: 28.6e9 }, light: { total: 8.8e9, to_fetch: 4.2e9 } } };
+const root = new El("div");
+renderInventory(root, inv);
+console.log(JSON.stringify(root.text()));
+"""
+
+
+def test_web_sidebar_says_sizes_free_space_and_each_problem_once(tmp_path):
+    """The MM3 models sidebar (web/mm3.js, needs node.js): each set's published size and what is
+    left to download against the free space, a problem said once (later mentions point to it),
+    small files in KiB."""
+    import shutil
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node.js is not installed")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "extensions" / "pack").mkdir(parents=True)
+    (tmp_path / "scripts" / "app.js").write_text(JS_APP)
+    (tmp_path / "scripts" / "api.js").write_text(JS_API)
+    shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
+    (tmp_path / "package.json").write_text('{"type": "module"}')
+    (tmp_path / "harness.js").write_text(JS_SIDEBAR)
+    out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = json.loads(out.stdout)
+    assert text.count("truncated") == 1, text
+    assert "MiniMax-Music3-vocoder-F32.gguf: unusable (see above)" in text
+    assert "tiny-lm.gguf (F32, 3 KiB)" in text and "(4 KiB so far)" in text
+    assert "about 28.6 GB; to download: about 28.6 GB, 10.0 GB free in /models/mm3: not enough space" in text
+    assert "about 8.8 GB; to download: about 4.2 GB, 10.0 GB free in /models/mm3" in text
+    assert "Download the light set" in text
+
+
 # -- part 2: a real ComfyUI ---------------------------------------------------------------------
 LOADER_INPUTS = ["model_name", "keep_loaded"]
 NODE_INPUTS = {  # node id -> its inputs in order
@@ -275,7 +407,9 @@ NODE_INPUTS = {  # node id -> its inputs in order
     "MM3LoadConditionEncoder": LOADER_INPUTS, "MM3LoadDiT": LOADER_INPUTS, "MM3LoadVocoder": LOADER_INPUTS,
     "MM3LoadModelSet": ["lm_model", "depth_model", "cond_model", "dit_model", "vae_model", "keep_loaded"],
     "MM3PromptAssemble": ["lm", "caption", "lyrics"],
-    "MM3ARPlan": ["lm", "depth", "prompt", "duration", "lm_seed", "lm_cfg", "lm_top_k", "songs"],
+    "MM3ARPlan": ["lm", "depth", "prompt", "duration", "lm_seed", "lm_cfg", "songs"],
+    "MM3SamplingOptions": ["lm_top_k", "lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength",
+                           "lm_penalty_window", "lm_dry_min_match", "ending_rounds"],
     "MM3ConditionEncode": ["cond", "codes"],
     "MM3FlowSampler": ["dit", "condition", "seed", "steps", "dit_cfg", "variations"],
     "MM3VocoderDecode": ["vae", "latents"], "MM3Stitch": ["windows"],
@@ -314,7 +448,10 @@ def test_object_info_lists_every_node(comfy):
     assert categories == {"MiniMax Music 3 (GGUF)"}
     plan = info["MM3ARPlan"]["input"]["required"]
     assert [plan[k][0] for k in ("lm", "depth", "prompt")] == ["MM3_LM", "MM3_DEPTH", "MM3_PROMPT"]
-    assert plan["lm_seed"][1]["control_after_generate"] and plan["lm_top_k"][1]["advanced"]
+    assert plan["lm_seed"][1]["control_after_generate"]
+    assert info["MM3ARPlan"]["input_order"]["optional"] == ["takes", "require_ending", "min_duration", "options",
+                                                            "prior_codes"]
+    assert info["MM3ARPlan"]["input"]["optional"]["options"][0] == info["MM3SamplingOptions"]["output"][0]
     assert info["MM3ARPlan"]["output"] == ["AUDIO_CODES"] and info["MM3ARPlan"]["output_is_list"] == [True]
     assert info["MM3FlowSampler"]["input"]["required"]["seed"][1]["control_after_generate"]
     assert info["MM3SaveSong"]["output_node"] and info["MM3LoadAudioCodes"]["output"] == [
@@ -327,6 +464,57 @@ def test_object_info_lists_every_node(comfy):
     for key, arch in SET_KEYS.items():
         assert info["MM3LoadModelSet"]["input"]["required"][key][1]["options"] == ["auto", comfy.files[arch]]
     assert f"/extensions/{'ComfyUI-MM3-GGUF'}/mm3.js" in comfy.get("/extensions")
+
+
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+@needs_comfy
+def test_every_widget_says_what_it_changes(comfy):
+    """Every widget of every MM3 node has a tooltip (hover text) of a sentence at least, and the
+    caption and lyrics boxes say what goes in them while empty."""
+    info = comfy.get("/object_info")
+    bare = []
+    for node, spec in info.items():
+        if not node.startswith("MM3"):
+            continue
+        for cat in ("required", "optional"):
+            for name, (typ, *rest) in spec["input"].get(cat, {}).items():
+                opts = rest[0] if rest else {}
+                widget = (isinstance(typ, list) or typ in WIDGET_TYPES) and not opts.get("forceInput")
+                if widget and len(opts.get("tooltip") or "") < 20:
+                    bare.append(f"{node}.{name}")
+    assert not bare, bare
+    assert NODE_IDS <= set(info)
+    prompt = info["MM3PromptAssemble"]["input"]["required"]
+    assert prompt["caption"][1]["placeholder"].startswith("Caption:"), prompt["caption"]
+    assert prompt["lyrics"][1]["placeholder"].startswith("Lyrics:"), prompt["lyrics"]
+
+
+@needs_comfy
+def test_sampling_options_and_old_prompts_that_set_them_on_ar_plan(comfy):
+    """MM3 Sampling Options changes the song; at its defaults it gives the song AR Plan gives without
+    it; an old API prompt that sets the knobs on AR Plan itself gives the song the options node does."""
+    info = comfy.get("/object_info")["MM3SamplingOptions"]["input"]["required"]
+    defaults = {k: spec[1]["default"] for k, spec in info.items()}
+    knobs = {"lm_top_k": 3, "lm_temperature": 1.6, "lm_penalty": "dry", "lm_penalty_strength": 1.15}
+
+    def song(wf) -> list[bytes]:
+        entry, _ = run(comfy, wf)
+        return [comfy.view(f) for f in audio_entries(entry, "8")]
+
+    def with_options(values: dict) -> dict:
+        wf = tiny_workflow(comfy, "text_to_song", fmt="wav32", **{"3": {"lm_seed": 77}})
+        wf["20"] = {"class_type": "MM3SamplingOptions", "inputs": {**defaults, **values}}
+        wf["3"]["inputs"]["options"] = ["20", 0]
+        return wf
+
+    plain = song(tiny_workflow(comfy, "text_to_song", fmt="wav32", **{"3": {"lm_seed": 77}}))
+    assert song(with_options({})) == plain
+    tuned = song(with_options(knobs))
+    assert tuned != plain
+    old = tiny_workflow(comfy, "text_to_song", fmt="wav32", **{"3": {"lm_seed": 77, **defaults, **knobs}})
+    assert song(old) == tuned
 
 
 @needs_comfy

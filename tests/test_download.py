@@ -254,3 +254,18 @@ def test_a_cached_file_with_another_checksum_is_downloaded(tmp_path, hub):
     fetch(hub, tmp_path / "mm3")
     assert (tmp_path / "mm3" / name).read_bytes() == hub.files[name]
     assert any(name in p for p in hub.content_gets())
+
+
+def test_a_present_but_unusable_file_is_fetched_again(tmp_path, hub):
+    """A file under a published name with the published size that cannot be used (the inventory
+    names it) is replaced when the set is downloaded; without being named it stays, as present."""
+    folder = tmp_path / "mm3"
+    folder.mkdir()
+    name = file_names("light")[0]
+    (folder / name).write_bytes(b"\0" * len(hub.files[name]))
+    fetch(hub, folder)
+    assert (folder / name).read_bytes() == b"\0" * len(hub.files[name])
+    said = []
+    fetch(hub, folder, replace=(name,), log=said.append)
+    assert (folder / name).read_bytes() == hub.files[name]
+    assert f"{name}: present but unusable, fetching it again" in said

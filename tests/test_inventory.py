@@ -146,3 +146,24 @@ def test_inventory_of_an_empty_or_missing_folder(tmp_path):
     inv = scan(tmp_path / "nothing")
     assert inv.missing_kinds() == ["lm", "depth", "cond", "dit", "vae"]
     assert all(f.state == "missing" for files in inv.sets.values() for f in files)
+
+
+def test_each_set_says_what_it_costs_and_the_free_space(tmp_path):
+    """Before a download: each set's published size (native about 29 GB), what is still to fetch (a
+    partial file resumes, an unusable one is fetched again) and the free space where it goes."""
+    folder = tmp_path / "mm3"
+    folder.mkdir()
+    inv = scan(folder)
+    sizes = inv.set_sizes()
+    assert {s: round(v["total"] / 1e9, 1) for s, v in sizes.items()} == {"native": 28.6, "q8": 12.8, "light": 8.8}
+    assert all(v["to_fetch"] == v["total"] for v in sizes.values())
+    assert inv.free == shutil.disk_usage(folder).free or abs(inv.free - shutil.disk_usage(folder).free) < 2**30
+    assert scan(tmp_path / "not-yet" / "mm3").free is not None  # the nearest existing parent's disk
+    lm = published_name("language_model", SETS["light"]["language_model"])
+    (folder / (lm + ".part")).write_bytes(b"x" * 1000)
+    bad = published_name("vocoder", "F32")
+    (folder / bad).write_bytes(b"not a gguf" * 100)
+    inv = scan(folder)
+    light = inv.set_sizes()["light"]
+    assert light["to_fetch"] == light["total"] - 1000
+    assert inv.unusable_in_set("light") == [bad] and inv.to_dict()["set_sizes"]["light"] == light

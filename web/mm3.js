@@ -5,6 +5,8 @@
 //   changes a node's cache key) nor saved in the workflow;
 // - a live token count on MM3 Prompt while the caption and lyrics are typed, with the budget;
 // - an audio player on Save Song (ComfyUI's own AUDIO_UI widget);
+// - a seed's "control after generate" hidden while the seed is wired in;
+// - AR Plan workflows saved before its expert knobs moved onto MM3 Sampling Options load right;
 // - the "MM3 models" sidebar: which of the five components are present in the mm3 folders, each
 //   published set's files, and a resumable download of a missing set.
 import { app } from "../../scripts/app.js";
@@ -101,9 +103,83 @@ function watchPrompt(node) {
   scheduleCount(node);
 }
 
+// -- a seed's "control after generate" only while the seed is typed in, not wired in ------------
+function hasSeedControl(nodeData) {
+  const inputs = { ...nodeData.input?.required, ...nodeData.input?.optional };
+  return Object.values(inputs).some((spec) => spec?.[1]?.control_after_generate);
+}
+
+function syncSeedControls(node) {
+  let changed = false;
+  for (const w of node.widgets ?? []) {
+    const control = w.linkedWidgets?.find((c) => c.name === "control_after_generate");
+    if (!control) continue;
+    const input = node.inputs?.find((i) => i.widget?.name === w.name);
+    const wired = input?.link != null;
+    if (!!control.hidden !== wired) {
+      control.hidden = wired;
+      changed = true;
+    }
+  }
+  if (changed) node.setDirtyCanvas?.(true, true);
+}
+
+// -- AR Plan saved before its expert knobs moved onto MM3 Sampling Options ------------------------
+// The old AR Plan's widget values in order (a seed's control value right after it) and, for each
+// moved knob, its default; the new AR Plan keeps the others, in this order.
+const OLD_PLAN_WIDGETS = ["duration", "lm_seed", "control_after_generate", "lm_cfg", "lm_top_k", "songs", "takes",
+  "require_ending", "ending_rounds", "min_duration", "lm_temperature", "lm_top_p", "lm_penalty",
+  "lm_penalty_strength", "lm_penalty_window", "lm_dry_min_match"];
+const OPTION_DEFAULTS = { lm_top_k: 50, lm_temperature: 1.0, lm_top_p: 1.0, lm_penalty: "none",
+  lm_penalty_strength: 1.1, lm_penalty_window: 320, lm_dry_min_match: 15, ending_rounds: 1 };
+const OPTIONS_TYPE = "MM3_SAMPLING_OPTIONS";
+
+function dropInput(graph, node, index) {
+  // A moved knob's socket: its link goes, later inputs' links move up one slot.
+  const gone = node.inputs[index].link;
+  node.inputs.splice(index, 1);
+  graph.links = (graph.links ?? []).filter((l) => !(Array.isArray(l) && l[0] === gone));
+  for (const n of graph.nodes) {
+    for (const o of n.outputs ?? []) if (o.links) o.links = o.links.filter((id) => id !== gone);
+  }
+  for (const l of graph.links) if (Array.isArray(l) && l[3] === node.id && l[4] > index) l[4] -= 1;
+}
+
+export function upgradeWorkflow(graph) {
+  if (!Array.isArray(graph?.nodes)) return graph;
+  for (const node of [...graph.nodes]) {
+    const old = node.widgets_values;
+    if (node.type !== "MM3ARPlan" || !Array.isArray(old) || old.length !== OLD_PLAN_WIDGETS.length) continue;
+    const value = Object.fromEntries(OLD_PLAN_WIDGETS.map((name, i) => [name, old[i]]));
+    node.widgets_values = ["duration", "lm_seed", "control_after_generate", "lm_cfg", "songs", "takes",
+      "require_ending", "min_duration"].map((name) => value[name]);
+    node.inputs ??= [];
+    for (let i = node.inputs.length - 1; i >= 0; i--) {
+      if (node.inputs[i].name in OPTION_DEFAULTS) dropInput(graph, node, i);
+    }
+    const knobs = Object.keys(OPTION_DEFAULTS);
+    if (knobs.every((k) => value[k] === OPTION_DEFAULTS[k])) continue; // the same song without the node
+    const id = (graph.last_node_id = Math.max(graph.last_node_id ?? 0, ...graph.nodes.map((n) => +n.id || 0)) + 1);
+    const link = (graph.last_link_id = (graph.last_link_id ?? 0) + 1);
+    graph.nodes.push({ id, type: "MM3SamplingOptions", pos: [node.pos[0], node.pos[1] + (node.size?.[1] ?? 300) + 60],
+      size: [node.size?.[0] ?? 400, 320], flags: {}, order: node.order ?? 0, mode: 0, inputs: [],
+      outputs: [{ name: "options", type: OPTIONS_TYPE, links: [link], slot_index: 0 }],
+      properties: { "Node name for S&R": "MM3SamplingOptions" }, widgets_values: knobs.map((k) => value[k]) });
+    node.inputs.push({ name: "options", type: OPTIONS_TYPE, link });
+    (graph.links ??= []).push([link, id, 0, node.id, node.inputs.length - 1, OPTIONS_TYPE]);
+  }
+  return graph;
+}
+
 // -- the model inventory sidebar ----------------------------------------------------------------
-function gib(bytes) {
-  return bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(1)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+export function gib(bytes) {
+  if (bytes >= 2 ** 30) return `${(bytes / 2 ** 30).toFixed(1)} GiB`;
+  if (bytes >= 2 ** 20) return `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+  return `${Math.max(1, Math.round(bytes / 2 ** 10))} KiB`;
+}
+
+function gb(bytes) { // the published sizes are decimal GB
+  return `${(bytes / 1e9).toFixed(1)} GB`;
 }
 
 function cell(tag, text, style = "") {
@@ -120,7 +196,7 @@ function toast(severity, summary, detail) {
 
 const STATE_TEXT = { present: "present", partial: "partly downloaded", missing: "missing", unusable: "unusable" };
 
-function renderInventory(root, inv) {
+export function renderInventory(root, inv) {
   root.replaceChildren();
   root.style.cssText = "padding: 8px; font-size: 13px; overflow-y: auto; height: 100%;";
   root.append(cell("h3", "MiniMax Music 3 models", "margin: 4px 0 8px;"));
@@ -137,8 +213,10 @@ function renderInventory(root, inv) {
     row.append(list);
   }
   root.append(table);
+  const said = new Map(); // each problem once: later mentions point back to it
   for (const f of inv.unusable) {
     root.append(cell("div", `unusable: ${f.name}: ${f.problem}`, "color: #f66;"));
+    said.set(f.name, "see above");
   }
   const dl = inv.download ?? { state: "idle" };
   root.append(cell("h4", "Published sets", "margin: 12px 0 4px;"));
@@ -148,9 +226,25 @@ function renderInventory(root, inv) {
     const complete = files.every((f) => f.state === "present");
     box.append(cell("div", `${set}${complete ? ": complete" : ""}`, "font-weight: 600;"));
     for (const f of files) {
-      const extra = f.state === "partial" ? ` (${gib(f.size)} so far)` : f.problem ? ` (${f.problem})` : "";
+      let extra = "";
+      if (f.state === "partial") extra = ` (${gib(f.size)} so far)`;
+      else if (f.problem && said.has(f.name)) extra = ` (${said.get(f.name)})`;
+      else if (f.problem) {
+        const problem = f.problem.startsWith(`${f.name}: `) ? f.problem.slice(f.name.length + 2) : f.problem;
+        extra = ` (${problem})`;
+        said.set(f.name, `see the ${set} set`);
+      }
       box.append(cell("div", `${f.name}: ${STATE_TEXT[f.state] ?? f.state}${extra}`,
                       f.state === "present" ? "opacity: 0.7;" : ""));
+    }
+    const size = inv.set_sizes?.[set];
+    if (size && !complete) {
+      const short = inv.free != null && size.to_fetch > inv.free;
+      const free = inv.free != null ? `, ${gb(inv.free)} free in ${inv.folders[0] ?? "the models folder"}` : "";
+      box.append(cell("div", `about ${gb(size.total)}; to download: about ${gb(size.to_fetch)}${free}` +
+                      (short ? ": not enough space" : ""), short ? "color: #f66;" : "opacity: 0.8;"));
+    } else if (size) {
+      box.append(cell("div", `about ${gb(size.total)}`, "opacity: 0.7;"));
     }
     if (!complete && dl.state !== "running") {
       const button = cell("button", `Download the ${set} set`, "margin-top: 4px;");
@@ -207,9 +301,22 @@ app.registerExtension({
       render: (el) => refreshInventory(el),
     });
   },
+  beforeConfigureGraph(graph) {
+    upgradeWorkflow(graph);
+  },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name === "MM3SaveSong") {
       nodeData.input.required.audioUI = ["AUDIO_UI", {}]; // the player core gives SaveAudio
+    }
+    if (hasSeedControl(nodeData)) {
+      for (const hook of ["onConnectionsChange", "onConfigure"]) {
+        const own = nodeType.prototype[hook];
+        nodeType.prototype[hook] = function () {
+          const r = own?.apply(this, arguments);
+          syncSeedControls(this);
+          return r;
+        };
+      }
     }
     if (!TEXT_NODES.has(nodeData.name)) return;
     const onExecuted = nodeType.prototype.onExecuted;

@@ -305,13 +305,15 @@ def take_from_cache(blob: Path, remote: RemoteFile, dest: Path, *, progress=None
 
 def download_set(set_name: str, folder, *, endpoint: str | None = None, repo: str = REPO, revision: str = "main",
                  token: str | bool | None = None, cache_dir=None, progress=None, log=print,
-                 should_stop=None) -> list[Path]:
+                 should_stop=None, replace: tuple[str, ...] = ()) -> list[Path]:
     """Fetch the files of `set_name` into `folder` (see the module docstring); their paths.
 
     `endpoint`: the Hub or a mirror (default: $HF_ENDPOINT, else huggingface_hub's). `token`: a
     Hugging Face token (None: $HF_TOKEN or a stored login; False: none). `cache_dir`: the shared
     Hugging Face cache to take files from (None: the default; False: do not look). `progress(name,
-    done, total)` reports bytes; `should_stop()` True stops with `Cancelled`, keeping the .part."""
+    done, total)` reports bytes; `should_stop()` True stops with `Cancelled`, keeping the .part.
+    `replace`: names fetched again even when a file of the published size has them (one that
+    cannot be used: `mm3.inventory` says which)."""
     names = file_names(set_name)
     hub = _hub()
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or hub.constants.ENDPOINT).rstrip("/")
@@ -328,9 +330,11 @@ def download_set(set_name: str, folder, *, endpoint: str | None = None, repo: st
     todo, cached = [], {}
     for n in names:
         dest = folder / n
-        if dest.exists() and dest.stat().st_size == remote[n].size:
+        if dest.exists() and dest.stat().st_size == remote[n].size and n not in replace:
             log(f"{n}: already present")
             continue
+        if dest.exists() and n in replace:
+            log(f"{n}: present but unusable, fetching it again")
         todo.append(n)
         if (blob := _in_cache(repo, n, commit, remote[n], cache_dir)) is not None:
             cached[n] = blob
@@ -364,8 +368,11 @@ def download_set(set_name: str, folder, *, endpoint: str | None = None, repo: st
 
 
 def run(args) -> int:
+    from ..inventory import scan
+
     paths = download_set(args.set, args.dir, endpoint=args.endpoint, revision=args.revision, token=args.token,
-                         log=lambda m: print(m, file=sys.stderr))
+                         log=lambda m: print(m, file=sys.stderr),
+                         replace=tuple(scan(args.dir).unusable_in_set(args.set)))
     for p in paths:
         print(p)
     return 0

@@ -20,7 +20,16 @@ API_DIR = WORKFLOWS / "api"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 NOTE_TYPES = {"Note", "MarkdownNote"}  # editor-only nodes, not in the API format
 PACK_ID = "comfyui-mm3-gguf"
-WIDTH, COLUMN, GAP = 440, 500, 80  # node width, column pitch and vertical gap of the generated layout
+WIDTH, COLUMN, GAP, ROW_GAP = 400, 460, 50, 70  # node width, column pitch, gaps between nodes and rows
+TITLE = 30  # the title bar, drawn above a node's position
+MAX_COLUMNS = 5  # per row: a wider graph goes on two rows
+# The editor window the saved view is made for, and what of it the editor's own bars cover: the
+# graph is drawn inside (LEFT, TOP) - (WINDOW - RIGHT/BOTTOM) at the saved scale and offset.
+WINDOW = (1600, 1000)
+LEFT, TOP, RIGHT, BOTTOM = 80, 110, 20, 20
+NOTE_SIZE = [WIDTH, 400]  # beside the first row
+WIDE_NOTE_SIZE = [3 * COLUMN - (COLUMN - WIDTH), 150]  # above it
+TALLEST = 700  # a column of stacked nodes taller than this is split in two side by side
 
 NOTES = {
     "text_to_song": "Caption + lyrics -> a song. Put a set of the five GGUF files in models/mm3 (from the pack's "
@@ -84,10 +93,64 @@ def _depths(api: dict) -> dict[str, int]:
     return depth
 
 
+def node_height(class_type: str, widgets: int, sockets: int) -> int:
+    """Room for the editor's own layout of a node: its slots and widget rows (MM3 Prompt: two text boxes)."""
+    return 480 if class_type == "MM3PromptAssemble" else 60 + 28 * widgets + 24 * sockets
+
+
+def layout(columns: list[list[tuple[str, int]]]) -> tuple[dict[str, list[int]], tuple[list[int], list[int]]]:
+    """Positions of the nodes (per depth column: (id, height)) and the Note's position and size: at
+    most MAX_COLUMNS columns a row, two rows for a longer graph, a tall column split in two; the Note
+    in the first row's first free column, else above the first row (the window's bottom right, where
+    the editor's minimap sits, stays free)."""
+    split = []
+    for column in columns:
+        height = sum(TITLE + h + GAP for _, h in column)
+        half = len(column) - len(column) // 2
+        split += [column[:half], column[half:]] if height > TALLEST and len(column) > 1 else [column]
+    columns = split
+    per_row = len(columns) if len(columns) <= MAX_COLUMNS else -(-len(columns) // 2)
+    rows = [columns[:per_row], columns[per_row:]]
+    note_top = per_row >= MAX_COLUMNS
+    pos, y0 = {}, (WIDE_NOTE_SIZE[1] + TITLE + GAP) if note_top else 0
+    for row in rows:
+        bottom = y0
+        for c, column in enumerate(row):
+            y = y0
+            for nid, height in column:
+                pos[nid] = [c * COLUMN, y + TITLE]
+                y += TITLE + height + GAP
+            bottom = max(bottom, y - GAP)
+        y0 = bottom + ROW_GAP
+    note = ([0, TITLE], list(WIDE_NOTE_SIZE)) if note_top else ([per_row * COLUMN, TITLE], list(NOTE_SIZE))
+    return pos, note
+
+
+def saved_view(boxes: list[tuple[float, float, float, float]]) -> dict:
+    """The scale and offset at which the boxes (x0, y0, x1, y1, title bars included) fill the
+    window's visible area, centred, at most 1:1."""
+    x0, y0 = min(b[0] for b in boxes), min(b[1] for b in boxes)
+    x1, y1 = max(b[2] for b in boxes), max(b[3] for b in boxes)
+    w, h = WINDOW[0] - LEFT - RIGHT, WINDOW[1] - TOP - BOTTOM
+    scale = min(1.0, w / (x1 - x0), h / (y1 - y0)) * 0.98
+    scale = int(scale * 100) / 100
+    dx, dy = (w - (x1 - x0) * scale) / 2, (h - (y1 - y0) * scale) / 2
+    return {"scale": scale, "offset": [round((LEFT + dx) / scale - x0, 1), round((TOP + dy) / scale - y0, 1)]}
+
+
+def boxes_on_screen(ui: dict) -> list[tuple[str, list[float]]]:
+    """(node, [x0, y0, x1, y1]) of each node, its title bar included, in window pixels at the saved view."""
+    ds = ui["extra"]["ds"]
+    s, (ox, oy) = ds["scale"], ds["offset"]
+    return [(f"{n['type']} #{n['id']}", [(n["pos"][0] + ox) * s, (n["pos"][1] - TITLE + oy) * s,
+                                         (n["pos"][0] + n["size"][0] + ox) * s, (n["pos"][1] + n["size"][1] + oy) * s])
+            for n in ui["nodes"]]
+
+
 def ui_from_api(name: str, api: dict, object_info: dict) -> dict:
     depth = _depths(api)
     order = sorted(api, key=lambda n: (depth[n], int(n)))
-    nodes, col_y = [], {}
+    nodes = []
     out_links: dict[tuple[str, int], list[int]] = {}
     for nid in order:  # links first: every target's inputs
         for v in api[nid]["inputs"].values():
@@ -95,6 +158,7 @@ def ui_from_api(name: str, api: dict, object_info: dict) -> dict:
                 out_links.setdefault((v[0], v[1]), [])
     link_id = 0
     pending = []
+    columns: list[list[tuple[str, int]]] = [[] for _ in range(max(depth.values()) + 1)]
     for rank, nid in enumerate(order):
         node = api[nid]
         info = object_info[node["class_type"]]
@@ -119,14 +183,10 @@ def ui_from_api(name: str, api: dict, object_info: dict) -> dict:
         for i, is_list in enumerate(info.get("output_is_list", [])):
             if is_list:
                 outputs[i]["shape"] = 6  # the editor's list marker
-        big = node["class_type"] == "MM3PromptAssemble"
-        # Room for the editor's own layout (title, slots, widget rows, and a file name in a combo).
-        height = 480 if big else 60 + 28 * len(widgets) + 24 * max(len(inputs), len(outputs))
-        x = 40 + depth[nid] * COLUMN
-        y = col_y.get(depth[nid], 160)
-        col_y[depth[nid]] = y + height + GAP
+        height = node_height(node["class_type"], len(widgets), max(len(inputs), len(outputs)))
+        columns[depth[nid]].append((nid, height))
         cnr = PACK_ID if node["class_type"].startswith("MM3") else "comfy-core"
-        entry = {"id": int(nid), "type": node["class_type"], "pos": [x, y], "size": [WIDTH, height],
+        entry = {"id": int(nid), "type": node["class_type"], "pos": [0, 0], "size": [WIDTH, height],
                  "flags": {}, "order": rank, "mode": 0, "inputs": inputs, "outputs": outputs,
                  "properties": {"Node name for S&R": node["class_type"], "cnr_id": cnr},
                  "widgets_values": widgets}
@@ -134,16 +194,20 @@ def ui_from_api(name: str, api: dict, object_info: dict) -> dict:
         if title and title != info.get("display_name"):
             entry["title"] = title
         nodes.append(entry)
+    pos, (note_pos, note_size) = layout(columns)
+    for entry in nodes:
+        entry["pos"] = pos[str(entry["id"])]
     note_id = max(int(n) for n in api) + 1
-    nodes.append({"id": note_id, "type": "Note", "pos": [40, -60], "size": [760, 160], "flags": {},
+    nodes.append({"id": note_id, "type": "Note", "pos": note_pos, "size": note_size, "flags": {},
                   "order": len(order), "mode": 0, "inputs": [], "outputs": [], "properties": {},
                   "widgets_values": [NOTES.get(name, "")]})
     links = [list(p) for p in pending]
     wf_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK_ID}/workflows/{name}"))  # the editor wants a UUID
-    return {"id": wf_id, "revision": 0, "last_node_id": note_id, "last_link_id": link_id,
-            "nodes": nodes, "links": links, "groups": [], "config": {},
-            "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}},
-            "version": 0.4}
+    ui = {"id": wf_id, "revision": 0, "last_node_id": note_id, "last_link_id": link_id,
+          "nodes": nodes, "links": links, "groups": [], "config": {}, "extra": {}, "version": 0.4}
+    ui["extra"]["ds"] = {"scale": 1.0, "offset": [0, 0]}
+    ui["extra"]["ds"] = saved_view([b for _, b in boxes_on_screen(ui)])
+    return ui
 
 
 def schema_problems(ui: dict) -> list[str]:
