@@ -238,10 +238,9 @@ console.log(JSON.stringify({ name: ext.name, audioUI: save.input.required.audioU
 """
 
 
-def test_web_extension_shows_node_text(tmp_path):
-    """web/mm3.js against stand-ins for the editor's app and api modules (needs node.js): the info
-    text is the node's last widget and is neither sent with the prompt nor saved; typing recounts the
-    prompt's tokens with the LM the upstream loader names; the sidebar tab is registered."""
+def run_web_harness(tmp_path, script: str) -> dict:
+    """Run `script` (node.js) beside web/mm3.js and stand-ins for the editor's app and api modules;
+    the JSON it prints. Skipped without node.js."""
     import shutil
 
     node = shutil.which("node")
@@ -253,10 +252,17 @@ def test_web_extension_shows_node_text(tmp_path):
     (tmp_path / "scripts" / "api.js").write_text(JS_API)
     shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
     (tmp_path / "package.json").write_text('{"type": "module"}')
-    (tmp_path / "harness.js").write_text(JS_HARNESS)
+    (tmp_path / "harness.js").write_text(script)
     out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_web_extension_shows_node_text(tmp_path):
+    """web/mm3.js against stand-ins for the editor's app and api modules (needs node.js): the info
+    text is the node's last widget and is neither sent with the prompt nor saved; typing recounts the
+    prompt's tokens with the LM the upstream loader names; the sidebar tab is registered."""
+    got = run_web_harness(tmp_path, JS_HARNESS)
     assert got["audioUI"] == ["AUDIO_UI", {}]  # Save Song gets ComfyUI's audio player
     assert got["widgets"] == ["caption", "lyrics", "mm3_info"]
     assert got["info"] == ["a\nb", False, False, True]
@@ -301,21 +307,7 @@ def test_web_extension_upgrades_old_plans_and_hides_wired_seed_controls(tmp_path
     loads with the new AR Plan's values; knobs off their defaults come back on an MM3 Sampling
     Options node wired into `options`; at the defaults no node is added. A seed's "control after
     generate" is hidden while the seed is wired in, and shown again once it is not."""
-    import shutil
-
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node.js is not installed")
-    (tmp_path / "scripts").mkdir()
-    (tmp_path / "extensions" / "pack").mkdir(parents=True)
-    (tmp_path / "scripts" / "app.js").write_text(JS_APP)
-    (tmp_path / "scripts" / "api.js").write_text(JS_API)
-    shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
-    (tmp_path / "package.json").write_text('{"type": "module"}')
-    (tmp_path / "harness.js").write_text(JS_UPGRADE)
-    out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
+    got = run_web_harness(tmp_path, JS_UPGRADE)
     plan = [n for n in got["plain"]["nodes"] if n["type"] == "MM3ARPlan"][0]
     assert plan["widgets_values"] == [120, 42, "fixed", 1.5, 1, 4, True, 30]
     assert [i["name"] for i in plan["inputs"]] == ["lm", "prior_codes"]
@@ -377,21 +369,7 @@ def test_web_sidebar_says_sizes_free_space_and_each_problem_once(tmp_path):
     """The MM3 models sidebar (web/mm3.js, needs node.js): each set's published size and what is
     left to download against the free space, a problem said once (later mentions point to it),
     small files in KiB."""
-    import shutil
-
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node.js is not installed")
-    (tmp_path / "scripts").mkdir()
-    (tmp_path / "extensions" / "pack").mkdir(parents=True)
-    (tmp_path / "scripts" / "app.js").write_text(JS_APP)
-    (tmp_path / "scripts" / "api.js").write_text(JS_API)
-    shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
-    (tmp_path / "package.json").write_text('{"type": "module"}')
-    (tmp_path / "harness.js").write_text(JS_SIDEBAR)
-    out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    text = json.loads(out.stdout)
+    text = run_web_harness(tmp_path, JS_SIDEBAR)
     assert text.count("truncated") == 1, text
     assert "MiniMax-Music3-vocoder-F32.gguf: unusable (see above)" in text
     assert "tiny-lm.gguf (F32, 3 KiB)" in text and "(4 KiB so far)" in text
@@ -859,13 +837,10 @@ def test_loader_lists_and_auto_skip_an_unusable_file(tiny, tmp_path):
     """In ComfyUI's interpreter, with a truncated DiT under a published name beside the good one in
     models/mm3: the DiT loader's list offers the good file only (as the sidebar's inventory lists
     it; the bad one is among its unusable files), and "auto" loads the good one, warning once."""
+    from tests.helpers.gguf_util import models_with_truncated_dit
+
     mm3_dir = tmp_path / "mm3"
-    mm3_dir.mkdir()
-    for p in tiny.gguf.glob("*.gguf"):
-        (mm3_dir / p.name).write_bytes(p.read_bytes())
-    good = tiny.file("mm3-dit").name
-    bad = mm3_dir / "MiniMax-Music3-transformer-Q8_0.gguf"
-    bad.write_bytes((mm3_dir / good).read_bytes()[:(mm3_dir / good).stat().st_size // 2])
+    good, bad = models_with_truncated_dit(tiny, mm3_dir)
     python = os.environ.get("COMFYUI_PYTHON", sys.executable)
     out = subprocess.run([python, "-c", LOADER_FILES_SCRIPT, str(ROOT), COMFYUI_PATH, str(tmp_path)],
                          capture_output=True, text=True, timeout=180)

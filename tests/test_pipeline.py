@@ -187,13 +187,10 @@ def test_reference_rng_reproduces_diffusers_audio(tiny, one_thread, duration, st
 def test_generate_with_auto_skips_a_truncated_file(tiny, tmp_path):
     """A truncated DiT under a published name beside the good one: `generate` with every model on
     auto runs, on the good DiT, and says once which file it skipped and why."""
+    from tests.helpers.gguf_util import models_with_truncated_dit
+
     models = tmp_path / "mm3"
-    models.mkdir()
-    for p in tiny.gguf.glob("*.gguf"):
-        (models / p.name).write_bytes(p.read_bytes())
-    good = tiny.file("mm3-dit").name
-    bad = models / "MiniMax-Music3-transformer-Q8_0.gguf"
-    bad.write_bytes((models / good).read_bytes()[:(models / good).stat().st_size // 2])
+    good, bad = models_with_truncated_dit(tiny, models)
     out = tmp_path / "song.wav"
     run = subprocess.run([sys.executable, "-m", "mm3", "generate", "--models", str(models), "--caption", CAPTION,
                           "--lyrics", LYRICS, "--duration", "0.5", "--steps", "2", "--out", str(out), "--quiet"],

@@ -108,6 +108,16 @@ def models_with(tiny, folder, kind=None, make=None) -> Path:
     return folder
 
 
+def models_with_truncated_dit(tiny, folder) -> tuple[str, Path]:
+    """A models folder with the tiny model's five files and, beside its DiT, the first half of that
+    DiT under the published Q8_0 DiT's name: (the good DiT's name, the truncated file)."""
+    folder = models_with(tiny, folder)
+    good = tiny.file("mm3-dit").name
+    bad = folder / "MiniMax-Music3-transformer-Q8_0.gguf"
+    bad.write_bytes((folder / good).read_bytes()[:(folder / good).stat().st_size // 2])
+    return good, bad
+
+
 def published_size_copy(src, dst, size: float, qtype=gguf.GGMLQuantizationType.F32) -> Path:
     """A copy of GGUF `src` as large as a published file (`size` bytes, within one block): its
     tensors plus one more of type `qtype` whose data is a hole at the end of a sparse file (no
