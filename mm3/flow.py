@@ -146,6 +146,18 @@ class Keep:
                                  f"{c.shape[1]}] (made from the same codes)")
 
 
+def repaint_keep(conditions: list[torch.Tensor], original: list[torch.Tensor], start: float, end: float, fade: float,
+                 sample_rate: float, hop: int, covered: int | None = None) -> Keep:
+    """What a repaint of seconds [start, end) keeps: elsewhere the first variation of `original`
+    (latents of the windows of `conditions`, made from the same codes), crossfaded over `fade`
+    seconds inside each edge. `sample_rate` / `hop`: the condition encoder's output rate and hop."""
+    if [c.shape[1] for c in conditions] != [x.shape[-1] for x in original]:
+        raise ValueError(f"the latents to keep ({[x.shape[-1] for x in original]} per window) were not made for this "
+                         f"song's windows ({[c.shape[1] for c in conditions]}): use latents of the same codes, or "
+                         "source codes with as many frames")
+    return Keep.seconds([x[:1] for x in original], start, end, fade, sample_rate / hop, covered)
+
+
 def split_timeline(timeline: torch.Tensor, latent_lengths: list[int]) -> list[torch.Tensor]:
     """A song's latents on its timeline [..., T] -> one [..., L_k] per window (`window_offsets`).
     The timeline must cover the windows; `pad_timeline` extends a shorter one."""

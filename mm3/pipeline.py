@@ -7,7 +7,8 @@ with its codes and exact seeds), which renders the same audio again.
 Random streams: by default the AR stage draws from a generator seeded `lm_seed + song` and the
 DiT noise from one seeded `seed + variation`, so the two seeds are independent. With
 `rng="reference"` one CPU generator seeded `lm_seed + song` drives the AR sampling and then the DiT
-noise, exactly as the diffusers pipeline, so its audio is reproduced for the same seed.
+noise, exactly as the diffusers pipeline, so its audio is reproduced for the same seed. The mode
+also sets the numerics every stage computes with (`mm3.numerics.Numerics`), chosen once per run.
 """
 
 from __future__ import annotations
@@ -20,20 +21,21 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .ar import PlanSettings, max_frames_for, plan, replay
+from .ar import max_frames_for, plan, replay
 from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
-from .constants import FRAME_RATE, RNG_MODES
+from .constants import FRAME_RATE
 from .cpu_bf16 import dit_dtype
 from .device import empty_cache, pick_device, pick_dtype, total_bytes
 from .errors import RunError
 from .fingerprint import file_fingerprint
-from .flow import AUTO_SHIFT, Keep, NonFiniteError, encode_conditions, sample_latents, schedule_shift
+from .flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents
+from .numerics import FAST, Numerics
 from .progress import Cancelled, Progress
 from .prompt import Prompt, PromptError, build_prompt
 from .registry import Registry
-from .request import MODEL_FIELDS, MM3Request, RequestError
+from .request import MODEL_FIELDS, MM3Request, RequestError, model_mismatch
 from .sampling import make_generator
 from .takes import plan_and_replay_takes
 from .store import ModelStore
@@ -196,10 +198,8 @@ class Pipeline:
             if field not in recorded or not name or self.registry.find(kind, name) is not None:
                 names[field] = name
                 if want and field in recorded and name:
-                    have = file_fingerprint(self.registry.resolve(kind, name))
-                    if have != want:
-                        warnings.append(f"{field} {name} is not the file that made this request (fingerprint {have}, "
-                                        f"recorded {want}): the audio can differ")
+                    problem = model_mismatch(request, field, name, file_fingerprint(self.registry.resolve(kind, name)))
+                    warnings += [problem] if problem else []
                 continue
             same = [n for n in self.registry.buckets[kind] if want and file_fingerprint(self.registry.paths[n]) == want]
             if same:
@@ -218,6 +218,11 @@ class Pipeline:
     def _folders(self) -> str:
         return ", ".join(self.registry.folders)
 
+    def numerics(self, rng: str) -> Numerics:
+        """The numerics of random-stream mode `rng`: the reference's (the DiT in `dtype`) for
+        "reference", else the fast ones (the DiT in `dit_dtype`)."""
+        return Numerics.for_rng(rng, dtype=self.dtype, fast_dtype=self.dit_dtype)
+
     # -- stages -----------------------------------------------------------------------------------
     def prompt(self, request: MM3Request) -> Prompt:
         tokenizer = self.store.tokenizer(request.lm_model)
@@ -226,14 +231,9 @@ class Pipeline:
         except PromptError as e:
             raise RequestError(str(e)) from None
 
-    def _ar_models(self, request: MM3Request, numerics: str = "fast"):
-        return (self.store.model("lm", request.lm_model, numerics),
-                self.store.model("depth", request.depth_model, numerics))
-
-    @staticmethod
-    def _plan_settings(request: MM3Request) -> PlanSettings:
-        return PlanSettings(duration=request.duration, lm_seed=request.lm_seed, lm_cfg=request.lm_cfg,
-                            top_k=request.lm_top_k, songs=request.lm_batch_size, shaping=request.shaping())
+    def _ar_models(self, request: MM3Request, numerics: Numerics = FAST):
+        return (self.store.model("lm", request.lm_model, numerics.models),
+                self.store.model("depth", request.depth_model, numerics.models))
 
     def plan(self, request: MM3Request, progress: Progress | None = None,
              rng: str | None = None) -> tuple[list[AudioCodes], list[torch.Generator] | None]:
@@ -243,17 +243,16 @@ class Pipeline:
         hiddens) and also returns each song's generator, left where the AR stage stopped drawing
         (the DiT noise continues from there)."""
         rng = request.rng if rng is None else rng
-        if rng not in RNG_MODES:
-            raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
+        numerics = self.numerics(rng)
         prompt = self.prompt(request)
         progress = self._track(progress)
-        settings = self._plan_settings(request)
+        settings = request.plan_settings()
         takes = request.takes_setting()
         if rng == "reference" and (not takes.is_plain or request.continue_codes):
             raise RequestError("the reference RNG plans one take per song from the prompt alone: use rng independent "
                                "for takes, require_ending or continue_codes")
         with self._stage("ar"):
-            lm, depth = self._ar_models(request, "reference" if rng == "reference" else "fast")
+            lm, depth = self._ar_models(request, numerics)
             trained = lm.cfg.get("trained_lm_cfg")
             if trained is not None and trained != settings.lm_cfg:
                 log.warning("%s was made for lm_cfg %g%s; this request asks for %g", request.lm_model or "the LM",
@@ -312,7 +311,7 @@ class Pipeline:
             a, b = int(start * FRAME_RATE), min(n, int(end * FRAME_RATE))
             if not 0 <= a < b:
                 raise RequestError(f"the range {start:g}..{end:g} s holds no frame of this {n / FRAME_RATE:.2f} s song")
-            settings = replace(self._plan_settings(request), duration=(b + 0.5) / FRAME_RATE, lm_seed=lm_seed, songs=1,
+            settings = replace(request.plan_settings(), duration=(b + 0.5) / FRAME_RATE, lm_seed=lm_seed, songs=1,
                                shaping=replace(request.shaping(), min_frames=b))
             (song,) = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
                            progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)
@@ -329,9 +328,13 @@ class Pipeline:
         return songs, gens
 
     def synthesize(self, request: MM3Request, song: AudioCodes, progress: Progress | None = None,
-                   generator: torch.Generator | None = None, source: AudioCodes | None = None) -> torch.Tensor:
+                   generator: torch.Generator | None = None, source: AudioCodes | None = None,
+                   numerics: Numerics | None = None) -> torch.Tensor:
         """Audio [V, 2, T] float32 on the CPU for `request.synth_batch_size` variations of `song`.
-        A repaint keeps the latents of `source` (default: `song`) rendered with `request.seed`."""
+        The DiT noise comes from `generator` where given (the reference RNG), else from
+        `request.seed`; `numerics` default to those of `request.rng`. A repaint keeps the latents
+        of `source` (default: `song`) rendered with `request.seed`."""
+        numerics = self.numerics(request.rng) if numerics is None else numerics
         progress = self._track(progress)
         with self._stage("dit"):
             cond = self.store.model("cond", request.cond_model)
@@ -339,19 +342,13 @@ class Pipeline:
             start = time.perf_counter()
             conditions = encode_conditions(cond, song.frame_hiddens, device=self.device, dtype=self.dtype,
                                            progress=progress)
-            # The reference RNG reproduces the reference's render: its schedule unless a shift is asked for.
-            # It also computes in the reference's dtype, so the DiT stays in `dtype` there.
-            auto_is_reference = generator is not None and request.dit_shift == AUTO_SHIFT
             common = dict(steps=request.steps, dit_cfg=request.dit_cfg, device=self.device, dtype=self.dtype,
-                          compute_dtype=self.dtype if generator is not None else self.dit_dtype,
-                          progress=progress, shift=1.0 if auto_is_reference else schedule_shift(request.steps,
-                                                                                                request.dit_shift))
+                          progress=progress, **numerics.sampler(request.steps, request.dit_shift))
             if request.repaints:
                 latents = self._repaint(request, song, source, cond, dit, conditions, common)
             else:
                 latents = sample_latents(dit, conditions, seed=None if generator is not None else request.seed,
-                                         generator=generator, variations=request.synth_batch_size,
-                                         cfg_batch=generator is None, **common)  # reference: its two CFG calls
+                                         generator=generator, variations=request.synth_batch_size, **common)
             del conditions
             hop = int(cond.hp["output_hop_length"])
         self.timings.add("dit", time.perf_counter() - start)
@@ -359,7 +356,7 @@ class Pipeline:
             vae = self.store.model("vae", request.vae_model)
             start = time.perf_counter()
             audio = stitch(decode_windows(vae, latents, hop=hop, device=self.device, progress=progress,
-                                          exact=generator is not None), hop)  # the reference RNG: its samples
+                                          exact=numerics.exact), hop)
             _check_audio(audio, [lat.shape[-1] for lat in latents], hop)
         self.timings.add("vae", time.perf_counter() - start)
         return audio.float().cpu()
@@ -371,11 +368,9 @@ class Pipeline:
         src_conditions = conditions if source is None else encode_conditions(
             cond, source.frame_hiddens, device=self.device, dtype=self.dtype, progress=common["progress"])
         original = sample_latents(dit, src_conditions, seed=request.seed, **common)
-        if [c.shape[1] for c in src_conditions] != [c.shape[1] for c in conditions]:
-            raise RequestError("source_codes and audio_codes must have the same number of frames for a repaint")
-        rate = cond.hp["output_sampling_rate"] / cond.hp["output_hop_length"]
         try:
-            keep = Keep.seconds(original, request.repaint_start, request.repaint_end, request.repaint_fade, rate)
+            keep = repaint_keep(conditions, original, request.repaint_start, request.repaint_end, request.repaint_fade,
+                                cond.hp["output_sampling_rate"], int(cond.hp["output_hop_length"]))
         except ValueError as e:
             raise RequestError(str(e)) from None
         return sample_latents(dit, conditions, seed=request.repaint_seed, variations=request.synth_batch_size,
@@ -426,8 +421,10 @@ class Pipeline:
             songs, gens = self.plan(request, progress, rng)
         tracks = []
         sample_rate = None
+        numerics = self.numerics(rng)
         for i, song in enumerate(songs):
-            audio = self.synthesize(request, song, progress, generator=gens[i] if gens else None, source=source)
+            audio = self.synthesize(request, song, progress, generator=gens[i] if gens else None, source=source,
+                                    numerics=numerics)
             sample_rate = self.store.model("vae", request.vae_model).sampling_rate
             codes_text = song.to_request_codes()
             for j in range(audio.shape[0]):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .components import MODEL_FIELDS
@@ -35,6 +35,7 @@ from .constants import (
 )
 from .errors import InputError
 from .flow import AUTO_SHIFT
+from .sampling import resolve_seed
 from .shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW
 
 DEFAULT_REPAINT_FADE = 0.25  # seconds of crossfade inside each edge of a repainted range
@@ -208,11 +209,14 @@ class MM3Request:
 
     def shaping(self):
         """The semantic draw's shaping this request asks for (`mm3.shaping.Shaping`)."""
-        from .shaping import Shaping
+        return shaping_of(self, self.min_duration)
 
-        return Shaping(temperature=self.lm_temperature, top_p=self.lm_top_p, penalty=self.lm_penalty,
-                       penalty_strength=self.lm_penalty_strength, penalty_window=self.lm_penalty_window,
-                       min_match=self.lm_dry_min_match, min_frames=int(self.min_duration * FRAME_RATE))
+    def plan_settings(self):
+        """The plan this request asks for (`mm3.ar.PlanSettings`); `plan_fields` records one."""
+        from .ar import PlanSettings
+
+        return PlanSettings(duration=self.duration, lm_seed=self.lm_seed, lm_cfg=self.lm_cfg, top_k=self.lm_top_k,
+                            songs=self.lm_batch_size, shaping=self.shaping())
 
     def takes_setting(self):
         from .takes import Takes
@@ -294,13 +298,8 @@ class MM3Request:
 
     def resolve_seeds(self) -> "MM3Request":
         """A copy whose -1 seeds are replaced by random ones (written back into replay files)."""
-        return replace(
-            self,
-            seed=self.seed if self.seed >= 0 else secrets.randbelow(SEED_MAX + 1),
-            lm_seed=self.lm_seed if self.lm_seed >= 0 else secrets.randbelow(SEED_MAX + 1),
-            repaint_seed=self.repaint_seed if self.repaint_seed >= 0 or not self.repaints
-            else secrets.randbelow(SEED_MAX + 1),
-        )
+        return replace(self, seed=resolve_seed(self.seed), lm_seed=resolve_seed(self.lm_seed),
+                       repaint_seed=resolve_seed(self.repaint_seed) if self.repaints else self.repaint_seed)
 
     def replay(self, audio_codes: str, song: int = 0, variation: int = 0, lm_seed: int | None = None,
                take: int | None = None) -> "MM3Request":
@@ -312,6 +311,45 @@ class MM3Request:
         return replace(self, audio_codes=audio_codes, continue_codes="",
                        lm_seed=self.lm_seed + song if lm_seed is None else lm_seed,
                        lm_take=self.lm_take if take is None else take, lm_batch_size=1, synth_batch_size=1, **seeds)
+
+
+def shaping_of(source, min_duration: float = 0.0):
+    """The `mm3.shaping.Shaping` of the lm_* fields of `source` (a request, or the nodes' sampling
+    options, which name them alike); the penalty strength counts only with a penalty."""
+    from .shaping import Shaping
+
+    return Shaping(temperature=source.lm_temperature, top_p=source.lm_top_p, penalty=source.lm_penalty,
+                   penalty_strength=source.lm_penalty_strength if source.lm_penalty != "none" else 0.0,
+                   penalty_window=source.lm_penalty_window, min_match=source.lm_dry_min_match,
+                   min_frames=int(min_duration * FRAME_RATE))
+
+
+def plan_fields(settings, takes) -> dict:
+    """The request fields that record a plan (`mm3.ar.PlanSettings`) and its takes
+    (`mm3.takes.Takes`): the inverse of `MM3Request.plan_settings` and `takes_setting`, for one song."""
+    sh = settings.shaping
+    return dict(duration=float(settings.duration), lm_seed=settings.lm_seed, lm_cfg=float(settings.lm_cfg),
+                lm_top_k=int(settings.top_k), lm_temperature=float(sh.temperature), lm_top_p=float(sh.top_p),
+                lm_penalty=sh.penalty, lm_penalty_strength=float(sh.penalty_strength) if sh.penalty != "none" else 0.0,
+                lm_penalty_window=int(sh.penalty_window), lm_dry_min_match=int(sh.min_match),
+                min_duration=sh.min_frames / settings.frame_rate, takes=takes.takes,
+                require_ending=takes.require_ending, ending_rounds=takes.rounds if takes.require_ending else 1)
+
+
+def model_mismatch(request: MM3Request, field: str, name: str, fingerprint: str) -> str | None:
+    """Why the file `name` (with `fingerprint`) used for `field` (lm_model, ...) may not be the one
+    that made `request` (read from a replay file), or None. Files are compared by fingerprint
+    where the request records one, else by name."""
+    recorded, want = getattr(request, field), request.model_fingerprints.get(field)
+    if want:
+        if want == fingerprint:
+            return None
+        what = f"{recorded}, fingerprint {want}" if recorded else f"fingerprint {want}"
+        return (f"{field}: {name} (fingerprint {fingerprint}) is not the file that made this song ({what}); the audio "
+                "can differ")
+    if recorded and os.path.basename(recorded) != os.path.basename(name):
+        return f"{field}: this song was made with {recorded}, this run uses {name}; the audio can differ"
+    return None
 
 
 def check_output_format(name) -> str:

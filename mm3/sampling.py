@@ -11,10 +11,12 @@ a host copy of them.
 
 from __future__ import annotations
 
-import random
+import secrets
 
 import torch
 import torch.nn.functional as F
+
+from .constants import SEED_MAX
 
 NAN_FILL = 1e9  # nan_to_num bounds used by the reference before top-k
 
@@ -28,9 +30,10 @@ def make_generator(seed: int) -> torch.Generator:
 
 
 def resolve_seed(seed: int | None) -> int:
-    """-1 / None -> a random non-negative seed (what the request writes back); else `seed`."""
+    """-1 / None -> a random seed in 0..SEED_MAX (what a replay request records); else `seed`. The
+    one resolver of every random seed: the request's, the plan's, the takes'."""
     if seed is None or int(seed) < 0:
-        return random.SystemRandom().randrange(2 ** 32)
+        return secrets.randbelow(SEED_MAX + 1)
     return int(seed)
 
 

@@ -11,7 +11,6 @@ them directly.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,11 +21,12 @@ from mm3.audio import as_stereo, decode_windows, encode_audio, stitch
 from mm3.codes import AudioCodes, parse_audio_codes
 from mm3.components import check_compatible
 from mm3.constants import MAX_PROMPT_TOKENS
-from mm3.flow import AUTO_SHIFT, Keep, encode_conditions, sample_latents, schedule_shift, windows_from_timeline
+from mm3.flow import AUTO_SHIFT, encode_conditions, repaint_keep, sample_latents, windows_from_timeline
+from mm3.numerics import FAST, Numerics
 from mm3.output import atomic_write, write_audio
 from mm3.progress import Progress
 from mm3.prompt import build_prompt
-from mm3.request import MM3Request, RequestError
+from mm3.request import MM3Request, RequestError, model_mismatch, plan_fields
 from mm3.takes import Takes, plan_and_replay_takes
 from mm3.tokenizer import MM3Tokenizer
 from .handles import ComponentHandle, ConditionBundle, LatentsBundle, PlannedSong, PromptBundle, WindowsBundle, part
@@ -43,27 +43,12 @@ def with_model(request: MM3Request, field: str, handle: ComponentHandle) -> MM3R
     return replace(request, **{field: handle.name}, model_fingerprints=prints)
 
 
-def model_mismatch(request: MM3Request, field: str, handle: ComponentHandle) -> str | None:
-    """Why `handle`'s file may not be the one that made `request` (read from a replay file), or
-    None. Files are compared by fingerprint where the request records one, else by name."""
-    name, want = getattr(request, field), request.model_fingerprints.get(field)
-    if want:
-        if want == handle.fingerprint:
-            return None
-        what = f"{name}, fingerprint {want}" if name else f"fingerprint {want}"
-        return (f"{field}: {handle.name} (fingerprint {handle.fingerprint}) is not the file that made this song "
-                f"({what}); the audio can differ")
-    if name and os.path.basename(name) != os.path.basename(handle.name):
-        return f"{field}: this song was made with {name}, this run uses {handle.name}; the audio can differ"
-    return None
-
-
 def check_models(song: "PlannedSong", request: MM3Request, **handles: ComponentHandle) -> list[str]:
     """For a song loaded from a file (`song.model_check` set): each handle's file against the one
     the file records. "refuse" raises ValueError; "warn" logs and returns the warnings."""
     if song.model_check is None:
         return []
-    found = [m for field, h in handles.items() if (m := model_mismatch(request, field, h))]
+    found = [m for field, h in handles.items() if (m := model_mismatch(request, field, h.name, h.fingerprint))]
     if found and song.model_check == "refuse":
         raise ValueError(found[0] + " (refused: model_check is refuse)")
     for m in found:
@@ -98,14 +83,7 @@ def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandl
     own rule). `takes`: candidates kept by their endings (`mm3.takes`); `prior`: a song to continue
     (its codes, then new frames up to the duration). Returns the songs and every take planned."""
     parts = check_parts({}, lm=lm, depth=depth)
-    sh = settings.shaping
-    request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, duration=float(settings.duration),
-                         lm_seed=settings.lm_seed, lm_cfg=float(settings.lm_cfg), lm_top_k=int(settings.top_k),
-                         lm_temperature=float(sh.temperature), lm_top_p=float(sh.top_p), lm_penalty=sh.penalty,
-                         lm_penalty_strength=float(sh.penalty_strength) if sh.penalty != "none" else 0.0,
-                         lm_penalty_window=int(sh.penalty_window), lm_dry_min_match=int(sh.min_match),
-                         min_duration=sh.min_frames / settings.frame_rate, takes=takes.takes,
-                         require_ending=takes.require_ending, ending_rounds=takes.rounds if takes.require_ending else 1,
+    request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, **plan_fields(settings, takes),
                          continue_codes="" if prior is None else prior.codes.to_request_codes())
     request = with_model(with_model(request, "lm_model", lm), "depth_model", depth)
     try:
@@ -146,7 +124,8 @@ def read_codes_request(text: str, source: str, lm: ComponentHandle, depth: Compo
 def codes_file_problems(request: MM3Request, lm: ComponentHandle, depth: ComponentHandle) -> list[str]:
     """What keeps a replay file from rendering its original audio in these nodes: other LM or
     depth files than those that made it, or the reference RNG (which the nodes do not run)."""
-    found = [m for field, h in (("lm_model", lm), ("depth_model", depth)) if (m := model_mismatch(request, field, h))]
+    found = [m for field, h in (("lm_model", lm), ("depth_model", depth))
+             if (m := model_mismatch(request, field, h.name, h.fingerprint))]
     if request.rng != "independent":
         found.append(f"this song was rendered with the {request.rng} RNG (one generator for the AR sampling and the "
                      "DiT noise); the nodes draw the DiT noise from the seed alone, so the audio differs: render it "
@@ -187,18 +166,15 @@ def encode_condition(cond_model, cond: ComponentHandle, song: PlannedSong, *, de
 @torch.no_grad()
 def sample(dit_model, dit: ComponentHandle, condition: ConditionBundle, *, seed: int, steps: int, dit_cfg: float,
            variations: int, device, dtype: torch.dtype, progress: Progress | None = None,
-           weight_cache: int | None = None, shift: float = AUTO_SHIFT,
-           compute_dtype: torch.dtype | None = None) -> LatentsBundle:
+           weight_cache: int | None = None, shift: float = AUTO_SHIFT, numerics: Numerics = FAST) -> LatentsBundle:
     """`mm3.flow.sample_latents` over the bundle's conditions. `weight_cache`: bytes of dequantized
     DiT weights the sampler may keep (None: its own rule). `shift`: of the flow schedule (0:
-    automatic, `mm3.flow.schedule_shift`). `compute_dtype`: of the DiT's forward (None: the
-    sampler's rule)."""
+    automatic, `mm3.flow.schedule_shift`). `numerics`: how the DiT computes (`mm3.numerics`)."""
     parts = check_parts(condition.parts, dit=dit)
     warnings = check_models(condition.song, condition.song.request, dit_model=dit)
     latents = sample_latents(dit_model, condition.conds, steps=steps, dit_cfg=dit_cfg, seed=seed,
                              variations=variations, device=device, dtype=dtype, progress=progress,
-                             weight_cache=weight_cache, shift=schedule_shift(steps, shift),
-                             compute_dtype=compute_dtype)
+                             weight_cache=weight_cache, **numerics.sampler(steps, shift))
     request = replace(condition.request, seed=int(seed), steps=int(steps), dit_cfg=float(dit_cfg),
                       synth_batch_size=int(variations), dit_shift=float(shift))
     return LatentsBundle(condition, [x.to(STORE) for x in latents], with_model(request, "dit_model", dit), parts,
@@ -209,21 +185,17 @@ def sample(dit_model, dit: ComponentHandle, condition: ConditionBundle, *, seed:
 def repaint(dit_model, dit: ComponentHandle, condition: ConditionBundle, source: LatentsBundle, *, start: float,
             end: float, fade: float, seed: int, steps: int, dit_cfg: float, variations: int, device, dtype: torch.dtype,
             shift: float = AUTO_SHIFT, progress: Progress | None = None,
-            weight_cache: int | None = None, compute_dtype: torch.dtype | None = None) -> LatentsBundle:
+            weight_cache: int | None = None, numerics: Numerics = FAST) -> LatentsBundle:
     """Seconds [start, end) of the song sampled anew (noise from seed + j for variation j), the rest
     kept from `source` (its first variation): latents of the same codes' windows, from the Flow DiT
     Sampler or from recorded audio (MM3 Vocoder Encode)."""
     parts = check_parts(condition.parts, dit=dit)
     warnings = check_models(condition.song, condition.song.request, dit_model=dit) + list(source.warnings)
-    if [c.shape[1] for c in condition.conds] != [x.shape[-1] for x in source.latents]:
-        raise ValueError(f"the source latents ({len(source.latents)} windows) were not made for this condition's "
-                         f"song ({len(condition.conds)} windows): use latents of the same codes")
-    rate = condition.parts["cond"].hparams["output_sampling_rate"] / condition.hop  # latents per second
-    keep = Keep.seconds([x[:1] for x in source.latents], start, end, fade, rate, source.covered)
+    keep = repaint_keep(condition.conds, source.latents, start, end, fade,
+                        condition.parts["cond"].hparams["output_sampling_rate"], condition.hop, source.covered)
     latents = sample_latents(dit_model, condition.conds, steps=steps, dit_cfg=dit_cfg, seed=seed,
                              variations=variations, device=device, dtype=dtype, progress=progress,
-                             weight_cache=weight_cache, shift=schedule_shift(steps, shift), keep=keep,
-                             compute_dtype=compute_dtype)
+                             weight_cache=weight_cache, keep=keep, **numerics.sampler(steps, shift))
     src = source.request
     request = replace(condition.request, seed=src.seed, steps=int(steps), dit_cfg=float(dit_cfg),
                       synth_batch_size=int(variations), dit_shift=float(shift), repaint_start=float(start),
@@ -258,12 +230,13 @@ def encode_recording(vae_model, vae: ComponentHandle, audio: dict, condition: Co
 
 @torch.no_grad()
 def decode(vae_model, vae: ComponentHandle, latents: LatentsBundle, *, device,
-           progress: Progress | None = None) -> WindowsBundle:
+           progress: Progress | None = None, numerics: Numerics = FAST) -> WindowsBundle:
     """`mm3.audio.decode_windows`: each window decoded whole, kept on the CPU for Stitch."""
     check_parts(latents.parts, vae=vae)
     warnings = check_models(latents.condition.song, latents.condition.song.request, vae_model=vae)
     hop = latents.condition.hop
-    waves = decode_windows(vae_model, latents.latents, hop=hop, device=device, progress=progress)
+    waves = decode_windows(vae_model, latents.latents, hop=hop, device=device, progress=progress,
+                           exact=numerics.exact)
     sample_rate = int(vae.hparams["sampling_rate"])
     return WindowsBundle([w.to(STORE) for w in waves], hop, sample_rate, with_model(latents.request, "vae_model", vae),
                          warnings)

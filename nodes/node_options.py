@@ -9,12 +9,13 @@ every queued prompt) moves them onto an options node so they keep their effect.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import field, make_dataclass
 
 from comfy_api.latest import io
 
-from mm3.constants import DEFAULT_TOP_K, MAX_AUDIO_FRAMES, SEMANTIC_VOCAB_SIZE
-from mm3.shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, MAX_TEMPERATURE, PENALTIES
+from mm3.constants import MAX_AUDIO_FRAMES, SEMANTIC_VOCAB_SIZE
+from mm3.request import MM3Request
+from mm3.shaping import MAX_TEMPERATURE, PENALTIES
 from mm3.takes import MAX_ENDING_ROUNDS
 from .common import CATEGORY
 
@@ -24,21 +25,14 @@ PLAN_NODE = "MM3ARPlan"
 log = logging.getLogger("mm3")
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
-    """The expert settings of the AR sampling; the defaults are the reference's draw."""
-
-    lm_top_k: int = DEFAULT_TOP_K
-    lm_temperature: float = 1.0
-    lm_top_p: float = 1.0
-    lm_penalty: str = "none"
-    lm_penalty_strength: float = 1.1
-    lm_penalty_window: int = DEFAULT_PENALTY_WINDOW
-    lm_dry_min_match: int = DEFAULT_DRY_MIN_MATCH
-    ending_rounds: int = 1
-
-
-KEYS = tuple(f.name for f in fields(SamplingOptions))  # the inputs AR Plan had before they moved here
+# The request fields these knobs set (the inputs AR Plan had before they moved here), with the
+# request's defaults (the reference's draw); the strength is where a penalty starts once picked.
+KEYS = ("lm_top_k", "lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",
+        "lm_dry_min_match", "ending_rounds")
+DEFAULTS = {k: getattr(MM3Request, k) for k in KEYS} | {"lm_penalty_strength": 1.1}
+# The expert settings of the AR sampling, named as the request names them (`mm3.request.shaping_of`).
+SamplingOptions = make_dataclass("SamplingOptions", [(k, type(v), field(default=v)) for k, v in DEFAULTS.items()],
+                                 frozen=True, namespace={"__module__": __name__})
 
 
 class MM3SamplingOptions(io.ComfyNode):

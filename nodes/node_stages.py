@@ -24,8 +24,8 @@ from mm3.constants import (
 )
 from mm3.ar import PlanSettings
 from mm3.flow import AUTO_SHIFT, MAX_SHIFT
-from mm3.request import DEFAULT_REPAINT_FADE
-from mm3.shaping import Shaping
+from mm3.numerics import Numerics
+from mm3.request import DEFAULT_REPAINT_FADE, shaping_of
 from mm3.takes import MAX_TAKES, Takes
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher, spare_bytes
@@ -146,12 +146,8 @@ class MM3ARPlan(io.ComfyNode):
                 prior_codes=None) -> io.NodeOutput:
         o = options or SamplingOptions()
         frames = min(int(duration * FRAME_RATE), MAX_AUDIO_FRAMES)
-        shaping = Shaping(temperature=o.lm_temperature, top_p=o.lm_top_p, penalty=o.lm_penalty,
-                          penalty_strength=o.lm_penalty_strength if o.lm_penalty != "none" else 0.0,
-                          penalty_window=o.lm_penalty_window, min_match=o.lm_dry_min_match,
-                          min_frames=int(min_duration * FRAME_RATE))
         settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=o.lm_top_k, songs=songs,
-                                shaping=shaping)
+                                shaping=shaping_of(o, min_duration))
         rounds = Takes(takes=takes, require_ending=require_ending, rounds=o.ending_rounds)
         with interruptible():
             device, dtype = _device_dtype(lm)
@@ -241,8 +237,8 @@ def _loaded_dit(dit, condition):
     device, dtype = _device_dtype(dit)
     need = dit_memory(dit.hparams, max(c.shape[1] for c in condition.conds), dtype_bytes(dtype))
     (model,) = load([dit], memory_required=need)
-    return model, dict(device=device, dtype=dtype, compute_dtype=dit_compute_dtype(dtype), progress=node_progress(),
-                       weight_cache=spare_bytes([dit], need))
+    return model, dict(device=device, dtype=dtype, numerics=Numerics(compute_dtype=dit_compute_dtype(dtype)),
+                       progress=node_progress(), weight_cache=spare_bytes([dit], need))
 
 
 class MM3Repaint(io.ComfyNode):

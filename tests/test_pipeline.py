@@ -221,3 +221,36 @@ def test_demo_writes_the_tiny_model_once_and_says_where_the_song_is(tmp_path, ca
     assert cli_main(args) == 0
     assert "wrote the tiny" not in capsys.readouterr().err
     assert {p.name: p.stat().st_mtime_ns for p in folder.glob("*.gguf")} == before
+
+
+def test_numerics_follow_the_rng_mode_not_the_generator(tiny):
+    """The numerics are chosen from the random-stream mode (or given); a generator passed for the
+    DiT noise does not switch a render to the reference's numerics."""
+    from dataclasses import replace
+
+    from mm3.numerics import Numerics
+    from mm3.sampling import make_generator
+
+    pipe = Pipeline(str(tiny.gguf))
+    assert pipe.numerics("reference") == Numerics("reference", pipe.dtype)
+    assert pipe.numerics("independent") == Numerics("fast", pipe.dit_dtype)
+    req = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=1.0, steps=2, seed=4, lm_seed=1).validate()
+    (song,), _ = pipe.plan(req)
+    fast = pipe.synthesize(req, song, generator=make_generator(4))
+    again = pipe.synthesize(req, song, generator=make_generator(4), numerics=pipe.numerics("independent"))
+    assert torch.equal(fast, again)
+    ref = pipe.synthesize(req, song, generator=make_generator(4), numerics=pipe.numerics("reference"))
+    assert torch.equal(ref, pipe.synthesize(replace(req, rng="reference"), song, generator=make_generator(4)))
+
+
+def test_numerics_choice():
+    from mm3.numerics import FAST, Numerics
+
+    ref = Numerics("reference", torch.float32)
+    assert (ref.cfg_batch, ref.exact, ref.models, ref.shift(2)) == (False, True, "reference", 1.0)
+    assert (FAST.cfg_batch, FAST.exact, FAST.models, FAST.shift(2)) == (True, False, "fast", 29.0)
+    assert ref.shift(2, 3.0) == FAST.shift(2, 3.0) == 3.0
+    with pytest.raises(ValueError, match="numerics must be one of fast, reference, got 'exact'"):
+        Numerics("exact")
+    with pytest.raises(ValueError, match="rng must be one of independent, reference, got 'x'"):
+        Numerics.for_rng("x")

@@ -122,9 +122,9 @@ def test_replaced_file_warns_strict_refuses(tiny, tmp_path, capsys):
     shutil.copy(_other_dit(tiny, tmp_path), dit)  # same name, other content
     capsys.readouterr()
     assert _render(models, tmp_path / "a.json", tmp_path / "s.wav", "--strict") == 2
-    assert "is not the file that made this request" in capsys.readouterr().err
+    assert "is not the file that made this song" in capsys.readouterr().err
     assert _render(models, tmp_path / "a.json", tmp_path / "b.wav") == 0
-    assert f"warning: dit_model {dit.name} is not the file that made this request" in capsys.readouterr().err
+    assert f"warning: dit_model: {dit.name} (fingerprint " in capsys.readouterr().err
 
 
 def test_explicit_flag_overrides_the_recorded_file_without_warning(tiny, tmp_path, capsys):

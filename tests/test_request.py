@@ -83,3 +83,33 @@ def test_seeds_resolve_and_replay():
         r.lm_seed + 1, r.seed + 2, 1, 1, "1,2")
     fixed = req(seed=7, lm_seed=9).resolve_seeds()
     assert (fixed.seed, fixed.lm_seed) == (7, 9)
+
+
+def test_one_seed_resolver(monkeypatch):
+    """The request's -1 seeds and the plan's (`PlanSettings.lm_seed` None or -1) are drawn by the
+    same resolver, over the same range 0..SEED_MAX."""
+    import secrets
+
+    from mm3.sampling import resolve_seed
+
+    monkeypatch.setattr(secrets, "randbelow", lambda n: n - 1)
+    r = req(seed=-1, lm_seed=-1, repaint_seed=-1).resolve_seeds()
+    assert (r.seed, r.lm_seed, r.repaint_seed) == (2**32 - 1, 2**32 - 1, -1)  # no repaint: repaint_seed unused
+    assert resolve_seed(None) == resolve_seed(-1) == 2**32 - 1 and resolve_seed(5) == 5
+
+
+def test_plan_fields_invert_plan_settings():
+    """The request <-> plan mapping both front ends use: a request's plan and takes, recorded
+    again, are the request's own fields; the nodes' sampling options map through the same code."""
+    from types import SimpleNamespace
+
+    from mm3.request import plan_fields, shaping_of
+
+    r = req(duration=12.0, lm_seed=4, lm_cfg=2.5, lm_top_k=50, lm_temperature=0.9, lm_top_p=0.95, lm_penalty="dry",
+            lm_penalty_strength=1.1, lm_penalty_window=300, lm_dry_min_match=20, min_duration=6.0, takes=3,
+            require_ending=True, ending_rounds=2).validate()
+    fields_ = plan_fields(r.plan_settings(), r.takes_setting())
+    assert {k: getattr(r, k) for k in fields_} == fields_
+    options = SimpleNamespace(**{k: getattr(r, k) for k in fields_ if k.startswith("lm_")})
+    assert shaping_of(options, 6.0) == r.shaping()
+    assert shaping_of(SimpleNamespace(**vars(options) | {"lm_penalty": "none"})).penalty_strength == 0.0

@@ -10,8 +10,8 @@ import torch
 from mm3.ar import PlanSettings, plan, replay
 from mm3.cli import main as cli_main
 from mm3.components import open_component
-from mm3.flow import (AUTO_SHIFT, Keep, encode_conditions, flow_sigmas, sample_latents, schedule_shift,
-                      timeline_length, window_offsets, windows_from_timeline)
+from mm3.flow import (AUTO_SHIFT, Keep, encode_conditions, flow_sigmas, repaint_keep, sample_latents,
+                      schedule_shift, timeline_length, window_offsets, windows_from_timeline)
 from mm3.models import build_model
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.lm import Qwen3LM
@@ -225,6 +225,20 @@ def test_repaint_keeps_the_rest_exactly(m):
     assert torch.equal(new[0][..., kept], original[0][..., kept]) and torch.equal(new[1], original[1])
     assert not torch.allclose(new[0][..., 120:280], original[0][..., 120:280])
     assert window_offsets(lengths) == [0, lengths[0] - 344] and timeline_length(lengths) == 345 + lengths[1]
+
+
+def test_repaint_keep_is_set_up_in_one_place():
+    """`repaint_keep` (the command line's and the nodes' one set-up): seconds at the encoder's rate,
+    the first variation kept, latents of other windows refused before any sampling."""
+    conds = [torch.zeros(1, 689, 8), torch.zeros(1, 430, 8)]
+    original = [torch.randn(2, 4, 689), torch.randn(2, 4, 430)]
+    keep = repaint_keep(conds, original, 1.0, 2.0, 0.25, 44100, 512)
+    want = Keep.seconds([x[:1] for x in original], 1.0, 2.0, 0.25, 44100 / 512)
+    assert all(torch.equal(a, b) for a, b in zip(keep.latents + keep.masks, want.latents + want.masks))
+    assert keep.latents[0].shape[0] == 1
+    with pytest.raises(ValueError, match=r"latents to keep \(\[689, 430\] per window\) were not made for this "
+                                         r"song's windows \(\[689, 431\]\)"):
+        repaint_keep([conds[0], torch.zeros(1, 431, 8)], original, 1.0, 2.0, 0.25, 44100, 512)
 
 
 def test_windows_from_a_short_recording_are_padded(m):
