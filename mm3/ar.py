@@ -37,6 +37,7 @@ from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_d
 from .matmul import CPU_SCRATCH, onednn_matmul
 from .models.depth import RVQDepthDecoder
 from .models.lm import KVCache, Qwen3LM
+from .models.lm import activation_bytes as lm_activation_bytes
 from .progress import Cancelled, Progress
 from .prompt import Prompt
 from .shaping import SemanticShaper, Shaping
@@ -413,7 +414,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
             lm, depth, prompt, prefix, device=device, dtype=dtype, progress=progress).frame_hiddens
         # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
         # One spare position: the last frame is fed back too.
-        r = rows_per_song(lm, settings.lm_cfg, device)
+        r = rows_per_song(lm.numerics, settings.lm_cfg, device)
         cache = lm.new_cache(r, n_prompt + known + max_frames + 1, dtype, device)
         last = lm(lm.embed(prompt.ids[:r].to(device), dtype), cache)[:, -1]  # [r, H], final-normed
         if prefix is not None:
@@ -442,14 +443,22 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     return out
 
 
-def rows_per_song(lm: Qwen3LM, lm_cfg: float, device: torch.device) -> int:
+def activation_bytes(lm_hp: dict, prompt_tokens: int, frames: int, songs: int, lm_cfg: float, device,
+                     elem: int, numerics: str = "fast") -> int:
+    """Bytes the AR stage needs beyond the weights (what a memory manager must keep free): the
+    LM's activations for the rows its songs take (`rows_per_song`)."""
+    rows = songs * rows_per_song(numerics, lm_cfg, device)
+    return lm_activation_bytes(lm_hp, prompt_tokens, frames, rows, elem)
+
+
+def rows_per_song(numerics: str, lm_cfg: float, device: torch.device) -> int:
     """LM rows each song needs: [cond, uncond], or [cond] with guidance exactly 1, fast numerics and
     an accelerator (u + (c - u) * 1 is c up to the last bit, so the unconditional row is work thrown
     away: half the KV cache and its reads, for a guidance-distilled LM). Reference numerics keep both
     rows, as the reference computes them; so does the CPU, where one row is slower: MKL multiplies
     one row by a large weight at about half the bandwidth of two (measured, 16389 x 1024 float32:
     3.4 ms for one row, 1.6 ms for two)."""
-    one = float(lm_cfg) == 1.0 and lm.numerics == "fast" and torch.device(device).type != "cpu"
+    one = float(lm_cfg) == 1.0 and numerics == "fast" and torch.device(device).type != "cpu"
     return 1 if one else 2
 
 

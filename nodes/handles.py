@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mm3 import ar
 from mm3.captions import caption_warning
 from mm3.codes import AudioCodes
 from mm3.components import (ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable, kinds_of, open_component,
@@ -23,7 +24,7 @@ from mm3.components import (ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_lo
 from mm3.fingerprint import file_fingerprint as content_fingerprint
 from mm3.gguf.errors import ComponentError
 from mm3.gguf.weight_copies import compressed_nbytes
-from mm3.models import build_model
+from mm3.models import build_model, dit, vocoder
 from mm3.prompt import Prompt
 from mm3.request import MM3Request
 
@@ -205,31 +206,18 @@ class WindowsBundle:
 
 
 # -- memory estimates for ComfyUI's loader (bytes of activations beyond the weights) --------------
-def ar_memory(lm_hp: dict, prompt_tokens: int, frames: int, songs: int, elem: int) -> int:
-    """KV cache of the LM (two rows per song) plus the prefill's widest activation; the depth
-    decoder's cache is negligible next to it."""
-    rows, length = 2 * songs, prompt_tokens + frames + 1
-    kv = 2 * lm_hp["num_hidden_layers"] * rows * lm_hp["num_key_value_heads"] * length * lm_hp["head_dim"] * elem
-    prefill = 3 * rows * prompt_tokens * max(lm_hp["intermediate_size"], lm_hp["hidden_size"]) * 4
-    return int(kv + prefill)
+def ar_memory(lm_hp: dict, prompt_tokens: int, frames: int, songs: int, lm_cfg: float, device, elem: int) -> int:
+    """The AR stage's, for the rows its songs take (`mm3.ar.activation_bytes`; the nodes run the
+    fast numerics)."""
+    return ar.activation_bytes(lm_hp, prompt_tokens, frames, songs, lm_cfg, device, elem)
 
 
 def dit_memory(dit_hp: dict, latent_len: int, elem: int) -> int:
-    """One CFG pair of a window (the sampler runs one variation at a time) through the widest DiT
-    layer, with a few temporaries."""
-    inner = dit_hp["num_attention_heads"] * dit_hp["attention_head_dim"]
-    return int(4 * 2 * (latent_len + 1) * max(dit_hp["ff_inner_dim"], 3 * inner) * elem)
+    return dit.activation_bytes(dit_hp, latent_len, elem)
 
 
 def vocoder_memory(shapes: dict, ratios: list[int], latent_len: int, rows: int = 2) -> int:
-    """The widest upsampled activation of the decoder (channels x samples at each stage, from the
-    tensor shapes), float32, a few temporaries deep."""
-    widest, length = 0, latent_len
-    for i, s in enumerate(ratios):
-        length *= int(s)
-        c_out = shapes.get(f"blocks.{i}.conv_t1.weight", (0, 0, 0))[1]
-        widest = max(widest, c_out * length)
-    return int(4 * rows * widest * 4)
+    return vocoder.activation_bytes(shapes, ratios, latent_len, rows)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -152,7 +152,7 @@ class MM3ARPlan(io.ComfyNode):
         with interruptible():
             device, dtype = _device_dtype(lm)
             batch = min(MAX_SONGS, songs * takes)
-            need = ar_memory(lm.hparams, prompt.prompt.num_tokens, frames, batch, dtype_bytes(dtype))
+            need = ar_memory(lm.hparams, prompt.prompt.num_tokens, frames, batch, lm_cfg, device, dtype_bytes(dtype))
             lm_model, depth_model = load([lm, depth], memory_required=need)
             planned, candidates = logic.plan_songs(lm_model, depth_model, lm, depth, prompt, settings, device=device,
                                                    dtype=dtype, progress=node_progress(),

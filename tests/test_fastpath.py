@@ -334,6 +334,21 @@ def test_weight_budget_on_mps_and_xpu(monkeypatch):
     assert budget.free_bytes(torch.device("mps")) is None and budget.ar_weight_budget(torch.device("mps")) == 0
 
 
+def test_ar_memory_estimate_counts_the_rows_a_song_takes():
+    """What ComfyUI's loader keeps free for the AR stage follows `rows_per_song`: guidance exactly 1
+    on an accelerator takes one LM row per song, half the KV cache and prefill of two rows."""
+    from nodes.handles import ar_memory
+
+    hp = {"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
+          "hidden_size": 256}
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    two = ar.activation_bytes(hp, 100, 500, 3, 1.5, gpu, 2)
+    assert two == 2 * 4 * 6 * 2 * 601 * 64 * 2 + 3 * 6 * 100 * 512 * 4  # K and V of 6 rows; the prefill's MLP
+    assert ar_memory(hp, 100, 500, 3, 1.0, gpu, 2) * 2 == two
+    assert ar_memory(hp, 100, 500, 3, 1.0, cpu, 2) == two == ar.activation_bytes(hp, 100, 500, 3, 1.0, gpu, 2,
+                                                                                  numerics="reference")
+
+
 def test_guidance_one_runs_one_row_per_song(tiny_ar, monkeypatch):
     """With lm_cfg exactly 1 the fast numerics on an accelerator run the conditional row only (the
     unconditional one is work thrown away): the codes of the two-row run, hiddens within float
@@ -341,8 +356,8 @@ def test_guidance_one_runs_one_row_per_song(tiny_ar, monkeypatch):
     (where one row is slower) keep both rows."""
     t = tiny_ar
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert ar.rows_per_song(t.lm, 1.0, gpu) == 1 and ar.rows_per_song(t.lm, 1.5, gpu) == 2
-    assert ar.rows_per_song(t.lm_ref, 1.0, gpu) == 2 and ar.rows_per_song(t.lm, 1.0, cpu) == 2
+    assert ar.rows_per_song("fast", 1.0, gpu) == 1 and ar.rows_per_song("fast", 1.5, gpu) == 2
+    assert ar.rows_per_song("reference", 1.0, gpu) == 2 and ar.rows_per_song("fast", 1.0, cpu) == 2
     settings = PlanSettings(duration=1.2, lm_seed=4, lm_cfg=1.0, songs=2)
     caches = []
     real_new_cache = type(t.lm).new_cache

@@ -168,7 +168,7 @@ def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeyp
     from mm3.gguf import cpu_int4
     from mm3.components import open_component
     from mm3.models.depth import RVQDepthDecoder
-    from mm3.models.lm import Qwen3LM
+    from mm3.models.lm import Qwen3LM, set_numerics
     from mm3.prompt import build_prompt
     from mm3.tokenizer import MM3Tokenizer
     lm_c, d_c = open_component(tiny.file("mm3-lm"), expect="lm"), open_component(tiny.file("mm3-depth"), expect="depth")
@@ -180,6 +180,8 @@ def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeyp
         monkeypatch.setattr(cpu_int4, "serves", lambda *a: False)
         want = plan(lm, depth, prompt, settings, weight_budget=0)[0]
         kernels.configure("triton")
+        for model in (lm, depth):  # the layers choose their products again (mm3.gguf.products)
+            set_numerics(model, "fast")
         assert kernels.works(Q.Q8_0, torch.float32, torch.device("cpu"))
         kept = []
         monkeypatch.setattr("mm3.ar.cache_dequantized", lambda *a, **kw: kept.append(a) or 0)

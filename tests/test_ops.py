@@ -133,3 +133,38 @@ def test_weights_on_another_device_are_fetched_per_use_and_come_home(model_file)
     assert m.conv.weight.device.type == "cpu"  # the fetch left the weight where it was
     m.to("cpu")
     assert all(p.data_ptr() == homes[n].data_ptr() and p.dtype == homes[n].dtype for n, p in m.named_parameters())
+
+
+def test_a_layers_product_is_chosen_once_per_placement(monkeypatch):
+    """`forward` calls the product chosen on the first use; filling, moving, keeping or dropping a
+    float copy, or setting the numerics chooses again (and only then), for a layer and for a fused
+    pair alike."""
+    from mm3.gguf import products
+    from mm3.gguf.weight_copies import cache_dequantized, release_dequantized
+
+    chosen = []
+    for name in ("for_linear", "for_fused"):
+        real = getattr(products, name)
+        monkeypatch.setattr(products, name, lambda *a, real=real, name=name: chosen.append(name) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for n in (16, 8):
+        layer = ops.Linear(32, n, bias=False)
+        layer.set_float("weight", torch.randn(n, 32, generator=g).half())
+        layers.append(layer)
+    fused = ops.Fused(layers)
+    x = torch.randn(2, 32, generator=g)
+    want = F.linear(x, torch.cat([layer.stored("weight").float() for layer in layers]))
+    for _ in range(3):
+        assert torch.equal(layers[0](x), want[:, :16]) and torch.equal(torch.cat(fused(x), -1), want)
+    assert chosen == ["for_linear", "for_fused"]
+    cache_dequantized(layers, torch.float32)  # a copy kept: the next use chooses again
+    for _ in range(2):
+        assert torch.equal(layers[0](x), want[:, :16]) and torch.equal(torch.cat(fused(x), -1), want)
+    assert chosen[2:] == ["for_linear", "for_fused"]
+    release_dequantized(layers)
+    layers[1].to(torch.float32)
+    layers[0].decode_products = True
+    fused(x), layers[0](x), layers[0](x)
+    assert chosen[4:] == ["for_fused", "for_linear"]
+    assert not hasattr(ops, "_GENERATION")  # no process-wide counter: each layer knows its own changes

@@ -38,7 +38,6 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from ..matmul import DECODE_MAX_ROWS
 from .quants import _BITS, _CRUMBS, _NIBBLES, _halves, _k4_scale_min, _q5_high, _unpack
 
 GROUP = 32
@@ -89,13 +88,6 @@ def serves(layer, qtype: QT | None, device: torch.device) -> bool:
     a weight of one of `TYPES` in the LM or depth decoder in the fast numerics, on the CPU."""
     return (device.type == "cpu" and qtype in TYPES and layer.decode_products and layer.fused_kernels
             and available())
-
-
-def reads(layer, qtype: QT | None, x: torch.Tensor) -> bool:
-    """`serves`, for a decode-shaped x, with no kept float copy and the weight on the CPU."""
-    if not serves(layer, qtype, x.device) or x.numel() > DECODE_MAX_ROWS * x.shape[-1]:
-        return False
-    return not layer.keeps_copy_for(x) and layer.stored("weight").device.type == "cpu"
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, sub: int = 0) -> Packing:

@@ -47,7 +47,8 @@ _AVAILABLE: dict[str, bool] = {}  # device type -> answer, for the current setti
 
 
 def configure(setting: str | None = None) -> None:
-    """Set the kernel mode ("auto", "off", "triton"; None: read MM3_KERNELS again)."""
+    """Set the kernel mode ("auto", "off", "triton"; None: read MM3_KERNELS again). A layer keeps
+    the product it chose (`mm3.gguf.products`) until its weights or numerics are set again."""
     if setting is not None and setting not in MODES:
         raise ValueError(f"kernel mode {setting!r}: expected one of {', '.join(MODES)}")
     _SETTING[0] = _setting() if setting is None else setting
@@ -84,17 +85,6 @@ def _runs_on(device_type: str, setting: str, interpreted: bool) -> bool:
 def supports(qtype: QT, in_features: int) -> bool:
     """Whether the kernel reads this weight type with rows of `in_features` values."""
     return qtype in KERNEL_TYPES and in_features % GGML_QUANT_SIZES[qtype][0] == 0
-
-
-def reads(layer, qtype: QT | None, x: torch.Tensor) -> bool:
-    """Whether the kernel computes this layer's (`mm3.gguf.ops.Linear`) product for `x` instead of
-    a float weight: the kernel runs on x's device and reads the type, and no float weight of x's
-    dtype is at hand (a kept copy, or a float tensor already in that dtype, goes to torch's product)."""
-    if not layer.fused_kernels or qtype is None or not available(x.device.type):
-        return False
-    if (qtype in FLOAT_DTYPES and FLOAT_DTYPES[qtype] == x.dtype) or layer.keeps_copy_for(x):
-        return False
-    return supports(qtype, x.shape[-1]) and works(qtype, x.dtype, x.device)
 
 
 _WORKS: dict[tuple, bool] = {}  # (qtype, input dtype, device) -> the kernel compiled and computed right

@@ -5,8 +5,10 @@ tensor, as uint8 rows [rows, row_bytes] (a GGUF row is whole blocks, so a row ra
 range), or the float tensor of an F32/F16/BF16 one in its own shape. The GGML type and the logical
 shape are kept on the layer. Each use moves the weight to the input's device (a no-op once it is
 there) and dequantizes it to the input's dtype, so a model works whatever part of it a memory
-manager left on the CPU. Models are written against these classes only; another implementation
-(ComfyUI's cast layers, fused quantized kernels) is a subclass passed as `ops`.
+manager left on the CPU. Models are written against these classes only (another implementation,
+a ComfyUI cast layer, is a subclass passed as `ops`). How a `Linear` or `Fused` multiplies (a
+float copy, the Triton kernel, the CPU int4 planes, a dequantization per use) is its product,
+chosen in `mm3.gguf.products` when its weights or numerics change, not on each call.
 
 Memory: weights built from a file are views of its mapping (their "home"). Moving a layer back to
 the home's device and dtype puts the home view back instead of copying device memory to the host
@@ -25,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from ..matmul import CPU_SCRATCH, decode_linear
-from . import cpu_int4, kernels
+from ..matmul import CPU_SCRATCH
+from . import cpu_int4, products
 from .errors import ComponentError
 from .reader import CompressedTensor
 
@@ -38,15 +40,6 @@ FLOAT_TYPES = {
 _GGML_OF = {v: k for k, v in FLOAT_TYPES.items()}
 
 
-# Bumped whenever any layer's weights change (filled, moved, copies kept or dropped, restacked): the
-# per-use lookups below remember their answer until then, which keeps a decode step's Python work low.
-_GENERATION = [0]
-
-
-def _changed() -> None:
-    _GENERATION[0] += 1
-
-
 def _stored(qtype: GGMLQuantizationType, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """How a slot holds a tensor: floats in their shape, quantized bytes as rows of blocks."""
     if qtype in FLOAT_TYPES:
@@ -56,7 +49,11 @@ def _stored(qtype: GGMLQuantizationType, raw: torch.Tensor, shape: tuple[int, ..
 
 
 class WeightSlots(nn.Module):
-    """A module with named weight slots filled from GGUF tensors by `load_tensors`."""
+    """A module with named weight slots filled from GGUF tensors by `load_tensors`.
+
+    `version` counts the changes to what its uses read (weights filled, moved or restacked, float
+    copies kept or dropped, numerics): whatever is derived from the weights (a `Fused` product,
+    the lookups of `get`) is valid while it stays the same."""
 
     def __init__(self):
         super().__init__()
@@ -64,8 +61,13 @@ class WeightSlots(nn.Module):
         self._slot_types: dict[str, GGMLQuantizationType] = {}
         self._homes: dict[str, torch.Tensor] = {}  # slot -> the tensor it was filled with (see _apply)
         self._dequantized: dict[str, torch.Tensor] = {}  # slot -> kept float copy (cache_dequantized)
-        self._ready: dict[tuple, tuple[int, torch.Tensor]] = {}  # (slot, dtype, device) -> (generation, weight)
-        self._derived: dict[str, object] = {}  # other forms of the weights (cpu_int4 packing) until they change
+        self._ready: dict[tuple, torch.Tensor] = {}  # (slot, dtype, device) -> the weight `get` returns as is
+        self.version = 0
+
+    def _changed(self, weights: bool = False) -> None:
+        """What a use reads changed; `weights`: the weights themselves (filled or moved)."""
+        self._ready.clear()
+        self.version += 1
 
     # -- filling ---------------------------------------------------------------------------------
     def declare(self, name: str, *shape: int):
@@ -77,9 +79,7 @@ class WeightSlots(nn.Module):
         self._slot_types[name] = qtype
         self._homes[name] = value
         self._dequantized.pop(name, None)
-        self._ready.clear()
-        self._derived.clear()
-        _changed()
+        self._changed(weights=True)
 
     def fill(self, name: str, tensor: CompressedTensor):
         expected = self._slot_shapes[name]
@@ -108,10 +108,31 @@ class WeightSlots(nn.Module):
     def qtype(self, name: str) -> GGMLQuantizationType | None:
         return self._slot_types.get(name)
 
-    def keeps_copy_for(self, x: torch.Tensor) -> bool:
-        """Whether a float copy of the weight in x's dtype is kept on x's device (it then serves)."""
-        cached = self._dequantized.get("weight")
-        return cached is not None and cached.dtype == x.dtype and cached.device == x.device
+    # -- float copies ----------------------------------------------------------------------------
+    def keep_copy(self, name: str, value: torch.Tensor) -> None:
+        """Keep `value`, the slot's weight as floats, for the uses in its dtype on its device."""
+        self._dequantized[name] = value
+        self._changed()
+
+    def drop_copies(self) -> None:
+        self._dequantized.clear()
+        self._changed()
+
+    def keeps_copy(self, dtype: torch.dtype, device: torch.device, name: str = "weight") -> bool:
+        """Whether a float copy of the slot in `dtype` is kept on `device` (it then serves)."""
+        cached = self._dequantized.get(name)
+        return cached is not None and cached.dtype == dtype and cached.device == device
+
+    def float_at_hand(self, dtype: torch.dtype, device: torch.device, name: str = "weight") -> torch.Tensor | None:
+        """The slot as floats of `dtype` on `device` when no work makes them: a kept copy, or the
+        stored float tensor itself; else None."""
+        cached = self._dequantized.get(name)
+        if cached is not None and cached.dtype == dtype and cached.device == device:
+            return cached
+        value = self.stored(name)
+        if self._slot_types[name] in FLOAT_TYPES and value.dtype == dtype and value.device == device:
+            return value
+        return None
 
     # -- using -----------------------------------------------------------------------------------
     def fetch(self, name: str, device: torch.device | None) -> torch.Tensor:
@@ -125,26 +146,23 @@ class WeightSlots(nn.Module):
         copy (`cache_dequantized`) is returned when it matches; `scratch` dequantizes a CPU weight
         into the shared scratch buffer (valid until the next such call)."""
         ready = self._ready.get((name, dtype, device))
-        if ready is not None and ready[0] == _GENERATION[0]:
-            return ready[1]
+        if ready is not None:
+            return ready
         qtype = self._slot_types.get(name)
         if qtype is None:
             raise ComponentError(f"{type(self).__name__}.{name} was never loaded")
         target = self.stored(name).device if device is None else torch.device(device)
-        cached = self._dequantized.get(name)
-        if cached is not None and cached.dtype == dtype and cached.device == target:
-            self._ready[(name, dtype, device)] = (_GENERATION[0], cached)
-            return cached
+        at_hand = self.float_at_hand(dtype, target, name)
+        if at_hand is not None:
+            self._ready[(name, dtype, device)] = at_hand
+            return at_hand
         value = self.fetch(name, target)
-        shape = self._slot_shapes[name]
         if qtype in FLOAT_TYPES:
-            if value.dtype == dtype and value.device == self.stored(name).device:  # the weight itself: remember it
-                self._ready[(name, dtype, device)] = (_GENERATION[0], value)
             return value.to(dtype)
         from .quants import dequantize
 
-        out = CPU_SCRATCH.take(shape, dtype) if scratch and target.type == "cpu" else None
-        return dequantize(value, qtype, shape, dtype, out=out)
+        out = CPU_SCRATCH.take(self._slot_shapes[name], dtype) if scratch and target.type == "cpu" else None
+        return dequantize(value, qtype, self._slot_shapes[name], dtype, out=out)
 
     # -- moving ----------------------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
@@ -169,53 +187,81 @@ class WeightSlots(nn.Module):
             if buf is not None:
                 self._buffers[name] = fn(buf)
         self._dequantized.clear()
-        self._ready.clear()  # drops references to copies on the old device
-        self._derived.clear()
-        _changed()
+        self._changed(weights=True)
         return self
 
 
+class _Setting:
+    """A layer setting whose change makes the layer choose its product again (`_changed`)."""
+
+    def __set_name__(self, owner, name):
+        self.key = "_" + name
+
+    def __get__(self, layer, owner=None):
+        return self if layer is None else layer.__dict__[self.key]
+
+    def __set__(self, layer, on) -> None:
+        layer.__dict__[self.key] = bool(on)
+        layer._changed()
+
+
 class Linear(WeightSlots):
-    """`forward(x [..., in]) -> [..., out]`. `decode_products`: few-row products in the fastest form
-    for the device (`mm3.matmul.decode_linear`); off, every product is `F.linear` (the reference's).
+    """`forward(x [..., in]) -> [..., out]` through the layer's product (`mm3.gguf.products`),
+    chosen on the first use after the weights, their copies or these settings change.
+    `decode_products`: few-row products in the fastest form for the device
+    (`mm3.matmul.decode_linear`); off, every product is `F.linear` (the reference's).
     `fused_kernels`: where `mm3.gguf.kernels` runs, products read the GGUF blocks directly (off:
     dequantize, then multiply, as the reference's op shapes)."""
 
-    decode_products = False
-    fused_kernels = True
+    decode_products = _Setting()
+    fused_kernels = _Setting()
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.decode_products, self.fused_kernels = False, True
+        self._product: tuple | None = None  # (input dtype, device, product)
+        self._packing: cpu_int4.Packing | None = None  # the int4 planes of the weight, once made
+        self._pages: list = []  # the weight's file pages, once looked up
         self.declare("weight", out_features, in_features)
         self.has_bias = bias
         if bias:
             self.declare("bias", out_features)
 
+    def _changed(self, weights: bool = False) -> None:
+        super()._changed(weights)
+        self._product = None
+        if weights:
+            self._packing, self._pages = None, []
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.get("bias", x.dtype, x.device) if self.has_bias else None
-        qtype = self._slot_types.get("weight")
-        if kernels.reads(self, qtype, x):
-            return kernels.fused_linear(x, self.fetch("weight", x.device), qtype, b)
-        if cpu_int4.reads(self, qtype, x):
-            packed = self._derived.get("int4")
-            if packed is None:
-                packed = self._derived["int4"] = cpu_int4.repack(self.stored("weight"), qtype, self.out_features,
-                                                                 self.in_features)
-                self.give_back_pages()
-            return cpu_int4.linear(x, packed, self.out_features, b)
-        w = self.get("weight", x.dtype, x.device, scratch=True)
-        y = decode_linear(x, w, b) if self.decode_products else F.linear(x, w, b)
-        if "int4" in self._derived:  # a prefill read the blocks again: decode products will not
+        chosen = self._product
+        if chosen is None or chosen[0] != x.dtype or chosen[1] != x.device:
+            if self.qtype("weight") is None:
+                raise ComponentError(f"{type(self).__name__}.weight was never loaded")
+            chosen = self._product = (x.dtype, x.device, products.for_linear(self, x.dtype, x.device))
+        return chosen[2](x, b)
+
+    def packing(self) -> cpu_int4.Packing:
+        """The weight's `cpu_int4` packing, made on first use (its file pages then given back)."""
+        if self._packing is None:
+            self._packing = cpu_int4.repack(self.stored("weight"), self.qtype("weight"), self.out_features,
+                                            self.in_features)
             self.give_back_pages()
-        return y
+        return self._packing
+
+    def blocks_read(self) -> None:
+        """After a product that read the blocks again (a prefill): the int4 products will not."""
+        if self._packing is not None:
+            self.give_back_pages()
 
     def give_back_pages(self) -> None:
         """Unmap the weight's file pages once they are packed for the int4 product
         (`cpu_int4.release_pages`); where they lie is looked up once per weight."""
-        if "file pages" not in self._derived:
-            self._derived["file pages"] = cpu_int4.file_pages(self.stored("weight"))
-        cpu_int4.release_pages(self._derived["file pages"])
+        if not self._pages:
+            self._pages.append(cpu_int4.file_pages(self.stored("weight")))
+        cpu_int4.release_pages(self._pages[0])
 
     def rows(self, start: int, stop: int) -> "Linear":
         """A Linear of weight rows [start, stop): views of this layer's tensors, nothing copied."""
@@ -249,86 +295,95 @@ class Fused:
     """Linear layers that share their input (q, k, v; gate, up): `fused(x) -> one output per part`.
 
     Not a module: the parts stay children of their own parents under their file names (so a state
-    dict, a memory manager and `load_tensors` see the GGUF names); this only runs them. With
-    `fuse` the parts run as one product over their stacked weight rows: float weights resident on
-    the input's device are stacked once and each part's weight becomes a view of the stack (its
-    file view stays its home); otherwise the parts are written into one temporary buffer per use
-    (dequantized, or copied from wherever a memory manager left them), so the numbers do not
-    depend on where the weights live. Without `fuse` every part keeps its own product: the op
-    shapes, hence the numerics, of the reference."""
+    dict, a memory manager and `load_tensors` see the GGUF names); this only runs them, through a
+    product (`mm3.gguf.products`) chosen again when a part changes (its `version`) or `fuse` is
+    set. With `fuse` the parts run as one product over their stacked weight rows: float weights
+    resident on the input's device are stacked once and each part's weight becomes a view of the
+    stack (its file view stays its home); otherwise the parts are written into one temporary
+    buffer per use (dequantized, or copied from wherever a memory manager left them), so the
+    numbers do not depend on where the weights live. Without `fuse` every part keeps its own
+    product: the op shapes, hence the numerics, of the reference."""
 
     def __init__(self, parts: list[Linear], fuse: bool = True):
         self.parts = list(parts)
         self.fusable = len(parts) > 1 and not any(p.has_bias for p in parts) and \
             len({p.in_features for p in parts}) == 1
-        self.fuse = fuse and self.fusable
         self.sizes = [p.out_features for p in parts]
         self.in_features = parts[0].in_features
+        self._product: tuple | None = None  # (input dtype, device, parts' versions, product)
+        self._packing: tuple | None = None  # (where the parts' blocks lie, their cpu_int4 packing)
+        self.fuse = fuse
+
+    @property
+    def fuse(self) -> bool:
+        return self._fuse
+
+    @fuse.setter
+    def fuse(self, on: bool) -> None:
+        self._fuse = bool(on) and self.fusable
+        self._product = None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if not self.fuse:
+        if not self._fuse:
             return [p(x) for p in self.parts]
-        qtype = self.parts[0].qtype("weight")
-        if kernels.available(x.device.type) and all(p.qtype("weight") == qtype and kernels.reads(p, qtype, x)
-                                                    for p in self.parts):
-            y = kernels.fused_linear(x, self.stacked_stored(x.device), qtype)
-            return y.split_with_sizes(self.sizes, dim=-1)
-        int4 = [cpu_int4.reads(p, p.qtype("weight"), x) for p in self.parts]
-        if all(int4) and all(p.qtype("weight") == qtype for p in self.parts):
-            return cpu_int4.linear(x, self._int4_stack(qtype), sum(self.sizes)).split_with_sizes(self.sizes, dim=-1)
-        if any(int4):  # a mix raised some parts to another type (v_proj in Q6_K): each part its own way
-            return [p(x) for p in self.parts]
-        w = self.stacked_weight(x.dtype, x.device)
-        y = decode_linear(x, w) if self.parts[0].decode_products else F.linear(x, w)
-        if all("int4 in a stack" in p._derived for p in self.parts):  # a prefill read the packed blocks again
-            for p in self.parts:
-                p.give_back_pages()
-        return y.split_with_sizes(self.sizes, dim=-1)
+        versions = tuple(p.version for p in self.parts)
+        chosen = self._product
+        if chosen is None or chosen[0] != x.dtype or chosen[1] != x.device or chosen[2] != versions:
+            product = products.for_fused(self, x.dtype, x.device)  # may restack the parts
+            chosen = self._product = (x.dtype, x.device, tuple(p.version for p in self.parts), product)
+        return chosen[3](x)
 
-    def _int4_stack(self, qtype: GGMLQuantizationType):
+    def packing(self) -> cpu_int4.Packing:
         """The parts' blocks as one `cpu_int4` packing, made once while the parts keep their weights."""
         stored = [p.stored("weight") for p in self.parts]
         key = tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in stored)
-        held = getattr(self, "_int4", None)
-        if held is None or held[0] != key:
-            held = self._int4 = (key, cpu_int4.repack(torch.cat(stored), qtype, sum(self.sizes), self.in_features))
+        if self._packing is None or self._packing[0] != key:
+            qtype = self.parts[0].qtype("weight")
+            self._packing = (key, cpu_int4.repack(torch.cat(stored), qtype, sum(self.sizes), self.in_features))
             for p in self.parts:
-                p._derived["int4 in a stack"] = True  # forgotten with the part's weights
                 p.give_back_pages()
-        return held[1]
+        return self._packing[1]
+
+    def blocks_read(self) -> None:
+        """After a stacked product that read the blocks of packed parts again (a prefill)."""
+        if self._packing is not None:
+            for p in self.parts:
+                p.give_back_pages()
 
     def stacked_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[sum(out), in] in `dtype` on `device`."""
-        # A resident stack is remembered on the first part, which forgets it when it moves or changes.
-        key = ("stacked", id(self), dtype, device)
-        ready = self.parts[0]._ready.get(key)
-        if ready is not None and ready[0] == _GENERATION[0]:
-            return ready[1]
-        device = torch.device(device)
+        return self.stacked_weight_source(dtype, torch.device(device))()
+
+    def stacked_weight_source(self, dtype: torch.dtype, device: torch.device):
+        """What gives `stacked_weight`: a view kept for the product (the parts' adjacent kept
+        copies, or their resident float weights restacked), else a buffer written per use."""
         kept = [p._dequantized.get("weight") for p in self.parts]
         if all(k is not None and k.dtype == dtype and k.device == device for k in kept) and _adjacent(kept):
-            return self._remember(key, _stacked(kept))
+            stack = _stacked(kept)
+            return lambda: stack
         stored = [p.stored("weight") for p in self.parts]
         floats = all(p.qtype("weight") in FLOAT_TYPES for p in self.parts)
         if floats and all(s.dtype == dtype and s.device == device for s in stored):
-            return self._remember(key, self._restacked(stored))
+            stack = self._restacked(stored)
+            return lambda: stack
         shape = (sum(self.sizes), self.in_features)
-        out = CPU_SCRATCH.take(shape, dtype) if device.type == "cpu" else torch.empty(shape, dtype=dtype,
-                                                                                       device=device)
-        self._write_parts(out)
-        return out
 
-    def stacked_stored(self, device: torch.device) -> torch.Tensor:
-        """The parts' stored weights (one type) as one [sum(out), ...] tensor on `device`: resident
-        parts are stacked once and become views of the stack; others are copied together per use."""
-        key = ("stored", id(self), device)
-        ready = self.parts[0]._ready.get(key)
-        if ready is not None and ready[0] == _GENERATION[0]:
-            return ready[1]
+        def per_use() -> torch.Tensor:
+            out = CPU_SCRATCH.take(shape, dtype) if device.type == "cpu" else torch.empty(shape, dtype=dtype,
+                                                                                           device=device)
+            self._write_parts(out)
+            return out
+        return per_use
+
+    def stacked_stored_source(self, device: torch.device):
+        """What gives the parts' stored weights (one type) as one [sum(out), ...] tensor on
+        `device`: resident parts are stacked once and become views of the stack; others are
+        copied together per use."""
         stored = [p.stored("weight") for p in self.parts]
         if any(s.device != device for s in stored):
-            return torch.cat([p.fetch("weight", device) for p in self.parts])
-        return self._remember(key, self._restacked(stored))
+            return lambda: torch.cat([p.fetch("weight", device) for p in self.parts])
+        stack = self._restacked(stored)
+        return lambda: stack
 
     def _restacked(self, stored: list[torch.Tensor]) -> torch.Tensor:
         """The parts' resident stored weights as one stack; once per device, the parts become views
@@ -338,14 +393,10 @@ class Fused:
             start = 0
             for p, s in zip(self.parts, stored):
                 p._parameters["weight"] = nn.Parameter(stack[start:start + s.shape[0]], requires_grad=False)
+                p._changed()
                 start += s.shape[0]
             stored = [p.stored("weight") for p in self.parts]
-            _changed()
         return _stacked(stored)
-
-    def _remember(self, key: tuple, w: torch.Tensor) -> torch.Tensor:
-        self.parts[0]._ready[key] = (_GENERATION[0], w)
-        return w
 
     def _write_parts(self, out: torch.Tensor) -> None:
         from .quants import dequantize
@@ -373,9 +424,8 @@ class Fused:
         self._write_parts(out)
         start = 0
         for p, n in zip(self.parts, self.sizes):
-            p._dequantized["weight"] = out[start:start + n]
+            p.keep_copy("weight", out[start:start + n])
             start += n
-        _changed()
         return out.numel() * out.element_size()
 
 

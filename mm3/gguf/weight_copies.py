@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from . import cpu_int4
-from .ops import FLOAT_TYPES, Embedding, Fused, WeightSlots, _adjacent, _changed
+from .ops import FLOAT_TYPES, Embedding, Fused, WeightSlots, _adjacent
 
 
 def _slots(modules) -> list[tuple[WeightSlots, str]]:
@@ -70,8 +70,7 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
                     continue
                 if budget_bytes is not None and used + nbytes > budget_bytes:
                     continue  # a smaller tensor further on may still fit
-                sub._dequantized[name] = sub.get(name, dtype)
-                _changed()
+                sub.keep_copy(name, sub.get(name, dtype))
                 used += nbytes
     return used
 
@@ -85,10 +84,8 @@ def dequantized_nbytes(modules) -> int:
 def release_dequantized(modules) -> int:
     """Drop every copy `cache_dequantized` kept under `modules`; returns the bytes freed."""
     freed = dequantized_nbytes(modules)
-    for sub, _ in _slots(modules):
-        sub._dequantized.clear()
-        sub._ready.clear()
-    _changed()
+    for sub in {id(sub): sub for sub, _ in _slots(modules)}.values():
+        sub.drop_copies()
     return freed
 
 

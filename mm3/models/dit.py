@@ -36,6 +36,13 @@ class LayerNorm(WeightSlots):
         return F.layer_norm(x, (self.dim,), w, b, self.eps)
 
 
+def activation_bytes(hp: dict, latent_len: int, elem: int) -> int:
+    """Bytes beyond the weights for one CFG pair of a window of `latent_len` frames (the sampler
+    runs one variation at a time) through the widest layer, with a few temporaries."""
+    inner = hp["num_attention_heads"] * hp["attention_head_dim"]
+    return int(4 * 2 * (latent_len + 1) * max(hp["ff_inner_dim"], 3 * inner) * elem)
+
+
 def rope_tables(seq_len: int, rotary_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [S, rotary_dim] for positions 0..S-1 (non-interleaved halves), float32."""
     inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, rotary_dim, 2, device=device).float() / rotary_dim))

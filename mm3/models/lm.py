@@ -53,6 +53,16 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
     model.numerics = numerics
 
 
+def activation_bytes(cfg: dict, prompt_tokens: int, frames: int, rows: int, elem: int) -> int:
+    """Bytes beyond the weights for `rows` sequences (`mm3.ar.rows_per_song` per song) of a prompt
+    and `frames` more positions, `elem` bytes a value: the KV cache plus the prefill's widest
+    activation (float32, a few temporaries deep)."""
+    length = prompt_tokens + frames + 1
+    kv = 2 * cfg["num_hidden_layers"] * rows * cfg["num_key_value_heads"] * length * cfg["head_dim"] * elem
+    prefill = 3 * rows * prompt_tokens * max(cfg["intermediate_size"], cfg["hidden_size"]) * 4
+    return int(kv + prefill)
+
+
 class KVCache:
     """Static key/value buffers [layers, rows, kv_heads, max_len, head_dim]; rows are independent
     sequences (for the AR stage: cond, uncond, ... per song). `length` positions are filled; the

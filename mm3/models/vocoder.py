@@ -251,6 +251,18 @@ class Vocoder(nn.Module):
         return z.reshape(b, self.latent_channels, -1)  # left side -> channels 0..C/2-1
 
 
+def activation_bytes(shapes: dict, ratios: list[int], latent_len: int, rows: int = 2) -> int:
+    """Bytes beyond the weights for decoding `rows` streams of `latent_len` frames: the widest
+    upsampled activation (channels x samples at each stage, from the tensor shapes), float32, a
+    few temporaries deep."""
+    widest, length = 0, latent_len
+    for i, s in enumerate(ratios):
+        length *= int(s)
+        c_out = shapes.get(f"blocks.{i}.conv_t1.weight", (0, 0, 0))[1]
+        widest = max(widest, c_out * length)
+    return int(4 * rows * widest * 4)
+
+
 def channels_last(device) -> bool:
     """Whether the decoder's convolutions run as channels-last images on `device`: on the CPU
     with oneDNN, whose convolutions read [N, L, C] as they are, where the [N, C, L] layout is
