@@ -9,6 +9,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .filecache import FileCache
 from .gguf.errors import ComponentError, GGUFFormatError
 from .gguf.reader import GGUFFile
 
@@ -208,30 +209,23 @@ def kinds_of(path: str | os.PathLike) -> tuple[str, ...]:
     from .dialects.source import file_format
     from .gguf.reader import read_architecture
 
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ()
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key in _KINDS:
-        return _KINDS[key]
-    found = None
-    try:
+    def classify(st) -> tuple[str, ...]:
+        found = None
         fmt = file_format(path)
         if fmt == "gguf":
             kind = ARCHITECTURES.get(read_architecture(path))
             found = (None, (kind,)) if kind is not None and not _foreign_namesake(path) else None
         if found is None and fmt:
             found = describe(path)
+        return found[1] if found else ()
+
+    try:
+        return _KINDS.get(path, classify)
     except (OSError, ValueError):
-        return ()
-    if len(_KINDS) > 512:
-        _KINDS.clear()
-    _KINDS[key] = found[1] if found else ()
-    return _KINDS[key]
+        return ()  # unreadable now: not remembered, so a repaired file is classified again
 
 
-_KINDS: dict[tuple, tuple[str, ...]] = {}
+_KINDS = FileCache(512)
 
 
 def open_component(path: str | os.PathLike, expect: str | None = None, *, header_only: bool = False) -> Component:
@@ -288,23 +282,21 @@ def read_component(path: str | os.PathLike, expect: str | None = None) -> Compon
     """Kind and hyper-parameters of a file from its header alone (the file is not kept open), cached
     by path, size, mtime and kind: a whole request's files can be checked with `check_compatible`
     before any model is loaded."""
-    st = os.stat(path)
     kinds = kinds_of(path)
     kind = expect if expect in kinds else None
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, kind)
-    comp = _HEADER_CACHE.get(key)
-    if comp is None:
+
+    def header(st) -> Component:
         comp = open_component(path, kind, header_only=True)
         comp.close()
-        if len(_HEADER_CACHE) > 64:
-            _HEADER_CACHE.clear()
-        _HEADER_CACHE[key] = comp
+        return comp
+
+    comp = _HEADERS.get(path, header, kind)
     if expect is not None and comp.kind != expect:
         raise ComponentError(f"{comp.path} is {ARCH_OF[comp.kind]}, expected {ARCH_OF[expect]} ({DESCRIPTIONS[expect]})")
     return comp
 
 
-_HEADER_CACHE: dict[tuple, Component] = {}
+_HEADERS = FileCache(64)
 
 
 def check_compatible(components: dict[str, Component]) -> None:
