@@ -23,13 +23,14 @@ import torch
 from .ar import PlanSettings, max_frames_for, plan, replay
 from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
-from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
+from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
 from .constants import FRAME_RATE, RNG_MODES
 from .cpu_bf16 import dit_dtype
 from .device import empty_cache, pick_device, pick_dtype, total_bytes
 from .errors import RunError
 from .fingerprint import file_fingerprint
 from .flow import AUTO_SHIFT, Keep, NonFiniteError, encode_conditions, sample_latents, schedule_shift
+from .opener import read_component
 from .progress import Cancelled, Progress
 from .prompt import Prompt, PromptError, build_prompt
 from .registry import Registry

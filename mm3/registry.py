@@ -9,10 +9,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_loadable, is_full_size, kinds_of, read_component
+from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_loadable, is_full_size
 from .filecache import FileCache
 from .gguf.errors import ComponentError, GGUFFormatError
 from .gguf.reader import read_architecture
+from .opener import kinds_of, read_component
 
 AUTO = "auto"  # a model name that lets the engine choose the file (`pick_file`)
 log = logging.getLogger(__name__)
@@ -33,8 +34,6 @@ def _why_not(path) -> str:
 def bits_per_weight(path: str | os.PathLike, kind: str | None = None) -> float:
     """Stored bits per value over the tensors of a file's component `kind` (its only one by
     default; header read, cached): 32 for F32, 16 for BF16, about 8.5 for Q8_0 and 4.8 for Q4_K_M."""
-    from .components import read_component
-
     infos = read_component(path, kind).file.tensor_infos()
     values = sum(math.prod(shape) for _, shape, _ in infos)
     return 8 * sum(_tensor_bytes(infos)) / max(1, values)

@@ -122,7 +122,7 @@ class MM3Tokenizer:
 
     @classmethod
     def from_gguf(cls, path) -> "MM3Tokenizer":
-        from .components import open_component
+        from .opener import open_component
 
         comp = open_component(path, expect="lm", header_only=True)  # the tokenizer is metadata
         try:
