@@ -10,7 +10,8 @@ dialects  other tools' file layouts, mapped onto the engine's tensor names
 opener    which components a file holds, opening it, the tokenizer read from the LM file
 models    the five networks
 files     models folders, the model inventory, the loaded-model store
-stages    prompt, codes, the AR plan, flow matching, decoding, takes, captions, audio output
+stages    prompt, codes, the AR plan, flow matching, decoding, takes, captions, audio output,
+          the numerics choice
 front     the request, the pipeline, the codec
 tools     the command line and its tools (convert, quantize, download, info, tiny, demo)
 bench     the benchmark
@@ -33,7 +34,7 @@ LAYERS = (
     ("models", ("mm3.models",)),
     ("files", ("mm3.registry", "mm3.inventory", "mm3.store")),
     ("stages", ("mm3.prompt", "mm3.codes", "mm3.ar", "mm3.flow", "mm3.audio", "mm3.takes", "mm3.captions",
-                "mm3.output")),
+                "mm3.output", "mm3.numerics")),
     ("front", ("mm3.request", "mm3.pipeline", "mm3.codec")),
     ("tools", ("mm3.tools", "mm3.cli", "mm3.jobs_cli", "mm3.demo", "mm3.__main__")),
     ("bench", ("mm3.bench",)),
@@ -77,10 +78,12 @@ def imports(name: str, path: Path, modules) -> set[str]:
 
 
 def layer_of(name: str) -> int:
+    """The layer of a module: the longest listed name it is or lies under (the package root
+    itself only by its own name, so a new module must be placed)."""
     best, level = -1, None
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (name == p or name.startswith(p + ".")) and len(p) > best:
+            if (name == p or (p != "mm3" and name.startswith(p + "."))) and len(p) > best:
                 best, level = len(p), i
     return level
 
@@ -117,6 +120,10 @@ def test_no_import_circle():
         if m not in state:
             visit(m, [m])
     assert circles == []
+
+
+def test_a_new_module_needs_a_layer():
+    assert layer_of("mm3") == 0 and layer_of("mm3.unplaced") is None and layer_of("mm3.dialects.comfy") == 4
 
 
 def test_the_walker_sees_function_level_imports():
