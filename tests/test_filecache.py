@@ -72,7 +72,7 @@ def test_errors_are_not_stored_and_missing_files_raise(tmp_path):
 
 def test_file_caches_are_bounded(tmp_path):
     """Every per-file cache of the engine is a bounded FileCache (the fingerprint and architecture
-    caches grew without limit over a long session scanning many files)."""
+    caches grew without limit over a long run scanning many files)."""
     from mm3 import fingerprint, registry, tokenizer
     from mm3.gguf import reader
 
