@@ -110,7 +110,7 @@ def _read_pcm_wav(path: Path) -> tuple[torch.Tensor, int]:
 # -- the vocoder file ------------------------------------------------------------------------------
 def has_encoder(path: str) -> bool:
     """Whether a vocoder file carries the encoder's tensors (header read)."""
-    from .components import read_component
+    from .opener import read_component
 
     return any(name == ENCODER_TENSOR for name, _, _ in read_component(path, "vae").file.tensor_infos())
 
@@ -140,7 +140,7 @@ def vocoder_path(models: str, name: str, *, need_encoder: bool, memory: int | No
 
 
 def _load_vocoder(path: str, device, *, with_encoder: bool):
-    from .components import open_component
+    from .opener import open_component
     from .models import build_model
 
     return build_model(open_component(path, expect="vae"), with_encoder=with_encoder).to(device)

@@ -1,5 +1,6 @@
-"""The five component files: the one table that names them, hyper-parameters read from metadata, and
-the checks that a set of components fits together."""
+"""The five components: the one table that names them, an opened component file, its
+hyper-parameters read from metadata, and the checks that a set of components fits together and that
+a file can be built into a model. Opening and classifying files is `mm3.opener`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .gguf.errors import ComponentError, GGUFFormatError
+from .formats.published import FULL_SIZE_SHARE, RELEASED_VALUES
+from .gguf.errors import ComponentError
 from .gguf.reader import GGUFFile
 
 
@@ -54,28 +56,6 @@ MODEL_FIELDS = {s.kind: s.request_field for s in COMPONENTS.values()}
 BY_FOLDER = {s.folder: s for s in COMPONENTS.values()}
 GROUPS = {g: tuple(s.kind for s in COMPONENTS.values() if s.group == g) for g in ("ar", "synth")}
 GROUP_OF = {s.kind: s.group for s in COMPONENTS.values()}
-
-# Sizes of the published files in bytes, by component kind and file type (the figures of the released
-# model table, rounded as published: 17.2 GB, 0.69 GB, 101 MB, ...).
-PUBLISHED_SIZES = {
-    ("lm", "BF16"): 17.2e9, ("lm", "Q8_0"): 9.1e9, ("lm", "Q6_K"): 7.0e9, ("lm", "Q5_K_M"): 6.3e9,
-    ("depth", "BF16"): 1.3e9, ("depth", "Q8_0"): 0.69e9,
-    ("cond", "F32"): 101e6,
-    ("dit", "F32"): 9.7e9, ("dit", "Q8_0"): 2.6e9, ("dit", "Q6_K"): 2.0e9, ("dit", "Q5_K_M"): 1.7e9,
-    ("dit", "Q4_K_M"): 1.4e9,
-    ("vae", "F32"): 306e6,
-}
-SIZE_TOLERANCE = 0.1  # a published file's size is its table figure within this share (the figures are rounded)
-# Values (weights) of each released component, from its unquantized published file (BF16: 2 bytes, F32: 4).
-RELEASED_VALUES = {"lm": 17.2e9 / 2, "depth": 1.3e9 / 2, "cond": 101e6 / 4, "dit": 9.7e9 / 4, "vae": 306e6 / 4}
-FULL_SIZE_SHARE = 0.5  # a full-size file holds at least this share of them (a vocoder without its encoder: 0.7)
-
-
-def matches_published(kind: str, file_type: str, size: int) -> bool:
-    """Whether a file of `kind` and `file_type` has the size of the published file of that type."""
-    want = PUBLISHED_SIZES.get((kind, file_type))
-    return want is not None and abs(size - want) <= SIZE_TOLERANCE * want
-
 
 def is_full_size(component: "Component") -> bool:
     """Whether a component holds (about) the released model's number of values, whatever its
@@ -185,126 +165,6 @@ def read_hparams(f: GGUFFile, kind: str) -> dict:
 def _check_size(path: str, what: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ComponentError(f"{path}: {what} must be a positive integer, got {value!r}")
-
-
-# HOT-Step writes `mm3-depth`, `mm3-cond` and `mm3-dit` too, with other tensor names; its files carry this.
-FOREIGN_MARKER = ("mm3.model", "MiniMax-Music3")
-
-
-def _foreign_namesake(path) -> bool:
-    """Whether a file under one of our architecture names is another tool's (header read)."""
-    try:
-        with GGUFFile(path, header_only=True) as f:
-            return f.metadata.get(FOREIGN_MARKER[0]) == FOREIGN_MARKER[1]
-    except GGUFFormatError:
-        return False  # ours by its name, and broken: opening it says how
-
-
-def kinds_of(path: str | os.PathLike) -> tuple[str, ...]:
-    """The component kinds a file holds: one for our files (by `general.architecture`), one or more
-    for another tool's files (`mm3.dialects`: a ComfyUI text encoder holds the LM and the depth
-    decoder), none for anything else (header read, cached)."""
-    from .dialects import describe
-    from .dialects.source import file_format
-    from .gguf.reader import read_architecture
-
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ()
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key in _KINDS:
-        return _KINDS[key]
-    found = None
-    try:
-        fmt = file_format(path)
-        if fmt == "gguf":
-            kind = ARCHITECTURES.get(read_architecture(path))
-            found = (None, (kind,)) if kind is not None and not _foreign_namesake(path) else None
-        if found is None and fmt:
-            found = describe(path)
-    except (OSError, ValueError):
-        return ()
-    if len(_KINDS) > 512:
-        _KINDS.clear()
-    _KINDS[key] = found[1] if found else ()
-    return _KINDS[key]
-
-
-_KINDS: dict[tuple, tuple[str, ...]] = {}
-
-
-def open_component(path: str | os.PathLike, expect: str | None = None, *, header_only: bool = False) -> Component:
-    """Open a component file, classified by `general.architecture` or, for another tool's file, by
-    its tensor names (never by its file name).
-
-    `expect` is a kind ("lm", "depth", "cond", "dit", "vae"); another architecture is an error
-    that says what the file is and what was expected (a file holding several components gives the
-    one asked for, the first one without `expect`). `header_only`: metadata and the tensor table
-    only (no tensors mapped), enough for `hparams` and `check_compatible`.
-    """
-    from .dialects import describe, open_mapped
-    from .dialects.source import file_format
-
-    fmt = file_format(path)
-    if fmt == "gguf":
-        f = GGUFFile(path, header_only=header_only)
-        try:
-            arch = f.architecture
-            kind = ARCHITECTURES.get(arch)
-            if kind is not None and f.metadata.get(FOREIGN_MARKER[0]) == FOREIGN_MARKER[1]:
-                kind = None  # HOT-Step's file under our architecture name: a dialect reads it
-            if kind is not None:
-                if expect is not None and kind != expect:
-                    raise ComponentError(f"{f.path} is {arch}, expected {ARCH_OF[expect]} ({DESCRIPTIONS[expect]})")
-                return Component(kind, str(path), f, read_hparams(f, kind))
-        except BaseException:
-            f.close()
-            raise
-        f.close()
-    elif not os.path.isfile(path):
-        raise GGUFFormatError(f"{path}: no such file")
-    found = describe(path) if fmt else None
-    if found is None:
-        if fmt == "gguf":
-            raise ComponentError(f"{path}: unknown architecture {arch!r} (expected one of {', '.join(ARCHITECTURES)}, "
-                                 "or a ComfyUI or HOT-Step MiniMax Music 3 file)")
-        raise GGUFFormatError(f"{path}: not a GGUF file, nor a safetensors file in a known MiniMax Music 3 layout")
-    what, kinds = found
-    kind = expect or kinds[0]
-    if kind not in kinds:
-        held = " and ".join(DESCRIPTIONS[k] for k in kinds)
-        raise ComponentError(f"{path} is a {what} (it holds the {held}), expected {ARCH_OF[expect]} "
-                             f"({DESCRIPTIONS[expect]})")
-    f = open_mapped(path, kind, header_only=header_only)
-    try:
-        return Component(kind, str(path), f, read_hparams(f, kind))
-    except BaseException:
-        f.close()
-        raise
-
-
-def read_component(path: str | os.PathLike, expect: str | None = None) -> Component:
-    """Kind and hyper-parameters of a file from its header alone (the file is not kept open), cached
-    by path, size, mtime and kind: a whole request's files can be checked with `check_compatible`
-    before any model is loaded."""
-    st = os.stat(path)
-    kinds = kinds_of(path)
-    kind = expect if expect in kinds else None
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, kind)
-    comp = _HEADER_CACHE.get(key)
-    if comp is None:
-        comp = open_component(path, kind, header_only=True)
-        comp.close()
-        if len(_HEADER_CACHE) > 64:
-            _HEADER_CACHE.clear()
-        _HEADER_CACHE[key] = comp
-    if expect is not None and comp.kind != expect:
-        raise ComponentError(f"{comp.path} is {ARCH_OF[comp.kind]}, expected {ARCH_OF[expect]} ({DESCRIPTIONS[expect]})")
-    return comp
-
-
-_HEADER_CACHE: dict[tuple, Component] = {}
 
 
 def check_compatible(components: dict[str, Component]) -> None:

@@ -12,9 +12,11 @@ import hashlib
 import os
 import struct
 
+from .filecache import FileCache
+
 DATA_BYTES = 1 << 20  # tensor data hashed after the header
 HEX_DIGITS = 16  # 64 bits of the digest: enough to tell files apart, short enough to read
-_CACHE: dict[tuple, str] = {}
+_FINGERPRINTS = FileCache(1024)
 
 
 def _hashed_length(path: str, size: int) -> int:
@@ -37,22 +39,20 @@ def _hashed_length(path: str, size: int) -> int:
 def file_fingerprint(path: str | os.PathLike) -> str:
     """"<size>-<first 16 hex digits of SHA-256>" of `path` (cached by path, size and mtime)."""
     path = os.fspath(path)
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    fp = _CACHE.get(key)
-    if fp is None:
-        n = _hashed_length(path, st.st_size)
-        h = hashlib.sha256(struct.pack("<Q", st.st_size))
-        with open(path, "rb") as f:
-            while n > 0:
-                chunk = f.read(min(n, 1 << 22))
-                if not chunk:
-                    break
-                h.update(chunk)
-                n -= len(chunk)
-        fp = f"{st.st_size}-{h.hexdigest()[:HEX_DIGITS]}"
-        _CACHE[key] = fp
-    return fp
+    return _FINGERPRINTS.get(path, lambda st: _fingerprint(path, st.st_size))
+
+
+def _fingerprint(path: str, size: int) -> str:
+    n = _hashed_length(path, size)
+    h = hashlib.sha256(struct.pack("<Q", size))
+    with open(path, "rb") as f:
+        while n > 0:
+            chunk = f.read(min(n, 1 << 22))
+            if not chunk:
+                break
+            h.update(chunk)
+            n -= len(chunk)
+    return f"{size}-{h.hexdigest()[:HEX_DIGITS]}"
 
 
 def is_fingerprint(value) -> bool:

@@ -15,9 +15,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .components import ARCH_OF, BY_FOLDER, KINDS, PUBLISHED_SIZES, kinds_of, matches_published, read_component
+from .components import ARCH_OF, BY_FOLDER, KINDS
+from .formats.published import PART, PUBLISHED_SIZES, SETS, matches_published, published_name
+from .opener import kinds_of, read_component
 from .registry import MODEL_SUFFIXES, bits_per_weight, file_problem
-from .tools.download import PART, SETS, published_name
 
 def published_bytes(component: str, file_type: str) -> int:
     """About how many bytes the published file of `component` in `file_type` is (the rounded figure

@@ -24,7 +24,7 @@ import torch
 from .ar import max_frames_for, plan, replay
 from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
-from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable, read_component
+from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
 from .constants import FRAME_RATE
 from .cpu_bf16 import dit_dtype
 from .device import empty_cache, pick_device, pick_dtype, total_bytes
@@ -32,6 +32,7 @@ from .errors import RunError
 from .fingerprint import file_fingerprint
 from .flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents
 from .numerics import FAST, Numerics
+from .opener import read_component
 from .progress import Cancelled, Progress
 from .prompt import Prompt, PromptError, build_prompt
 from .registry import Registry

@@ -9,9 +9,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_loadable, is_full_size, kinds_of, read_component
+from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_loadable, is_full_size
+from .filecache import FileCache
 from .gguf.errors import ComponentError, GGUFFormatError
 from .gguf.reader import read_architecture
+from .opener import kinds_of, read_component
 
 AUTO = "auto"  # a model name that lets the engine choose the file (`pick_file`)
 log = logging.getLogger(__name__)
@@ -32,8 +34,6 @@ def _why_not(path) -> str:
 def bits_per_weight(path: str | os.PathLike, kind: str | None = None) -> float:
     """Stored bits per value over the tensors of a file's component `kind` (its only one by
     default; header read, cached): 32 for F32, 16 for BF16, about 8.5 for Q8_0 and 4.8 for Q4_K_M."""
-    from .components import read_component
-
     infos = read_component(path, kind).file.tensor_infos()
     values = sum(math.prod(shape) for _, shape, _ in infos)
     return 8 * sum(_tensor_bytes(infos)) / max(1, values)
@@ -52,29 +52,26 @@ def file_problem(path: str | os.PathLike, kind: str) -> str:
     table readable, every tensor inside the file, the right component, tensor types the engine
     dequantizes and sizes its tensors can hold (header read; cached by path, size and mtime)."""
     try:
-        st = os.stat(path)
+        return _PROBLEMS.get(path, lambda st: _problem(path, kind), kind)
     except OSError as e:
         return f"{path}: {e.strerror or e}"
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, kind)
-    if key not in _PROBLEMS:
-        try:
-            held = kinds_of(path)
-            if not held:
-                read_component(path)  # raises, saying why the file is no component
-                raise ComponentError(f"{path} is no readable MM3 file")
-            if kind not in held:
-                raise ComponentError(f"{path} is {' and '.join(ARCH_OF[k] for k in held)}, expected {ARCH_OF[kind]}")
-            check_loadable(read_component(path, kind))
-            why = ""
-        except (ComponentError, GGUFFormatError, OSError, ValueError) as e:
-            why = str(e)
-        if len(_PROBLEMS) > 512:
-            _PROBLEMS.clear()
-        _PROBLEMS[key] = why
-    return _PROBLEMS[key]
 
 
-_PROBLEMS: dict[tuple, str] = {}
+def _problem(path, kind: str) -> str:
+    try:
+        held = kinds_of(path)
+        if not held:
+            read_component(path)  # raises, saying why the file is no component
+            raise ComponentError(f"{path} is no readable MM3 file")
+        if kind not in held:
+            raise ComponentError(f"{path} is {' and '.join(ARCH_OF[k] for k in held)}, expected {ARCH_OF[kind]}")
+        check_loadable(read_component(path, kind))
+        return ""
+    except (ComponentError, GGUFFormatError, OSError, ValueError) as e:
+        return str(e)
+
+
+_PROBLEMS = FileCache(512)
 _WARNED: set[tuple] = set()
 
 

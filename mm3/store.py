@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .components import GROUP_OF, Component, check_compatible, open_component
+from .components import GROUP_OF, Component, check_compatible
 from .device import empty_cache
 from .gguf.errors import ComponentError, GGUFFormatError
 from .models import build_model
+from .opener import open_component
 from .registry import Registry
 
 

@@ -13,10 +13,10 @@ token-list length (the text tokens and the MM3 specials; the codes follow them).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from .constants import SEMANTIC_VOCAB_SIZE
+from .filecache import FileCache
 from .gguf.errors import ComponentError
 
 # Qwen2 pre-tokenizer split (transformers `PRETOKENIZE_REGEX`): each digit alone.
@@ -116,20 +116,13 @@ class MM3Tokenizer:
     @classmethod
     def from_component(cls, component) -> "MM3Tokenizer":
         """From an opened `mm3-lm` component; built once per file (path, size, mtime)."""
-        st = os.stat(component.path)
-        key = (os.path.abspath(component.path), st.st_size, st.st_mtime_ns)
-        tok = _CACHE.get(key)
-        if tok is None:
-            f = component.file
-            tok = cls(f.strings("tokenizer.ggml.tokens"), _merges(f), component.hparams["vocab_size"],
-                      source=component.path)
-            _CACHE.clear()  # one LM at a time is the common case; keep memory bounded
-            _CACHE[key] = tok
-        return tok
+        f = component.file
+        return _TOKENIZERS.get(component.path, lambda st: cls(f.strings("tokenizer.ggml.tokens"), _merges(f),
+                                                              component.hparams["vocab_size"], source=component.path))
 
     @classmethod
     def from_gguf(cls, path) -> "MM3Tokenizer":
-        from .components import open_component
+        from .opener import open_component
 
         comp = open_component(path, expect="lm", header_only=True)  # the tokenizer is metadata
         try:
@@ -161,4 +154,4 @@ def _merges(f) -> list[str]:
     return f.strings("tokenizer.ggml.merges") if "tokenizer.ggml.merges" in f.metadata else []
 
 
-_CACHE: dict[tuple, MM3Tokenizer] = {}
+_TOKENIZERS = FileCache(1)  # one LM at a time is the common case; keep memory bounded

@@ -19,12 +19,12 @@ import torch
 from mm3 import ar
 from mm3.captions import caption_warning
 from mm3.codes import AudioCodes
-from mm3.components import (ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable, kinds_of, open_component,
-                            read_component)
+from mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable
 from mm3.fingerprint import file_fingerprint as content_fingerprint
 from mm3.gguf.errors import ComponentError
 from mm3.gguf.weight_copies import compressed_nbytes
 from mm3.models import build_model, dit, vocoder
+from mm3.opener import kinds_of, open_component, read_component
 from mm3.prompt import Prompt
 from mm3.request import MM3Request
 

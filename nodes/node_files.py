@@ -10,6 +10,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from mm3.constants import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
+from mm3.filecache import FileCache
 from mm3.output import atomic_write
 from . import logic
 from .comfy_models import compute_dtype, load, patcher
@@ -17,23 +18,24 @@ from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, n
 from .handles import file_fingerprint
 
 OUTPUT_TAG = " [output]"  # ComfyUI's annotation for a file in the output folder
-_CODES_CACHE: dict[tuple, bool] = {}
+_CODES_FILES = FileCache(1024)
 
 
 def _is_codes_file(path: str) -> bool:
     """A JSON object with a non-empty audio_codes string (cached by path, size, mtime)."""
     try:
-        key = file_fingerprint(path)
+        return _CODES_FILES.get(path, lambda st: _holds_codes(path))
     except OSError:
         return False
-    if key not in _CODES_CACHE:
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            _CODES_CACHE[key] = isinstance(data, dict) and bool(data.get("audio_codes"))
-        except (OSError, ValueError):
-            _CODES_CACHE[key] = False
-    return _CODES_CACHE[key]
+
+
+def _holds_codes(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return isinstance(data, dict) and bool(data.get("audio_codes"))
+    except (OSError, ValueError):
+        return False
 
 
 def codes_files() -> list[str]:

@@ -31,7 +31,8 @@ from mm3.constants import MAX_PROMPT_TOKENS
 from mm3.errors import MM3Error
 from mm3.inventory import scan
 from mm3.prompt import count_tokens, text_problem
-from mm3.tools.download import SETS, download_set
+from mm3.formats.published import SETS
+from mm3.tools.download import download_set
 
 from . import comfy_models
 

@@ -12,7 +12,7 @@ import torch
 from mm3.ar import PlanSettings, ZeroFramesError, max_frames_for, plan, replay
 from mm3.constants import MAX_AUDIO_FRAMES
 from mm3.codes import AudioCodes, AudioCodesError, parse_audio_codes
-from mm3.components import open_component
+from mm3.opener import open_component
 from mm3.gguf import ops as gguf_ops
 from mm3.gguf.reader import compressed_from_torch
 from mm3.models.depth import RVQDepthDecoder

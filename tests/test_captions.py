@@ -254,7 +254,7 @@ def test_workflow_defaults_are_in_the_trained_layout():
 
 def test_workflow_defaults_fit_the_token_budget(tiny_qwen3):
     """Counted with the released Qwen3 vocabulary; the corpus captions take 822..1112 tokens."""
-    from mm3.components import open_component
+    from mm3.opener import open_component
     from mm3.tokenizer import MM3Tokenizer
 
     comp = open_component(tiny_qwen3.file("mm3-lm"), expect="lm")

@@ -13,7 +13,7 @@ import torch
 from mm3.audio import decode_timeline, stitched_length, timeline_windows
 from mm3.cli import main
 from mm3.codec import load_latents, read_audio
-from mm3.components import open_component
+from mm3.opener import open_component
 from mm3.fingerprint import file_fingerprint
 from mm3.models import build_model
 

@@ -762,7 +762,7 @@ def test_inventory_token_count_and_download_routes(tiny):
     published names, and, not being the published sizes, they complete no set)."""
     import urllib.error
 
-    from mm3.tools.download import SETS, published_name
+    from mm3.formats.published import SETS, published_name
     from tests.helpers.comfy_server import ComfyServer
     from tests.helpers.fake_hub import FakeHub
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mm3 import cpu_bf16
-from mm3.components import open_component
+from mm3.opener import open_component
 from mm3.flow import encode_conditions, sample_latents
 from mm3.models.cond import ConditionEncoder
 from mm3.models.dit import FlowDiT

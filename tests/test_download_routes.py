@@ -5,7 +5,8 @@ second start that fetches only the rest."""
 import os
 import time
 
-from mm3.tools.download import SETS, file_names, published_name
+from mm3.formats.published import SETS, published_name
+from mm3.tools.download import file_names
 from tests.helpers.comfyui import COMFYUI_PATH, needs_comfy
 from tests.helpers.fake_hub import FakeHub
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mm3 import ar
 from mm3 import device as budget
 from mm3.ar import PlanSettings, ZeroFramesError, plan
-from mm3.components import open_component
+from mm3.opener import open_component
 from mm3.flow import encode_conditions, sample_latents
 from mm3.gguf import ops as gguf_ops
 from mm3.gguf import weight_copies

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm3.components import kinds_of, open_component
+from mm3.opener import kinds_of, open_component
 from mm3.dialects.comfy import hadamard
 from mm3.gguf.errors import ComponentError
 from mm3.pipeline import Pipeline
@@ -275,7 +275,7 @@ def test_unaligned_safetensors_parts_copy_only_themselves(layouts):
 def test_incomplete_files_are_component_errors(layouts, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from mm3.components import read_component
+    from mm3.opener import read_component
     from mm3.inventory import scan
 
     sd = load_file(layouts["comfy"] / "diffusion_models" / "minimax_music3_dit_fp32.safetensors")

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from mm3.components import check_loadable, read_component
+from mm3.components import check_loadable
+from mm3.opener import read_component
 from mm3.gguf import ComponentError, GGUFFile, GGUFFormatError
 from mm3.registry import Registry
 from mm3.store import ModelStore

@@ -166,7 +166,7 @@ def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeyp
     within float rounding, and keeps no dequantized copy."""
     from mm3.ar import PlanSettings, plan
     from mm3.gguf import cpu_int4
-    from mm3.components import open_component
+    from mm3.opener import open_component
     from mm3.models.depth import RVQDepthDecoder
     from mm3.models.lm import Qwen3LM, set_numerics
     from mm3.prompt import build_prompt

@@ -87,7 +87,7 @@ def test_corpus_request_renders(tiny_qwen3, tmp_path, corpus):
     assert (replay["caption"], replay["lyrics"], replay["output_format"]) == (data["caption"], data["lyrics"], "mp3")
     frames = len(replay["audio_codes"].split(",")) // 8 - 1
     assert 1 <= frames <= 12  # 0.5 s at 25 frames per second
-    from mm3.components import open_component
+    from mm3.opener import open_component
     from mm3.models.cond import ConditionEncoder
 
     samples = 512 * ConditionEncoder.load(open_component(tiny.file("mm3-cond"), "cond")).latent_length(frames)

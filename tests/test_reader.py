@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.helpers.gguf_util import COND_KV, cond_tensors, write_gguf
-from mm3.components import check_compatible, open_component
+from mm3.components import check_compatible
+from mm3.opener import open_component
 from mm3.gguf import ComponentError, GGUFFile, GGUFFormatError, read_architecture
 from mm3.registry import Registry
 

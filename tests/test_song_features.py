@@ -9,7 +9,7 @@ import torch
 
 from mm3.ar import PlanSettings, plan, replay
 from mm3.cli import main as cli_main
-from mm3.components import open_component
+from mm3.opener import open_component
 from mm3.flow import (AUTO_SHIFT, Keep, encode_conditions, flow_sigmas, repaint_keep, sample_latents,
                       schedule_shift, timeline_length, window_offsets, windows_from_timeline)
 from mm3.models import build_model

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mm3.audio import decode_windows, encode_audio, stitch, stitched_length
-from mm3.components import open_component
+from mm3.opener import open_component
 from mm3.flow import NonFiniteError, encode_conditions, flow_sigmas, sample_latents, window_bounds
 from mm3.gguf.errors import ComponentError
 from mm3.gguf.ops import load_tensors

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mm3.tools.convert import add_cli as add_convert_cli
-from mm3.tools.convert import convert, rename_dav_key
+from mm3.formats.diffusers import rename_dav_key
+from mm3.tools.convert import convert
 from mm3.tools.tiny import add_cli as add_tiny_cli
 from mm3.tools.tiny import TINY_PREFIX, build_tiny
 
@@ -360,7 +361,8 @@ def test_released_configs_and_expected_tensors_match_the_classes():
     import diffusers
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from mm3.tools.convert import DIFFUSERS_DEFAULTS, expected_tensors
+    from mm3.formats.diffusers import DIFFUSERS_DEFAULTS
+    from mm3.tools.convert import expected_tensors
     from mm3.tools.tiny import CLASS_NAMES, RELEASED_LM_CONFIG
 
     for component, defaults in DIFFUSERS_DEFAULTS.items():

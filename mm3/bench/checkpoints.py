@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ..tools.convert import DIFFUSERS_DEFAULTS, convert, expected_tensors
+from ..formats.diffusers import DIFFUSERS_DEFAULTS
+from ..tools.convert import convert, expected_tensors
 from ..tools.tiny import RELEASED_LM_CONFIG, TINY, TINY_LM, build_tokenizer, build_weights
 
 # Bench configs: LM (Qwen3 config keys), the four diffusers components, the vocabulary layout of

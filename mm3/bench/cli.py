@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..tools.convert import DIFFUSERS_DEFAULTS
+from ..formats.diffusers import DIFFUSERS_DEFAULTS
 from ..tools.tiny import RELEASED_LM_CONFIG
 from .checkpoints import COMPONENTS, CONFIGS, build_checkpoint, build_direct, direct_bytes, param_bytes
 from .measure import machine

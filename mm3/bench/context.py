@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..components import open_component
+from ..opener import open_component
 
 class Context:
     def __init__(self, ckpt, device: torch.device, dtype: torch.dtype, have_reference: bool, repeat: int, seed: int):

@@ -24,7 +24,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..components import BY_FOLDER
 from ..gguf.quants import SCALE_OFFSETS, dequantize
 from ..gguf.writer import Writer, write_streaming
-from ..tools.convert import COMPONENTS, component_metadata, expected_tensors, tokenizer_arrays
+from ..formats.diffusers import tokenizer_arrays
+from ..tools.convert import COMPONENTS, component_metadata, expected_tensors
 from ..tools.quantize import MIXES, QUANTIZATION_VERSION, choose_type
 
 Q = GGMLQuantizationType

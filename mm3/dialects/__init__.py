@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from ..filecache import FileCache
 from ..gguf.errors import ComponentError
 from . import comfy, hotstep
 from .mapped import MappedFile
@@ -29,25 +30,21 @@ def _detect(src: Source) -> dict[str, tuple[str, object]]:
 def describe(path: str | os.PathLike) -> tuple[str, tuple[str, ...]] | None:
     """(what the file is, the component kinds it holds) for a foreign file, None when it is not one
     (header read, cached by path, size and mtime)."""
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key not in _CACHE:
-        result = None
-        if file_format(path) is not None:
-            src = Source(path, header_only=True)
-            try:
-                found = _detect(src)
-            finally:
-                src.close()
-            if found:
-                result = (next(iter(found.values()))[0], tuple(found))
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        _CACHE[key] = result
-    return _CACHE[key]
+    return _DESCRIBED.get(path, lambda st: _describe(path))
 
 
-_CACHE: dict[tuple, tuple[str, tuple[str, ...]] | None] = {}
+def _describe(path) -> tuple[str, tuple[str, ...]] | None:
+    if file_format(path) is None:
+        return None
+    src = Source(path, header_only=True)
+    try:
+        found = _detect(src)
+    finally:
+        src.close()
+    return (next(iter(found.values()))[0], tuple(found)) if found else None
+
+
+_DESCRIBED = FileCache(256)
 
 
 def open_mapped(path: str | os.PathLike, kind: str, *, header_only: bool = False) -> MappedFile:

@@ -29,6 +29,7 @@ import re
 
 import torch
 
+from ..formats.diffusers import rename_dav_key, tokenizer_arrays
 from ..gguf.errors import ComponentError
 from . import mapped as M
 from .source import Source
@@ -187,8 +188,6 @@ def tokenizer_json(src: Source) -> dict:
 
 
 def _lm(src: Source, p: str):
-    from ..tools.convert import tokenizer_arrays
-
     try:
         tokens, merges = tokenizer_arrays(tokenizer_json(src), source=f"{src.path} tokenizer_json")
     except ComponentError:
@@ -398,8 +397,6 @@ def _vae(src: Source, p: str):
 
 def _encoder_plans(src: Source, p: str) -> list[M.Plan]:
     """The vocoder encoder where the file has one (the DAC training names of dav.pth)."""
-    from ..tools.convert import rename_dav_key
-
     keys = [k[len(p):] for k in src.infos if k.startswith(p + "encoder.block.") or k.startswith(p + "mean_proj.")]
     if not keys:
         return []

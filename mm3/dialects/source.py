@@ -83,7 +83,7 @@ class Source:
             raise GGUFFormatError(f"{self.path}: neither a GGUF nor a safetensors file")
 
     def _read_safetensors_header(self):
-        from ..tools.safetensors_raw import file_entries
+        from ..formats.safetensors_raw import file_entries
 
         try:
             entries = file_entries(Path(self.path))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from ..filecache import FileCache
 from .errors import GGUFFormatError
 
 GGUF_MAGIC = b"GGUF"
@@ -331,14 +332,10 @@ class GGUFFile:
 def read_architecture(path: str | os.PathLike) -> str:
     """Only `general.architecture`: reads metadata until that key (writers put it first), so a
     folder scan never walks the LM's tokenizer arrays. Cached by path, size and mtime."""
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key not in _ARCH_CACHE:
-        _ARCH_CACHE[key] = _scan_architecture(str(path), st.st_size)
-    return _ARCH_CACHE[key]
+    return _ARCHITECTURES.get(path, lambda st: _scan_architecture(str(path), st.st_size))
 
 
-_ARCH_CACHE: dict[tuple, str] = {}
+_ARCHITECTURES = FileCache(1024)
 
 
 def _scan_architecture(path: str, size: int) -> str:

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..components import ARCH_OF, COMPONENTS, DESCRIPTIONS, KINDS, open_component
+from ..components import ARCH_OF, COMPONENTS, DESCRIPTIONS, KINDS
 from ..dialects import describe
+from ..formats.diffusers import U32_KEYS
 from ..gguf.errors import ComponentError
 from ..gguf.reader import CompressedTensor
 from ..gguf.writer import Writer, write_streaming
+from ..opener import open_component
 from ..registry import MODEL_SUFFIXES
-from .convert import U32_KEYS
 
 logger = logging.getLogger(__name__)
 

@@ -33,19 +33,10 @@ from typing import Callable
 
 from .. import __version__
 from ..errors import Cancelled, MM3Error
+from ..formats.published import PART, SETS, published_name
 
 REPO = "Serveurperso/MiniMax-Music3-GGUF"
 
-# The published sets: the type of each component file.
-SETS = {
-    "native": {"language_model": "BF16", "rvq_depth_decoder": "BF16", "condition_encoder": "F32",
-               "transformer": "F32", "vocoder": "F32"},
-    "q8": {"language_model": "Q8_0", "rvq_depth_decoder": "Q8_0", "condition_encoder": "F32",
-           "transformer": "Q8_0", "vocoder": "F32"},
-    "light": {"language_model": "Q5_K_M", "rvq_depth_decoder": "Q8_0", "condition_encoder": "F32",
-              "transformer": "Q4_K_M", "vocoder": "F32"},
-}
-PART = ".part"
 CHUNK = 1 << 20  # block size for hashing and copying local files (the transfer's is huggingface_hub's)
 LIBRARY = "comfyui-mm3-gguf"  # named in the User-Agent
 BY_HAND = "or copy the GGUF files into the models folder by hand"
@@ -63,11 +54,6 @@ class RemoteFile:
     name: str
     size: int
     sha256: str | None
-
-
-def published_name(component: str, file_type: str) -> str:
-    """The published file name of a component (its diffusers folder name) in a file type."""
-    return f"MiniMax-Music3-{component}-{file_type}.gguf"
 
 
 def file_names(set_name: str) -> list[str]:

@@ -9,7 +9,8 @@ from collections import Counter
 
 from gguf import GGML_QUANT_SIZES
 
-from ..components import ARCH_OF, DESCRIPTIONS, kinds_of, open_component
+from ..components import ARCH_OF, DESCRIPTIONS
+from ..opener import kinds_of, open_component
 
 
 def describe(path: str) -> list[dict]:

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .convert import COMPONENTS, DIFFUSERS_DEFAULTS, convert, expected_tensors
+from ..formats.diffusers import DIFFUSERS_DEFAULTS
+from .convert import COMPONENTS, convert, expected_tensors
 
 # The MM3 special tokens and their ids in the released tokenizer.
 SPECIAL_IDS = {

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mm3.tools.convert import tokenizer_arrays
+from mm3.formats.diffusers import tokenizer_arrays
 
 # Sizes of a tiny checkpoint that every foreign layout can describe.
 FOREIGN_VOCAB = 200000

@@ -1,4 +1,4 @@
-"""Raw safetensors access for the converter: headers, shard indexes and tensor bytes.
+"""Raw safetensors access for the converter and the dialects: headers, shard indexes and tensor bytes.
 
 The safetensors format is an 8-byte little-endian header length, a JSON header
 (`name -> {dtype, shape, data_offsets}`, offsets relative to the end of the header) and the
