@@ -1,23 +1,12 @@
 """Whether the DiT computes in bfloat16 on this CPU, where float32 is the CPU's default dtype.
 
-A DiT step is almost all large matrix products (the medium bench config: ~45 GFLOP a step, 55 %
-of its time in products at near the float32 peak of the two cores we measured). Processors with
-native bfloat16 dot products (AVX512-BF16, AMX) run oneDNN's bfloat16 products 1.8-2.7x faster
-than float32 ones (measured on an AVX512-BF16 EPYC, on products of the DiT's shapes), and a whole
-DiT step 1.7-2.0x (medium config: ~205 against ~350-400 ms a step;
-`python -m mm3 bench --config medium --stages dit`). Elsewhere bfloat16 products are emulated and
-slower.
-
-So the choice follows what torch reports of the processor, not a timing: a timing at startup
-flips between runs on a loaded machine (a competing process moved one such probe between 0.5x
-and 4.4x), and the same seeds would then give different audio from one run to the next.
-
-The price is bfloat16's precision, the same as the default on GPUs: one DiT step differs from
-the float32 reference by ~1.3 % relative, as much as the reference's own bfloat16 forward, and
-after 30 steps a window's latents by ~1 % (the latents and the Euler steps stay float32; only
-the DiT's forward is bfloat16). The reference RNG mode, which reproduces the reference bit for
-bit, stays float32. `MM3_CPU_BF16` = "on" or "off" decides instead; a dtype named by the user
-(`--dtype float32`) also decides.
+A DiT step is almost all large matrix products, and processors with native bfloat16 dot products
+(AVX512-BF16, AMX) run them in bfloat16 much faster than in float32; elsewhere bfloat16 is emulated
+and slower. The choice follows what torch reports of the processor, not a timing, because a timing
+flips between runs on a loaded machine and the same seeds would then give different audio.
+The price is bfloat16's precision, the GPUs' default (only the DiT's forward; latents and Euler
+steps stay float32). The reference RNG mode stays float32; `MM3_CPU_BF16` or a dtype named by the
+user (`--dtype float32`) decides instead. Figures: the README's Speed section.
 """
 
 from __future__ import annotations

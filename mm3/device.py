@@ -123,9 +123,8 @@ def keeps_ar_copies(device: torch.device) -> bool:
 
 def ar_weight_budget(device: torch.device) -> int:
     """AR stage (weights read once per product, 7 depth passes per frame): dequantizing per product
-    writes and reads the whole float weight, about twice the traffic of reading a kept copy
-    (medium config, Q8_0, CPU: 88 ms/frame against 48.5 kept; `python -m mm3 bench --config medium
-    --quant Q8_0`). Accelerators (CUDA, XPU, MPS): what is free beyond RESERVE_BYTES; CPU: a quarter
+    writes and reads the whole float weight, about twice the traffic of reading a kept copy.
+    Accelerators (CUDA, XPU, MPS): what is free beyond RESERVE_BYTES; CPU: a quarter
     of the available memory; a device whose free memory is unknown: nothing. The most used weights
     (the depth decoder's) are kept first. `mm3.ar.plan` keeps none where the fused kernels read the
     blocks (`keeps_ar_copies`)."""

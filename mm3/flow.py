@@ -271,7 +271,7 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
     the call instead of dequantizing every weight at every step (same numbers); None = automatic
     (`mm3.device.dit_weight_budget`), 0 = off. Only quantized or re-typed weights take room.
     fast_matmul: on the CPU, float32 products through oneDNN where that is float32-accurate
-    (`mm3.matmul.onednn_matmul`; ~1.7x on a DiT step, ~1e-6 relative rounding differences); None =
+    (`mm3.matmul.onednn_matmul`; ~1e-6 relative rounding differences); None =
     on unless `cfg_batch` is False (the bit-exact reference mode) or the heads are narrow (`pays_for`).
     shift: of the flow schedule (`flow_sigmas`); 1 is the reference's.
     keep: repaint (flow-matching inpainting): before every step the kept part of each window is set

@@ -1,28 +1,18 @@
 """The forms of matrix products the engine picks on the CPU, and a reusable dequantization buffer.
 
-Decode-shaped products (`decode_linear`): decoding multiplies a handful of rows (the CFG pair of
-each song) by large weights, so its speed is the speed of reading the weights. On the CPU the same
-product runs at very different speeds in its two forms, and which is faster depends on the
-processor: on an AMD EPYC MKL ran `x @ w.T` with 2-4 rows (what `F.linear` calls) at ~10 GB/s of
-weights and `w @ x.T` (weight-major) at 25-40 GB/s; on an Intel Xeon the opposite, `F.linear` 2x
-faster (the medium bench config's fused gate/up weight: 47 against 19 GB/s). So the form is timed on the first product of each
-shape (both forms, alternately, best of 3) and the faster one kept for the process;
-`MM3_DECODE_FORM` = "linear" or "weight-major" names one instead. Accelerators keep `F.linear`.
+`decode_linear`: a decode step multiplies a few rows by large weights, so its speed is the speed of
+reading them. On the CPU `x @ w.T` (`F.linear`) and `w @ x.T` (weight-major) read them at very
+different speeds, and which wins depends on the processor; so both are timed on the first product
+of each shape and the faster kept for the process (`MM3_DECODE_FORM` names one instead).
+Accelerators keep `F.linear`.
 
 `Scratch`: one flat buffer per dtype for per-call dequantization on the CPU, where a fresh
 allocation of a large weight means page faults on every product.
 
-Large float32 CPU matrix products through oneDNN instead of MKL, where that stays float32-accurate
-(`onednn_matmul`):
-
-torch runs float32 `F.linear` on the CPU with MKL's sgemm, which on the AMD EPYC we measured runs
-about half as fast as oneDNN's kernels for the DiT's shapes (1378 x 2048 x 512 and alike). torch
-sends float32 products to oneDNN when `torch.backends.mkldnn.matmul.fp32_precision` is "bf16";
-oneDNN may then use bfloat16 arithmetic where the CPU has it. Whether the result is still float32
-accurate depends on the CPU and oneDNN version, so `onednn_matmul` checks once per process, on
-products of the DiT's depths against float64, and switches only when the error stays at float32
-level (measured here: 4e-7 relative, against 2.4e-7 for MKL); otherwise it changes nothing. The
-switch is set for the duration of a `with` block and restored after it.
+`onednn_matmul`: large float32 CPU products through oneDNN instead of MKL, which can be much
+faster for the DiT's shapes. oneDNN may use bfloat16 arithmetic where the CPU has it, so the
+switch is taken only after a once-per-process check against float64 shows float32-level error,
+and only for the duration of a `with` block.
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-DECODE_MAX_ROWS = 16  # beyond this the weight-major form stops paying on the CPU (measured up to 16)
+DECODE_MAX_ROWS = 16  # beyond this the weight-major form stops paying on the CPU
 
 
 DECODE_FORMS = ("auto", "linear", "weight-major")
@@ -103,8 +93,8 @@ class Scratch(threading.local):
 CPU_SCRATCH = Scratch()
 
 MAX_REL_ERR = 4e-6  # float32-level; a bfloat16 product would be ~3e-3
-# torch's CPU flash attention also follows the switch: faster for heads of 64 (the released DiT;
-# 13.5 -> 10.9 ms for 8 heads x 690 tokens x 2), slower for heads of 16 (2.8 -> 3.8 ms), measured.
+# torch's CPU flash attention also follows the switch: it pays for wide heads (the released DiT's
+# 64) and costs for narrow ones, hence the floor on the head size.
 MIN_HEAD_DIM = 32
 _PROBE: list[bool] = []  # cached result of _accurate()
 

@@ -1,8 +1,7 @@
 """MM3 Sampling Options: AR Plan's expert knobs on a node of their own, wired into AR Plan's one
-optional `options` input. Unwired, AR Plan samples with the same defaults, so a song is bit for bit
-the one it was before the knobs moved.
+optional `options` input. Unwired, AR Plan samples with the same defaults.
 
-API prompts saved before the move set these knobs on AR Plan itself; `upgrade_prompt` (run on
+API prompts that set these knobs on AR Plan itself are still accepted: `upgrade_prompt` (run on
 every queued prompt) moves them onto an options node so they keep their effect.
 """
 

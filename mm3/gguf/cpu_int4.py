@@ -19,12 +19,6 @@ weight and the product reads twice the row length.
 Inputs, scales and offsets are rounded to bfloat16, so products differ from the float32 product of
 the dequantized weight by about 0.3 % (less than the quantization's own error); used for
 decode-shaped products of the LM and depth decoder in the fast numerics only.
-
-Measured (2-core AMD EPYC, torch 2.14.1, 2 threads, 2 rows, against the float32 product of a kept
-float copy in its fastest form, `torch.mm(w, x.T)`): Q4_K at the released LM's attention and MLP
-shapes 9.4 / 18.9 ms against 11.0 / 28.5 (1 thread); two planes (Q8_0), the released LM's gate
-projection: 3.9 ms against 10.3, the medium bench config's: 0.31 against 0.46; with 8 rows 10.0
-against 22.0, 16 rows 20.9 against 24.9 (the kernel's work then grows with the rows).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ _K_SUB32 = 32
 _K_SUB16 = 16
 
 # Bit-field unpacking has two equivalent forms. On CPU, one op per field with a Python-int shift on
-# contiguous bytes runs vectorised (a broadcast tensor shift does not: ~4x slower). On accelerators
+# contiguous bytes runs vectorised (a broadcast tensor shift does not). On accelerators
 # the single broadcast shift launches 2 kernels instead of 2 per field. Integer results are identical.
 _BROADCAST_SHIFTS_ON_CPU = False  # tests flip this to cover the accelerator path on CPU
 
