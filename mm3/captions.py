@@ -1,6 +1,6 @@
 """Captions in the format the released model was trained on.
 
-Every caption of the demo prompts (61 requests, shared/corpus/demo_prompts) has one layout: three
+Every caption of the model's demo prompts has one layout: three
 section headings, each followed by one "Label: text" line per aspect of the song:
 
     Global Metadata

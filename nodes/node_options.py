@@ -24,7 +24,7 @@ PLAN_NODE = "MM3ARPlan"
 log = logging.getLogger("mm3")
 
 
-# The request fields these knobs set (the inputs AR Plan had before they moved here), with the
+# The request fields these knobs set (also accepted on AR Plan in older prompts, see upgrade_prompt), with the
 # request's defaults (the reference's draw); the strength is where a penalty starts once picked.
 KEYS = ("lm_top_k", "lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",
         "lm_dry_min_match", "ending_rounds")
