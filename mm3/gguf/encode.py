@@ -2,22 +2,14 @@
 
 `quantize(array, qtype)` turns float values into the bytes ggml and gguf-py read back, shaped
 [..., row_bytes] like gguf-py's `gguf.quants.quantize` (pass them to `GGUFWriter.add_tensor` with
-`raw_dtype=qtype`). Types gguf-py can already write (BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) go through
-gguf-py; F32/F16 are plain little-endian values; Q4_K, Q5_K and Q6_K are vectorised ports of
-ggml's reference quantizers (`quantize_row_q{4,5,6}_K_ref` with `make_qkx2_quants` /
-`make_qx_quants` / `nearest_int` in ggml-quants.c, the path `ggml_quantize_chunk` takes without an
-importance matrix, as llama-quantize and minimaxmusic.cpp's quantize tool use it) that write the
-same bytes: every intermediate is float32 in C's operation order, each sum over a sub-block is
-the C loop's sequential float32 sum (one numpy operation per position, across all sub-blocks at
-once, never numpy's pairwise reduction), the search steps through the same candidates with the
-same strict comparisons, and nearest_int is rint where its argument is provably within the
-rounding trick's range, else the trick itself bit for bit. The test suite compares every block
-with a scalar float32 transcription of the C code on tie-heavy data; outside it, the C code
-itself (built without FMA contraction, the x86-64 baseline ggml-base is built for) gave the same
-bytes on normal, uniform, Student-t, sparse, positive, coarse-grid, bf16-rounded, tiny and
-denormal data. Q8_0 through gguf-py equals `quantize_row_q8_0_ref` on the same data. One difference is
-deliberate: a block scale that overflows float16 is an error here, where C writes inf.
-Q2_K and Q3_K are read-only here.
+`raw_dtype=qtype`). BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 go through gguf-py; F32/F16 are plain
+little-endian values; Q4_K, Q5_K and Q6_K are vectorised ports of ggml's reference quantizers
+(`quantize_row_q{4,5,6}_K_ref` in ggml-quants.c, the path taken without an importance matrix), so
+that the files match minimaxmusic.cpp's byte for byte. For that every intermediate is float32 in
+C's operation order (sums are sequential, never numpy's pairwise reduction), the search compares
+as C does, and nearest_int is C's rounding trick where rint could differ. The tests compare every
+block with a scalar transcription of the C code. One deliberate difference: a block scale that
+overflows float16 is an error here, where C writes inf. Q2_K and Q3_K are read-only.
 """
 
 from __future__ import annotations
