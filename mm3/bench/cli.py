@@ -15,7 +15,7 @@ the reference from the same tensors (dequantized where ours are quantized), and 
 plus the peak memory of each run (process RSS, whose baseline holds both sides' weights; peak
 VRAM per side on CUDA). The JSON names the machine, torch, dtype and date. Without diffusers the
 reference side is skipped with a note. Configs (sizes in CONFIGS): tiny (the test model), medium
-(fits a 2-core CPU: LM hidden 1024 x 8 layers with the released vocabulary layout, depth hidden
+(small enough for a laptop CPU: LM hidden 1024 x 8 layers with the released vocabulary layout, depth hidden
 1024, DiT 512 wide x 4, a small vocoder), real (released dimensions: on CUDA against the reference,
 which needs a large GPU; on other devices ours alone, stages ar and dit, from random files written
 straight in the quant asked for, e.g.
