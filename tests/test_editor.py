@@ -1,0 +1,203 @@
+"""The editor side, without ComfyUI: web/mm3.js run under node.js against stand-ins for the
+editor's app and api modules (node text, token count, old-workflow upgrade, wired seeds, the models
+sidebar), and the shipped editor workflows' layout at their saved view."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+JS_APP = """export const app = { extensions: [], registerExtension(e) { this.extensions.push(e); },
+  extensionManager: { tabs: [], registerSidebarTab(t) { this.tabs.push(t); } } };"""
+JS_API = """export const api = { calls: [], async fetchApi(path, opts) {
+  this.calls.push([path, opts?.body ? JSON.parse(opts.body) : null]);
+  const body = JSON.parse(opts.body); const n = body.caption.length + body.lyrics.length;
+  if (body.caption.includes("\\u001b")) return { ok: false, status: 400,
+    json: async () => ({ error: "caption contains the control character U+001B at position 3" }) };
+  return { ok: true, json: async () => ({ tokens: n, limit: 10, over: n > 10, lm_model: body.lm_model }) }; } };"""
+JS_HARNESS = """globalThis.requestAnimationFrame = (f) => f();
+globalThis.setTimeout = (f) => { f(); return 0; }; globalThis.clearTimeout = () => {};
+const settle = () => new Promise((r) => setImmediate(r));
+const { app } = await import("./scripts/app.js");
+const { api } = await import("./scripts/api.js");
+await import("./extensions/pack/mm3.js");
+const ext = app.extensions[0];
+ext.setup();
+class El { constructor() { this.style = {}; this.listeners = {}; }
+  addEventListener(k, f) { (this.listeners[k] ??= []).push(f); } }
+globalThis.document = { createElement: () => new El() };
+const loader = { widgets: [{ name: "model_name", value: "lm-q8.gguf" }] };
+class Node { constructor() { this.inputs = [{ name: "lm" }];
+    this.widgets = [{ name: "caption", value: "x", inputEl: new El() }, { name: "lyrics", value: "y" }]; }
+  getInputNode(slot) { return slot === 0 ? loader : null; }
+  addDOMWidget(name, type, element, options) {
+    const w = { name, type, element, options, get value() { return options.getValue(); },
+                set value(v) { options.setValue(v); } };
+    this.widgets.push(w); return w; } }
+const save = { name: "MM3SaveSong", input: { required: { audio: ["AUDIO", {}] } } };
+await ext.beforeRegisterNodeDef(class {}, save);
+await ext.beforeRegisterNodeDef(Node, { name: "MM3PromptAssemble", input: { required: {} } });
+const node = new Node();
+node.onNodeCreated();
+await settle(); await settle();
+const first = node.widgets.at(-1).value;
+node.widgets[0].value = "a much longer caption";
+node.widgets[0].inputEl.listeners.input[0]();
+await settle(); await settle();
+const over = node.widgets.at(-1).value;
+node.widgets[0].value = "bad\\u001b";
+node.widgets[0].inputEl.listeners.input[0]();
+await settle(); await settle();
+const refused = [node.widgets.at(-1).value, node.widgets.at(-1).element.style.color];
+node.onExecuted({ text: ["a", "b"] });
+const info = node.widgets.at(-1);
+console.log(JSON.stringify({ name: ext.name, audioUI: save.input.required.audioUI, first, over, refused,
+  tab: app.extensionManager.tabs.map((t) => t.id), calls: api.calls.map((c) => [c[0], c[1]?.lm_model]),
+  widgets: node.widgets.map((w) => w.name), info: [info.value, info.serialize, info.options.serialize,
+  info.element.readOnly] }));
+"""
+
+
+def run_web_harness(tmp_path, script: str) -> dict:
+    """Run `script` (node.js) beside web/mm3.js and stand-ins for the editor's app and api modules;
+    the JSON it prints. Skipped without node.js."""
+    import shutil
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node.js is not installed")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "extensions" / "pack").mkdir(parents=True)
+    (tmp_path / "scripts" / "app.js").write_text(JS_APP)
+    (tmp_path / "scripts" / "api.js").write_text(JS_API)
+    shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
+    (tmp_path / "package.json").write_text('{"type": "module"}')
+    (tmp_path / "harness.js").write_text(script)
+    out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_web_extension_shows_node_text(tmp_path):
+    """web/mm3.js against stand-ins for the editor's app and api modules (needs node.js): the info
+    text is the node's last widget and is neither sent with the prompt nor saved; typing recounts the
+    prompt's tokens with the LM the upstream loader names; the sidebar tab is registered."""
+    got = run_web_harness(tmp_path, JS_HARNESS)
+    assert got["audioUI"] == ["AUDIO_UI", {}]  # Save Song gets ComfyUI's audio player
+    assert got["widgets"] == ["caption", "lyrics", "mm3_info"]
+    assert got["info"] == ["a\nb", False, False, True]
+    assert got["first"] == "2 / 10 prompt tokens"
+    assert got["over"].startswith("22 / 10 prompt tokens (over the budget by 12")
+    assert got["over"].endswith("shorten the caption or lyrics)")
+    # A text the count refuses shows the reason, in the warning colour.
+    assert got["refused"] == ["caption contains the control character U+001B at position 3", "var(--error-text, #f66)"]
+    assert got["calls"][-1] == ["/mm3/tokens", "lm-q8.gguf"] and got["tab"] == ["mm3-models"]
+
+
+JS_UPGRADE = """globalThis.document = { createElement: () => ({ style: {} }) };
+const { app } = await import("./scripts/app.js");
+const { upgradeWorkflow } = await import("./extensions/pack/mm3.js");
+const ext = app.extensions[0];
+const old = (knobs) => ({ last_node_id: 4, last_link_id: 2, links: [[1, 1, 0, 3, 0, "MM3_LM"], [2, 2, 0, 3, 1, "X"]],
+  nodes: [{ id: 1, type: "A", outputs: [{ links: [1] }] }, { id: 2, type: "B", outputs: [{ links: [2] }] },
+    { id: 3, type: "MM3ARPlan", pos: [10, 20], size: [400, 300],
+      inputs: [{ name: "lm", link: 1 }, { name: "lm_top_k", link: null, widget: { name: "lm_top_k" } },
+               { name: "prior_codes", link: 2 }],
+      widgets_values: [120, 42, "fixed", 1.5, knobs.top_k ?? 50, 1, 4, true, knobs.rounds ?? 1, 30, 1, 1, "none",
+                       1.1, 320, 15] }] });
+const plain = upgradeWorkflow(old({}));
+const tuned = upgradeWorkflow(old({ top_k: 7, rounds: 2 }));
+// A seed widget with its control, on a node whose seed input is wired, then unwired.
+class Node { constructor() { const control = { name: "control_after_generate", value: "fixed" };
+  this.widgets = [{ name: "seed", value: 1, linkedWidgets: [control] }, control];
+  this.inputs = [{ name: "seed", widget: { name: "seed" }, link: 5 }]; } }
+await ext.beforeRegisterNodeDef(Node, { name: "MM3FlowSampler",
+  input: { required: { seed: ["INT", { control_after_generate: true }] } } });
+const node = new Node();
+node.onConfigure();
+const wired = node.widgets[1].hidden;
+node.inputs[0].link = null;
+node.onConnectionsChange();
+console.log(JSON.stringify({ plain, tuned, wired, unwired: node.widgets[1].hidden }));
+"""
+
+
+def test_web_extension_upgrades_old_plans_and_hides_wired_seed_controls(tmp_path):
+    """web/mm3.js (needs node.js): an editor workflow saved with the old AR Plan (16 widget values)
+    loads with the new AR Plan's values; knobs off their defaults come back on an MM3 Sampling
+    Options node wired into `options`; at the defaults no node is added. A seed's "control after
+    generate" is hidden while the seed is wired in, and shown again once it is not."""
+    got = run_web_harness(tmp_path, JS_UPGRADE)
+    plan = [n for n in got["plain"]["nodes"] if n["type"] == "MM3ARPlan"][0]
+    assert plan["widgets_values"] == [120, 42, "fixed", 1.5, 1, 4, True, 30]
+    assert [i["name"] for i in plan["inputs"]] == ["lm", "prior_codes"]
+    assert got["plain"]["links"] == [[1, 1, 0, 3, 0, "MM3_LM"], [2, 2, 0, 3, 1, "X"]]  # prior_codes moved up
+    assert len(got["plain"]["nodes"]) == 3
+    options = [n for n in got["tuned"]["nodes"] if n["type"] == "MM3SamplingOptions"]
+    assert len(options) == 1 and options[0]["id"] == 5
+    assert options[0]["widgets_values"] == [7, 1, 1, "none", 1.1, 320, 15, 2]
+    plan = [n for n in got["tuned"]["nodes"] if n["type"] == "MM3ARPlan"][0]
+    assert plan["inputs"][-1] == {"name": "options", "type": "MM3_SAMPLING_OPTIONS", "link": 3}
+    assert got["tuned"]["links"][-1] == [3, 5, 0, 3, 2, "MM3_SAMPLING_OPTIONS"]
+    assert options[0]["outputs"][0]["links"] == [3] and got["tuned"]["last_link_id"] == 3
+    assert got["wired"] is True and got["unwired"] is False
+
+
+def test_shipped_workflows_fit_the_window_at_their_saved_view():
+    """Each editor workflow, opened at its saved view in a 1600 x 1000 window, shows every node (its
+    Note too) whole inside the part of the window the editor's bars leave free, at a scale where
+    the editor still draws text, without overlaps; more than five columns wrap onto a second row."""
+    from tests.helpers.comfy_workflows import BOTTOM, LEFT, RIGHT, TOP, WINDOW, boxes_on_screen
+
+    for path in sorted((ROOT / "workflows").glob("*.json")):
+        ui = json.loads(path.read_text())
+        assert ui["extra"]["ds"]["scale"] >= 0.6, path.name
+        boxes = boxes_on_screen(ui)
+        assert any(name.startswith("Note ") for name, _ in boxes), path.name
+        outside = [(name, [round(v) for v in b]) for name, b in boxes
+                   if b[0] < LEFT or b[1] < TOP or b[2] > WINDOW[0] - RIGHT or b[3] > WINDOW[1] - BOTTOM]
+        assert not outside, (path.name, outside)
+        for i, (a, p) in enumerate(boxes):
+            for b, q in boxes[i + 1:]:
+                assert not (p[0] < q[2] and q[0] < p[2] and p[1] < q[3] and q[1] < p[3]), (path.name, a, b)
+        first = min(n["pos"][1] + n["size"][1] for n in ui["nodes"] if n["type"].startswith("MM3Load"))
+        assert all(n["pos"][1] > first for n in ui["nodes"] if n["type"] == "MM3SaveSong"), path.name  # row 2
+
+
+JS_SIDEBAR = """class El { constructor(tag) { this.tag = tag; this.style = {}; this.children = []; this.textContent = ""; }
+  append(...c) { this.children.push(...c); } replaceChildren(...c) { this.children = c; }
+  insertRow() { const r = new El("tr"); this.children.push(r); return r; }
+  text() { return [this.textContent, ...this.children.map((c) => c.text())].filter(Boolean).join("\\n"); } }
+globalThis.document = { createElement: (tag) => new El(tag) };
+const { renderInventory } = await import("./extensions/pack/mm3.js");
+const bad = "MiniMax-Music3-vocoder-F32.gguf";
+const file = (name, state, problem = "") => ({ name, state, size: 4000, problem });
+const inv = { folders: ["/models/mm3"], free: 10e9,
+  components: { lm: [{ name: "tiny-lm.gguf", file_type: "F32", size: 3 * 1024 }], depth: [] },
+  unusable: [{ name: bad, problem: "truncated: tensor t needs bytes 0..9999" }],
+  sets: { native: [file(bad, "unusable", `${bad}: truncated: tensor t needs bytes 0..9999, expected mm3-vae`)],
+          light: [file(bad, "unusable", `${bad}: truncated: tensor t needs bytes 0..9999, expected mm3-vae`),
+                  file("MiniMax-Music3-transformer-Q4_K_M.gguf", "partial")] },
+  set_sizes: { native: { total: 28.6e9, to_fetch: 28.6e9 }, light: { total: 8.8e9, to_fetch: 4.2e9 } } };
+const root = new El("div");
+renderInventory(root, inv);
+console.log(JSON.stringify(root.text()));
+"""
+
+
+def test_web_sidebar_says_sizes_free_space_and_each_problem_once(tmp_path):
+    """The MM3 models sidebar (web/mm3.js, needs node.js): each set's published size and what is
+    left to download against the free space, a problem said once (later mentions point to it),
+    small files in KiB."""
+    text = run_web_harness(tmp_path, JS_SIDEBAR)
+    assert text.count("truncated") == 1, text
+    assert "MiniMax-Music3-vocoder-F32.gguf: unusable (see above)" in text
+    assert "tiny-lm.gguf (F32, 3 KiB)" in text and "(4 KiB so far)" in text
+    assert "about 28.6 GB; to download: about 28.6 GB, 10.0 GB free in /models/mm3: not enough space" in text
+    assert "about 8.8 GB; to download: about 4.2 GB, 10.0 GB free in /models/mm3" in text
+    assert "Download the light set" in text

@@ -1,0 +1,170 @@
+"""The ComfyUI node logic without ComfyUI: the node logic (`nodes/logic.py`) chained as the nodes
+chain it gives the same audio as `mm3.pipeline.Pipeline.run` (itself checked against diffusers),
+the loaders refuse what the command line refuses, and Save Song's files read back right."""
+
+from __future__ import annotations
+
+import json
+import wave
+from pathlib import Path
+
+import pytest
+import torch
+
+from mm3.ar import PlanSettings
+from mm3.codes import AudioCodes
+from mm3.gguf.errors import ComponentError
+from mm3.pipeline import Pipeline
+from mm3.request import MM3Request
+from tests.helpers.comfyui import CAPTION, LYRICS, import_pack
+
+ROOT = Path(__file__).resolve().parents[1]
+
+@pytest.fixture(scope="module")
+def pack():
+    """The repository imported as a package, as ComfyUI imports it."""
+    return import_pack
+
+
+def _handles(pack, tiny):
+    h = pack("nodes.handles")
+    return {kind: h.ComponentHandle(kind, tiny.file(arch).name, str(tiny.file(arch)))
+            for kind, arch in (("lm", "mm3-lm"), ("depth", "mm3-depth"), ("cond", "mm3-cond"), ("dit", "mm3-dit"),
+                               ("vae", "mm3-vae"))}
+
+
+def test_node_chain_matches_pipeline(pack, tiny):
+    """Prompt -> plan -> condition -> sample -> decode -> stitch, as the nodes run it, equals the
+    pipeline's tracks bit for bit (2 songs x 2 variations), and each replay request renders its track."""
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    m = {k: h.model() for k, h in hs.items()}
+    prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
+    songs, _ = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
+                             PlanSettings(duration=0.8, lm_seed=11, songs=2), device="cpu", dtype=torch.float32)
+    ours = []
+    for song in songs:
+        cond = logic.encode_condition(m["cond"], hs["cond"], song, device="cpu", dtype=torch.float32)
+        lat = logic.sample(m["dit"], hs["dit"], cond, seed=5, steps=3, dit_cfg=1.7, variations=2, device="cpu",
+                           dtype=torch.float32)
+        audio = logic.stitch_audio(logic.decode(m["vae"], hs["vae"], lat, device="cpu"))
+        assert audio["waveform"].dtype == torch.float32 and audio["waveform"].shape[:2] == (2, 2)
+        ours += [(audio["waveform"][j], audio[logic.AUDIO_REQUESTS_KEY][j]) for j in range(2)]
+    request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=0.8, lm_seed=11, seed=5, steps=3,
+                         lm_batch_size=2, synth_batch_size=2)
+    tracks = Pipeline(str(tiny.gguf)).run(request)
+    assert len(tracks) == len(ours) == 4
+    for track, (wave_, req) in zip(tracks, ours):
+        assert torch.equal(track.audio, wave_)
+        want = track.request.to_dict()
+        assert {k: req[k] for k in ("audio_codes", "lm_seed", "seed", "steps", "caption", "lyrics")} == \
+               {k: want[k] for k in ("audio_codes", "lm_seed", "seed", "steps", "caption", "lyrics")}
+    # A replay request renders its own track again.
+    again = Pipeline(str(tiny.gguf)).run(MM3Request.from_dict(ours[3][1]))
+    assert torch.equal(again[0].audio, ours[3][0])
+
+
+def test_split_synthesis_matches_pipeline_over_windows(pack, tiny):
+    """Songs longer than one DiT window (200 frames): conditions computed per window up front, the
+    sampler fed from them, windows decoded one by one and then stitched, equal the pipeline's
+    synthesis (overlap carry, crops and all). Frame hiddens are random: no AR needed."""
+    logic, handles, hs = pack("nodes.logic"), pack("nodes.handles"), _handles(pack, tiny)
+    m = {k: h.model() for k, h in hs.items() if k in ("cond", "dit", "vae")}
+    dp = hs["depth"].hparams
+    frames = 210  # windows [0, 200) and [100, 210)
+    hiddens = torch.randn(frames, int(dp["num_codebooks"]), int(dp["hidden_size"]),
+                          generator=torch.Generator().manual_seed(3))
+    codes = AudioCodes(torch.zeros(frames + 1, int(dp["num_codebooks"]), dtype=torch.long), hiddens, None, 1)
+    request = MM3Request(caption="c", lyrics="l", seed=8, steps=2, synth_batch_size=1)
+    song = handles.PlannedSong(codes, request, logic.check_parts({}, lm=hs["lm"], depth=hs["depth"]))
+    cond = logic.encode_condition(m["cond"], hs["cond"], song, device="cpu", dtype=torch.float32)
+    assert len(cond.conds) == 2
+    lat = logic.sample(m["dit"], hs["dit"], cond, seed=8, steps=2, dit_cfg=1.7, variations=1, device="cpu",
+                       dtype=torch.float32)
+    ours = logic.stitch_audio(logic.decode(m["vae"], hs["vae"], lat, device="cpu"))["waveform"]
+    want = Pipeline(str(tiny.gguf)).synthesize(request, codes)
+    assert torch.equal(ours, want)
+
+
+def test_load_codes_rejects_bad_files(pack, tiny):
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    with pytest.raises(ValueError, match="holds no audio_codes"):
+        logic.read_codes_request(json.dumps({"caption": "a", "lyrics": "b"}), "x.json", hs["lm"], hs["depth"])
+    with pytest.raises(ValueError, match="x.json: .*out of range"):
+        logic.read_codes_request(json.dumps({"caption": "a", "lyrics": "b", "audio_codes": ",".join(["99999"] * 16)}),
+                                 "x.json", hs["lm"], hs["depth"])
+    h = pack("nodes.handles")
+    with pytest.raises(Exception, match="is mm3-dit, expected mm3-lm"):
+        h.ComponentHandle("lm", "dit.gguf", str(tiny.file("mm3-dit")))
+
+
+def test_loader_refuses_what_the_command_line_refuses(pack, tiny, tmp_path):
+    """A DiT with one tensor of a GGML type the engine cannot dequantize (Q8_1) is refused when the
+    loader node runs, naming the file and the tensor, as the command line refuses it before
+    loading anything (it used to fail in the first DiT forward, after the whole AR stage)."""
+    import gguf
+    import numpy as np
+    from tests.helpers.gguf_util import rewrite
+
+    h = pack("nodes.handles")
+    bad = rewrite(tiny.file("mm3-dit"), tmp_path / "bad-dit.gguf", drop={"proj_in.weight"},
+                  tensors={"proj_in.weight": (gguf.GGMLQuantizationType.Q8_1, np.zeros((64, 80), np.uint8))})
+    with pytest.raises(ComponentError,
+                       match=r"bad-dit.gguf: tensor proj_in.weight is Q8_1, which this engine cannot dequantize"):
+        h.handle_for("dit", "bad-dit.gguf", str(bad))
+
+
+def test_loaded_codes_check_the_files_that_made_them(pack, tiny, tmp_path):
+    """A song read from a replay file records each file's fingerprint; a later node whose file
+    differs warns (logged, on the node), or refuses with model_check "refuse"."""
+    import shutil
+
+    logic, hs, handles = pack("nodes.logic"), _handles(pack, tiny), pack("nodes.handles")
+    m = {k: hs[k].model() for k in ("lm", "depth", "cond")}
+    prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
+    (song,), _ = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
+                               PlanSettings(duration=0.4, lm_seed=3), device="cpu", dtype=torch.float32)
+    req = song.request
+    assert req.model_fingerprints == {"lm_model": hs["lm"].fingerprint, "depth_model": hs["depth"].fingerprint}
+    req = logic.with_model(req, "cond_model", hs["cond"])
+    other = tmp_path / "other-cond.gguf"
+    shutil.copy(tiny.file("mm3-cond"), other)
+    with open(other, "r+b") as f:  # same tensors and header, other first weight bytes
+        f.seek(-4, 2)
+        f.write(b"\x00\x00\x80\x3f")
+    other_h = handles.ComponentHandle("cond", other.name, str(other))
+    assert logic.codes_file_problems(req, hs["lm"], hs["depth"]) == []
+    _, prompt2, codes = logic.read_codes_request(req.to_json(), "f.json", hs["lm"], hs["depth"])
+    for check, same in (("warn", hs["cond"]), ("warn", other_h), ("refuse", other_h)):
+        loaded = logic.replay_codes(m["lm"], m["depth"], hs["lm"], hs["depth"], req, prompt2, codes,
+                                    device="cpu", dtype=torch.float32, model_check=check)
+        if check == "refuse":
+            with pytest.raises(ValueError, match="cond_model: other-cond.gguf .* is not the file that made this song"):
+                logic.encode_condition(other_h.model(), other_h, loaded, device="cpu", dtype=torch.float32)
+            continue
+        out = logic.encode_condition(same.model(), same, loaded, device="cpu", dtype=torch.float32)
+        assert bool(out.warnings) == (same is other_h)
+        assert out.request.cond_model == same.name and out.request.model_fingerprints["cond_model"] == same.fingerprint
+    # A file rendered with the reference RNG cannot be reproduced by the nodes: said, not hidden.
+    from dataclasses import replace
+
+    assert "reference RNG" in logic.codes_file_problems(replace(req, rng="reference"), hs["lm"], hs["depth"])[0]
+
+
+def test_write_track_reads_back(pack, tmp_path):
+    logic = pack("nodes.logic")
+    wave_ = torch.linspace(-0.5, 0.5, 2 * 4410).reshape(2, -1)
+    req = MM3Request(caption="c", lyrics="l", audio_codes="1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8")
+    paths = logic.write_track(tmp_path / "a.wav", wave_, 44100, "wav16", mp3_bitrate=128, peak_clip=10,
+                              request=req.to_dict())
+    with wave.open(str(paths[0])) as w:
+        assert (w.getnchannels(), w.getframerate(), w.getsampwidth(), w.getnframes()) == (2, 44100, 2, 4410)
+    assert json.loads(paths[1].read_text())["output_format"] == "wav16"
+    mono = logic.write_track(tmp_path / "m.wav", wave_[:1], 44100, "wav24", mp3_bitrate=128, peak_clip=10, request=None)
+    assert len(mono) == 1 and wave.open(str(mono[0])).getnchannels() == 2
+
+
+def test_prompt_over_the_budget_is_refused_with_the_count(pack, tiny):
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    with pytest.raises(ValueError, match=r"Prompt exceeds the 5000 token budget: the assembled prompt has \d+ tokens "
+                                         r"\(caption \d+ chars, lyrics \d+ chars\): shorten the caption or lyrics$"):
+        logic.assemble_prompt(hs["lm"], CAPTION, "[verse]\n" + "la " * 3000)
