@@ -93,6 +93,7 @@ class Scratch(threading.local):
 CPU_SCRATCH = Scratch()
 
 MAX_REL_ERR = 4e-6  # float32-level; a bfloat16 product would be ~3e-3
+PROBE_DEPTHS = (64, 512, 2048)  # inner lengths the accuracy probe multiplies over: short to long dot products
 # torch's CPU flash attention also follows the switch: it pays for wide heads (the released DiT's
 # 64) and costs for narrow ones, hence the floor on the head size.
 MIN_HEAD_DIM = 32
@@ -113,7 +114,7 @@ def _accurate() -> bool:
             try:
                 flags.fp32_precision = "bf16"
                 ok = True
-                for k in (64, 512, 2048):
+                for k in PROBE_DEPTHS:
                     x, w = torch.randn(256, k, generator=g), torch.randn(96, k, generator=g)
                     want = F.linear(x.double(), w.double())
                     err = ((F.linear(x, w).double() - want).norm() / want.norm()).item()

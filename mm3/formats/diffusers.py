@@ -8,9 +8,10 @@ import json
 import re
 from pathlib import Path
 
-# Constructor defaults of the diffusers 0.42.1 classes (the released checkpoint's sizes): as in
-# diffusers, a key missing from config.json means its default. Converted files carry the sizes in
-# their metadata, which is where the engine reads them.
+# Source: the constructor defaults of diffusers 0.42.1's MiniMax Music 3 model classes (the released
+# checkpoint's sizes): as in diffusers, a key missing from config.json means its default. Read by the
+# converters, the tiny model and the bench; converted files carry the sizes in their metadata, which
+# is where the engine reads them.
 DIFFUSERS_DEFAULTS = {
     "rvq_depth_decoder": dict(hidden_size=4096, num_layers=4, num_attention_heads=16, intermediate_size=6144,
                               audio_vocab_size=1024, num_codebooks=8, max_position_embeddings=16),
