@@ -1,31 +1,12 @@
-"""Captions in the format the released model was trained on.
+"""Captions in the layout the released model was trained on.
 
-Every caption of the model's demo prompts has one layout: three
-section headings, each followed by one "Label: text" line per aspect of the song:
-
-    Global Metadata
-    Basic Attributes: bpm is 84. key is Eb, and scale is major. Pop / Blues.
-    Global Emotional Progression: The track begins with a contemplative ...
-    Application Scenarios & Imagery: ...
-    Sonics & Production Profile: The soundstage is wide and deep ...
-
-    Vocal Details
-    Vocal Gender & Timbre: Male. The vocalist features a rugged, gravelly baritone ...
-    Vocal Style: ...
-    Harmony/Backing Vocals: ...
-    Vocal FX: ...
-
-    Arrangement
-    Instrument Lifecycle Description (Primary/Secondary Layering):
-    Primary: A dark, mahogany-bodied acoustic guitar provides the harmonic foundation ...
-    Secondary: ...
-    Groove & Foundation Progression: ...
-    Embellishments, Textures & Spatial FX: ...
-
+Every caption of the model's demo prompts (the corpus) has three section headings, Global Metadata,
+Vocal Details and Arrangement, each followed by one "Label: text" line per aspect of the song
+("Basic Attributes: bpm is 84. key is Eb, and scale is major. Pop / Blues."); `LABELS` lists them.
 `build_caption` writes that layout from the fields a user is likely to set, leaving out what is not
 set; `parse_caption` reads it back; `caption_warning` says when a caption has none of its headings
-(a tag list such as "<|genre pop|>" is far from anything the model saw). `PRESETS` are field values
-copied from corpus captions (caption_presets.json, each with the request it came from).
+(a tag list is far from anything the model saw). `PRESETS` are field values copied from corpus
+captions (caption_presets.json, each with the request it came from).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """`python -m mm3 encode | decode`: a recording <-> the vocoder's latents, from the command line.
 
-encode: a WAV, MP3 or FLAC file -> its latents (the vocoder's encoder, as MM3 Vocoder Encode runs
-it: `mm3.audio.encode_audio` on the recording at its rate, mono doubled to stereo) in a
-safetensors file. decode: such a file -> a stereo WAV at the vocoder's rate, as long as the
-recording was there (`mm3.audio.decode_timeline`: windows of the reference's size, stitched as a
-song's).
-
-The latents file holds one tensor, `latents` [C, L] float32 (channels 0..C/2-1 the left side,
-C/2..C-1 the right; L = ceil(length / hop)), and string metadata: `format` (mm3-latents),
-`version` (1), `sample_rate` (the vocoder's, Hz), `hop` (samples per latent), `latent_rate`
-(latents per second), `length` (samples per channel at `sample_rate`), `channels` (2, the sides
-the latents hold), `source_sample_rate` and `source_channels` (the recording's), `vocoder` (the
-file name) and `vocoder_fingerprint` (`mm3.fingerprint`).
+encode: a WAV, MP3 or FLAC file -> its latents (`mm3.audio.encode_audio`, as MM3 Vocoder Encode runs
+it: the recording at its rate, mono doubled to stereo) in a safetensors file. decode: such a file ->
+a stereo WAV at the vocoder's rate, as long as the recording (`mm3.audio.decode_timeline`). The file
+holds one tensor, `latents` [C, L] float32, and string metadata (`save_latents`; the README, Tools).
 """
 
 from __future__ import annotations
@@ -149,7 +141,8 @@ def _load_vocoder(path: str, device, *, with_encoder: bool):
 # -- the latents file ------------------------------------------------------------------------------
 def save_latents(path, latents: torch.Tensor, *, vocoder, vocoder_file: str, length: int, source_rate: int,
                  source_channels: int) -> Path:
-    """Write [C, L] latents and their metadata (the module docstring) atomically to `path`."""
+    """Write [C, L] latents and their metadata (format, version, rates, length, source, vocoder file and
+    fingerprint) atomically to `path`."""
     from safetensors.torch import save
 
     from .fingerprint import file_fingerprint

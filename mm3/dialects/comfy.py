@@ -1,24 +1,10 @@
 """ComfyUI's own MiniMax Music 3 files (the Comfy-Org repackaging) and GGUFs made from them.
 
-Three files, named here by the tensors they hold (never by file name):
-- text encoder: the Qwen3 LM, the RVQ depth decoder and the tokenizer (`tokenizer_json`, the
-  tokenizer.json bytes as a uint8 tensor). Keys `model.*` as in `comfy/text_encoders/
-  minimax_music.py`: q/k/v either separate or one `qkv_proj` (rows q, k, v), gate/up either separate
-  or one `gate_up_proj` (rows gate, up), the depth decoder under `model.audio_decoder.`, its code
-  embeddings in `model.audio_extra_embedding`. The "pruned" variant keeps only the rows the model
-  can use: `model.embed_tokens_prefill` (text ids) + `model.embed_tokens_audio` (semantic codes),
-  and `model.lm_head_pruned` (row 0 = END, row 1 + c = code c).
-- DiT (`comfy/ldm/minimax_music/dit.py`): the flow transformer under `diffusion_transformer.`, with
-  the condition encoder folded in (`cond_layer_logits`, `cond_layer_scale`,
-  `latent_conditioners.0`) and fused `to_qkv` (rows q, k, v). ComfyUI's wrapper negates the output
-  and feeds 1 - t; the weights are the reference's, so nothing here changes sign.
-- DAV (`comfy/ldm/minimax_music/dav.py`): the vocoder decoder in DAC's names
-  (`decoder.model.K...`), convs weight-normed as torch parametrizations (`original0` = g,
-  `original1` = v), folded here exactly as our converter folds them.
-
-Sizes come from the tensor shapes; what the files do not store is ComfyUI's fixed configuration,
-kept below. A file may carry a key prefix (a saved checkpoint's `model.diffusion_model.`): it is
-found from a signature key.
+Three files, each recognised by a signature tensor (never by file name): the text encoder (LM, depth
+decoder, tokenizer), the DiT with the condition encoder folded in, and the DAV vocoder; each builder
+below says its keys. Sizes come from the tensor shapes; what the files do not store is ComfyUI's fixed
+configuration, kept below. A file may carry a key prefix (a saved checkpoint's `model.diffusion_model.`):
+it is found from the signature key.
 """
 
 from __future__ import annotations
@@ -188,6 +174,10 @@ def tokenizer_json(src: Source) -> dict:
 
 
 def _lm(src: Source, p: str):
+    """The LM of a text encoder, keys `model.*` as in `comfy/text_encoders/minimax_music.py`: q/k/v
+    separate or one `qkv_proj` (rows q, k, v), gate/up separate or one `gate_up_proj` (rows gate, up).
+    The "pruned" variant keeps only the rows the model can use: `embed_tokens_prefill` (text ids) +
+    `embed_tokens_audio` (semantic codes), and `lm_head_pruned` (row 0 = END, row 1 + c = code c)."""
     try:
         tokens, merges = tokenizer_arrays(tokenizer_json(src), source=f"{src.path} tokenizer_json")
     except ComponentError:
@@ -261,6 +251,8 @@ def _lm(src: Source, p: str):
 
 
 def _depth(src: Source, p: str):
+    """The RVQ depth decoder of a text encoder, under `model.audio_decoder.`, its code embeddings in
+    `model.audio_extra_embedding`."""
     d = p + "audio_decoder."
     layers = _count(src, d + "layers.{}.input_layernorm.weight")
     heads = _count(src, d + "audio_heads.{}.weight")
@@ -294,6 +286,8 @@ def _depth(src: Source, p: str):
 
 # -- DiT and condition encoder --------------------------------------------------------------------
 def _cond(src: Source, p: str):
+    """The condition encoder folded into the DiT file (`cond_layer_logits`, `cond_layer_scale`,
+    `latent_conditioners.0`)."""
     w = M.shape_of(src, p + "latent_conditioners.0.weight")
     plans = [_same(src, "layer_weight_logits", p + "cond_layer_logits"),
              _same(src, "layer_scale", p + "cond_layer_scale"),
@@ -305,6 +299,9 @@ def _cond(src: Source, p: str):
 
 
 def _dit(src: Source, p: str):
+    """The flow transformer (`comfy/ldm/minimax_music/dit.py`) under `diffusion_transformer.`, fused
+    `to_qkv` (rows q, k, v). ComfyUI's wrapper negates the output and feeds 1 - t; the weights are the
+    reference's, so nothing here changes sign."""
     d, t = p + "diffusion_transformer.", p + "diffusion_transformer.transformer."
     layers = _count(src, t + "layers.{}.self_attn.to_qkv.weight")
     inner = M.shape_of(src, t + "project_in.weight")[0]
@@ -356,6 +353,8 @@ def _fold(src: Source, name: str, source: str) -> M.Plan:
 
 
 def _vae(src: Source, p: str):
+    """The vocoder decoder (`comfy/ldm/minimax_music/dav.py`) in DAC's names (`decoder.model.K...`),
+    convs weight-normed as torch parametrizations (`original0` = g, `original1` = v), folded by `_fold`."""
     m = p + "decoder.model."
     blocks = 0
     while f"{m}{blocks + 1}.block.0.alpha" in src.infos:
