@@ -1,12 +1,11 @@
 """Captions in the layout the released model was trained on.
 
 Every caption of the model's demo prompts (the corpus) has three section headings, Global Metadata,
-Vocal Details and Arrangement, each followed by one "Label: text" line per aspect of the song
-("Basic Attributes: bpm is 84. key is Eb, and scale is major. Pop / Blues."); `LABELS` lists them.
-`build_caption` writes that layout from the fields a user is likely to set, leaving out what is not
-set; `parse_caption` reads it back; `caption_warning` says when a caption has none of its headings
-(a tag list is far from anything the model saw). `PRESETS` are field values copied from corpus
-captions (caption_presets.json, each with the request it came from).
+Vocal Details and Arrangement, each followed by one "Label: text" line per aspect (`LABELS`), e.g.
+"Basic Attributes: bpm is 84. key is Eb, and scale is major. Pop / Blues.". `build_caption` writes it
+from the fields a user is likely to set; `parse_caption` reads it back; `caption_warning` says when a
+caption has none of its headings (a tag list is far from anything the model saw). `PRESETS`: field
+values copied from corpus captions (caption_presets.json, each with the request it came from).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """HOT-Step's MiniMax Music 3 GGUFs (its `convert-mm3.py` / `split-mm3.py`, converter version 1).
 
-Five files: the LM (general.architecture `qwen3`, llama.cpp tensor names and hyper-parameter keys,
-the tokenizer as `tokenizer.ggml.*` over all 200000 ids), `mm3-depth` / `mm3-cond` / `mm3-dit`
-(the same architecture strings as ours, but tensors `depth.*`, `cond.*`, `dit.*` and no sizes
-under our keys), `mm3-voc` (`voc.*`); and the legacy `mm3-synth-*` bundle (architecture `mm3`)
-holding depth, cond, dit and voc in one file. Every file carries `mm3.model` = "MiniMax-Music3".
-
-The data is the reference's: renames, the DiT's fused `attn_qkv` (rows q, k, v) split by rows, Snake
-alphas stored [1, C, 1] read as [C], vocoder weight norm already folded. `mm3.dit.output_negated`
-only records ComfyUI's wrapper sign: no weight is negated, so nothing is flipped here.
+Every file carries `mm3.model` = "MiniMax-Music3". Five files: the LM (architecture `qwen3`, llama.cpp
+names and keys, the tokenizer over all 200000 ids), `mm3-depth` / `mm3-cond` / `mm3-dit` (our
+architecture strings, but tensors `depth.*`, `cond.*`, `dit.*` and no sizes under our keys),
+`mm3-voc` (`voc.*`); or the legacy `mm3-synth-*` bundle (architecture `mm3`) with the last four. The
+data is the reference's (weight norm already folded, no weight negated): renames, the DiT's fused
+`attn_qkv` split by rows (q, k, v) and Snake alphas [1, C, 1] read as [C].
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Numpy quantizers that write GGML block bytes (the `quantize` tool's writer side).
 
-`quantize(array, qtype)` turns float values into the bytes ggml and gguf-py read back, shaped
-[..., row_bytes] like gguf-py's `gguf.quants.quantize` (pass them to `GGUFWriter.add_tensor` with
-`raw_dtype=qtype`). BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 go through gguf-py; F32/F16 are plain
-little-endian values; Q4_K, Q5_K and Q6_K are vectorised ports of ggml's reference quantizers
-(`quantize_row_q{4,5,6}_K_ref` in ggml-quants.c, the path taken without an importance matrix), so
-that the files match minimaxmusic.cpp's byte for byte. For that every intermediate is float32 in
-C's operation order (sums are sequential, never numpy's pairwise reduction), the search compares
-as C does, and nearest_int is C's rounding trick where rint could differ. The tests compare every
-block with a scalar transcription of the C code. One deliberate difference: a block scale that
-overflows float16 is an error here, where C writes inf. Q2_K and Q3_K are read-only.
+`quantize(array, qtype)` -> the bytes ggml and gguf-py read back, [..., row_bytes] like gguf-py's
+`gguf.quants.quantize` (for `GGUFWriter.add_tensor(..., raw_dtype=qtype)`). BF16, Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1 go through gguf-py; Q4_K, Q5_K, Q6_K are vectorised ports of ggml's reference quantizers
+(no importance matrix), float32 in C's operation order so the files match minimaxmusic.cpp's byte for
+byte, except that a float16 overflow of a block scale is an error (C writes inf). Q2_K, Q3_K: read only.
 """
 
 from __future__ import annotations

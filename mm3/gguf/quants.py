@@ -1,15 +1,10 @@
 """Pure-torch dequantization of GGML block formats (F32, F16, BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K).
 
-A quantized tensor travels as its raw block bytes (uint8) and is expanded here, on whatever device
-those bytes sit on, right before use. One function per type turns `[n_blocks, type_size]` bytes
-into `[n_blocks, block_size]` float32 values; `_DEQUANT` picks it. Every function mirrors the float32
-arithmetic of gguf-py's numpy `gguf.quants.dequantize` step for step (same products, same order,
-no fused multiply-add), so results are bit-identical to it before the final cast to `dtype`.
-
-Byte layouts are ggml's (`ggml-common.h`); sizes come from `gguf.GGML_QUANT_SIZES`. Byte work is
-done in uint8/int8 with plain shifts and masks, f16 scales are read with `.view(torch.float16)` on
-contiguous byte pairs: these ops exist on CPU, CUDA, ROCm, XPU and MPS alike. Little-endian hosts
-only (as ggml itself).
+A quantized tensor travels as its raw block bytes (uint8) and is expanded here, on the device those
+bytes sit on, right before use. One function per type turns [n_blocks, type_size] bytes into
+[n_blocks, block_size] float32, chosen from `_DEQUANT`; each mirrors gguf-py's numpy float32 arithmetic
+step for step, so results are bit-identical to it before the cast to `dtype`. Byte layouts are ggml's,
+read with uint8/int8 shifts, masks and f16 views (on CPU, CUDA, ROCm, XPU, MPS). Little-endian only.
 """
 
 from __future__ import annotations
@@ -295,16 +290,11 @@ def _run(blocks: torch.Tensor, t: QT, dtype: torch.dtype, out: torch.Tensor | No
 
 def dequantize(raw: torch.Tensor, qtype, shape, dtype: torch.dtype = torch.float32, *,
                out: torch.Tensor | None = None, name: str | None = None) -> torch.Tensor:
-    """Expand raw GGML bytes to a float tensor.
-
-    raw: uint8 tensor of the tensor's block bytes (any shape, read flat; for F32/F16/BF16 the raw
-        little-endian values). shape: logical torch shape (torch order, e.g. [out, in]); its last
-        dimension is the GGML row. Returns `shape` in `dtype` on raw's device, equal bit for bit to
-        gguf-py's float32 dequantization cast to `dtype`. For F32 read as float32 the result may
-        share memory with `raw`. out: optional contiguous tensor of `shape` and `dtype` on raw's
-        device to write into (a reused buffer saves the allocation, which on CPU means page faults
-        for anything over glibc's 32 MiB mmap threshold). `name` only prefixes error messages.
-    """
+    """Expand raw GGML bytes (uint8, read flat) to `shape` (torch order; the last dimension is the GGML
+    row) in `dtype` on raw's device, bit for bit gguf-py's float32 dequantization cast to `dtype`. F32
+    read as float32 may share memory with `raw`. out: a contiguous tensor of `shape` and `dtype` on
+    raw's device to write into (a reused buffer saves the allocation and, on CPU, its page faults).
+    `name` only prefixes error messages."""
     t = as_qtype(qtype)
     _check_raw(raw, name)
     shape = tuple(int(s) for s in shape)
