@@ -2,9 +2,7 @@
 
 `clean_caption` and `normalize_lyrics` reproduce diffusers 0.42.1 (`encoders._clean_caption`,
 `_normalize_lyrics`) character for character; the template has no chat wrapper, BOS or EOS:
-
     <|im_start|><|caption_start|>{caption}<|caption_end|><|lyrics_start|>{lyrics}<|lyrics_end|><|im_end|><|audio_start|>
-
 The unconditional stream has the same length with every id but the first and the last two
 replaced by <|audio_cfg|>.
 """

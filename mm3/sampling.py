@@ -1,12 +1,10 @@
 """Classifier-free guidance, top-k, and the reference's random draw (diffusers' `_sample_top_k`).
 
-The reference samples with `torch.multinomial(probs[1, N], 1, generator)`; for one sample torch
-computes that as `argmax(probs / q)` with `q` = N Exponential(1) draws from the generator
-(`at::native::multinomial`). `draw` takes those draws as a tensor, made on the CPU generator by
-the caller (`exponential_draws`, `exponential_tail`), so the generator is consumed identically (N
-numbers per call, whatever the number of candidates) and, with bit-identical probabilities, the
-same index comes out. The division and argmax run on the probabilities' device: nothing waits for
-a host copy of them.
+The reference draws `torch.multinomial(probs[1, N], 1, generator)`, which torch computes for one
+sample as `argmax(probs / q)`, `q` = N Exponential(1) draws. `draw` takes those draws as a tensor
+made on the CPU generator by the caller (`exponential_draws`, `exponential_tail`), so the generator
+is consumed as the reference's (N numbers per call) and, with bit-identical probabilities, the same
+index comes out; the division and argmax run on the probabilities' device, with no host copy.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Optional shaping of the semantic draw: temperature, nucleus (top-p), repetition penalties and a
 minimum song length. The reference has none of these; at their defaults nothing here runs and the
-draw is the reference's bit for bit.
-
-Only the semantic code (codebook 0) is shaped; the depth decoder's acoustic draws stay the
-reference's. The order per frame: CFG and the conditional top-k pre-filter (as the reference, with
-END masked before `min_frames`) -> penalty subtracted from the guided logits -> divided by the
-temperature -> top-k softmax (as the reference) -> nucleus over those survivors -> the draw.
-
-Penalties look back `window` frames of the song's semantic codes (320 frames = 12.8 s at 25 fps):
-- "dry": a code that would extend a verbatim repeat of at least `min_match` frames (the frames
-  before an earlier occurrence of the code equal the latest frames) loses
-  `strength ** (length - min_match)` from its logit, so short echoes are free and long loops are
-  pushed out quickly (useful strengths 1.05-1.15);
-- "frequency": `strength` per occurrence in the window; "presence": `strength` once if it occurs.
-All state lives on the compute device and is updated without host synchronisation.
+draw is the reference's bit for bit. Only the semantic code (codebook 0) is shaped. Per frame: CFG
+and the conditional top-k pre-filter (as the reference, END masked before `min_frames`) -> penalty
+subtracted from the guided logits -> divided by the temperature -> top-k softmax (as the reference)
+-> nucleus over those survivors -> the draw. All state lives on the compute device and is updated
+without host synchronisation.
 """
 
 from __future__ import annotations
@@ -116,7 +107,10 @@ class SemanticShaper:
         self.frames += 1
 
     def _penalty(self) -> torch.Tensor:
-        """[songs, num_semantic] float32 amount to subtract from each code's logit."""
+        """[songs, num_semantic] float32 amount to subtract from each code's logit, from the last
+        `penalty_window` frames. "dry": a code that would extend a verbatim repeat of `length` >=
+        `min_match` frames loses `strength ** (length - min_match)`, so short echoes are free and long
+        loops are pushed out quickly; "frequency": `strength` per occurrence; "presence": `strength` once."""
         recent = (self.pos >= self.length - self.s.penalty_window) & (self.pos < self.length)
         songs = self.hist.shape[0]
         index = self.hist.clamp_min(0)

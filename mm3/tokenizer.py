@@ -1,14 +1,10 @@
 """The prompt tokenizer: Qwen2 byte-level BPE built from the LM GGUF's token list and merges.
 
-Semantics of the reference (transformers `Qwen2Tokenizer`): NFC normalisation, the
-Qwen2 split regex (each digit alone), GPT-2 byte-to-unicode mapping, BPE merges by rank. One
-deliberate difference: no added or special token is ever matched inside user text (the reference
-would turn a literal "<|im_start|>" in the lyrics into the control token); special ids enter the
-prompt only through the template (`mm3.prompt`).
-
-The file carries no token types: special ids are found by looking their strings up in
-`tokenizer.ggml.tokens`. Semantic code c is LM token `code_offset + c`, where `code_offset` is the
-token-list length (the text tokens and the MM3 specials; the codes follow them).
+As the reference (transformers `Qwen2Tokenizer`): NFC, the Qwen2 split regex (each digit alone),
+GPT-2 byte-to-unicode mapping, BPE merges by rank. One deliberate difference: no added or special
+token is ever matched inside user text (the reference would turn a literal "<|im_start|>" in the
+lyrics into the control token); special ids, found by their strings in `tokenizer.ggml.tokens`,
+enter only through the template (`mm3.prompt`). Semantic code c is LM token `code_offset + c`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The condition encoder: per-frame AR hidden states -> DiT conditioning on the latent timeline.
 
 Each AR frame carries `num_condition_layers` hidden states (the LM's, then one per depth step),
-stored layer-major in one vector. They are mixed with `softmax(layer_weight_logits)`, scaled by
-`layer_scale`, projected by a k=3 Conv1d and stretched from the frame rate (25 Hz) to the latent
-rate (44100 / 512 Hz) by nearest-neighbour resampling, as diffusers'
-`MiniMaxMusic3ConditionEncoder`.
-
-The mixing weights are computed once at load. The scale is applied after the weighted sum, in the
-reference's order and memory layout, which keeps the output bit-identical to the reference on the
-CPU; folding it into the weights (softmax * scale, as minimaxmusic.cpp does) moves the result by
-~1e-7 relative, which random test models amplify through the DiT and vocoder.
+layer-major in one vector. As diffusers' `MiniMaxMusic3ConditionEncoder`, they are mixed by
+`softmax(layer_weight_logits)` (computed once at load), scaled by `layer_scale`, projected by a k=3
+Conv1d and stretched from the frame rate to the latent rate by nearest-neighbour resampling. The
+scale comes after the weighted sum, in the reference's order, which keeps the output bit-identical
+to the reference on CPU; folding it into the weights would not.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The RVQ depth decoder: a small causal transformer that samples the 7 acoustic codes of a frame.
 
-Names and math of diffusers `MiniMaxMusic3RVQDepthDecoder` : learned
-position embeddings (no RoPE), pre-norm layers with RMSNorm (eps 1e-6), full multi-head causal
-attention (scale 1/sqrt(head_dim)), SwiGLU MLP, final RMSNorm. The pipeline also uses its
-`projection` (into the decoder), `audio_embeddings` (one table for codebooks 1..7, row
-`(j - 1) * audio_vocab + code`) and `audio_heads[j - 1]` (logits of codebook j).
-
-Two ways to run it: `forward(x)` over the whole sequence (what the reference does at every step),
-and `forward(x, cache)`, which computes only the positions appended to a `DepthCache`; both give
-the same numbers up to float rounding (CPU GEMMs of different shapes round differently). As the
-LM, `load(numerics=...)` fuses q/k/v and gate/up ("fast") or keeps the reference's products.
+Names and math of diffusers' `MiniMaxMusic3RVQDepthDecoder`: learned position embeddings (no RoPE),
+pre-norm RMSNorm layers, causal multi-head attention, SwiGLU MLP; `audio_embeddings` holds codebooks
+1..7 in one table (row `(j - 1) * audio_vocab + code`), `audio_heads[j - 1]` gives codebook j's logits.
+`forward(x)` runs the whole sequence (as the reference does at every step), `forward(x, cache)` only
+the positions appended to a `DepthCache`: the same numbers up to float rounding. `load(numerics=...)`
+fuses q/k/v and gate/up ("fast") or keeps the reference's products, as the LM's.
 """
 
 from __future__ import annotations

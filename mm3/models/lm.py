@@ -1,16 +1,10 @@
 """The global language model: Qwen3 (transformers `Qwen3ForCausalLM` names) over a static KV cache.
 
-Decoder-only, pre-norm: RMSNorm -> attention (q_norm / k_norm over the head dim before RoPE, GQA)
--> residual; RMSNorm -> SwiGLU MLP -> residual; final RMSNorm. Every size comes from the config
-JSON stored in the GGUF (`mm3.config_json`). One forward serves the prompt (many positions) and
-each decode step (one position): the cache is written at a position kept on the device, so a
-decode step reads no host value and can be captured as a CUDA graph.
-
-Numerics (`load(numerics=...)`): "reference" keeps the reference's op shapes (separate q/k/v and
-gate/up products, `F.linear`, the whole LM head), which on CPU float32 gives its hidden states bit
-for bit (transformers 5: float32 RMSNorm, RoPE tables from positions, SDPA with `enable_gqa`);
-"fast" runs q/k/v and gate/up as one product each, few-row products in the device's fastest form,
-and keeps only the LM-head rows the sampler can draw (END and the semantic codes, `head_ids`).
+Every size comes from the config JSON stored in the GGUF (`mm3.config_json`). One forward serves the
+prompt and each decode step: the cache is written at a position kept on the device, so a decode step
+reads no host value and can be captured as a CUDA graph. `load(numerics=...)`: "reference" keeps the
+reference's products (CPU float32 gives its hidden states bit for bit); "fast" fuses them
+(`set_numerics`) and keeps only the LM-head rows the sampler can draw (END and the semantic codes).
 """
 
 from __future__ import annotations
@@ -250,7 +244,7 @@ class Qwen3LM(nn.Module):
     @classmethod
     def load(cls, component, ops=default_ops, *, numerics: str = "fast") -> "Qwen3LM":
         """Build from an opened `mm3-lm` component (sizes from its config JSON) for `numerics`
-        (module docstring); "fast" keeps the head rows of END and the semantic codes only."""
+        (`set_numerics`); "fast" keeps the head rows of END and the semantic codes only."""
         model = cls(component.hparams, ops)
         tensors = component.tensors
         if model.tied:

@@ -1,14 +1,9 @@
 """The flow-VAE vocoder: a DAC-style decoder (latents -> stereo 44.1 kHz) and its encoder mirror.
 
-Diffusers' `MiniMaxMusic3Vocoder` for the decoder. The file holds
-weight-norm-folded convolutions and Snake alphas as [C]. Each side of the stereo pair is its own
-mono stream: latent channels 0..C/2-1 are the left channel, C/2..C-1 the right.
-
-Decoder: dec_in_proj (1x1) -> conv_in (k7) -> blocks [Snake -> ConvTranspose(k=2s, stride s,
-pad ceil(s/2)) -> 3 residual units (dilations 1, 3, 9)] -> Snake -> conv_out (k7) -> tanh.
-Encoder (`encoder.*`, from the training checkpoint): conv_in (k7) -> blocks [3 residual units ->
-Snake -> strided conv (k=2s, pad ceil(s/2))] -> Snake -> conv_out (k3) -> mean_proj (1x1); the
-posterior mean, so encoding is deterministic. Every size is read from the tensor shapes.
+Diffusers' `MiniMaxMusic3Vocoder` for the decoder, over weight-norm-folded convolutions and Snake
+alphas as [C]; every size is read from the tensor shapes. Each side of the stereo pair is its own
+mono stream: latent channels 0..C/2-1 are the left channel, C/2..C-1 the right. The encoder
+(`encoder.*`, from the training checkpoint) returns the posterior mean, so encoding is deterministic.
 """
 
 from __future__ import annotations
