@@ -1,18 +1,11 @@
 """Convert the diffusers layout of MiniMax Music 3 into the five GGUF component files that minimaxmusic.cpp reads.
 
-`convert(src, out)` reads `src/{language_model,rvq_depth_decoder,condition_encoder,transformer,
-vocoder}/` (+ `tokenizer/` for the LM file, + an optional `dav.pth` for the vocoder encoder) and
-writes `MiniMax-Music3-<subfolder>-<TYPE>.gguf` files in the minimaxmusic.cpp contract:
-
-* LM / depth / DiT: tensors copied byte for byte in the source dtype (BF16 stays BF16), in the
-  port's order: shard by shard, names sorted within each shard;
-* condition encoder / vocoder: cast to F32, sorted by name; vocoder weight norm folded exactly as
-  torch does it (not with the port's numpy arithmetic: folded weights may differ from the port's in
-  the last bits), Snake alphas stored [C]; the `dav.pth` encoder renamed to `encoder.*` (DAC's naming);
-* an empty tokenizer merges list (a byte-level vocabulary) writes no `tokenizer.ggml.merges` key.
-
-Streaming: header and tensor infos are written first, then one tensor at a time from a memory
-map, into `<name>.part`, renamed when complete. Existing outputs are skipped.
+`convert(src, out)` reads `src/{language_model,rvq_depth_decoder,condition_encoder,transformer,vocoder}/`
+(+ `tokenizer/` for the LM, + an optional `dav.pth` for the vocoder encoder) and writes
+`MiniMax-Music3-<subfolder>-<TYPE>.gguf` as the port does: LM, depth decoder and DiT byte for byte in the
+source dtype, in the port's order (shard by shard, names sorted within each); the condition encoder and
+vocoder F32, sorted by name, vocoder weight norm folded with torch's arithmetic. Each file streams one
+tensor at a time from a memory map into `<name>.part`, renamed when complete; existing outputs are skipped.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """`python -m mm3 download`: fetch a published GGUF set from Hugging Face with `huggingface_hub`.
 
-- Lists the repository once through the Hub API (`HfApi.model_info` with file metadata): each
-  file's size and SHA-256, and the commit, which every file is then fetched from.
-- Refuses before fetching anything when the folder lacks the free space the set still needs.
-- Takes a file that is already in the shared Hugging Face cache (hard link, else a copy) instead
-  of downloading it again.
-- Otherwise downloads with `huggingface_hub`'s HTTP client into `<name>.part` next to the final
-  name: `HF_ENDPOINT` (a mirror), the token (`--token`, else `HF_TOKEN`, else a stored
-  `hf auth login`), its retries (a dropped connection resumes in the same run where the installed
-  version does so) and its progress bars (`HF_HUB_DISABLE_PROGRESS_BARS=1` hides them).
-- A stopped run (offline, cancelled, Ctrl+C) keeps the `.part`; the next run asks only for the
-  rest (an HTTP Range request). Size and SHA-256 are checked before the rename, so a file with the
-  final name is always complete; a file whose SHA-256 differs is removed.
-
-`hf_hub_download(local_dir=...)` is not used for the transfer itself: recent `huggingface_hub`
-versions write to a per-process temporary file that they delete on any failure, so a cancelled
-or interrupted download would start over, and they do not check the SHA-256 of what arrived. The
-`.part` files are also what the model panel (`mm3.inventory`) shows as partly downloaded.
+The repository is listed once (each file's size and SHA-256, and the commit every file is fetched
+from); a set the folder has no room for is refused before any fetch; a file already in the shared
+Hugging Face cache is hard-linked (else copied). Otherwise `huggingface_hub`'s HTTP client writes
+`<name>.part`, which a stopped run keeps and the next resumes (a Range request), and which is checked
+for size and SHA-256 before the rename. Not `hf_hub_download(local_dir=...)`: recent versions delete
+their temporary file on any failure, so a stopped download would start over, and check no SHA-256.
 """
 
 from __future__ import annotations

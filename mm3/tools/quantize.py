@@ -1,25 +1,10 @@
 """`python -m mm3 quantize IN.gguf OUT.gguf --type Q4_K_M`: the published quant mixes of a native component file.
 
-The rules, bytes and file layout are those of minimaxmusic.cpp's `quantize` tool (tools/quantize.cpp,
-which calls ggml's reference quantizers without an importance matrix), so the same input gives the
-same file:
-
-* tensors with fewer than two dimensions (as ggml counts them: trailing size-1 dimensions of `ne` do
-  not count) are written F32 (BF16/F16 promoted, F32 copied);
-* every other tensor takes the mix's type if its rows fill whole blocks, else it is copied unchanged
-  in its source type (BF16 stays BF16);
-* any tensor whose name contains `embed_tokens.weight` takes Q6_K in the K mixes (`_M` and Q6_K);
-* `_M` mixes raise to Q6_K every tensor whose name contains `v_proj.weight` or `down_proj.weight`
-  and a `layers.N` index (the LM's and the depth decoder's), in every layer: the port's "first
-  n/9, last n/7 and every third layer" rule reads `<arch>.block_count`, which these files do not
-  have, so it holds for every layer (it is applied as written when the key is present);
-* names containing `silence_latent`, `scale_shift_table` or `null_condition_emb` are never
-  quantized (the port's rules; no MM3 tensor has them).
-
-The condition encoder and the vocoder are never quantized. Metadata is copied unchanged, plus
-`general.quantization_version` (u32 2) and `general.file_type` as a string; the data of the last
-tensor is not padded (the port pads before each tensor, gguf-py after each). Q4_0 and Q5_0 are
-ours (the port has no such mix): base type only, nothing raised.
+The rules, bytes and layout of minimaxmusic.cpp's `quantize` tool (ggml's reference quantizers, no
+importance matrix), so the same input gives the same file. `choose_type` gives each tensor's type;
+the condition encoder and vocoder are never quantized. Metadata is copied, plus
+`general.quantization_version` and `general.file_type`; the last tensor's data is not padded
+(`_PortWriter`). Q4_0 and Q5_0 are ours (the port has no such mix): base type only, nothing raised.
 """
 
 from __future__ import annotations
@@ -78,15 +63,18 @@ def _layer(name: str) -> int:
 
 
 def _raised_in_layer(name: str, block_count: int) -> bool:
+    """The port's "first n/9, last n/7 and every third layer" rule; with no `<arch>.block_count`
+    (n = 0, as in every MM3 file) it raises every layer."""
     layer, n = _layer(name), block_count
     return layer >= 0 and (layer < n // 9 or layer >= n - n // 7 or layer % 3 == 0)
 
 
 def choose_type(kind: str, name: str, shape: tuple[int, ...], mix: str, src_type: GGMLQuantizationType = Q.F32,
                 block_count: int = 0) -> GGMLQuantizationType:
-    """The type tensor `name` ([torch-order] `shape`, stored as `src_type`) gets in `mix`: a quant
-    type, F32 (promoted vectors) or `src_type` (copied unchanged). `block_count`: the file's
-    `<arch>.block_count` (0 when absent, as in every MM3 file)."""
+    """The type tensor `name` ([torch-order] `shape`, stored as `src_type`) gets in `mix`. Vectors (as
+    ggml counts dimensions) are F32 or copied; else Q6_K for `embed_tokens` in the K mixes and, in `_M`
+    mixes, for each layer's `v_proj` / `down_proj`, the base type for the rest; `src_type` unchanged
+    where the rows are not whole blocks. `block_count`: the file's `<arch>.block_count` (0 if absent)."""
     base, raised = MIXES[mix]
     n_dims = ggml_n_dims(shape)
     if kind == "vae" or n_dims < 2 or any(s in name for s in _NEVER):

