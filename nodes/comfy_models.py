@@ -1,17 +1,11 @@
 """Engine models under ComfyUI's memory manager, and the `models/mm3` folder.
 
-Each component handle gets one `MM3Patcher`, a `ModelPatcher` whose size is the weights' stored
-(compressed) size, with the load device from `comfy.model_management` and the CPU as the offload
-device; `comfy.model_management.load_models_gpu` moves it. The engine's weights are parameters of
-leaf layers, so ComfyUI's own code moves them: whole when they fit, module by module up to its
-budget otherwise (--lowvram, --novram), and back on unload. A layer left on the offload device
-still works: the engine fetches its (compressed) weight to the input's device for each use.
-Moving a layer back to the CPU gives back the view of the GGUF file's mapping it was built on,
-so unloading copies nothing off the device.
-
-Memory policy: the AR group {LM, depth} and the synthesis group {cond, DiT, vocoder} are never
-needed together, so loading one group first unloads the other group's models (strict), except
-those whose loader said keep_loaded.
+Each component handle gets one `MM3Patcher`, a `ModelPatcher` sized by the weights' stored
+(compressed) size, with the CPU as offload device. ComfyUI's own code moves the engine's leaf layers
+(whole, or module by module under --lowvram / --novram); a layer left on the CPU fetches its weight
+to the input's device for each use, and one moved back gets the view of the GGUF mapping it was built
+on, so unloading copies nothing off the device. The AR group {LM, depth} and the synthesis group
+{cond, DiT, vocoder} are never needed together: loading one unloads the other's, except keep_loaded ones.
 """
 
 from __future__ import annotations
@@ -237,8 +231,8 @@ def unload_group(group: str) -> list[str]:
 
 
 def load(handles: list[ComponentHandle], memory_required: int = 0) -> list[torch.nn.Module]:
-    """Build (once) and load the models of `handles` (one group) on their device; in strict mode the
-    other group leaves first. Returns the engine models."""
+    """Build (once) and load the models of `handles` (one group) on their device, after unloading the
+    other group's models that were not asked to stay. Returns the engine models."""
     groups = {h.group for h in handles}
     if len(groups) != 1:
         raise ValueError(f"one group at a time, got {sorted(groups)}")

@@ -1,20 +1,11 @@
 """The pack's HTTP routes (under / and /api, as ComfyUI serves every route), used by web/mm3.js.
 
 - GET  /mm3/resident   our models ComfyUI holds loaded, per component (a debug view)
-- POST /mm3/tokens     {"lm_model", "caption", "lyrics"} -> the prompt's token count, with that LM's
-                       tokenizer ("auto" as the loaders resolve it), and the budget
+- POST /mm3/tokens     {"lm_model", "caption", "lyrics"} -> the prompt's token count and the budget
 - GET  /mm3/inventory  the component files in the mm3 folders and each published set's state
-- POST /mm3/download   {"set"} starts fetching a published set into models/mm3 (resumable; through
-                       huggingface_hub, so HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE apply)
-- GET  /mm3/download   the download's state; POST /mm3/download/cancel stops it after the chunk in
-                       hand (the .part is kept and the next start resumes it)
-
-The work behind them is engine code (`mm3.prompt.count_tokens`, `mm3.inventory`,
-`mm3.tools.download`); a download runs in one background thread, one set at a time. Nothing slow
-runs on the server's event loop: a token count runs on one worker thread of its own (a few waiting
-at most), the inventory's file scan on the loop's executor. A body is read up to its route's
-limit and refused past it (413); a body that is not a JSON object, or a field of the wrong type,
-is a 400 with the reason.
+- POST /mm3/download   {"set"} starts fetching a published set into models/mm3, in a background thread
+- GET  /mm3/download   its state; POST /mm3/download/cancel stops it (the .part is kept and resumed)
+Nothing slow runs on the event loop; a bad body is a 400 with the reason, one past the limit a 413.
 """
 
 from __future__ import annotations
