@@ -1,6 +1,6 @@
 """Fast, memory-mapped GGUF reading.
 
-gguf-py's `GGUFReader` builds a numpy view per array element, which costs ~13 s for the LM file's
+gguf-py's `GGUFReader` builds a numpy view per array element, which takes seconds for the LM file's
 300k tokenizer strings. This parser reads the header with `struct` from one mmap, decodes string
 arrays only when asked, and exposes tensors as `CompressedTensor`s: raw block bytes (a view of the
 mapping, never a copy), the GGML type and the logical torch shape.

@@ -27,8 +27,7 @@ class OutputSlot(threading.local):
     """One reusable output tensor for the Snakes of a model, on the CPU. Each Snake's output is read
     only by the convolution right after it, so the next Snake may overwrite it; the activations of
     the last blocks are tens of MB, and a fresh CPU tensor of that size is paid again in page faults
-    at every Snake (with the in-place arithmetic below, 5.0 -> 3.1 s for 8 s of audio on the bench's
-    medium vocoder, the same samples)."""
+    at every Snake (the README's Speed section has the timing; the samples are the same)."""
 
     def __init__(self):
         self.tensor: torch.Tensor | None = None
@@ -261,10 +260,9 @@ def activation_bytes(shapes: dict, ratios: list[int], latent_len: int, rows: int
 def channels_last(device) -> bool:
     """Whether the decoder's convolutions run as channels-last images on `device`: on the CPU
     with oneDNN, whose convolutions read [N, L, C] as they are, where the [N, C, L] layout is
-    reordered into oneDNN's blocked one and back around every convolution. Measured on the bench's
-    medium vocoder (8 s of audio, 2 threads): 3.1 -> 1.7 s; the convolutions sum in another order,
-    ~3e-5 relative from a float64 decode against ~1.6e-5 for the reference's layout (float32
-    rounding either way, grown through the random network's layers)."""
+    reordered into oneDNN's blocked one and back around every convolution (timing: the README, Speed).
+    The convolutions then sum in another order: float32 rounding, about twice the reference layout's
+    distance from a float64 decode."""
     return torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
 
 
