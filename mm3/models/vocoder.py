@@ -1,9 +1,9 @@
 """The flow-VAE vocoder: a DAC-style decoder (latents -> stereo 44.1 kHz) and its encoder mirror.
 
-Diffusers' `MiniMaxMusic3Vocoder` for the decoder, over weight-norm-folded convolutions and Snake
-alphas as [C]; every size is read from the tensor shapes. Each side of the stereo pair is its own
-mono stream: latent channels 0..C/2-1 are the left channel, C/2..C-1 the right. The encoder
-(`encoder.*`, from the training checkpoint) returns the posterior mean, so encoding is deterministic.
+Diffusers' `MiniMaxMusic3Vocoder` for the decoder; the file holds weight-norm-folded convolutions
+and Snake alphas as [C], and every size is read from the tensor shapes. Each side of the stereo pair
+is its own mono stream: latent channels 0..C/2-1 are the left channel, C/2..C-1 the right. The
+encoder (`encoder.*`, from the training checkpoint) returns the posterior mean: encoding is deterministic.
 """
 
 from __future__ import annotations
