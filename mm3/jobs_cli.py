@@ -20,6 +20,7 @@ from .constants import FORMAT_EXTENSIONS, RNG_MODES
 from .output import FileBatch, OutputError, render
 from .progress import STAGES, Progress
 from .request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
+from .stages import replay_requests
 from .shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, PENALTIES
 
 EXTENSIONS = FORMAT_EXTENSIONS
@@ -187,11 +188,12 @@ def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool,
     """Every track and its replay JSON, all or nothing: staged as temporaries, then renamed."""
     start = time.perf_counter()
     lines = []
+    written = replace(req.output_settings(), format=fmt)
     with FileBatch(overwrite) as batch:
         for n, track in enumerate(tracks):
             path = numbered(out, len(tracks), n)
-            batch.add(path, render(track.audio, fmt, peak_clip=req.clamped_peak_clip, mp3_bitrate=req.mp3_bitrate,
-                                   sample_rate=track.sample_rate))
+            batch.add(path, render(track.audio, written.format, peak_clip=written.peak_clip,
+                                   mp3_bitrate=written.mp3_bitrate, sample_rate=track.sample_rate))
             replay_req = replace(track.request, output_format=fmt)
             batch.add(path.with_suffix(".json"), (replay_req.to_json() + "\n").encode())
             seconds = track.audio.shape[-1] / track.sample_rate
@@ -298,9 +300,9 @@ def cmd_plan(args) -> int:
     lines = []
     with FileBatch(args.overwrite) as batch:
         for i, (song, path) in enumerate(zip(songs, targets)):
-            replay_req = req.replay(song.to_request_codes(), lm_seed=song.lm_seed, take=song.take)
+            (replay_req,) = replay_requests(song)
             batch.add(path, (replay_req.to_json() + "\n").encode())
-            how = "ended by itself" if song.ended_naturally else "reached the duration cap"
+            how = "ended by itself" if song.codes.ended_naturally else "reached the duration cap"
             lines.append(f"wrote {path}: {song.frames} frames ({song.frames / 25:.2f} s, {how}), "
                          f"lm_seed {replay_req.lm_seed}")
         batch.commit()

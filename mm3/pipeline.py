@@ -1,8 +1,9 @@
-"""The end-to-end job used by the command line and the ComfyUI nodes: a request in, tracks out.
+"""The command line's job: a request in, tracks out, as a composition of the stages (`mm3.stages`).
 
 load what the request names -> prompt -> plan (or replay codes) -> release the AR group ->
 condition + flow DiT -> vocoder + stitch. Every track carries its replay request (the request
-with its codes and exact seeds), which renders the same audio again.
+with its codes and exact seeds, assembled by `mm3.stages.request_of`), which renders the same
+audio again.
 
 Random streams: by default the AR stage draws from a generator seeded `lm_seed + song` and the
 DiT noise from one seeded `seed + variation`, so the two seeds are independent. With
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .ar import max_frames_for, plan, replay
-from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
+from . import stages
+from .ar import max_frames_for, plan
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
 from .constants import FRAME_RATE
@@ -30,7 +31,6 @@ from .cpu_bf16 import dit_dtype
 from .device import empty_cache, pick_device, pick_dtype, total_bytes
 from .errors import RunError
 from .fingerprint import file_fingerprint
-from .flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents
 from .numerics import FAST, Numerics
 from .opener import read_component
 from .progress import Cancelled, Progress
@@ -38,7 +38,7 @@ from .prompt import Prompt, PromptError, build_prompt
 from .registry import Registry
 from .request import MODEL_FIELDS, MM3Request, RequestError, model_mismatch
 from .sampling import make_generator
-from .takes import plan_and_replay_takes
+from .stages import ModelFile, PromptText, Song
 from .store import ModelStore
 
 log = logging.getLogger(__name__)
@@ -232,12 +232,20 @@ class Pipeline:
         except PromptError as e:
             raise RequestError(str(e)) from None
 
+    def prompt_text(self, request: MM3Request) -> PromptText:
+        return PromptText(self.prompt(request), request.caption, request.lyrics, self.model_file("lm", request))
+
+    def model_file(self, kind: str, request: MM3Request) -> ModelFile:
+        """The file `request` names for `kind`, as a stage records it."""
+        path = self.registry.resolve(kind, getattr(request, MODEL_FIELDS[kind]))
+        return ModelFile(kind, self.registry.name_of(path), file_fingerprint(path), read_component(path, kind).hparams)
+
     def _ar_models(self, request: MM3Request, numerics: Numerics = FAST):
         return (self.store.model("lm", request.lm_model, numerics.models),
                 self.store.model("depth", request.depth_model, numerics.models))
 
     def plan(self, request: MM3Request, progress: Progress | None = None,
-             rng: str | None = None) -> tuple[list[AudioCodes], list[torch.Generator] | None]:
+             rng: str | None = None) -> tuple[list[Song], list[torch.Generator] | None]:
         """Sample the request's songs (`rng` overrides `request.rng`). Independent streams: each
         song's hiddens are then those its codes replay to (`plan_and_replay`), so its replay request
         renders the same audio. The reference mode samples with the reference's op shapes (its exact
@@ -245,7 +253,7 @@ class Pipeline:
         (the DiT noise continues from there)."""
         rng = request.rng if rng is None else rng
         numerics = self.numerics(rng)
-        prompt = self.prompt(request)
+        prompt = self.prompt_text(request)
         progress = self._track(progress)
         settings = request.plan_settings()
         takes = request.takes_setting()
@@ -260,42 +268,38 @@ class Pipeline:
                             trained, " (its guidance is distilled)" if trained == 1.0 else "", settings.lm_cfg)
             prefix = None
             if request.continue_codes:
-                prefix = parse_audio_codes(request.continue_codes, prompt.codes.num_semantic, depth.audio_vocab)
+                prefix = parse_audio_codes(request.continue_codes, prompt.prompt.codes.num_semantic,
+                                           depth.audio_vocab)
             start = time.perf_counter()
-            if rng == "reference":
-                gens = [make_generator(request.lm_seed + i) for i in range(request.lm_batch_size)]
-                songs = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype, generators=gens,
-                             progress=progress)
-                self.candidates = []
-            else:
-                gens = None
-                songs, self.candidates = plan_and_replay_takes(lm, depth, prompt, settings, takes, device=self.device,
-                                                               dtype=self.dtype, progress=progress, prefix=prefix)
-        for song in songs:
-            _check_hiddens(song, "planning")
+            gens = ([make_generator(request.lm_seed + i) for i in range(request.lm_batch_size)]
+                    if rng == "reference" else None)
+            songs, self.candidates = stages.plan_songs(
+                lm, depth, prompt, self.model_file("depth", request), settings, takes, device=self.device,
+                dtype=self.dtype, progress=progress, prefix=prefix, generators=gens, origin=request)
         self.timings.add("plan", time.perf_counter() - start)
         return songs, gens
 
     def replay(self, request: MM3Request, progress: Progress | None = None,
-               codes: torch.Tensor | None = None, lm_seed: int | None = None) -> AudioCodes:
+               codes: torch.Tensor | None = None, lm_seed: int | None = None) -> Song:
         """Frame hiddens of known codes by teacher forcing (no sampling): `codes` [F + 1, 8], or
         the request's `audio_codes` text."""
-        prompt = self.prompt(request)
+        prompt = self.prompt_text(request)
         progress = self._track(progress)
         with self._stage("replay"):
             lm, depth = self._ar_models(request)
             if codes is None:
                 try:
-                    codes = parse_audio_codes(request.audio_codes, prompt.codes.num_semantic, depth.audio_vocab)
+                    codes = parse_audio_codes(request.audio_codes, prompt.prompt.codes.num_semantic,
+                                              depth.audio_vocab)
                 except AudioCodesError as e:
                     raise RequestError(str(e)) from None
             if codes.shape[1] != depth.num_codebooks:
                 raise RequestError(f"audio_codes has {codes.shape[1]} codes per frame, the depth decoder "
                                    f"makes {depth.num_codebooks}")
             start = time.perf_counter()
-            song = replay(lm, depth, prompt, codes, device=self.device, dtype=self.dtype, progress=progress,
-                          lm_seed=request.lm_seed if lm_seed is None else lm_seed)
-        _check_hiddens(song, "replaying codes")
+            song = stages.replay_song(lm, depth, prompt, self.model_file("depth", request), codes,
+                                      lm_seed=request.lm_seed if lm_seed is None else lm_seed, device=self.device,
+                                      dtype=self.dtype, progress=progress, origin=request)
         self.timings.add("replay", time.perf_counter() - start)
         return song
 
@@ -318,64 +322,53 @@ class Pipeline:
                            progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)
         return AudioCodes(torch.cat([song.codes, codes[b + 1:]]), None, prompt).to_request_codes()
 
-    def _resample(self, request: MM3Request, progress) -> tuple[list[AudioCodes], list[torch.Generator]]:
+    def _resample(self, request: MM3Request, progress) -> tuple[list[Song], list[torch.Generator]]:
         """Reference mode for known codes: sample again from lm_seed (same generator, same codes)
-        so the DiT noise continues from the same generator state; the codes must agree."""
+        so the DiT noise continues from the same generator state; the codes must agree, and the
+        songs stand for the given codes (no plan of their own)."""
         songs, gens = self.plan(request, progress, "reference")
-        wanted = parse_audio_codes(request.audio_codes, songs[0].prompt.codes.num_semantic, 1 << 62)
-        if not torch.equal(songs[0].codes, wanted):
+        wanted = parse_audio_codes(request.audio_codes, songs[0].prompt.prompt.codes.num_semantic, 1 << 62)
+        if not torch.equal(songs[0].codes.codes, wanted):
             raise RequestError(f"lm_seed {request.lm_seed} does not sample these audio_codes on this device and "
                                "dtype, so the reference RNG cannot continue from it; render it with --rng independent")
-        return songs, gens
+        return [replace(s, plan=None) for s in songs], gens
 
-    def synthesize(self, request: MM3Request, song: AudioCodes, progress: Progress | None = None,
-                   generator: torch.Generator | None = None, source: AudioCodes | None = None,
-                   numerics: Numerics | None = None) -> torch.Tensor:
-        """Audio [V, 2, T] float32 on the CPU for `request.synth_batch_size` variations of `song`.
-        The DiT noise comes from `generator` where given (the reference RNG), else from
-        `request.seed`; `numerics` default to those of `request.rng`. A repaint keeps the latents
-        of `source` (default: `song`) rendered with `request.seed`."""
+    def synthesize(self, request: MM3Request, song: Song, progress: Progress | None = None,
+                   generator: torch.Generator | None = None, source: Song | None = None,
+                   numerics: Numerics | None = None) -> stages.Audio:
+        """`request.synth_batch_size` variations of `song`. The DiT noise comes from `generator`
+        where given (the reference RNG), else from `request.seed`; `numerics` default to those of
+        `request.rng`. A repaint keeps the latents of `source` (default: `song`) rendered with
+        `request.seed`."""
         numerics = self.numerics(request.rng) if numerics is None else numerics
         progress = self._track(progress)
+        synth = request.synth_settings()
+        run = dict(device=self.device, dtype=self.dtype, numerics=numerics, progress=progress)
         with self._stage("dit"):
-            cond = self.store.model("cond", request.cond_model)
-            dit = self.store.model("dit", request.dit_model)
+            cond, dit = self.store.model("cond", request.cond_model), self.store.model("dit", request.dit_model)
+            cond_file, dit_file = self.model_file("cond", request), self.model_file("dit", request)
             start = time.perf_counter()
-            conditions = encode_conditions(cond, song.frame_hiddens, device=self.device, dtype=self.dtype,
-                                           progress=progress)
-            common = dict(steps=request.steps, dit_cfg=request.dit_cfg, device=self.device, dtype=self.dtype,
-                          progress=progress, **numerics.sampler(request.steps, request.dit_shift))
+            conditions = stages.encode(cond, cond_file, song, device=self.device, dtype=self.dtype, progress=progress)
             if request.repaints:
-                latents = self._repaint(request, song, source, cond, dit, conditions, common)
+                kept_from = conditions if source is None else stages.encode(cond, cond_file, source, device=self.device,
+                                                                            dtype=self.dtype, progress=progress)
+                kept = stages.sample(dit, dit_file, kept_from, replace(synth, seed=request.seed, variations=1), **run)
+                try:
+                    latents = stages.repaint(dit, dit_file, conditions, kept, request.repaint_settings(),
+                                             replace(synth, seed=request.repaint_seed), **run)
+                except ValueError as e:
+                    raise RequestError(str(e)) from None
             else:
-                latents = sample_latents(dit, conditions, seed=None if generator is not None else request.seed,
-                                         generator=generator, variations=request.synth_batch_size, **common)
-            del conditions
-            hop = int(cond.hp["output_hop_length"])
+                latents = stages.sample(dit, dit_file, conditions, synth, generator=generator, **run)
         self.timings.add("dit", time.perf_counter() - start)
         with self._stage("vae"):
             vae = self.store.model("vae", request.vae_model)
             start = time.perf_counter()
-            audio = stitch(decode_windows(vae, latents, hop=hop, device=self.device, progress=progress,
-                                          exact=numerics.exact), hop)
-            _check_audio(audio, [lat.shape[-1] for lat in latents], hop)
+            windows = stages.decode(vae, self.model_file("vae", request), latents, device=self.device,
+                                    numerics=numerics, progress=progress)
+            audio = stages.stitch_windows(windows)
         self.timings.add("vae", time.perf_counter() - start)
-        return audio.float().cpu()
-
-    def _repaint(self, request: MM3Request, song: AudioCodes, source: AudioCodes | None, cond, dit,
-                 conditions, common) -> list[torch.Tensor]:
-        """The song's latents with [repaint_start, repaint_end) sampled anew from repaint_seed (one
-        variation per seed from there) and the rest those of the source rendered with `seed`."""
-        src_conditions = conditions if source is None else encode_conditions(
-            cond, source.frame_hiddens, device=self.device, dtype=self.dtype, progress=common["progress"])
-        original = sample_latents(dit, src_conditions, seed=request.seed, **common)
-        try:
-            keep = repaint_keep(conditions, original, request.repaint_start, request.repaint_end, request.repaint_fade,
-                                cond.hp["output_sampling_rate"], int(cond.hp["output_hop_length"]))
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        return sample_latents(dit, conditions, seed=request.repaint_seed, variations=request.synth_batch_size,
-                              keep=keep, **common)
+        return audio
 
     # -- the whole job ------------------------------------------------------------------------
     def run(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None) -> list[Track]:
@@ -417,23 +410,16 @@ class Pipeline:
                 songs, gens = [self.replay(request, progress)], None
             if request.source_codes:
                 source = self.replay(request, progress, codes=parse_audio_codes(
-                    request.source_codes, songs[0].prompt.codes.num_semantic, 1 << 62))
+                    request.source_codes, songs[0].prompt.prompt.codes.num_semantic, 1 << 62))
         else:
             songs, gens = self.plan(request, progress, rng)
         tracks = []
-        sample_rate = None
         numerics = self.numerics(rng)
         for i, song in enumerate(songs):
             audio = self.synthesize(request, song, progress, generator=gens[i] if gens else None, source=source,
                                     numerics=numerics)
-            sample_rate = self.store.model("vae", request.vae_model).sampling_rate
-            codes_text = song.to_request_codes()
-            for j in range(audio.shape[0]):
-                if request.audio_codes:
-                    replay_request = request.replay(codes_text, variation=j)
-                else:
-                    replay_request = request.replay(codes_text, variation=j, lm_seed=song.lm_seed, take=song.take)
-                tracks.append(Track(audio[j], sample_rate, replay_request, i, j, song))
+            tracks += [Track(audio.waveform[j], audio.sample_rate, replay_request, i, j, song.codes)
+                       for j, replay_request in enumerate(audio.requests)]
         return tracks
 
     # -- failure reporting ------------------------------------------------------------------------
@@ -480,28 +466,3 @@ class Pipeline:
             msg += ", or fewer songs/variations or a shorter duration"
         return msg
 
-
-def _check_hiddens(song: AudioCodes, stage: str) -> None:
-    """NaN/Inf in the AR hiddens would only show up later as a DiT failure; name the frame here."""
-    h = song.frame_hiddens
-    if h is None or bool(torch.isfinite(h).all()):
-        return
-    bad = (~torch.isfinite(h)).reshape(h.shape[0], -1).any(dim=1).nonzero()
-    frame = int(bad[0]) + 1
-    raise NonFiniteError(f"non-finite LM/depth hidden states in {stage} (LM + depth decoder) at frame {frame} of "
-                         f"{h.shape[0]} (lm_seed {song.lm_seed}); the LM or depth decoder weights may be corrupt")
-
-
-def _check_audio(audio: torch.Tensor, latent_lengths: list[int], hop: int) -> None:
-    """NaN/Inf in the decoded audio (it would be written as silence): name the vocoder window."""
-    finite = torch.isfinite(audio)
-    if bool(finite.all()):
-        return
-    first = int((~finite).reshape(-1, audio.shape[-1]).any(dim=0).nonzero()[0])  # first bad sample index
-    n, end = len(latent_lengths), 0
-    for k, length in enumerate(latent_lengths):  # the samples each window keeps after the stitch
-        end += hop * (length - (k > 0) * CROP_LEFT_LATENTS - (k < n - 1) * CROP_RIGHT_LATENTS)
-        if first < end:
-            break
-    raise NonFiniteError(f"non-finite vocoder output in window {k + 1}/{n} (sample {first} of {audio.shape[-1]}); "
-                         "the vocoder weights may be corrupt")

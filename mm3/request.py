@@ -36,9 +36,9 @@ from .constants import (
 from .errors import InputError
 from .flow import AUTO_SHIFT
 from .sampling import resolve_seed
+from .settings import DEFAULT_REPAINT_FADE, OutputSettings, RepaintSettings, SynthSettings
 from .shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW
 
-DEFAULT_REPAINT_FADE = 0.25  # seconds of crossfade inside each edge of a repainted range
 # Fields the reference server does not know; written only when set (`MM3Request.to_dict`).
 EXTENSION_FIELDS = ("lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",
                     "lm_dry_min_match", "min_duration", "takes", "require_ending", "ending_rounds", "lm_take",
@@ -223,6 +223,25 @@ class MM3Request:
 
         return Takes(takes=self.takes, require_ending=self.require_ending, rounds=self.ending_rounds)
 
+    def synth_settings(self) -> SynthSettings:
+        """The DiT run this request asks for (seeds resolved first: `resolve_seeds`)."""
+        return self._settings(SynthSettings, seed=self.seed, steps=self.steps, dit_cfg=self.dit_cfg,
+                              variations=self.synth_batch_size, shift=self.dit_shift)
+
+    def repaint_settings(self) -> RepaintSettings:
+        return self._settings(RepaintSettings, start=self.repaint_start, end=self.repaint_end, fade=self.repaint_fade)
+
+    def output_settings(self) -> OutputSettings:
+        return self._settings(OutputSettings, format=self.output_format, mp3_bitrate=self.mp3_bitrate,
+                              peak_clip=self.peak_clip)
+
+    @staticmethod
+    def _settings(cls, **kw):
+        try:
+            return cls(**kw)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
     @property
     def repaints(self) -> bool:
         return self.repaint_end >= 0 or self.repaint_start >= 0
@@ -291,10 +310,6 @@ class MM3Request:
                 kind = {"str": "a string", "int": "an integer", "dict": "an object", "bool": "true or false"}.get(
                     f.type, "a number")
                 raise RequestError(f"{f.name} must be {kind}, got {v!r}")
-
-    @property
-    def clamped_peak_clip(self) -> int:
-        return min(max(self.peak_clip, 0), 999)
 
     def resolve_seeds(self) -> "MM3Request":
         """A copy whose -1 seeds are replaced by random ones (written back into replay files)."""

@@ -1,9 +1,8 @@
-"""What travels through the MM3 node sockets: component handles and the stage results.
+"""What a loader node hands on: a component handle, and the memory estimates of each stage.
 
 A loader node returns a `ComponentHandle`: the file is classified (header read, cached) but nothing
-is built until a stage node asks for the model. The stage results are small dataclasses whose
-tensors live on the CPU (ComfyUI caches node outputs; device memory is for the models), each
-carrying the request fields it adds, so the last node can write the replay request JSON.
+is built until a stage node asks for the model. The stage nodes pass the engine's stage results
+(`mm3.stages`), whose tensors wait on the CPU while ComfyUI caches them.
 
 No ComfyUI import here: the node layer's tests use it directly.
 """
@@ -12,21 +11,16 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass, field
-
 import torch
 
 from mm3 import ar
-from mm3.captions import caption_warning
-from mm3.codes import AudioCodes
 from mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable
 from mm3.fingerprint import file_fingerprint as content_fingerprint
 from mm3.gguf.errors import ComponentError
 from mm3.gguf.weight_copies import compressed_nbytes
 from mm3.models import build_model, dit, vocoder
 from mm3.opener import kinds_of, open_component, read_component
-from mm3.prompt import Prompt
-from mm3.request import MM3Request
+from mm3.stages import ModelFile
 
 
 def classify(path: str) -> tuple[str, ...]:
@@ -83,6 +77,10 @@ class ComponentHandle:
         """The file's content fingerprint, recorded in replay requests (`mm3.fingerprint`)."""
         return content_fingerprint(self.path)
 
+    def file(self) -> ModelFile:
+        """The file as a stage result records it (name, fingerprint, hyper-parameters)."""
+        return ModelFile(self.kind, self.name, self.fingerprint, self.hparams)
+
     def nbytes(self) -> int:
         """The weights' stored (compressed) size, a tensor shared by two layers counted once."""
         return compressed_nbytes(self.model())
@@ -106,103 +104,6 @@ def handle_for(kind: str, name: str, path: str, keep_loaded: bool = False) -> Co
 def file_fingerprint(path: str) -> tuple:
     st = os.stat(path)
     return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-
-
-# -- stage results ------------------------------------------------------------------------------
-@dataclass
-class PromptBundle:
-    """MM3_PROMPT: the assembled prompt and the raw texts (the replay request stores those)."""
-
-    prompt: Prompt
-    caption: str
-    lyrics: str
-
-    def summary(self, limit: int) -> str:
-        warning = caption_warning(self.caption)  # second line: the first is the count the editor also shows
-        return (f"{self.prompt.num_tokens} / {limit} prompt tokens\n" + (f"warning: {warning}\n" if warning else "")
-                + f"\ncaption (cleaned):\n{self.prompt.caption}\n\nlyrics (normalised):\n{self.prompt.lyrics}")
-
-
-@dataclass(frozen=True)
-class PartInfo:
-    """Name and hyper-parameters of a component a result was made with (what `check_compatible`
-    reads), so later stages can check their own file against it."""
-
-    name: str
-    hparams: dict = field(repr=False)
-
-
-def part(handle: ComponentHandle) -> PartInfo:
-    return PartInfo(handle.name, handle.hparams)
-
-
-@dataclass
-class PlannedSong:
-    """AUDIO_CODES (one song): codes and frame hiddens (CPU), and its replay request (codes, the
-    song's own lm_seed, AR settings and files; the DiT fields at their defaults)."""
-
-    codes: AudioCodes
-    request: MM3Request
-    parts: dict[str, PartInfo] = field(repr=False)
-    song: int = 0
-    songs: int = 1
-    # Set for a song read from a replay file: what later nodes do when their file is not the one
-    # the file records ("warn" or "refuse"); None for a song planned in this graph.
-    model_check: str | None = None
-
-    @property
-    def frames(self) -> int:
-        return self.codes.frames
-
-    def summary(self, frame_rate: float) -> str:
-        how = "ended by the model" if self.codes.ended_naturally else "stopped at the duration"
-        return (f"song {self.song + 1}/{self.songs}: {self.frames} frames ({self.frames / frame_rate:.2f} s), "
-                f"lm_seed {self.codes.lm_seed}, {how}")
-
-
-@dataclass
-class ConditionBundle:
-    """MM3_CONDITION: the DiT condition of every window [1, L_k, D] (CPU), in window order."""
-
-    song: PlannedSong
-    conds: list[torch.Tensor]
-    hop: int  # the condition encoder's output_hop_length: audio samples per latent
-    request: MM3Request
-    parts: dict[str, PartInfo] = field(repr=False)
-    warnings: list[str] = field(default_factory=list)  # files that differ from those a replay file records
-
-
-@dataclass
-class LatentsBundle:
-    """MM3_LATENTS: denoised latents of every window [V, C, L_k] (CPU, uncropped)."""
-
-    condition: ConditionBundle
-    latents: list[torch.Tensor]
-    request: MM3Request
-    parts: dict[str, PartInfo] = field(repr=False)
-    warnings: list[str] = field(default_factory=list)
-    covered: int | None = None  # encoded from a recording: timeline latents it covers (the rest is padding)
-
-    @property
-    def variations(self) -> int:
-        return int(self.latents[0].shape[0])
-
-
-@dataclass
-class WindowsBundle:
-    """MM3_AUDIO_WINDOWS: decoded audio of every window [V, 2, hop * L_k] float32 (CPU), before
-    the crop-and-join of `Stitch`."""
-
-    waves: list[torch.Tensor]
-    hop: int
-    sample_rate: int
-    request: MM3Request
-    warnings: list[str] = field(default_factory=list)
-
-    def replay_requests(self) -> list[MM3Request]:
-        """One replay request per variation: its codes, exact seeds, batch sizes 1."""
-        r = self.request
-        return [r.replay(r.audio_codes, song=0, variation=j) for j in range(self.waves[0].shape[0])]
 
 
 # -- memory estimates for ComfyUI's loader (bytes of activations beyond the weights) --------------

@@ -12,6 +12,7 @@ from comfy_api.latest import io, ui
 from mm3.constants import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
 from mm3.filecache import FileCache
 from mm3.output import atomic_write
+from mm3.stages import MODEL_CHECKS, request_of
 from . import logic
 from .comfy_models import compute_dtype, load, patcher
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress
@@ -73,7 +74,7 @@ class MM3SaveAudioCodes(io.ComfyNode):
     @classmethod
     def execute(cls, codes, filename_prefix: str) -> io.NodeOutput:
         folder, stem, counter, subfolder = _save_path(filename_prefix)
-        path = atomic_write(folder / f"{stem}_{counter:05}_.json", codes.request.to_json().encode("utf-8"))
+        path = atomic_write(folder / f"{stem}_{counter:05}_.json", request_of(codes).to_json().encode("utf-8"))
         rel = "/".join(p for p in (subfolder, path.name) if p)
         # "codes": the file as /view serves it, for scripts that fetch a run's outputs
         return io.NodeOutput(ui={"text": [f"{rel} ({codes.frames} frames)"],
@@ -92,7 +93,7 @@ class MM3LoadAudioCodes(io.ComfyNode):
                                    tooltip="The saved song to render again: a replay JSON with audio_codes (written "
                                            "by Save Song or Save Audio Codes; [output]: in the output folder). The "
                                            "list is read when the page loads."),
-                    io.Combo.Input("model_check", options=list(logic.MODEL_CHECKS), default="warn",
+                    io.Combo.Input("model_check", options=list(MODEL_CHECKS), default="warn",
                                    extra_dict=ADVANCED,
                                    tooltip="When a model file of this graph is not the one that made the song "
                                            "(compared by the fingerprints the file records): warn, or refuse to run.")],
@@ -121,7 +122,7 @@ class MM3LoadAudioCodes(io.ComfyNode):
         with interruptible():
             device = patcher(lm).load_device
             lm_model, depth_model = load([lm, depth])
-            song = logic.replay_codes(lm_model, depth_model, lm, depth, request, prompt, codes, device=device,
+            song = logic.replay_codes(lm_model, depth_model, depth, request, prompt, codes, device=device,
                                       dtype=compute_dtype(device), progress=node_progress(), model_check=model_check)
         text = f"{song.frames} frames, lm_seed {request.lm_seed}; file settings: seed {request.seed}, steps " \
                f"{request.steps}, dit_cfg {request.dit_cfg:g}"

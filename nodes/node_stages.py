@@ -22,10 +22,12 @@ from mm3.constants import (
     MAX_VARIATIONS,
     SEED_MAX,
 )
+from mm3 import stages
 from mm3.ar import PlanSettings
 from mm3.flow import AUTO_SHIFT, MAX_SHIFT
 from mm3.numerics import Numerics
-from mm3.request import DEFAULT_REPAINT_FADE, shaping_of
+from mm3.request import shaping_of
+from mm3.settings import DEFAULT_REPAINT_FADE, RepaintSettings, SynthSettings
 from mm3.takes import MAX_TAKES, Takes
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher, spare_bytes
@@ -90,7 +92,7 @@ class MM3PromptAssemble(io.ComfyNode):
     @classmethod
     def execute(cls, lm, caption: str, lyrics: str) -> io.NodeOutput:
         bundle = logic.assemble_prompt(lm, caption, lyrics)
-        return io.NodeOutput(bundle, ui={"text": [bundle.summary(MAX_PROMPT_TOKENS)]})
+        return io.NodeOutput(bundle, ui={"text": [logic.prompt_summary(bundle, MAX_PROMPT_TOKENS)]})
 
 
 class MM3ARPlan(io.ComfyNode):
@@ -177,7 +179,7 @@ class MM3ConditionEncode(io.ComfyNode):
         with interruptible():
             device, dtype = _device_dtype(cond)
             (model,) = load([cond])
-            out = logic.encode_condition(model, cond, codes, device=device, dtype=dtype, progress=node_progress())
+            out = stages.encode(model, cond.file(), codes, device=device, dtype=dtype, progress=node_progress())
         show_warnings(out.warnings)
         return io.NodeOutput(out)
 
@@ -203,8 +205,7 @@ class MM3FlowSampler(io.ComfyNode):
                 shift: float = AUTO_SHIFT) -> io.NodeOutput:
         with interruptible():
             model, run = _loaded_dit(dit, condition)
-            out = logic.sample(model, dit, condition, seed=seed, steps=steps, dit_cfg=dit_cfg, variations=variations,
-                               shift=shift, **run)
+            out = stages.sample(model, dit.file(), condition, SynthSettings(seed, steps, dit_cfg, variations, shift), **run)
         show_warnings(out.warnings)
         return io.NodeOutput(out)
 
@@ -278,8 +279,8 @@ class MM3Repaint(io.ComfyNode):
             raise ValueError(f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)")
         with interruptible():
             model, run = _loaded_dit(dit, condition)
-            out = logic.repaint(model, dit, condition, source, start=start, end=end, fade=fade, seed=seed, steps=steps,
-                                dit_cfg=dit_cfg, variations=variations, shift=shift, **run)
+            out = stages.repaint(model, dit.file(), condition, source, RepaintSettings(start, end, fade),
+                                 SynthSettings(seed, steps, dit_cfg, variations, shift), **run)
         show_warnings(out.warnings)
         return io.NodeOutput(out, ui={"text": [f"repainted {start:g}-{end:g} s with seed {seed}"]})
 
@@ -303,7 +304,7 @@ class MM3VocoderDecode(io.ComfyNode):
             longest = max(x.shape[-1] for x in latents.latents)
             need = vocoder_memory(shapes, list(vae.hparams["upsampling_ratios"]), longest)
             (model,) = load([vae], memory_required=need)
-            out = logic.decode(model, vae, latents, device=device, progress=node_progress())
+            out = stages.decode(model, vae.file(), latents, device=device, progress=node_progress())
         show_warnings(out.warnings)
         return io.NodeOutput(out)
 

@@ -172,9 +172,11 @@ def test_no_warning_for_an_empty_caption():
 # -- MM3 Prompt's summary ------------------------------------------------------------------------
 @pytest.mark.parametrize("caption, warned", [(OLD_DEFAULT, True), (FULL_TEXT, False)])
 def test_prompt_summary_warns_about_a_caption_without_headings(caption, warned):
-    handles = import_pack("nodes.handles")
+    from mm3 import stages
+
+    logic = import_pack("nodes.logic")
     prompt = Prompt(torch.zeros(2, 7, dtype=torch.long), clean_caption(caption), normalize_lyrics("la"), None)
-    lines = handles.PromptBundle(prompt, caption, "la").summary(MAX_PROMPT_TOKENS).split("\n")
+    lines = logic.prompt_summary(stages.PromptText(prompt, caption, "la", None), MAX_PROMPT_TOKENS).split("\n")
     assert lines[0] == f"7 / {MAX_PROMPT_TOKENS} prompt tokens"
     assert (lines[1] == f"warning: {caption_warning(OLD_DEFAULT)}") == warned
     assert lines[2 if warned else 1] == "" and lines[3 if warned else 2] == "caption (cleaned):"

@@ -71,9 +71,9 @@ def vocoder(models, with_encoder=True):
 def test_latents_equal_the_nodes_encode(models, tmp_path):
     """Stereo at the vocoder's rate and mono at 32 kHz (resampled, doubled): the file's latents are
     those MM3 Vocoder Encode's engine call makes, and the metadata names the rate and length."""
-    from mm3.request import MM3Request
+    from mm3.stages import Conditions
     from nodes import logic
-    from nodes.handles import ConditionBundle, handle_for
+    from nodes.handles import handle_for
 
     path = next(models.glob("*.gguf"))
     cases = {"stereo.wav": (np.stack([tone(1.0), 0.3 * tone(1.0, freq=1000.0)]), RATE),
@@ -92,7 +92,7 @@ def test_latents_equal_the_nodes_encode(models, tmp_path):
         # the node: a ComfyUI AUDIO of the same recording, laid out as one window covering it
         wave_, sr = read_audio(tmp_path / name)
         handle = handle_for("vae", path.name, str(path))
-        cond = ConditionBundle(None, [torch.zeros(1, latents.shape[-1], 1)], 512, MM3Request(), {})
+        cond = Conditions(None, [torch.zeros(1, latents.shape[-1], 1)], 512, None)
         node = logic.encode_recording(handle.model(), handle, {"waveform": wave_[None], "sample_rate": sr}, cond,
                                       device="cpu")
         assert node.covered == latents.shape[-1]

@@ -1,5 +1,5 @@
-"""The ComfyUI node logic without ComfyUI: the node logic (`nodes/logic.py`) chained as the nodes
-chain it gives the same audio as `mm3.pipeline.Pipeline.run` (itself checked against diffusers),
+"""The ComfyUI node logic without ComfyUI: the stages chained as the nodes chain them give the same
+audio and the same replay JSON as `mm3.pipeline.Pipeline.run` (itself checked against diffusers),
 the loaders refuse what the command line refuses, and Save Song's files read back right."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from mm3.codes import AudioCodes
 from mm3.gguf.errors import ComponentError
 from mm3.pipeline import Pipeline
 from mm3.request import MM3Request
+from mm3.settings import SynthSettings
 from tests.helpers.comfyui import CAPTION, LYRICS, import_pack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,18 +36,21 @@ def _handles(pack, tiny):
 
 def test_node_chain_matches_pipeline(pack, tiny):
     """Prompt -> plan -> condition -> sample -> decode -> stitch, as the nodes run it, equals the
-    pipeline's tracks bit for bit (2 songs x 2 variations), and each replay request renders its track."""
+    pipeline's tracks bit for bit (2 songs x 2 variations) with the same replay JSON, and each
+    replay request renders its track."""
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    from mm3 import stages
+
     m = {k: h.model() for k, h in hs.items()}
     prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
     songs, _ = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
-                             PlanSettings(duration=0.8, lm_seed=11, songs=2), device="cpu", dtype=torch.float32)
+                                PlanSettings(duration=0.8, lm_seed=11, songs=2), device="cpu", dtype=torch.float32)
     ours = []
     for song in songs:
-        cond = logic.encode_condition(m["cond"], hs["cond"], song, device="cpu", dtype=torch.float32)
-        lat = logic.sample(m["dit"], hs["dit"], cond, seed=5, steps=3, dit_cfg=1.7, variations=2, device="cpu",
-                           dtype=torch.float32)
-        audio = logic.stitch_audio(logic.decode(m["vae"], hs["vae"], lat, device="cpu"))
+        cond = stages.encode(m["cond"], hs["cond"].file(), song, device="cpu", dtype=torch.float32)
+        lat = stages.sample(m["dit"], hs["dit"].file(), cond, SynthSettings(seed=5, steps=3, dit_cfg=1.7, variations=2),
+                            device="cpu", dtype=torch.float32)
+        audio = logic.stitch_audio(stages.decode(m["vae"], hs["vae"].file(), lat, device="cpu"))
         assert audio["waveform"].dtype == torch.float32 and audio["waveform"].shape[:2] == (2, 2)
         ours += [(audio["waveform"][j], audio[logic.AUDIO_REQUESTS_KEY][j]) for j in range(2)]
     request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=0.8, lm_seed=11, seed=5, steps=3,
@@ -55,9 +59,7 @@ def test_node_chain_matches_pipeline(pack, tiny):
     assert len(tracks) == len(ours) == 4
     for track, (wave_, req) in zip(tracks, ours):
         assert torch.equal(track.audio, wave_)
-        want = track.request.to_dict()
-        assert {k: req[k] for k in ("audio_codes", "lm_seed", "seed", "steps", "caption", "lyrics")} == \
-               {k: want[k] for k in ("audio_codes", "lm_seed", "seed", "steps", "caption", "lyrics")}
+        assert req == track.request.to_dict()
     # A replay request renders its own track again.
     again = Pipeline(str(tiny.gguf)).run(MM3Request.from_dict(ours[3][1]))
     assert torch.equal(again[0].audio, ours[3][0])
@@ -67,7 +69,9 @@ def test_split_synthesis_matches_pipeline_over_windows(pack, tiny):
     """Songs longer than one DiT window (200 frames): conditions computed per window up front, the
     sampler fed from them, windows decoded one by one and then stitched, equal the pipeline's
     synthesis (overlap carry, crops and all). Frame hiddens are random: no AR needed."""
-    logic, handles, hs = pack("nodes.logic"), pack("nodes.handles"), _handles(pack, tiny)
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    from mm3 import stages
+
     m = {k: h.model() for k, h in hs.items() if k in ("cond", "dit", "vae")}
     dp = hs["depth"].hparams
     frames = 210  # windows [0, 200) and [100, 210)
@@ -75,13 +79,13 @@ def test_split_synthesis_matches_pipeline_over_windows(pack, tiny):
                           generator=torch.Generator().manual_seed(3))
     codes = AudioCodes(torch.zeros(frames + 1, int(dp["num_codebooks"]), dtype=torch.long), hiddens, None, 1)
     request = MM3Request(caption="c", lyrics="l", seed=8, steps=2, synth_batch_size=1)
-    song = handles.PlannedSong(codes, request, logic.check_parts({}, lm=hs["lm"], depth=hs["depth"]))
-    cond = logic.encode_condition(m["cond"], hs["cond"], song, device="cpu", dtype=torch.float32)
+    song = stages.Song(codes, stages.PromptText(None, "c", "l", hs["lm"].file()), hs["depth"].file())
+    cond = stages.encode(m["cond"], hs["cond"].file(), song, device="cpu", dtype=torch.float32)
     assert len(cond.conds) == 2
-    lat = logic.sample(m["dit"], hs["dit"], cond, seed=8, steps=2, dit_cfg=1.7, variations=1, device="cpu",
-                       dtype=torch.float32)
-    ours = logic.stitch_audio(logic.decode(m["vae"], hs["vae"], lat, device="cpu"))["waveform"]
-    want = Pipeline(str(tiny.gguf)).synthesize(request, codes)
+    lat = stages.sample(m["dit"], hs["dit"].file(), cond, SynthSettings(seed=8, steps=2, dit_cfg=1.7), device="cpu",
+                        dtype=torch.float32)
+    ours = logic.stitch_audio(stages.decode(m["vae"], hs["vae"].file(), lat, device="cpu"))["waveform"]
+    want = Pipeline(str(tiny.gguf)).synthesize(request, song).waveform
     assert torch.equal(ours, want)
 
 
@@ -119,13 +123,15 @@ def test_loaded_codes_check_the_files_that_made_them(pack, tiny, tmp_path):
     import shutil
 
     logic, hs, handles = pack("nodes.logic"), _handles(pack, tiny), pack("nodes.handles")
+    from mm3 import stages
+
     m = {k: hs[k].model() for k in ("lm", "depth", "cond")}
     prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
     (song,), _ = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
-                               PlanSettings(duration=0.4, lm_seed=3), device="cpu", dtype=torch.float32)
-    req = song.request
+                                  PlanSettings(duration=0.4, lm_seed=3), device="cpu", dtype=torch.float32)
+    req = stages.request_of(song)
     assert req.model_fingerprints == {"lm_model": hs["lm"].fingerprint, "depth_model": hs["depth"].fingerprint}
-    req = logic.with_model(req, "cond_model", hs["cond"])
+    req = stages.request_of(stages.encode(m["cond"], hs["cond"].file(), song, device="cpu", dtype=torch.float32))
     other = tmp_path / "other-cond.gguf"
     shutil.copy(tiny.file("mm3-cond"), other)
     with open(other, "r+b") as f:  # same tensors and header, other first weight bytes
@@ -135,15 +141,16 @@ def test_loaded_codes_check_the_files_that_made_them(pack, tiny, tmp_path):
     assert logic.codes_file_problems(req, hs["lm"], hs["depth"]) == []
     _, prompt2, codes = logic.read_codes_request(req.to_json(), "f.json", hs["lm"], hs["depth"])
     for check, same in (("warn", hs["cond"]), ("warn", other_h), ("refuse", other_h)):
-        loaded = logic.replay_codes(m["lm"], m["depth"], hs["lm"], hs["depth"], req, prompt2, codes,
+        loaded = logic.replay_codes(m["lm"], m["depth"], hs["depth"], req, prompt2, codes,
                                     device="cpu", dtype=torch.float32, model_check=check)
         if check == "refuse":
             with pytest.raises(ValueError, match="cond_model: other-cond.gguf .* is not the file that made this song"):
-                logic.encode_condition(other_h.model(), other_h, loaded, device="cpu", dtype=torch.float32)
+                stages.encode(other_h.model(), other_h.file(), loaded, device="cpu", dtype=torch.float32)
             continue
-        out = logic.encode_condition(same.model(), same, loaded, device="cpu", dtype=torch.float32)
+        out = stages.encode(same.model(), same.file(), loaded, device="cpu", dtype=torch.float32)
         assert bool(out.warnings) == (same is other_h)
-        assert out.request.cond_model == same.name and out.request.model_fingerprints["cond_model"] == same.fingerprint
+        made = stages.request_of(out)
+        assert made.cond_model == same.name and made.model_fingerprints["cond_model"] == same.fingerprint
     # A file rendered with the reference RNG cannot be reproduced by the nodes: said, not hidden.
     from dataclasses import replace
 

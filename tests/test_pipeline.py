@@ -121,7 +121,7 @@ def test_strict_memory_releases_the_ar_group(tiny):
     req = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=0.5, steps=2, seed=0, lm_seed=0)
     songs, _ = pipe.plan(req)
     assert pipe.store.resident() == ["depth", "lm"]
-    pipe.synthesize(req, pipe.replay(req, codes=songs[0].codes))
+    pipe.synthesize(req, pipe.replay(req, codes=songs[0].codes.codes))
     assert pipe.store.resident() == ["cond", "dit", "vae"]
     keep = Pipeline(tiny.gguf, device="cpu", keep_loaded=True)
     keep.run(req)
@@ -236,11 +236,11 @@ def test_numerics_follow_the_rng_mode_not_the_generator(tiny):
     assert pipe.numerics("independent") == Numerics("fast", pipe.dit_dtype)
     req = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=1.0, steps=2, seed=4, lm_seed=1).validate()
     (song,), _ = pipe.plan(req)
-    fast = pipe.synthesize(req, song, generator=make_generator(4))
-    again = pipe.synthesize(req, song, generator=make_generator(4), numerics=pipe.numerics("independent"))
+    fast = pipe.synthesize(req, song, generator=make_generator(4)).waveform
+    again = pipe.synthesize(req, song, generator=make_generator(4), numerics=pipe.numerics("independent")).waveform
     assert torch.equal(fast, again)
-    ref = pipe.synthesize(req, song, generator=make_generator(4), numerics=pipe.numerics("reference"))
-    assert torch.equal(ref, pipe.synthesize(replace(req, rng="reference"), song, generator=make_generator(4)))
+    ref = pipe.synthesize(req, song, generator=make_generator(4), numerics=pipe.numerics("reference")).waveform
+    assert torch.equal(ref, pipe.synthesize(replace(req, rng="reference"), song, generator=make_generator(4)).waveform)
 
 
 def test_numerics_choice():
