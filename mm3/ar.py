@@ -1,26 +1,13 @@
-"""The autoregressive stage: prompt -> audio codes and frame hiddens.
+"""The autoregressive stage: prompt -> audio codes and frame hiddens, as diffusers'
+`MiniMaxMusic3AutoregressiveStep` samples them (LM rows [cond, uncond] per song under CFG with a
+conditional top-k pre-filter, then the depth decoder's 7 acoustic codes, the frame fed back as one
+summed embedding). Song i draws from its own generator (`lm_seed + i`), so a song is the same
+alone or in a batch; `replay` rebuilds the hiddens of known codes by teacher forcing.
 
-`plan` samples frame by frame as diffusers' `MiniMaxMusic3AutoregressiveStep` does: the LM (rows
-[cond, uncond] per song) proposes the semantic code under CFG with a conditional top-k pre-filter,
-the depth decoder samples the 7 acoustic codes under CFG, and the frame is fed back to the LM as one
-summed embedding. Song i draws from its own generator (`lm_seed + i`), so a song is the same alone
-or in a batch. `replay` rebuilds the frame hiddens of known codes by teacher forcing (one LM pass
-over the fed-back frames, one depth pass per frame), without sampling.
-
-There is one decode path. `FrameSampler.step` runs one frame of every song with the models' own
-forwards: the LM decodes one position of its static KV cache, written at a position held on the
-device, and the draws come in as tensors. Nothing in a frame waits for the host, so the step can be
-compiled or captured as a CUDA graph. The host loop around it (`_sample_frames`) makes the random
-draws on the songs' CPU generators, which is how the reference draws. It reads each frame's END
-flags one frame late and rewinds a generator that drew for a frame after its END.
-
-The models' numerics, chosen when they are loaded (`Qwen3LM.load(numerics=...)`), decide the op
-shapes:
-- "reference": separate products, the whole LM head, and the depth decoder re-run over the whole
-  sequence at each step, as the reference does. On the CPU in float32 this reproduces the
-  reference's hidden states bit for bit, hence its codes for the same generator.
-- "fast": fused products, only the head rows the sampler can draw, and a depth KV cache. The
-  numbers are the same up to float rounding.
+`FrameSampler.step` never waits for the host, so it can be compiled or graph-captured; the host
+loop draws on the songs' CPU generators, as the reference does. The models' numerics decide the op
+shapes: "reference" reproduces the reference's hiddens bit for bit on a CPU in float32, "fast"
+fuses products and caches the depth decoder's keys, equal up to rounding.
 """
 
 from __future__ import annotations
@@ -358,24 +345,13 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
          generators: list[torch.Generator] | torch.Generator | None = None, progress: Progress | None = None,
          weight_budget: int | None = None, compile: bool = False,
          prefix: torch.Tensor | None = None, keep_hiddens: bool = True) -> list[AudioCodes]:
-    """Sample `settings.songs` songs for `prompt`; returns one AudioCodes per song (codes [F+1, ncb],
-    frame hiddens [F, ncb, H] in `dtype` on `device`, `ended_naturally` when the LM chose END before
-    the cap).
-
-    `prefix`: codes [P + 1, ncb] of a song to continue. The prompt and those frames are teacher
-    forced (both CFG rows), sampling goes on from there up to the duration (which counts the prior
-    frames), and each result's codes are the prefix followed by the new frames; the prefix's
-    hiddens are its replay (`replay`). `keep_hiddens` False: codes only (frame_hiddens None), for
-    a caller that replays the codes anyway (`plan_and_replay`).
-
-    Song i draws from `generators[i]` if given (CPU generators reproduce the reference's draws, and
-    the same generator can go on to draw the DiT noise), else from a CPU generator seeded
-    `lm_seed + i`. The duration caps the frames (`max_frames_for`). `device`: where to compute
-    (default: where the LM's first weight lives; weights elsewhere are fetched per use).
-    `progress.on_progress("ar", frames, max_frames, info)` runs after every frame and
-    `progress.should_stop()` before every frame (True raises `Cancelled`). `weight_budget`: bytes of
-    dequantized weight copies to keep for the call (None: `mm3.device.ar_weight_budget`, 0: none).
-    `compile`: run the frame step through torch.compile (static shapes; CUDA graphs on CUDA).
+    """Sample `settings.songs` songs for `prompt`: one AudioCodes each (codes [F+1, ncb], hiddens
+    [F, ncb, H] in `dtype` on `device`), song i from `generators[i]` (the reference's draws; the
+    generator can go on to draw the DiT noise) or from a CPU generator seeded `lm_seed + i`.
+    `prefix`: codes [P + 1, ncb] to continue (teacher forced; the duration counts them).
+    `keep_hiddens` False: codes only, for a caller that replays them. `weight_budget`: bytes of
+    dequantized weight copies kept for the call (None: `mm3.device.ar_weight_budget`). `compile`:
+    the frame step through torch.compile. Progress after every frame; cancel before every frame.
     """
     _check_pair(lm, depth, prompt)
     device = model_device(lm) if device is None else torch.device(device)

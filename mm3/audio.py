@@ -53,15 +53,10 @@ def decode_windows(vocoder, windows: list[torch.Tensor], *, hop: int | None = No
                    device=None, dtype: torch.dtype | None = None, progress: Progress | None = None,
                    exact: bool = False) -> list[torch.Tensor]:
     """Decode each window's latents [B, C, L_k] whole: -> per window [B, 2, hop * L_k] float32 on
-    `device` (default: the latents'), for `stitch`.
-
-    hop: the condition encoder's output_hop_length (the reference crops in its units); it must equal
-    the vocoder's upsampling factor. max_rows: most mono streams (B x 2 sides) per vocoder call.
-    The default 2 decodes each song's two sides together, the batch the reference uses, so a
-    variation decodes to the same samples alone or in a batch (CPU convolutions pick kernels by
-    batch size, and rounding differences grow through the layers); 1 halves the peak memory.
-    dtype: the vocoder's compute dtype (default: its weights' float type, else float32).
-    exact: the reference's convolutions, bit for bit (`Vocoder.decode_sides`).
+    `device` (default: the latents'), for `stitch`. `hop` must equal the vocoder's upsampling
+    factor. `max_rows`: mono streams per call; the default 2 (a song's two sides, the reference's
+    batch) keeps a variation the same alone or in a batch, 1 halves the peak memory. `dtype`: of
+    the vocoder (default: its weights'). `exact`: the reference's convolutions, bit for bit.
     """
     if hop is not None and hop != vocoder.hop:
         raise ValueError(f"condition encoder hop {hop} != vocoder upsampling factor {vocoder.hop}")

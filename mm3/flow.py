@@ -1,17 +1,10 @@
 """The windowed flow-matching sampler: frame hiddens -> one latent per window.
 
-Frames are cut into windows of 200 with a hop of 100; each window is conditioned on its own frames,
-starts from fresh Gaussian noise and takes `steps` Euler steps from flow time 0 (noise) towards
-1 (data) with classifier-free guidance. Consecutive windows overlap by 172 latents: the new window
-reuses the previous one's condition there, and its noisy latent is pulled towards the previous
-window's result at every step, then replaced by it. Follows diffusers 0.42.1
-(`before_denoise.py`, `denoise.py`, FlowMatchEulerDiscreteScheduler with invert_sigmas) number for
-number; both CFG branches run as one batch by default (`cfg_batch=False` makes the reference's two
-calls, which reproduces it bit for bit on the CPU in float32).
-
-Noise is drawn on the CPU from one torch.Generator per variation, `torch.randn((1, C, L))` per
-window in window order, so a seed gives the same song on every device, and passing the generator
-that drove the AR stage reproduces the reference run.
+Windows of 200 frames every 100, each conditioned on its own frames, take `steps` Euler steps
+from noise with classifier-free guidance; consecutive windows share 172 latents, pulled towards
+the previous window's result at every step. Follows diffusers 0.42.1 number for number. Noise is
+drawn on the CPU, one generator per variation in window order, so a seed gives the same song on
+every device and the AR stage's generator reproduces the reference run.
 """
 
 from __future__ import annotations
@@ -258,29 +251,13 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
                    compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Denoise every window; returns one latent [variations, C, L_k] per window (uncropped).
 
-    conditions: the condition of every window, [1, L_k, D] (`encode_conditions`); not modified.
-    seed: variation j draws its noise from a fresh CPU generator seeded seed + j; or `generator`:
-    a CPU generator (or a list, one per variation) consumed in window order, the reference's RNG
-    mode. variation_batch: most variations per DiT call. The default 1 keeps every variation
-    bit-identical to the same seed run alone (batched GEMMs round differently, ~1e-6 relative);
-    larger values trade that for throughput. cfg_batch: run the conditional and unconditional
-    branches as one batch (default); False makes two calls as the reference does, which on the CPU
-    in float32 reproduces the reference bit for bit (the batch of 2 rounds ~1e-6 relative apart).
-    progress: per-step callback ("dit", done, total, info) and a cancel check before every step
-    (raises `Cancelled`). weight_cache: bytes of dequantized DiT weights kept for the duration of
-    the call instead of dequantizing every weight at every step (same numbers); None = automatic
-    (`mm3.device.dit_weight_budget`), 0 = off. Only quantized or re-typed weights take room.
-    fast_matmul: on the CPU, float32 products through oneDNN where that is float32-accurate
-    (`mm3.matmul.onednn_matmul`; ~1e-6 relative rounding differences); None =
-    on unless `cfg_batch` is False (the bit-exact reference mode) or the heads are narrow (`pays_for`).
-    shift: of the flow schedule (`flow_sigmas`); 1 is the reference's.
-    keep: repaint (flow-matching inpainting): before every step the kept part of each window is set
-    to its original latents moved to that step's noise level (from the window's own noise, as the
-    overlap with the previous window is), and to the original itself at the end; windows kept
-    whole are not sampled at all.
-    compute_dtype: of the DiT's forward (the latents and the Euler steps stay in `dtype`); None =
-    `dtype`, except bfloat16 on a CPU where it pays (`mm3.cpu_bf16.dit_dtype`) unless `cfg_batch`
-    is False (the bit-exact reference mode).
+    Variation j's noise comes from a CPU generator seeded `seed + j`, or from `generator` (the
+    reference's stream). `variation_batch` > 1 batches variations (rounding then differs from a
+    lone run); `cfg_batch` False makes the reference's two CFG calls (bit-exact on a CPU in
+    float32). `weight_cache`: bytes of dequantized DiT weights kept for the call (None: automatic).
+    `fast_matmul`: oneDNN float32 products on a CPU (None: unless `cfg_batch` is False). `shift`:
+    of the schedule (`flow_sigmas`). `keep`: a repaint's kept part (`Keep`). `compute_dtype`: of
+    the DiT's forward (None: `mm3.cpu_bf16.dit_dtype`'s rule). Cancel check before every step.
     """
     gens = _check_args(steps, dit_cfg, seed, generator, variations)
     if not conditions:

@@ -1,15 +1,9 @@
 """The command line's job: a request in, tracks out, as a composition of the stages (`mm3.stages`).
 
-load what the request names -> prompt -> plan (or replay codes) -> release the AR group ->
-condition + flow DiT -> vocoder + stitch. Every track carries its replay request (the request
-with its codes and exact seeds, assembled by `mm3.stages.request_of`), which renders the same
-audio again.
-
-Random streams: by default the AR stage draws from a generator seeded `lm_seed + song` and the
-DiT noise from one seeded `seed + variation`, so the two seeds are independent. With
-`rng="reference"` one CPU generator seeded `lm_seed + song` drives the AR sampling and then the DiT
-noise, exactly as the diffusers pipeline, so its audio is reproduced for the same seed. The mode
-also sets the numerics every stage computes with (`mm3.numerics.Numerics`), chosen once per run.
+It loads what the request names, one model group at a time, and turns an out-of-memory error into
+one that names the stage. `rng="independent"` (default) draws the AR stage from `lm_seed + song`
+and the DiT noise from `seed + variation`; `rng="reference"` drives both from one generator, as
+the diffusers pipeline, with the reference numerics (`mm3.numerics`), to reproduce its audio.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Natural endings: several takes of a song planned together, keeping those that ended by themselves.
 
-A requested duration is a cap, and a song that reaches it is cut off mid-phrase. With `takes` K,
-each of the S songs asked for gets K candidates: candidate n draws from seed lm_seed + n, all S x K
-of a round planned in batches (each candidate is the same alone or in a batch). The kept songs
-are, in seed order, the candidates that ended before the cap; without `require_ending` the
-remaining places go to capped candidates, also in seed order. With `require_ending` only ended
-candidates are kept and, while fewer than S ended, up to `rounds` rounds are planned at the next
-seeds; then the plan fails and says so. One take, without `require_ending`, is today's plan.
+With `takes` K each of the S songs gets K candidates (candidate n from seed lm_seed + n, planned
+in batches). The kept songs are the candidates that ended before the duration cap, in seed order,
+then capped ones; with `require_ending` only ended ones, planning up to `rounds` rounds at the
+next seeds before failing. One take without `require_ending` is the plain plan.
 """
 
 from __future__ import annotations
