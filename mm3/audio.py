@@ -33,12 +33,15 @@ def resampled_length(samples: int, sample_rate: int, target_rate: int) -> int:
 
 def stitch(waves: list[torch.Tensor], hop: int) -> torch.Tensor:
     """Per-window waveforms [B, 2, hop * L_k] -> [B, 2, T] float32 in [-1, 1]."""
-    pieces = []
-    for k, w in enumerate(waves):
-        left = 0 if k == 0 else CROP_LEFT_LATENTS * hop
-        right = 0 if k == len(waves) - 1 else CROP_RIGHT_LATENTS * hop
-        pieces.append(w[..., left:w.shape[-1] - right])
-    return torch.cat(pieces, dim=-1).float().clamp(-1.0, 1.0)
+    return torch.cat([stitch_piece(w, k, len(waves), hop) for k, w in enumerate(waves)], dim=-1)
+
+
+def stitch_piece(wave: torch.Tensor, k: int, windows: int, hop: int) -> torch.Tensor:
+    """The samples of window k (of `windows`) that `stitch` keeps, float32 in [-1, 1]: the overlaps
+    with its neighbours cropped, so the pieces played in order are the song."""
+    left = 0 if k == 0 else CROP_LEFT_LATENTS * hop
+    right = 0 if k == windows - 1 else CROP_RIGHT_LATENTS * hop
+    return wave[..., left:wave.shape[-1] - right].float().clamp(-1.0, 1.0)
 
 
 def stitched_length(latent_lengths: list[int], hop: int) -> int:

@@ -10,6 +10,7 @@ every device and the AR stage's generator reproduces the reference run.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ from .errors import RunError
 from .cpu_bf16 import dit_dtype
 from .device import dit_weight_budget, model_device
 from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
-from .matmul import CPU_SCRATCH, onednn_matmul, pays_for
+from .matmul import CPU_SCRATCH, as_outside_onednn, onednn_matmul, pays_for
 from .progress import Cancelled, Progress
 
 WINDOW_FRAMES = 200  # before_denoise.py: 200-frame windows ...
@@ -235,6 +236,7 @@ class _Run:
     windows: int
     total: int  # progress units: windows x groups x steps
     keep: "Keep | None" = None
+    on_window: "Callable[[int, torch.Tensor], None] | None" = None
 
     @property
     def steps(self) -> int:
@@ -247,8 +249,8 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
                    variations: int = 1, variation_batch: int = 1, cfg_batch: bool = True, device=None,
                    dtype: torch.dtype = torch.float32, progress: Progress | None = None,
                    weight_cache: int | None = None, fast_matmul: bool | None = None,
-                   shift: float = 1.0, keep: Keep | None = None,
-                   compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                   shift: float = 1.0, keep: Keep | None = None, compute_dtype: torch.dtype | None = None,
+                   on_window: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
     """Denoise every window; returns one latent [variations, C, L_k] per window (uncropped).
 
     Variation j's noise comes from a CPU generator seeded `seed + j`, or from `generator` (the
@@ -257,7 +259,8 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
     float32). `weight_cache`: bytes of dequantized DiT weights kept for the call (None: automatic).
     `fast_matmul`: oneDNN float32 products on a CPU (None: unless `cfg_batch` is False). `shift`:
     of the schedule (`flow_sigmas`). `keep`: a repaint's kept part (`Keep`). `compute_dtype`: of
-    the DiT's forward (None: `mm3.cpu_bf16.dit_dtype`'s rule). Cancel check before every step.
+    the DiT's forward (None: `mm3.cpu_bf16.dit_dtype`'s rule). `on_window(k, latent)`: called as
+    each window is done, computing as outside the sampler. Cancel check before every step.
     """
     gens = _check_args(steps, dit_cfg, seed, generator, variations)
     if not conditions:
@@ -270,7 +273,8 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
     if compute_dtype is None:
         compute_dtype = dit_dtype(device, dtype) if cfg_batch else dtype
     run = _Run(dit, flow_sigmas(steps, shift).to(device), float(dit_cfg), cfg_batch, group, device, dtype,
-               compute_dtype, progress or Progress(), len(conditions), len(conditions) * n_groups * steps, keep)
+               compute_dtype, progress or Progress(), len(conditions), len(conditions) * n_groups * steps, keep,
+               on_window)
     budget = dit_weight_budget(device) if weight_cache is None else int(weight_cache)
     own = budget > 0 and dequantized_nbytes(dit) == 0  # copies someone else keeps are left alone
     if own:
@@ -313,6 +317,9 @@ def _sample_windows(run: _Run, conditions: list[torch.Tensor], gens: list[torch.
         b = max(a, length - OVERLAP_LATENTS)
         prev_lat, prev_cond = x[..., a:b], cond[:, a:b]  # carried to the next window
         out.append(x)
+        if run.on_window is not None:
+            with as_outside_onednn():
+                run.on_window(k, x)
     return out
 
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .constants import FORMAT_EXTENSIONS, RNG_MODES
-from .output import FileBatch, OutputError, render
+from .output import FileBatch, OutputError, atomic_write, render
 from .progress import STAGES, Progress
 from .request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
 from .stages import replay_requests
@@ -227,11 +227,12 @@ def cmd_generate(args, req: MM3Request | None = None, pipe=None) -> int:
     count = req.synth_batch_size * (1 if req.audio_codes else req.lm_batch_size)
     targets = [numbered(out, count, n) for n in range(count)]
     _check_targets(targets + [t.with_suffix(".json") for t in targets], args.overwrite)
+    stream = _window_writer(args, out, req)
     if pipe is None:
         pipe = _pipeline(args)
         req = _match_models(pipe, req, args)
     with Console(args.quiet) as console:
-        tracks = pipe.run(req, console.progress())
+        tracks = pipe.run(req, console.progress(), on_audio=stream)
     _print_takes(pipe, args.quiet)
     start = time.perf_counter()
     _write_tracks(tracks, out, fmt, req, args.overwrite, args.quiet)
@@ -240,6 +241,30 @@ def cmd_generate(args, req: MM3Request | None = None, pipe=None) -> int:
     if not args.quiet:
         print(f"timings: {pipe.timings.summary()}", file=sys.stderr)
     return 0
+
+
+def _window_writer(args, out: Path, req: MM3Request):
+    """With --stream-dir: the `Pipeline.run` callback that writes each decoded window of each track
+    there at once (whole files only: written aside, then renamed), saying when the first arrived."""
+    folder = getattr(args, "stream_dir", None)
+    if not folder:
+        return None
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"--stream-dir {folder}: {e.strerror or e}") from None
+    variations, start = req.synth_batch_size, time.perf_counter()
+
+    def write(song: int, k: int, windows: int, samples, sample_rate: int):
+        for j in range(samples.shape[0]):
+            track = song * variations + j
+            path = folder / f"{out.stem}_{track + 1:02d}_{k + 1:03d}.wav"
+            atomic_write(path, render(samples[j], "wav32", sample_rate=sample_rate))
+        if (song, k) == (0, 0) and not args.quiet:
+            print(f"first audio in {folder} after {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+    return write
 
 
 def _print_takes(pipe, quiet: bool):
@@ -360,6 +385,9 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
         p.add_argument("--peak-clip", dest="peak_clip", type=int, help="normalisation percentile (default 10)")
         p.add_argument("--mp3-bitrate", dest="mp3_bitrate", type=int, help="kbps (default 128)")
         p.add_argument("--format", choices=list(EXTENSIONS), help="output format (default: from --out)")
+        p.add_argument("--stream-dir", dest="stream_dir",
+                       help="also write each window's audio to this folder as soon as it is decoded (32-bit float "
+                            "WAV at the rendered level, OUT_<track>_<window>.wav), to listen before the song is done")
     p.add_argument("--rng", choices=RNG_MODES, default=None,
                    help="random streams: independent (lm_seed for the AR, seed for the DiT noise) or reference (one "
                         "generator drives AR then DiT noise, as the diffusers pipeline); default: the request's "

@@ -329,11 +329,12 @@ class Pipeline:
 
     def synthesize(self, request: MM3Request, song: Song, progress: Progress | None = None,
                    generator: torch.Generator | None = None, source: Song | None = None,
-                   numerics: Numerics | None = None) -> stages.Audio:
+                   numerics: Numerics | None = None, on_audio=None) -> stages.Audio:
         """`request.synth_batch_size` variations of `song`. The DiT noise comes from `generator`
         where given (the reference RNG), else from `request.seed`; `numerics` default to those of
         `request.rng`. A repaint keeps the latents of `source` (default: `song`) rendered with
-        `request.seed`."""
+        `request.seed`. `on_audio(k, windows, samples, sample_rate)`: each window's audio as soon
+        as it is decoded (`mm3.stages.WindowStream`); the result is the same."""
         numerics = self.numerics(request.rng) if numerics is None else numerics
         progress = self._track(progress)
         synth = request.synth_settings()
@@ -343,30 +344,40 @@ class Pipeline:
             cond_file, dit_file = self.model_file("cond", request), self.model_file("dit", request)
             start = time.perf_counter()
             conditions = stages.encode(cond, cond_file, song, device=self.device, dtype=self.dtype, progress=progress)
+            stream = None
+            if on_audio is not None:
+                stream = stages.WindowStream(self.store.model("vae", request.vae_model), self.model_file("vae", request),
+                                             conditions, on_audio, device=self.device, numerics=numerics,
+                                             progress=progress)
             if request.repaints:
                 kept_from = conditions if source is None else stages.encode(cond, cond_file, source, device=self.device,
                                                                             dtype=self.dtype, progress=progress)
                 kept = stages.sample(dit, dit_file, kept_from, replace(synth, seed=request.seed, variations=1), **run)
                 try:
                     latents = stages.repaint(dit, dit_file, conditions, kept, request.repaint_settings(),
-                                             replace(synth, seed=request.repaint_seed), **run)
+                                             replace(synth, seed=request.repaint_seed), on_window=stream, **run)
                 except ValueError as e:
                     raise RequestError(str(e)) from None
             else:
-                latents = stages.sample(dit, dit_file, conditions, synth, generator=generator, **run)
+                latents = stages.sample(dit, dit_file, conditions, synth, generator=generator, on_window=stream,
+                                        **run)
         self.timings.add("dit", time.perf_counter() - start)
         with self._stage("vae"):
             vae = self.store.model("vae", request.vae_model)
             start = time.perf_counter()
-            windows = stages.decode(vae, self.model_file("vae", request), latents, device=self.device,
-                                    numerics=numerics, progress=progress)
+            windows = stream.windows(latents) if stream is not None else stages.decode(
+                vae, self.model_file("vae", request), latents, device=self.device, numerics=numerics,
+                progress=progress)
             audio = stages.stitch_windows(windows)
         self.timings.add("vae", time.perf_counter() - start)
         return audio
 
     # -- the whole job ------------------------------------------------------------------------
-    def run(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None) -> list[Track]:
+    def run(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None,
+            on_audio=None) -> list[Track]:
         """Every track of the request, song-major (song 0 variation 0, 0/1, ..., 1/0, ...).
+        `on_audio(song, k, windows, samples [V, 2, T_k], sample_rate)`: each window's audio of each
+        song as soon as it is decoded.
 
         `rng` overrides the request's random-stream mode (`request.rng`). Each track's replay
         request names the files used, with their fingerprints. Bad input fails before any model is
@@ -381,7 +392,7 @@ class Pipeline:
         self.preflight(request)
         request = self.pin_models(request)
         try:
-            tracks = self._run(request, progress, rng)
+            tracks = self._run(request, progress, rng, on_audio)
         except BaseException as e:
             # The finished stage frames in the traceback still reference models and activations;
             # clear their locals so a caller that keeps the exception does not keep the memory.
@@ -393,7 +404,7 @@ class Pipeline:
             self.store.release_all()
         return tracks
 
-    def _run(self, request: MM3Request, progress, rng: str) -> list[Track]:
+    def _run(self, request: MM3Request, progress, rng: str, on_audio=None) -> list[Track]:
         source = None
         if request.audio_codes:
             if request.repaints and rng == "reference":
@@ -410,8 +421,9 @@ class Pipeline:
         tracks = []
         numerics = self.numerics(rng)
         for i, song in enumerate(songs):
+            heard = None if on_audio is None else (lambda *piece, song=i: on_audio(song, *piece))
             audio = self.synthesize(request, song, progress, generator=gens[i] if gens else None, source=source,
-                                    numerics=numerics)
+                                    numerics=numerics, on_audio=heard)
             tracks += [Track(audio.waveform[j], audio.sample_rate, replay_request, i, j, song.codes)
                        for j, replay_request in enumerate(audio.requests)]
         return tracks

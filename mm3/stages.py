@@ -15,11 +15,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .ar import PlanSettings, plan, replay
-from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch
+from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch, stitch_piece
 from .codes import AudioCodes
 from .components import MODEL_FIELDS, check_compatible
 from .flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents
 from .numerics import FAST, Numerics
+from .progress import Progress
 from .prompt import Prompt
 from .request import MM3Request, model_mismatch, plan_fields
 from .settings import RepaintSettings, SynthSettings
@@ -288,16 +289,16 @@ def encode(cond_model, cond: ModelFile, song: Song, *, device, dtype: torch.dtyp
 @torch.no_grad()
 def sample(dit_model, dit: ModelFile, conditions: Conditions, synth: SynthSettings, *, device, dtype: torch.dtype,
            numerics: Numerics = FAST, generator: torch.Generator | None = None, progress=None,
-           weight_cache: int | None = None) -> Latents:
+           weight_cache: int | None = None, on_window=None) -> Latents:
     """`mm3.flow.sample_latents` over the conditions: variation j from `synth.seed + j`, or from
     `generator` (the reference RNG). `weight_cache`: bytes of dequantized DiT weights the sampler
-    may keep (None: its own rule)."""
+    may keep (None: its own rule); `on_window`: a `WindowStream`."""
     _fits(conditions, dit)
     warnings = _file_warnings(conditions.song, dit)
     latents = sample_latents(dit_model, conditions.conds, steps=synth.steps, dit_cfg=synth.dit_cfg,
                              seed=None if generator is not None else synth.seed, generator=generator,
                              variations=synth.variations, device=device, dtype=dtype, progress=progress,
-                             weight_cache=weight_cache, **numerics.sampler(synth.steps, synth.shift))
+                             weight_cache=weight_cache, on_window=on_window, **numerics.sampler(synth.steps, synth.shift))
     return Latents(conditions, [x.to(STORE) for x in latents], synth, dit,
                    rng="reference" if generator is not None else "independent", warnings=warnings)
 
@@ -305,7 +306,7 @@ def sample(dit_model, dit: ModelFile, conditions: Conditions, synth: SynthSettin
 @torch.no_grad()
 def repaint(dit_model, dit: ModelFile, conditions: Conditions, source: Latents, settings: RepaintSettings,
             synth: SynthSettings, *, device, dtype: torch.dtype, numerics: Numerics = FAST, progress=None,
-            weight_cache: int | None = None) -> Latents:
+            weight_cache: int | None = None, on_window=None) -> Latents:
     """Seconds [start, end) of the song sampled anew (noise from synth.seed + j for variation j),
     the rest kept from `source`'s first variation: latents of the same codes' windows, from a DiT
     run or from a recording (`encode_recording`)."""
@@ -315,7 +316,8 @@ def repaint(dit_model, dit: ModelFile, conditions: Conditions, source: Latents, 
                         conditions.cond.hparams["output_sampling_rate"], conditions.hop, source.covered)
     latents = sample_latents(dit_model, conditions.conds, steps=synth.steps, dit_cfg=synth.dit_cfg, seed=synth.seed,
                              variations=synth.variations, device=device, dtype=dtype, progress=progress,
-                             weight_cache=weight_cache, keep=keep, **numerics.sampler(synth.steps, synth.shift))
+                             weight_cache=weight_cache, keep=keep, on_window=on_window,
+                             **numerics.sampler(synth.steps, synth.shift))
     kept = source.synth
     if kept is None or (kept.steps, kept.shift, kept.dit_cfg) != (synth.steps, synth.shift, synth.dit_cfg):
         warnings.append("the kept part comes from recorded audio or from other DiT settings: the replay JSON of this "
@@ -352,6 +354,36 @@ def decode(vae_model, vae: ModelFile, latents: Latents, *, device, numerics: Num
                            exact=numerics.exact)
     return Windows(latents, [w.float().to(STORE) for w in waves], hop, int(vae.hparams["sampling_rate"]), vae,
                    warnings)
+
+
+class WindowStream:
+    """Decodes each window the moment the sampler finishes it (`sample(..., on_window=stream)`)
+    and hands on the samples the stitch keeps: `on_audio(k, windows, samples [V, 2, T_k] float32
+    CPU, sample_rate)`, so the song is heard before its last window is denoised. `windows(latents)`
+    is then the same `Windows` as `decode` makes, without decoding again."""
+
+    def __init__(self, vae_model, vae: ModelFile, conditions: Conditions, on_audio, *, device,
+                 numerics: Numerics = FAST, progress: Progress | None = None):
+        _fits(conditions, vae)
+        self.vae_model, self.vae, self.on_audio, self.device, self.numerics = vae_model, vae, on_audio, device, numerics
+        self.progress = progress or Progress()
+        self.count, self.hop = len(conditions.conds), conditions.hop
+        self.sample_rate = int(vae.hparams["sampling_rate"])
+        self.waves: list[torch.Tensor] = []
+
+    def __call__(self, k: int, latent: torch.Tensor) -> None:
+        quiet = Progress(should_stop=self.progress.should_stop)
+        (wave,) = decode_windows(self.vae_model, [latent], hop=self.hop, device=self.device, progress=quiet,
+                                 exact=self.numerics.exact)
+        self.waves.append(wave.float().to(STORE))
+        self.progress.on_progress("vae", k + 1, self.count, {"window": k, "windows": self.count})
+        self.on_audio(k, self.count, stitch_piece(self.waves[-1], k, self.count, self.hop), self.sample_rate)
+
+    def windows(self, latents: Latents) -> Windows:
+        if len(self.waves) != len(latents.latents):
+            raise RuntimeError(f"{len(self.waves)} windows decoded of {len(latents.latents)}")
+        return Windows(latents, self.waves, self.hop, self.sample_rate, self.vae,
+                       _file_warnings(latents.conditions.song, self.vae))
 
 
 def stitch_windows(windows: Windows) -> Audio:
