@@ -21,7 +21,7 @@ from .errors import RunError
 from .cpu_bf16 import dit_dtype
 from .device import dit_weight_budget, model_device
 from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
-from .matmul import CPU_SCRATCH, as_outside_onednn, onednn_matmul, pays_for
+from .matmul import CPU_SCRATCH, onednn_matmul, pays_for
 from .progress import Cancelled, Progress
 
 WINDOW_FRAMES = 200  # before_denoise.py: 200-frame windows ...
@@ -236,7 +236,6 @@ class _Run:
     windows: int
     total: int  # progress units: windows x groups x steps
     keep: "Keep | None" = None
-    on_window: "Callable[[int, torch.Tensor], None] | None" = None
 
     @property
     def steps(self) -> int:
@@ -260,67 +259,91 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
     `fast_matmul`: oneDNN float32 products on a CPU (None: unless `cfg_batch` is False). `shift`:
     of the schedule (`flow_sigmas`). `keep`: a repaint's kept part (`Keep`). `compute_dtype`: of
     the DiT's forward (None: `mm3.cpu_bf16.dit_dtype`'s rule). `on_window(k, latent)`: called as
-    each window is done, computing as outside the sampler. Cancel check before every step.
+    each window is done, outside the sampler's settings. Cancel check before every step.
     """
-    gens = _check_args(steps, dit_cfg, seed, generator, variations)
     if not conditions:
         raise ValueError("no window conditions to sample (encode_conditions returns one per window)")
-    device = model_device(dit) if device is None else torch.device(device)
     if keep is not None:
         keep.check(conditions, dit.in_channels)
-    group = max(1, min(int(variation_batch), variations))
-    n_groups = -(-variations // group)
-    if compute_dtype is None:
-        compute_dtype = dit_dtype(device, dtype) if cfg_batch else dtype
-    run = _Run(dit, flow_sigmas(steps, shift).to(device), float(dit_cfg), cfg_batch, group, device, dtype,
-               compute_dtype, progress or Progress(), len(conditions), len(conditions) * n_groups * steps, keep,
-               on_window)
-    budget = dit_weight_budget(device) if weight_cache is None else int(weight_cache)
-    own = budget > 0 and dequantized_nbytes(dit) == 0  # copies someone else keeps are left alone
-    if own:
-        cache_dequantized(dit, compute_dtype, budget, device)
-    try:
-        with onednn_matmul(device, (cfg_batch and pays_for(dit)) if fast_matmul is None else fast_matmul):
-            return _sample_windows(run, conditions, gens)
-    finally:
-        if own:
-            release_dequantized(dit)
-        CPU_SCRATCH.clear()
-
-
-def _sample_windows(run: _Run, conditions: list[torch.Tensor], gens: list[torch.Generator]) -> list[torch.Tensor]:
-    variations, channels = len(gens), run.dit.in_channels
-    n_groups = -(-variations // run.group)
-    out, prev_lat, prev_cond = [], None, None
-    for k, given in enumerate(conditions):
-        cond = given.to(device=run.device, dtype=run.dtype, copy=True)  # [1, L, D]; the carry writes into it
-        length = cond.shape[1]
-        ov = 0
-        if prev_lat is not None:
-            ov = min(prev_lat.shape[-1], length)
-            cond[:, :ov] = prev_cond[:, :ov]
-        noise = torch.cat([torch.randn((1, channels, length), generator=g) for g in gens])  # CPU, float32
-        noise = noise.to(device=run.device, dtype=run.dtype)
-        kept = None
-        if run.keep is not None:
-            orig = run.keep.latents[k].to(device=run.device, dtype=run.dtype).expand(variations, -1, -1)
-            kept = (orig, run.keep.masks[k].to(device=run.device, dtype=run.dtype))
-        lat = []
-        for gi in range(n_groups):
-            sl = slice(gi * run.group, min((gi + 1) * run.group, variations))
-            ctx = dict(window=k, windows=run.windows, variations=(sl.start, sl.stop))
-            lat.append(_denoise_window(run, noise[sl], cond, None if prev_lat is None else prev_lat[sl], ov, ctx,
-                                       (k * n_groups + gi) * run.steps,
-                                       None if kept is None else (kept[0][sl], kept[1])))
-        x = torch.cat(lat)
-        a = max(0, length - 2 * OVERLAP_LATENTS)
-        b = max(a, length - OVERLAP_LATENTS)
-        prev_lat, prev_cond = x[..., a:b], cond[:, a:b]  # carried to the next window
-        out.append(x)
-        if run.on_window is not None:
-            with as_outside_onednn():
-                run.on_window(k, x)
+    sampler = WindowSampler(dit, windows=len(conditions), steps=steps, dit_cfg=dit_cfg, seed=seed, generator=generator,
+                            variations=variations, variation_batch=variation_batch, cfg_batch=cfg_batch,
+                            device=device, dtype=dtype, progress=progress, weight_cache=weight_cache,
+                            fast_matmul=fast_matmul, shift=shift, keep=keep, compute_dtype=compute_dtype)
+    out = []
+    with sampler:
+        for k, given in enumerate(conditions):
+            out.append(sampler.window(k, given))
+            if on_window is not None:
+                on_window(k, out[-1])
     return out
+
+
+class WindowSampler:
+    """`sample_latents` one window at a time, in order: `window(k, condition)` denoises window k and
+    carries its overlap to window k + 1, so the windows of a song still being planned can follow
+    as their frames come, with the numbers `sample_latents` gives. Used as a context manager (the
+    DiT's weight copies live inside it); `windows`: the expected count, for progress reports."""
+
+    def __init__(self, dit, *, windows: int, steps: int = DEFAULT_STEPS, dit_cfg: float = DEFAULT_DIT_CFG,
+                 seed: int | None = None, generator=None, variations: int = 1, variation_batch: int = 1,
+                 cfg_batch: bool = True, device=None, dtype: torch.dtype = torch.float32,
+                 progress: Progress | None = None, weight_cache: int | None = None, fast_matmul: bool | None = None,
+                 shift: float = 1.0, keep: Keep | None = None, compute_dtype: torch.dtype | None = None):
+        self.gens = _check_args(steps, dit_cfg, seed, generator, variations)
+        device = model_device(dit) if device is None else torch.device(device)
+        group = max(1, min(int(variation_batch), variations))
+        self.n_groups = -(-variations // group)
+        if compute_dtype is None:
+            compute_dtype = dit_dtype(device, dtype) if cfg_batch else dtype
+        self.run = _Run(dit, flow_sigmas(steps, shift).to(device), float(dit_cfg), cfg_batch, group, device, dtype,
+                        compute_dtype, progress or Progress(), windows, windows * self.n_groups * steps, keep)
+        self.budget = dit_weight_budget(device) if weight_cache is None else int(weight_cache)
+        self.fast = (cfg_batch and pays_for(dit)) if fast_matmul is None else fast_matmul
+        self.own = False
+        self.prev_lat = self.prev_cond = None
+
+    def __enter__(self):
+        dit, run = self.run.dit, self.run
+        self.own = self.budget > 0 and dequantized_nbytes(dit) == 0  # copies someone else keeps are left alone
+        if self.own:
+            cache_dequantized(dit, run.compute_dtype, self.budget, run.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.own:
+            release_dequantized(self.run.dit)
+        CPU_SCRATCH.clear()
+        return False
+
+    def window(self, k: int, given: torch.Tensor) -> torch.Tensor:
+        """Window k's latents [variations, C, L_k] from its condition [1, L_k, D] (not modified)."""
+        run, gens = self.run, self.gens
+        variations, channels, n_groups = len(gens), run.dit.in_channels, self.n_groups
+        with onednn_matmul(run.device, self.fast):
+            cond = given.to(device=run.device, dtype=run.dtype, copy=True)  # [1, L, D]; the carry writes into it
+            length = cond.shape[1]
+            ov = 0
+            if self.prev_lat is not None:
+                ov = min(self.prev_lat.shape[-1], length)
+                cond[:, :ov] = self.prev_cond[:, :ov]
+            noise = torch.cat([torch.randn((1, channels, length), generator=g) for g in gens])  # CPU, float32
+            noise = noise.to(device=run.device, dtype=run.dtype)
+            kept = None
+            if run.keep is not None:
+                orig = run.keep.latents[k].to(device=run.device, dtype=run.dtype).expand(variations, -1, -1)
+                kept = (orig, run.keep.masks[k].to(device=run.device, dtype=run.dtype))
+            lat = []
+            for gi in range(n_groups):
+                sl = slice(gi * run.group, min((gi + 1) * run.group, variations))
+                ctx = dict(window=k, windows=max(run.windows, k + 1), variations=(sl.start, sl.stop))
+                prev = None if self.prev_lat is None else self.prev_lat[sl]
+                lat.append(_denoise_window(run, noise[sl], cond, prev, ov, ctx, (k * n_groups + gi) * run.steps,
+                                           None if kept is None else (kept[0][sl], kept[1])))
+            x = torch.cat(lat)
+            a = max(0, length - 2 * OVERLAP_LATENTS)
+            b = max(a, length - OVERLAP_LATENTS)
+            self.prev_lat, self.prev_cond = x[..., a:b], cond[:, a:b]  # carried to the next window
+        return x
 
 
 def _denoise_window(run: _Run, x, cond, prev, ov, ctx, done0, kept=None):

@@ -136,31 +136,10 @@ def onednn_matmul(device, enabled: bool = True):
         return
     old = flags.fp32_precision
     flags.fp32_precision = "bf16"
-    _OUTSIDE.append(old)
     try:
         yield True
     finally:
-        _OUTSIDE.pop()
         flags.fp32_precision = old
-
-
-_OUTSIDE: list[str] = []  # the precision each open `onednn_matmul` block replaced
-
-
-@contextmanager
-def as_outside_onednn():
-    """Within an `onednn_matmul` block, products computed as outside it: a vocoder window decoded
-    between two DiT windows gives the samples it gives alone."""
-    flags = _flag()
-    if flags is None or not _OUTSIDE:
-        yield
-        return
-    inside = flags.fp32_precision
-    flags.fp32_precision = _OUTSIDE[0]
-    try:
-        yield
-    finally:
-        flags.fp32_precision = inside
 
 
 def pays_for(dit) -> bool:

@@ -175,3 +175,22 @@ def test_prompt_over_the_budget_is_refused_with_the_count(pack, tiny):
     with pytest.raises(ValueError, match=r"Prompt exceeds the 5000 token budget: the assembled prompt has \d+ tokens "
                                          r"\(caption \d+ chars, lyrics \d+ chars\): shorten the caption or lyrics$"):
         logic.assemble_prompt(hs["lm"], CAPTION, "[verse]\n" + "la " * 3000)
+
+
+def test_a_plan_continues_a_song_from_the_graph(pack, tiny):
+    """AR Plan with prior codes: the new song starts with the prior's codes, its replay request
+    holds them all (no continue_codes left), and it is planned past the prior's length."""
+    from mm3 import stages
+
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    m = {k: hs[k].model() for k in ("lm", "depth")}
+    prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
+    (first,), _ = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
+                                   PlanSettings(duration=0.4, lm_seed=3), device="cpu", dtype=torch.float32)
+    (longer,), _ = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
+                                    PlanSettings(duration=0.8, lm_seed=4), device="cpu", dtype=torch.float32,
+                                    prior=first)
+    n = first.codes.codes.shape[0]
+    assert torch.equal(longer.codes.codes[:n], first.codes.codes) and longer.frames > first.frames
+    made = stages.request_of(longer)
+    assert made.continue_codes == "" and made.audio_codes == longer.codes.to_request_codes()
