@@ -68,7 +68,7 @@ def test_ctrl_c_in_each_stage(tiny, tmp_path, capsys, monkeypatch, spy, stage, f
         from mm3 import ar
 
         real_replay = ar.replay
-        monkeypatch.setattr("mm3.pipeline.replay", lambda *a, **k: real_replay(*a, **{**k, "chunk": 16}))
+        monkeypatch.setattr("mm3.stages.replay", lambda *a, **k: real_replay(*a, **{**k, "chunk": 16}))
     events = []
     real = jobs_cli.Console.on_progress
 
