@@ -2,9 +2,9 @@
 
 `build_tiny(out)` writes `out/diffusers/` in the layout diffusers 0.42.1 loads with
 `ModularPipeline.from_pretrained(dir)` + `load_components()`, `out/diffusers/dav.pth` (the vocoder
-encoder in its training names) and, unless told not to, the five GGUFs
-`MiniMax-Music3-tiny-<subfolder>-F32.gguf` in `out/` through `mm3.tools.convert` (replacing only
-earlier tiny files), so OUT is a models folder. Only torch, safetensors and json are needed.
+encoder in its training names) and, unless told not to, the five GGUF files in `out/` itself
+(`MiniMax-Music3-tiny-<subfolder>-F32.gguf`, through `mm3.tools.convert`, replacing only earlier
+tiny files), so OUT is a models folder. Only torch, safetensors and json are needed.
 """
 
 from __future__ import annotations
