@@ -169,13 +169,9 @@ class Pipeline:
     def pin_models(self, request: MM3Request, kinds: tuple[str, ...] = KINDS) -> MM3Request:
         """`request` naming the file each of `kinds` resolves to (its name in the models folder)
         with that file's fingerprint, as a replay request records them."""
-        names, prints = {}, dict(request.model_fingerprints)
-        for kind in kinds:
-            field = MODEL_FIELDS[kind]
-            path = self.registry.resolve(kind, getattr(request, field))
-            names[field] = self.registry.name_of(path)
-            prints[field] = file_fingerprint(path)
-        return replace(request, **names, model_fingerprints=prints)
+        files = [self.model_file(kind, request) for kind in kinds]
+        prints = dict(request.model_fingerprints) | {f.request_field: f.fingerprint for f in files}
+        return replace(request, **{f.request_field: f.name for f in files}, model_fingerprints=prints)
 
     def match_models(self, request: MM3Request, *, recorded: tuple[str, ...] = tuple(MODEL_FIELDS.values()),
                      strict: bool = False, kinds: tuple[str, ...] = KINDS) -> tuple[MM3Request, list[str]]:

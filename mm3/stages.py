@@ -15,10 +15,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .ar import PlanSettings, plan, replay
-from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, stitch, stitch_piece
+from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, encode_audio, stitch, stitch_piece
 from .codes import AudioCodes
 from .components import MODEL_FIELDS, check_compatible
-from .flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents
+from .flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents, windows_from_timeline
 from .numerics import FAST, Numerics
 from .progress import Progress
 from .prompt import Prompt
@@ -202,11 +202,11 @@ def _synth_fields(latents: Latents, song: Song) -> dict:
         return out | dict(seed=synth.seed, repaint_start=-1.0, repaint_end=-1.0, repaint_seed=-1, source_codes="")
     source = latents.source
     kept_seed = source.synth.seed if source.synth is not None else (song.origin or MM3Request()).seed
-    source_codes = source.conditions.song.codes.to_request_codes()
+    kept = source.conditions.song.codes
     r = latents.repaint
     return out | dict(seed=kept_seed, repaint_seed=synth.seed, repaint_start=float(r.start),
                       repaint_end=float(r.end), repaint_fade=float(r.fade),
-                      source_codes="" if source_codes == song.codes.to_request_codes() else source_codes)
+                      source_codes="" if torch.equal(kept.codes, song.codes.codes) else kept.to_request_codes())
 
 
 def replay_requests(result: Song | Windows) -> list[MM3Request]:
@@ -331,9 +331,6 @@ def encode_recording(vae_model, vae: ModelFile, wave: torch.Tensor, sample_rate:
     """A recording [2, T] -> latents laid out as the windows of `conditions`' song, for a repaint
     that keeps parts of it; a recording shorter than the song is padded (the repaint samples
     that part anew)."""
-    from .audio import encode_audio
-    from .flow import windows_from_timeline
-
     _fits(conditions, vae)
     if vae_model.encoder is None:
         raise ValueError(f"{vae.name} holds no encoder (encoder.* tensors): convert the vocoder with its encoder "
