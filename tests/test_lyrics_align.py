@@ -2,6 +2,7 @@
 monotonic alignment, LRC text and the head ranking, on the tiny model and on a tiny LM whose
 attention is constructed so that each frame attends a known lyric line."""
 
+import json
 import math
 import re
 
@@ -293,3 +294,80 @@ def test_lyric_times_checks_the_shape(files):
     prompt = build_prompt(files[2], CAPTION, LYRICS)
     with pytest.raises(ValueError, match="does not fit the prompt's"):
         lyric_times(torch.zeros(5, 3), prompt)
+
+
+# -- the command line ------------------------------------------------------------------------------
+CLI_LYRICS = "[verse]\nneon lights\n[chorus]\nwe run, we run"
+
+
+def _lrc_lines(path):
+    text = path.read_text(encoding="utf-8")
+    stamps = re.findall(r"^\[(\d\d):(\d\d)\.(\d\d)\](.+)$", text, flags=re.MULTILINE)
+    assert len(stamps) == text.count("\n") and stamps
+    seconds = [int(m) * 60 + int(s) + int(c) / 100 for m, s, c, _ in stamps]
+    assert seconds == sorted(seconds)
+    return [t for *_, t in stamps]
+
+
+def test_generate_lrc_and_align_end_to_end(tiny, tmp_path, capsys):
+    from mm3.cli import main
+
+    out = tmp_path / "s.wav"
+    args = ["--models", str(tiny.gguf), "--device", "cpu", "--quiet"]
+    assert main(["generate", *args, "--caption", CAPTION, "--lyrics", CLI_LYRICS, "--duration", "3", "--steps", "2",
+                 "--songs", "2", "--lm-seed", "4", "--out", str(out), "--lrc", "--lrc-heads", "1:*, 0:1"]) == 0
+    for n in (1, 2):
+        texts = _lrc_lines(tmp_path / f"s_0{n}.lrc")
+        assert texts == ["[verse]", "neon lights", "[chorus]", "we run, we run"][:len(texts)]
+        assert json.loads((tmp_path / f"s_0{n}.json").read_text())["lrc_heads"] == "0:1,1:*"
+    # the replay JSON reproduces the LRC: align from the file, and render again with --lrc
+    assert main(["align", *args, "--request", str(tmp_path / "s_02.json"), "--out", str(tmp_path / "a.lrc")]) == 0
+    assert (tmp_path / "a.lrc").read_bytes() == (tmp_path / "s_02.lrc").read_bytes()
+    assert main(["render", *args, "--request", str(tmp_path / "s_02.json"), "--steps", "2", "--lrc",
+                 "--out", str(tmp_path / "r.wav")]) == 0
+    assert (tmp_path / "r.lrc").read_bytes() == (tmp_path / "s_02.lrc").read_bytes()
+    # the default output sits beside the request; it is not overwritten without --overwrite
+    led = _stamps(tmp_path / "s_01.lrc")
+    assert main(["align", *args, "--request", str(tmp_path / "s_01.json"), "--lrc-lead", "0"]) == 2
+    assert _stamps(tmp_path / "s_01.lrc") == led
+    assert main(["align", *args, "--request", str(tmp_path / "s_01.json"), "--lrc-lead", "0", "--overwrite"]) == 0
+    plain = _stamps(tmp_path / "s_01.lrc")
+    assert len(plain) == len(led) and all(abs(a - b - 0.7) < 1e-9 for a, b in zip(led, plain))
+
+    capsys.readouterr()
+    assert main(["align", *args, "--discover", "--request", str(tmp_path / "s_01.json"), str(tmp_path / "s_02.json"),
+                 "--top", "3"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("8 heads (2 layers x 4) over 2 song(s)")
+    assert len(printed) == 2 + 3 + 1 and re.fullmatch(r"--lrc-heads \d:\d,\d:\d,\d:\d", printed[-1])
+
+
+def _stamps(path):
+    return [int(m) * 60 + int(s) + int(c) / 100
+            for m, s, c in re.findall(r"^\[(\d\d):(\d\d)\.(\d\d)\]", path.read_text(), flags=re.MULTILINE)]
+
+
+def test_cli_refuses_bad_heads_before_any_work(tiny, tmp_path, capsys):
+    from mm3.cli import main
+
+    args = ["--models", str(tiny.gguf), "--device", "cpu", "--quiet", "--caption", CAPTION, "--lyrics", CLI_LYRICS,
+            "--duration", "1", "--steps", "2"]
+    out = tmp_path / "s.wav"
+    capsys.readouterr()
+    assert main(["generate", *args, "--out", str(out), "--lrc"]) == 2
+    assert "lyric head 12:27: layer 12 is not in this LM: it has 2 layers (0-1)" in capsys.readouterr().err
+    assert main(["generate", *args, "--out", str(out), "--lrc", "--lrc-heads", "1:4"]) == 2
+    assert "head 4 of layer 1 is not in this LM: it has 4 heads a layer (0-3)" in capsys.readouterr().err
+    assert main(["generate", *args, "--out", str(out), "--lrc", "--lrc-heads", "1;4"]) == 2
+    assert "lyric head '1;4' is not LAYER:HEAD or LAYER:*" in capsys.readouterr().err
+    assert main(["generate", *args, "--out", str(out), "--lrc-heads", "1:1"]) == 2
+    assert "--lrc-heads needs --lrc" in capsys.readouterr().err
+    assert main(["plan", *args[:-2], "--out", str(tmp_path / "p.json"), "--lrc", "--lrc-lead", "30"]) == 2
+    assert "lyric lead must be seconds between -10 and 10" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["plan", *args[:-2], "--out", str(tmp_path / "p.json"), "--lrc", "--lrc-heads", "0:0"]) == 0
+    assert _lrc_lines(tmp_path / "p.lrc")
+    assert main(["align", "--models", str(tiny.gguf), "--request", str(tmp_path / "p.json"), "--lrc-heads", "2:0",
+                 "--out", str(tmp_path / "q.lrc")]) == 2
+    assert "layer 2 is not in this LM: it has 2 layers (0-1)" in capsys.readouterr().err
+    assert not (tmp_path / "q.lrc").exists()
