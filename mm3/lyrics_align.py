@@ -2,8 +2,8 @@
 
 While the replay teacher-forces a song's codes (`mm3.ar.replay`), chosen heads of the LM show
 how much each frame's query attends to each lyric token (`LyricAttention`, a read-only
-`mm3.models.lm.AttentionTap`). Each head's weights over the lyric tokens are normalised per
-frame and the heads averaged; a line's share is the sum over its tokens. A dynamic programme then
+`mm3.models.lm.AttentionTap`). Each head's weights over the lyric tokens, normalised to sum 1
+per frame (as HOT-Step does), are averaged over the heads; a line's share is the sum over its tokens. A dynamic programme then
 assigns the frames to the lines in order (each line at least one frame, starting at "[start]",
 ending at any line: a song may stop before its last line), and a line starts at its first frame.
 
@@ -96,12 +96,6 @@ def check_lead(lead: float) -> float:
     return float(lead)
 
 
-def _lyric_shares(weights: torch.Tensor) -> torch.Tensor:
-    """Each head's weights [..., T] over the lyric tokens normalised to sum 1 (0 where all are 0)."""
-    total = weights.sum(-1, keepdim=True)
-    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(weights.dtype).tiny), 0.0)
-
-
 class _FrameTap(AttentionTap):
     """A tap over the lyric tokens of `prompt` that keeps only the queries of frames 0 .. frames - 1
     (the prompt's own queries, when tapped, are skipped)."""
@@ -111,8 +105,9 @@ class _FrameTap(AttentionTap):
         self.first_frame, self.frames = prompt.num_tokens, frames
 
     def frame_rows(self, position: int, weights: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(first frame, this call's shares [heads, s', T] of the conditional row)."""
-        shares = _lyric_shares(weights[0].float())
+        """(first frame, this call's shares [heads, s', T] of the conditional row: each head's
+        attention over the lyric tokens, summing to 1)."""
+        shares = weights[0]
         skip = max(0, self.first_frame - position)
         first = position + skip - self.first_frame
         return first, shares[:, skip:skip + max(0, self.frames - first)].cpu()

@@ -193,6 +193,41 @@ def test_plan_and_replay_with_lyric_heads_keeps_the_same_songs(files):
         assert seconds == sorted(seconds) and seconds[-1] <= b.frames / 25 + 0.7
 
 
+def test_the_tap_is_the_attention_renormalised_over_its_span():
+    """What a tap sees equals the layer's full attention (softmax over every key it may see, the
+    key head of each query head as grouped-query attention picks it) restricted to the span and
+    renormalised; a query that sees none of the span gets 0."""
+    from mm3.models.lm import AttentionTap, Qwen3Attention
+
+    class Seen(AttentionTap):
+        def __init__(self):
+            self.heads, self.keys, self.seen = {3: (0, 2, 5)}, (4, 9), []
+
+        def observe(self, layer, position, weights):
+            self.seen.append((layer, position, weights))
+
+    attn = Qwen3Attention.__new__(Qwen3Attention)
+    torch.nn.Module.__init__(attn)
+    attn.heads, attn.kv_heads, attn.head_dim = 6, 2, 8
+    g = torch.Generator().manual_seed(1)
+    for s, n, case in ((10, 10, "causal"), (5, 12, "mask"), (1, 12, "none")):
+        tap = Seen()
+        attn.taps = (tap,)
+        q, keys = torch.randn(2, 6, s, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+        start = n - s
+        visible = torch.arange(n)[None] <= torch.arange(start, n)[:, None]
+        attn._show(q, keys, visible if case == "mask" else None, case == "causal", start, 3)
+        ((layer, position, w),) = tap.seen
+        assert (layer, position) == (3, start) and w.shape == (2, 3, s, 5)
+        full = torch.matmul(q, keys.repeat_interleave(3, dim=1).transpose(-1, -2)) / 8 ** 0.5
+        full = full.masked_fill(~visible, -float("inf")).softmax(-1)[:, [0, 2, 5], :, 4:9]
+        total = full.sum(-1, keepdim=True)
+        want = torch.where(total > 0, full / total, 0.0)
+        assert torch.allclose(w, want, atol=1e-6), case
+        if case == "causal":
+            assert (w[:, :, :4] == 0).all() and torch.allclose(w[:, :, 4:].sum(-1), torch.ones(2, 3, 6))
+
+
 # -- heads -----------------------------------------------------------------------------------------
 def test_heads_parse_and_print():
     assert LyricHeads.parse("").pairs == DEFAULT_HEADS and LyricHeads.parse("  ").is_default

@@ -132,12 +132,14 @@ class KVCache:
 
 
 class AttentionTap:
-    """A read-only view of some heads' attention weights (`Qwen3LM.tapped`). `heads` maps a layer
-    to the heads read there, `keys` is the span (first, stop) of key positions kept. A tapped layer
-    also computes those heads' weights explicitly (float32 softmax of the same queries and keys;
-    its output still comes from the fused attention, so no number changes) and hands them to
-    `observe(layer, position, weights [rows, len(heads), s, stop - first])`: the `s` queries at
-    positions `position` .. `position + s - 1`."""
+    """A read-only view of some heads' attention over a span of keys (`Qwen3LM.tapped`). `heads`
+    maps a layer to the heads read there, `keys` is the span (first, stop) of key positions. A
+    tapped layer also computes those heads' attention weights explicitly (float32, from the same
+    queries and keys; its output still comes from the fused attention, so no number changes),
+    renormalised over the span: the weights the head gives each key of the span divided by what
+    it gives the whole span (0 for a query that sees none of it), which is the softmax of the
+    span's scores alone. It hands them to `observe(layer, position, weights [rows, len(heads), s,
+    stop - first])` for the `s` queries at positions `position` .. `position + s - 1`."""
 
     heads: dict[int, tuple[int, ...]] = {}
     keys: tuple[int, int] = (0, 0)
@@ -191,22 +193,22 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out)
 
     def _show(self, q, keys, mask, causal: bool, position: int, layer: int) -> None:
-        """The tapped heads' attention weights, computed apart from the layer's own attention."""
+        """Each tap's heads' attention over its key span, computed apart from the layer's own."""
         group = self.heads // self.kv_heads  # query head h reads key head h // group (enable_gqa)
-        s, n = q.shape[2], keys.shape[2]
-        if causal:
-            mask = torch.ones(s, n, dtype=torch.bool, device=q.device).tril()
+        s = q.shape[2]
         for tap in self.taps:
             first, stop = tap.keys
-            weights = []
-            for h in tap.heads[layer]:
-                kv = h // group
-                scores = torch.matmul(q[:, h:h + 1].float(), keys[:, kv:kv + 1].float().transpose(-1, -2))
-                scores = scores * self.head_dim ** -0.5  # [rows, 1, s, n]
-                if mask is not None:
-                    scores = scores.masked_fill(~mask, -float("inf"))
-                weights.append(scores.softmax(-1)[..., first:stop])
-            tap.observe(layer, position, torch.cat(weights, dim=1))
+            heads = list(tap.heads[layer])
+            kv = torch.tensor([h // group for h in heads], device=q.device)
+            span = keys[:, :, first:stop].float()[:, kv]  # [rows, heads, T, head_dim]
+            scores = torch.matmul(q[:, heads].float() * self.head_dim ** -0.5, span.transpose(-1, -2))
+            if causal:  # from an empty cache: query i (position i) sees keys 0 .. i
+                blocked = torch.arange(first, stop, device=q.device)[None] > torch.arange(s, device=q.device)[:, None]
+            else:
+                blocked = None if mask is None else ~mask[..., first:stop]
+            if blocked is not None:
+                scores.masked_fill_(blocked, -float("inf"))
+            tap.observe(layer, position, scores.softmax(-1).nan_to_num_(0.0))  # a query that sees none of it: 0
 
 
 class Qwen3MLP(nn.Module):
