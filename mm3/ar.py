@@ -21,9 +21,9 @@ from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAM
 from .device import ar_weight_budget, keeps_ar_copies, model_device
 from .errors import RunError
 from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
+from .lyrics_align import LyricAttention, LyricHeads
 from .matmul import CPU_SCRATCH, onednn_matmul
 from .models.depth import RVQDepthDecoder
-from .lyrics_align import LyricAttention, LyricHeads
 from .models.lm import AttentionTap, KVCache, Qwen3LM
 from .models.lm import activation_bytes as lm_activation_bytes
 from .progress import Cancelled, Progress
