@@ -21,9 +21,10 @@ from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAM
 from .device import ar_weight_budget, keeps_ar_copies, model_device
 from .errors import RunError
 from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
+from .lyrics_align import LyricAttention, LyricHeads
 from .matmul import CPU_SCRATCH, onednn_matmul
 from .models.depth import RVQDepthDecoder
-from .models.lm import KVCache, Qwen3LM
+from .models.lm import AttentionTap, KVCache, Qwen3LM
 from .models.lm import activation_bytes as lm_activation_bytes
 from .progress import Cancelled, Progress
 from .prompt import Prompt
@@ -463,11 +464,18 @@ def _feed_frames(lm: Qwen3LM, depth: RVQDepthDecoder, codes: torch.Tensor, off: 
 @torch.no_grad()
 def replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, codes: torch.Tensor, *,
            device: torch.device | None = None, dtype: torch.dtype = torch.float32, chunk: int = 512,
-           progress: Progress | None = None, lm_seed: int | None = None, ended: bool = False) -> AudioCodes:
+           progress: Progress | None = None, lm_seed: int | None = None, ended: bool = False,
+           lyric_heads: LyricHeads | None = None, tap: AttentionTap | None = None,
+           hiddens: bool = True) -> AudioCodes:
     """Frame hiddens of known codes [F + 1, ncb] by teacher forcing: prefill the conditional prompt,
     one LM pass over the fed-back frames 0 .. F - 1 (the hidden after frame k - 1 predicted frame k),
     then for each frame k >= 1 one causal depth pass over [LM hidden, c0, c1 .. c6] whose positions
-    1 .. 7 are the depth states. Processed in chunks of `chunk` frames (cancel check between them)."""
+    1 .. 7 are the depth states. Processed in chunks of `chunk` frames (cancel check between them).
+
+    `lyric_heads`: also each frame's attention onto the lyrics at those heads, kept as the result's
+    `lyric_attention` (`mm3.lyrics_align`); `tap`: another read-only attention tap over the frames.
+    Neither changes a number. `hiddens` False: the attention only (no depth passes, no layer past
+    the deepest tapped one; the result has no frame hiddens)."""
     _check_pair(lm, depth, prompt)
     device = model_device(lm) if device is None else torch.device(device)
     progress = progress or Progress()
@@ -478,36 +486,44 @@ def replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, codes: torch.Ten
     if n_prompt + n > lm.max_positions:
         raise ValueError(f"{n} frames after a {n_prompt}-token prompt exceed the LM context {lm.max_positions}")
     codes_d = codes.to(device)
+    lyrics = None if lyric_heads is None else LyricAttention(prompt, lyric_heads.resolve(lm.cfg), n)
+    taps = [t for t in (lyrics, tap) if t is not None]
+    last_layer = None if hiddens or not taps else max(layer for t in taps for layer in t.heads)
     try:
         with onednn_matmul(device):  # chunks of frames: GEMMs, where oneDNN beats MKL (mm3.matmul)
             cache = lm.new_cache(1, n_prompt + n, dtype, device)
-            lm(lm.embed(prompt.ids[:1].to(device), dtype), cache)
+            lm(lm.embed(prompt.ids[:1].to(device), dtype), cache, stop_after=last_layer)
 
-            out = torch.empty(n, ncb, lm.hidden_size, dtype=dtype, device=device)
+            out = torch.empty(n, ncb, lm.hidden_size, dtype=dtype, device=device) if hiddens else None
             for a in range(0, n, chunk):
                 if progress.should_stop():
                     raise Cancelled(f"replay cancelled at frame {a} of {n}")
                 b = min(a + chunk, n)
                 fed = frame_feedback(lm, depth, codes_d[a:b], cs.code_offset, dtype)  # frames a .. b-1: [m, 1, H]
-                hid = lm(fed.transpose(0, 1), cache)[0]  # [m, H]: hidden after frame k predicts frame k + 1
-                nxt = codes_d[a + 1:b + 1]  # the frames those hiddens predicted
-                seq = [depth.projection(hid)[:, None],
-                       depth.projection(lm.embed(nxt[:, 0] + cs.code_offset, dtype))[:, None]]
-                seq += [depth.projection(depth.code_embedding(nxt[:, j], j, dtype))[:, None] for j in range(1, ncb - 1)]
-                states = depth(torch.cat(seq, dim=1))  # [m, ncb, H]
-                out[a:b, 0] = hid
-                out[a:b, 1:] = states[:, 1:]
+                with lm.tapped(*taps):
+                    hid = lm(fed.transpose(0, 1), cache, stop_after=last_layer)[0]  # [m, H]: predicts frame k + 1
+                if hiddens:
+                    nxt = codes_d[a + 1:b + 1]  # the frames those hiddens predicted
+                    seq = [depth.projection(hid)[:, None],
+                           depth.projection(lm.embed(nxt[:, 0] + cs.code_offset, dtype))[:, None]]
+                    seq += [depth.projection(depth.code_embedding(nxt[:, j], j, dtype))[:, None]
+                            for j in range(1, ncb - 1)]
+                    states = depth(torch.cat(seq, dim=1))  # [m, ncb, H]
+                    out[a:b, 0] = hid
+                    out[a:b, 1:] = states[:, 1:]
                 progress.on_progress("replay", b, n, {"frames": n})
     finally:
         CPU_SCRATCH.clear()
-    return AudioCodes(codes, out, prompt, lm_seed, ended)
+    return AudioCodes(codes, out, prompt, lm_seed, ended,
+                      lyric_attention=None if lyrics is None else lyrics.attention())
 
 
 def plan_and_replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings, *,
                     device: torch.device | None = None, dtype: torch.dtype = torch.float32,
                     progress: Progress | None = None, weight_budget: int | None = None,
-                    prefix: torch.Tensor | None = None) -> list[AudioCodes]:
-    """Sample the songs, then rebuild each one's hiddens from its codes by teacher forcing.
+                    prefix: torch.Tensor | None = None, lyric_heads: LyricHeads | None = None) -> list[AudioCodes]:
+    """Sample the songs, then rebuild each one's hiddens from its codes by teacher forcing (with
+    `lyric_heads`, also their lyric attention: `replay`).
 
     The synthesis then depends on the codes alone (sampled and replayed hiddens differ by float
     rounding of the batch shape only), so a song's codes, saved and rendered again, give the same
@@ -515,4 +531,4 @@ def plan_and_replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, setting
     songs = plan(lm, depth, prompt, settings, device=device, dtype=dtype, progress=progress,
                  weight_budget=weight_budget, prefix=prefix, keep_hiddens=False)
     return [replay(lm, depth, prompt, s.codes, device=device, dtype=dtype, progress=progress, lm_seed=s.lm_seed,
-                   ended=s.ended_naturally) for s in songs]
+                   ended=s.ended_naturally, lyric_heads=lyric_heads) for s in songs]

@@ -10,7 +10,7 @@ import sys
 from .errors import Cancelled, InputError, MM3Error
 
 # Modules that register a subcommand through `add_cli(subparsers)`.
-TOOLS = ("mm3.jobs_cli", "mm3.tools.info", "mm3.tools.tiny", "mm3.tools.convert", "mm3.tools.quantize",
+TOOLS = ("mm3.jobs_cli", "mm3.align_cli", "mm3.tools.info", "mm3.tools.tiny", "mm3.tools.convert", "mm3.tools.quantize",
          "mm3.tools.download", "mm3.codec", "mm3.demo", "mm3.bench")
 
 

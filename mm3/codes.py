@@ -34,7 +34,9 @@ class AudioCodes:
     codes: [F + 1, num_codebooks] int64, row 0 = frame 0; frame_hiddens: [F, num_codebooks, H]
     float (conditional row: the LM hidden that predicted the frame, then the 7 depth states), or
     None when only the codes are known; prompt: the Prompt it came from; lm_seed: the seed of its
-    generator (None for an explicit generator); ended_naturally: the LM chose END before the cap.
+    generator (None for an explicit generator); ended_naturally: the LM chose END before the cap;
+    lyric_attention: [F, lyric tokens] float32, each frame's attention onto the lyrics when the
+    replay was asked for it (`mm3.lyrics_align.LyricAttention`), else None.
     """
 
     codes: torch.Tensor
@@ -43,6 +45,7 @@ class AudioCodes:
     lm_seed: int | None = None
     ended_naturally: bool = False
     take: int = -1  # the candidate it is among its request's takes (`mm3.takes`); -1: no takes
+    lyric_attention: torch.Tensor | None = None
 
     @property
     def frames(self) -> int:

@@ -20,6 +20,7 @@ from .constants import FORMAT_EXTENSIONS, RNG_MODES
 from .output import FileBatch, OutputError, atomic_write, render
 from .progress import STAGES, Progress
 from .request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
+from .lyrics_align import LEAD_SECONDS, LyricHeads, check_lead, song_lrc
 from .stages import replay_requests
 from .shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, PENALTIES
 
@@ -71,10 +72,30 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
         args.recorded_models = tuple(f for f in MODEL_FIELDS.values() if f not in overrides and getattr(req, f))
     if getattr(args, "rng", None) is not None:
         overrides["rng"] = args.rng
+    overrides |= _lrc_overrides(args)
     req = replace(req, **overrides)
     if not need_text and req.audio_codes and not (req.caption.strip() and req.lyrics.strip()):
         raise RequestError("caption and lyrics are required")
     return req
+
+
+def _lrc_overrides(args) -> dict:
+    """--lrc-heads (canonical; "" for the default heads) and --lrc-lead, which need --lrc."""
+    heads, lead = getattr(args, "lrc_heads", None), getattr(args, "lrc_lead", None)
+    if (heads is not None or lead is not None) and not getattr(args, "lrc", False):
+        raise RequestError(f"{'--lrc-heads' if heads is not None else '--lrc-lead'} needs --lrc (write the lyric "
+                           "timestamps)")
+    out = {}
+    if heads is not None:
+        parsed = LyricHeads.parse(heads)
+        out["lrc_heads"] = "" if parsed.is_default else str(parsed)
+    if lead is not None:
+        out["lrc_lead"] = check_lead(lead)
+    return out
+
+
+def _lrc_path(path: Path) -> Path:
+    return path.with_suffix(".lrc")
 
 
 def _format_for(out: Path, req: MM3Request, explicit: str | None) -> str:
@@ -184,8 +205,10 @@ def _match_models(pipe, req: MM3Request, args, kinds=None) -> MM3Request:
     return req
 
 
-def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool, quiet: bool) -> list[Path]:
-    """Every track and its replay JSON, all or nothing: staged as temporaries, then renamed."""
+def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool, quiet: bool,
+                  lrc: bool = False) -> list[Path]:
+    """Every track and its replay JSON (and with `lrc` its lyric timestamps), all or nothing:
+    staged as temporaries, then renamed."""
     start = time.perf_counter()
     lines = []
     written = replace(req.output_settings(), format=fmt)
@@ -196,6 +219,8 @@ def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool,
                                    mp3_bitrate=written.mp3_bitrate, sample_rate=track.sample_rate))
             replay_req = replace(track.request, output_format=fmt)
             batch.add(path.with_suffix(".json"), (replay_req.to_json() + "\n").encode())
+            if lrc:
+                batch.add(_lrc_path(path), song_lrc(track.codes, lead=req.lrc_lead).encode("utf-8"))
             seconds = track.audio.shape[-1] / track.sample_rate
             lines.append(f"wrote {path} ({seconds:.1f} s of audio, song {track.song + 1} variation "
                          f"{track.variation + 1}, lm_seed {replay_req.lm_seed}, seed {replay_req.seed})")
@@ -226,16 +251,18 @@ def cmd_generate(args, req: MM3Request | None = None, pipe=None) -> int:
     req = replace(req, output_format=fmt).validate()
     count = req.synth_batch_size * (1 if req.audio_codes else req.lm_batch_size)
     targets = [numbered(out, count, n) for n in range(count)]
-    _check_targets(targets + [t.with_suffix(".json") for t in targets], args.overwrite)
+    lrc = bool(getattr(args, "lrc", False))
+    _check_targets(targets + [t.with_suffix(".json") for t in targets] + [_lrc_path(t) for t in targets if lrc],
+                   args.overwrite)
     stream = _window_writer(args, out, req)
     if pipe is None:
         pipe = _pipeline(args)
         req = _match_models(pipe, req, args)
     with Console(args.quiet) as console:
-        tracks = pipe.run(req, console.progress(), on_audio=stream)
+        tracks = pipe.run(req, console.progress(), on_audio=stream, lyric_heads=req.lyric_heads() if lrc else None)
     _print_takes(pipe, args.quiet)
     start = time.perf_counter()
-    _write_tracks(tracks, out, fmt, req, args.overwrite, args.quiet)
+    _write_tracks(tracks, out, fmt, req, args.overwrite, args.quiet, lrc)
     pipe.timings.add("write", time.perf_counter() - start)
     pipe.timings.add("load", pipe.store.load_seconds)
     if not args.quiet:
@@ -311,14 +338,15 @@ def cmd_plan(args) -> int:
     req = req.validate().resolve_seeds()
     out = Path(args.out)
     targets = [numbered(out, req.lm_batch_size, n) for n in range(req.lm_batch_size)]
-    _check_targets(targets, args.overwrite)
+    heads = req.lyric_heads() if args.lrc else None
+    _check_targets(targets + [_lrc_path(t) for t in targets if heads], args.overwrite)
     pipe = _pipeline(args)
     req = _match_models(pipe, req, args, kinds=("lm", "depth"))
-    pipe.preflight(req, kinds=("lm", "depth"))
+    pipe.preflight(req, kinds=("lm", "depth"), lyric_heads=heads)
     req = pipe.pin_models(req, kinds=("lm", "depth"))
     try:
         with Console(args.quiet) as console:
-            songs, _ = pipe.plan(req, console.progress())
+            songs, _ = pipe.plan(req, console.progress(), lyric_heads=heads)
     finally:
         pipe.store.release_all()
     _print_takes(pipe, args.quiet)
@@ -327,6 +355,8 @@ def cmd_plan(args) -> int:
         for i, (song, path) in enumerate(zip(songs, targets)):
             (replay_req,) = replay_requests(song)
             batch.add(path, (replay_req.to_json() + "\n").encode())
+            if heads:
+                batch.add(_lrc_path(path), song_lrc(song.codes, lead=req.lrc_lead).encode("utf-8"))
             how = "ended by itself" if song.codes.ended_naturally else "reached the duration cap"
             lines.append(f"wrote {path}: {song.frames} frames ({song.frames / 25:.2f} s, {how}), "
                          f"lm_seed {replay_req.lm_seed}")
@@ -392,6 +422,8 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
                    help="random streams: independent (lm_seed for the AR, seed for the DiT noise) or reference (one "
                         "generator drives AR then DiT noise, as the diffusers pipeline); default: the request's "
                         "rng field, else independent")
+    add_lrc_flags(p, "also write the lyric timestamps beside each " + ("song's replay JSON" if not synth else "track")
+                  + " (OUT.lrc: each lyric line's start, from the LM's attention)")
     p.add_argument("--strict", action="store_true",
                    help="refuse a request whose model files (named by --request) are missing or differ from those "
                         "that made it, instead of warning")
@@ -405,6 +437,18 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
     p.add_argument("--keep-loaded", action="store_true", help="keep both model groups resident")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_job)
+
+
+def add_lrc_flags(p, lrc_help: str | None):
+    """--lrc (when `lrc_help`), --lrc-heads and --lrc-lead (`mm3.lyrics_align`)."""
+    if lrc_help:
+        p.add_argument("--lrc", action="store_true", help=lrc_help)
+    p.add_argument("--lrc-heads", dest="lrc_heads",
+                   help="LM heads whose attention times the lyrics, LAYER:HEAD or LAYER:* items (e.g. 12:3,19:*; "
+                        "counted from 0); default: the released LM's 12:27,19:7,24:29, else the request's lrc_heads")
+    p.add_argument("--lrc-lead", dest="lrc_lead", type=float,
+                   help=f"seconds added to every lyric timestamp (default {LEAD_SECONDS:g}: the LM attends a line "
+                        "about that long before it is heard)")
 
 
 def add_cli(sub):

@@ -25,6 +25,7 @@ from .cpu_bf16 import dit_dtype
 from .device import empty_cache, pick_device, pick_dtype, total_bytes
 from .errors import RunError
 from .fingerprint import file_fingerprint
+from .lyrics_align import LyricHeads
 from .numerics import FAST, Numerics
 from .opener import read_component
 from .progress import Cancelled, Progress
@@ -122,17 +123,20 @@ class Pipeline:
         self.candidates = []  # the takes of the latest plan (`mm3.takes.Candidate`)
 
     # -- checks before any model is loaded -----------------------------------------------------------
-    def preflight(self, request: MM3Request, kinds: tuple[str, ...] = KINDS) -> Prompt:
+    def preflight(self, request: MM3Request, kinds: tuple[str, ...] = KINDS,
+                  lyric_heads: LyricHeads | None = None) -> Prompt:
         """Everything that can be refused without loading a model: the model names, each file's
         header and tensor table (readable, not truncated, supported tensor types, plausible sizes),
         that the files fit together, the prompt (tokenizer only), the duration against the LM
-        context, and `audio_codes` against the code ranges. Returns the prompt. Missing or
-        mis-shaped tensors are found when the model is built."""
+        context, `audio_codes` against the code ranges, and `lyric_heads` against the LM. Returns
+        the prompt. Missing or mis-shaped tensors are found when the model is built."""
         comps = {}
         for kind in kinds:
             comps[kind] = read_component(self.registry.resolve(kind, getattr(request, MODEL_FIELDS[kind])), kind)
             check_loadable(comps[kind])
         check_compatible(comps)
+        if lyric_heads is not None and "lm" in comps:
+            lyric_heads.resolve(comps["lm"].hparams)
         prompt = self.prompt(request)
         context = comps["lm"].hparams["max_position_embeddings"] if "lm" in comps else None
         if request.audio_codes:
@@ -234,13 +238,14 @@ class Pipeline:
         return (self.store.model("lm", request.lm_model, numerics.models),
                 self.store.model("depth", request.depth_model, numerics.models))
 
-    def plan(self, request: MM3Request, progress: Progress | None = None,
-             rng: str | None = None) -> tuple[list[Song], list[torch.Generator] | None]:
+    def plan(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None,
+             lyric_heads: LyricHeads | None = None) -> tuple[list[Song], list[torch.Generator] | None]:
         """Sample the request's songs (`rng` overrides `request.rng`). Independent streams: each
         song's hiddens are then those its codes replay to (`plan_and_replay`), so its replay request
         renders the same audio. The reference mode samples with the reference's op shapes (its exact
         hiddens) and also returns each song's generator, left where the AR stage stopped drawing
-        (the DiT noise continues from there)."""
+        (the DiT noise continues from there). `lyric_heads`: each song also carries its lyric
+        attention (`mm3.lyrics_align`)."""
         rng = request.rng if rng is None else rng
         numerics = self.numerics(rng)
         prompt = self.prompt_text(request)
@@ -265,14 +270,17 @@ class Pipeline:
                     if rng == "reference" else None)
             songs, self.candidates = stages.plan_songs(
                 lm, depth, prompt, self.model_file("depth", request), settings, takes, device=self.device,
-                dtype=self.dtype, progress=progress, prefix=prefix, generators=gens, origin=request)
+                dtype=self.dtype, progress=progress, prefix=prefix, generators=gens, origin=request,
+                lyric_heads=lyric_heads)
         self.timings.add("plan", time.perf_counter() - start)
         return songs, gens
 
     def replay(self, request: MM3Request, progress: Progress | None = None,
-               codes: torch.Tensor | None = None, lm_seed: int | None = None) -> Song:
+               codes: torch.Tensor | None = None, lm_seed: int | None = None, *,
+               lyric_heads: LyricHeads | None = None, hiddens: bool = True, tap=None) -> Song:
         """Frame hiddens of known codes by teacher forcing (no sampling): `codes` [F + 1, 8], or
-        the request's `audio_codes` text."""
+        the request's `audio_codes` text. `lyric_heads`, `tap`, `hiddens` False: the lyric
+        attention, another attention tap, the attention alone (`mm3.ar.replay`)."""
         prompt = self.prompt_text(request)
         progress = self._track(progress)
         with self._stage("replay"):
@@ -289,7 +297,8 @@ class Pipeline:
             start = time.perf_counter()
             song = stages.replay_song(lm, depth, prompt, self.model_file("depth", request), codes,
                                       lm_seed=request.lm_seed if lm_seed is None else lm_seed, device=self.device,
-                                      dtype=self.dtype, progress=progress, origin=request)
+                                      dtype=self.dtype, progress=progress, origin=request,
+                                      lyric_heads=lyric_heads, hiddens=hiddens, tap=tap)
         self.timings.add("replay", time.perf_counter() - start)
         return song
 
@@ -312,11 +321,12 @@ class Pipeline:
                            progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)
         return AudioCodes(torch.cat([song.codes, codes[b + 1:]]), None, prompt).to_request_codes()
 
-    def _resample(self, request: MM3Request, progress) -> tuple[list[Song], list[torch.Generator]]:
+    def _resample(self, request: MM3Request, progress,
+                  lyric_heads: LyricHeads | None = None) -> tuple[list[Song], list[torch.Generator]]:
         """Reference mode for known codes: sample again from lm_seed (same generator, same codes)
         so the DiT noise continues from the same generator state; the codes must agree, and the
         songs stand for the given codes (no plan of their own)."""
-        songs, gens = self.plan(request, progress, "reference")
+        songs, gens = self.plan(request, progress, "reference", lyric_heads)
         wanted = parse_audio_codes(request.audio_codes, songs[0].prompt.prompt.codes.num_semantic, 1 << 62)
         if not torch.equal(songs[0].codes.codes, wanted):
             raise RequestError(f"lm_seed {request.lm_seed} does not sample these audio_codes on this device and "
@@ -370,10 +380,11 @@ class Pipeline:
 
     # -- the whole job ------------------------------------------------------------------------
     def run(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None,
-            on_audio=None) -> list[Track]:
+            on_audio=None, lyric_heads: LyricHeads | None = None) -> list[Track]:
         """Every track of the request, song-major (song 0 variation 0, 0/1, ..., 1/0, ...).
         `on_audio(song, k, windows, samples [V, 2, T_k], sample_rate)`: each window's audio of each
-        song as soon as it is decoded.
+        song as soon as it is decoded. `lyric_heads`: each track's codes also carry their lyric
+        attention (`mm3.lyrics_align.song_lrc` makes its LRC).
 
         `rng` overrides the request's random-stream mode (`request.rng`). Each track's replay
         request names the files used, with their fingerprints. Bad input fails before any model is
@@ -385,10 +396,10 @@ class Pipeline:
         rng = request.rng
         if rng == "reference" and request.synth_batch_size != 1:
             raise RequestError("the reference RNG renders one variation per song (synth_batch_size 1)")
-        self.preflight(request)
+        self.preflight(request, lyric_heads=lyric_heads)
         request = self.pin_models(request)
         try:
-            tracks = self._run(request, progress, rng, on_audio)
+            tracks = self._run(request, progress, rng, on_audio, lyric_heads)
         except BaseException as e:
             # The finished stage frames in the traceback still reference models and activations;
             # clear their locals so a caller that keeps the exception does not keep the memory.
@@ -400,20 +411,20 @@ class Pipeline:
             self.store.release_all()
         return tracks
 
-    def _run(self, request: MM3Request, progress, rng: str, on_audio=None) -> list[Track]:
+    def _run(self, request: MM3Request, progress, rng: str, on_audio=None, lyric_heads=None) -> list[Track]:
         source = None
         if request.audio_codes:
             if request.repaints and rng == "reference":
                 raise RequestError("a repaint draws its noise from seed and repaint_seed: use rng independent")
             if rng == "reference":
-                songs, gens = self._resample(request, progress)
+                songs, gens = self._resample(request, progress, lyric_heads)
             else:
-                songs, gens = [self.replay(request, progress)], None
+                songs, gens = [self.replay(request, progress, lyric_heads=lyric_heads)], None
             if request.source_codes:
                 source = self.replay(request, progress, codes=parse_audio_codes(
                     request.source_codes, songs[0].prompt.prompt.codes.num_semantic, 1 << 62))
         else:
-            songs, gens = self.plan(request, progress, rng)
+            songs, gens = self.plan(request, progress, rng, lyric_heads)
         tracks = []
         numerics = self.numerics(rng)
         for i, song in enumerate(songs):

@@ -30,6 +30,7 @@ _RULE_AT = re.compile(r"\s*[-*_]{3,}\s*$", flags=re.MULTILINE)  # the same after
 _SPACES = re.compile(r"\s*")
 _LEADING_TAGS = re.compile(r"^[ \t]*((?:\[[^\]]+\][ \t]*)+)")  # "[Verse][Chorus] ..." at a line start
 _BRACKETED = re.compile(r"\[([^\]]+)\]")
+_TAG_LINE = re.compile(r"(\[[^\]]*\])+")  # a line of section tags only: "[verse]", "[verse][chorus]"
 
 
 class PromptError(InputError):
@@ -176,14 +177,29 @@ def normalize_lyrics(lyrics: str) -> str:
     return "[start]\n" + text
 
 
+@dataclass(frozen=True)
+class LyricLine:
+    """A line of the normalised lyrics that has visible text: its tokens sit at prompt positions
+    `first` .. `stop` - 1; `tag`: a line of section tags such as "[verse]"."""
+
+    text: str
+    first: int
+    stop: int
+    tag: bool
+
+
 @dataclass
 class Prompt:
-    """An assembled prompt: `ids` [2, S] int64, row 0 conditional, row 1 unconditional."""
+    """An assembled prompt: `ids` [2, S] int64, row 0 conditional, row 1 unconditional.
+    `lyric_span`: the positions (first, stop) of the lyric tokens (between <|lyrics_start|> and
+    <|lyrics_end|>); `lines`: the lyric lines in order, "[start]" (always prepended) first."""
 
     ids: torch.Tensor
     caption: str  # after clean_caption
     lyrics: str  # after normalize_lyrics
     codes: CodeSpace  # where the LM's audio codes live (from the tokenizer that built the prompt)
+    lyric_span: tuple[int, int] = (0, 0)
+    lines: tuple[LyricLine, ...] = ()
 
     @property
     def cond(self) -> torch.Tensor:
@@ -206,16 +222,45 @@ def unconditional_ids(ids: torch.Tensor, cfg_id: int) -> torch.Tensor:
     return out
 
 
-def _assemble(tokenizer: MM3Tokenizer, cap: str, lyr: str) -> list[int]:
-    """The template around a cleaned caption and normalised lyrics, as token ids."""
+def _assemble(tokenizer: MM3Tokenizer, cap_ids: list[int], lyr_ids: list[int]) -> list[int]:
+    """The template around the ids of a cleaned caption and of normalised lyrics."""
     sp = tokenizer.special
-    return ([sp.im_start, sp.caption_start] + tokenizer.encode(cap) + [sp.caption_end, sp.lyrics_start]
-            + tokenizer.encode(lyr) + [sp.lyrics_end, sp.im_end, sp.audio_start])
+    return ([sp.im_start, sp.caption_start] + cap_ids + [sp.caption_end, sp.lyrics_start]
+            + lyr_ids + [sp.lyrics_end, sp.im_end, sp.audio_start])
+
+
+def lyric_lines(lyrics: str, offsets: list[tuple[int, int]], first: int) -> tuple[LyricLine, ...]:
+    """The lines of normalised `lyrics` that have visible text, each with the prompt positions of
+    its tokens (token i, characters `offsets[i]`, sits at position `first + i`). A token belongs
+    to the line of its first visible character; tokens of whitespace alone belong to none."""
+    starts, spans = [], []
+    at = 0
+    for line in lyrics.split("\n"):
+        starts.append(at)
+        spans.append([None, None])
+        at += len(line) + 1
+    line_no = 0
+    for i, (a, b) in enumerate(offsets):
+        visible = next((c for c in range(a, b) if not lyrics[c].isspace()), None)
+        if visible is None:
+            continue
+        while line_no + 1 < len(starts) and starts[line_no + 1] <= visible:
+            line_no += 1
+        span = spans[line_no]
+        span[0] = first + i if span[0] is None else span[0]
+        span[1] = first + i + 1
+    out = []
+    for line, (a, b) in zip(lyrics.split("\n"), spans):
+        if a is not None:
+            text = line.strip()
+            out.append(LyricLine(text, a, b, bool(_TAG_LINE.fullmatch(text))))
+    return tuple(out)
 
 
 def count_tokens(tokenizer: MM3Tokenizer, caption: str, lyrics: str) -> int:
     """Tokens of the prompt `build_prompt` would assemble (no checks: for a count while typing)."""
-    return len(_assemble(tokenizer, clean_caption(caption or ""), normalize_lyrics(lyrics or "")))
+    return len(_assemble(tokenizer, tokenizer.encode(clean_caption(caption or "")),
+                         tokenizer.encode(normalize_lyrics(lyrics or ""))))
 
 
 def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
@@ -231,10 +276,14 @@ def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
         if problem:
             raise PromptError(problem)
     cap, lyr = clean_caption(caption), normalize_lyrics(lyrics)
-    ids = _assemble(tokenizer, cap, lyr)
+    cap_ids = tokenizer.encode(cap)
+    lyr_ids, offsets = tokenizer.encode_with_offsets(lyr)
+    ids = _assemble(tokenizer, cap_ids, lyr_ids)
+    first = len(cap_ids) + 4  # <|im_start|><|caption_start|> caption <|caption_end|><|lyrics_start|>
     sp = tokenizer.special
     if len(ids) > max_tokens:
         raise PromptError(f"Prompt exceeds the {max_tokens} token budget: the assembled prompt has {len(ids)} "
                           f"tokens (caption {len(cap)} chars, lyrics {len(lyr)} chars): shorten the caption or lyrics")
     cond = torch.tensor([ids], dtype=torch.long)
-    return Prompt(torch.cat([cond, unconditional_ids(cond, sp.audio_cfg)]), cap, lyr, tokenizer.codes)
+    return Prompt(torch.cat([cond, unconditional_ids(cond, sp.audio_cfg)]), cap, lyr, tokenizer.codes,
+                  (first, first + len(lyr_ids)), lyric_lines(lyr, offsets, first))

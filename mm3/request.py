@@ -35,6 +35,7 @@ from .constants import (
 )
 from .errors import InputError
 from .flow import AUTO_SHIFT
+from .lyrics_align import LEAD_SECONDS, LyricHeads, check_lead
 from .sampling import resolve_seed
 from .settings import DEFAULT_REPAINT_FADE, OutputSettings, RepaintSettings, SynthSettings
 from .shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW
@@ -43,7 +44,7 @@ from .shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW
 EXTENSION_FIELDS = ("lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",
                     "lm_dry_min_match", "min_duration", "takes", "require_ending", "ending_rounds", "lm_take",
                     "dit_shift", "continue_codes", "repaint_start", "repaint_end", "repaint_seed", "repaint_fade",
-                    "source_codes")
+                    "source_codes", "lrc_heads", "lrc_lead")
 
 
 class RequestError(InputError):
@@ -101,6 +102,10 @@ class MM3Request:
     repaint_seed: int = -1
     repaint_fade: float = DEFAULT_REPAINT_FADE
     source_codes: str = ""
+    # Lyric timestamps (`mm3.lyrics_align`): the LM heads read ("" the released LM's) and the
+    # seconds added to every stamp.
+    lrc_heads: str = ""
+    lrc_lead: float = LEAD_SECONDS
 
     # -- JSON ---------------------------------------------------------------------------------
     @classmethod
@@ -218,6 +223,13 @@ class MM3Request:
         return PlanSettings(duration=self.duration, lm_seed=self.lm_seed, lm_cfg=self.lm_cfg, top_k=self.lm_top_k,
                             songs=self.lm_batch_size, shaping=self.shaping())
 
+    def lyric_heads(self) -> LyricHeads:
+        """The heads whose attention times the lyrics (`lrc_heads`; "" the default heads)."""
+        try:
+            return LyricHeads.parse(self.lrc_heads)
+        except InputError as e:
+            raise RequestError(f"lrc_heads: {e}") from None
+
     def takes_setting(self):
         from .takes import Takes
 
@@ -267,6 +279,11 @@ class MM3Request:
                 check_shift(self.dit_shift)
             except ValueError as e:
                 raise RequestError(str(e)) from None
+        self.lyric_heads()
+        try:
+            check_lead(self.lrc_lead)
+        except InputError as e:
+            raise RequestError(f"lrc_lead: {e}") from None
         if self.lm_take < -1:
             raise RequestError(f"lm_take must be -1 (none) or a take number, got {self.lm_take}")
         if self.continue_codes:

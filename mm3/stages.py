@@ -19,6 +19,7 @@ from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, encode
 from .codes import AudioCodes
 from .components import MODEL_FIELDS, check_compatible
 from .flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents, windows_from_timeline
+from .lyrics_align import LyricHeads
 from .numerics import FAST, Numerics
 from .progress import Progress
 from .prompt import Prompt
@@ -242,19 +243,25 @@ def _stored(song: AudioCodes) -> AudioCodes:
 def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, settings: PlanSettings,
                takes: Takes = Takes(), *, device, dtype: torch.dtype, progress=None, weight_budget: int | None = None,
                prefix: torch.Tensor | None = None, generators: list[torch.Generator] | None = None,
-               origin: MM3Request | None = None) -> tuple[list[Song], list[Candidate]]:
+               origin: MM3Request | None = None,
+               lyric_heads: LyricHeads | None = None) -> tuple[list[Song], list[Candidate]]:
     """The songs of `settings` (song i from lm_seed + i), each with the hiddens its codes replay
     to, so its replay request renders the same audio; `prefix`: codes to continue. With
     `generators` (the reference RNG) each song is sampled from its generator with the reference's
-    op shapes, and the generators are left where the DiT noise continues. Returns the songs and
-    every take planned."""
+    op shapes, and the generators are left where the DiT noise continues. `lyric_heads`: each
+    song also carries its lyric attention (`mm3.lyrics_align`), from the replay, or without one
+    (the reference RNG) from a replay of the LM alone. Returns the songs and every take planned."""
     check_compatible({"lm": prompt.lm, "depth": depth})
     kw = dict(device=device, dtype=dtype, progress=progress)
     if generators is not None:
         codes, candidates = plan(lm_model, depth_model, prompt.prompt, settings, generators=generators, **kw), []
+        if lyric_heads is not None:
+            codes = [replace(c, lyric_attention=replay(lm_model, depth_model, prompt.prompt, c.codes, hiddens=False,
+                                                       lyric_heads=lyric_heads, **kw).lyric_attention) for c in codes]
     else:
         codes, candidates = plan_and_replay_takes(lm_model, depth_model, prompt.prompt, settings, takes,
-                                                  weight_budget=weight_budget, prefix=prefix, **kw)
+                                                  weight_budget=weight_budget, prefix=prefix,
+                                                  lyric_heads=lyric_heads, **kw)
     for c in codes:
         _check_hiddens(c, "planning")
     return [Song(_stored(c), prompt, depth, settings, takes, i, len(codes), origin) for i, c in enumerate(codes)], \
@@ -264,13 +271,16 @@ def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, sett
 @torch.no_grad()
 def replay_song(lm_model, depth_model, prompt: PromptText, depth: ModelFile, codes: torch.Tensor, *, lm_seed: int,
                 device, dtype: torch.dtype, progress=None, origin: MM3Request | None = None,
-                model_check: str | None = None) -> Song:
-    """The song of known codes [F + 1, ncb]: its frame hiddens by teacher forcing (no sampling)."""
+                model_check: str | None = None, lyric_heads: LyricHeads | None = None, hiddens: bool = True,
+                tap=None) -> Song:
+    """The song of known codes [F + 1, ncb]: its frame hiddens by teacher forcing (no sampling).
+    `lyric_heads`, `tap`, `hiddens` False: the lyric attention, another attention tap, the
+    attention alone (`mm3.ar.replay`)."""
     if model_check is not None and model_check not in MODEL_CHECKS:
         raise ValueError(f"model_check must be one of {', '.join(MODEL_CHECKS)}, got {model_check!r}")
     check_compatible({"lm": prompt.lm, "depth": depth})
     song = replay(lm_model, depth_model, prompt.prompt, codes, device=device, dtype=dtype, progress=progress,
-                  lm_seed=lm_seed)
+                  lm_seed=lm_seed, lyric_heads=lyric_heads, hiddens=hiddens, tap=tap)
     _check_hiddens(song, "replaying codes")
     return Song(_stored(song), prompt, depth, origin=origin, model_check=model_check)
 

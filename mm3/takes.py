@@ -93,13 +93,16 @@ def plan_takes(plan_batch: Callable, settings, takes: Takes) -> tuple[list[Audio
 
 
 def plan_and_replay_takes(lm, depth, prompt, settings, takes: Takes, *, device, dtype, progress=None,
-                          weight_budget: int | None = None, prefix=None) -> tuple[list[AudioCodes], list[Candidate]]:
+                          weight_budget: int | None = None, prefix=None,
+                          lyric_heads=None) -> tuple[list[AudioCodes], list[Candidate]]:
     """`mm3.ar.plan_and_replay` over takes: every candidate sampled for its codes only, the kept
-    ones replayed. One take without `require_ending` is `plan_and_replay` itself (no report)."""
+    ones replayed (`lyric_heads`: with their lyric attention). One take without `require_ending`
+    is `plan_and_replay` itself (no report)."""
     kw = dict(device=device, dtype=dtype, progress=progress)
     if takes.is_plain:
-        return plan_and_replay(lm, depth, prompt, settings, weight_budget=weight_budget, prefix=prefix, **kw), []
+        return plan_and_replay(lm, depth, prompt, settings, weight_budget=weight_budget, prefix=prefix,
+                               lyric_heads=lyric_heads, **kw), []
     kept, report = plan_takes(lambda st: plan(lm, depth, prompt, st, weight_budget=weight_budget, prefix=prefix,
                                               keep_hiddens=False, **kw), settings, takes)
-    return [replace(replay(lm, depth, prompt, s.codes, lm_seed=s.lm_seed, ended=s.ended_naturally, **kw), take=s.take)
-            for s in kept], report
+    return [replace(replay(lm, depth, prompt, s.codes, lm_seed=s.lm_seed, ended=s.ended_naturally,
+                           lyric_heads=lyric_heads, **kw), take=s.take) for s in kept], report

@@ -134,6 +134,14 @@ class MM3Tokenizer:
             return []
         return self._tk.encode_batch([text], add_special_tokens=False)[0].ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and, per id, the characters (start, stop) of `text` it came from (a byte
+        of a multi-byte character names that whole character)."""
+        if not text:
+            return [], []
+        enc = self._tk.encode_batch([text], add_special_tokens=False)[0]
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
     def decode(self, ids) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
 

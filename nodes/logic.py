@@ -19,6 +19,8 @@ from mm3.captions import caption_warning
 from mm3.codes import parse_audio_codes
 from mm3.components import check_compatible
 from mm3.constants import MAX_PROMPT_TOKENS
+from mm3.errors import InputError
+from mm3.lyrics_align import LyricHeads, song_lrc
 from mm3.output import atomic_write, write_audio
 from mm3.progress import Progress
 from mm3.prompt import build_prompt
@@ -105,6 +107,27 @@ def replay_codes(lm_model, depth_model, depth: ComponentHandle, request: MM3Requ
                               origin=replace(request, synth_batch_size=1), model_check=model_check)
 
 
+def heads_problem(heads) -> str | None:
+    """Why a lyric-head list cannot be read, or None (not checked against an LM here)."""
+    if heads is None or not isinstance(heads, str):
+        return None
+    try:
+        LyricHeads.parse(heads)
+    except InputError as e:
+        return str(e)
+    return None
+
+
+def lyric_timestamps(lm_model, depth_model, depth: ComponentHandle, song: Song, heads: LyricHeads, lead: float, *,
+                     device, dtype: torch.dtype, progress: Progress | None = None) -> str:
+    """The LRC of a planned song: its codes replayed through the LM alone with the lyric heads
+    (`mm3.stages.replay_song`, no frame hiddens), then timed (`mm3.lyrics_align`)."""
+    timed = stages.replay_song(lm_model, depth_model, song.prompt, depth.file(), song.codes.codes,
+                               lm_seed=song.codes.lm_seed, device=device, dtype=dtype, progress=progress,
+                               lyric_heads=heads, hiddens=False)
+    return song_lrc(timed.codes, lead=lead)
+
+
 def encode_recording(vae_model, vae: ComponentHandle, audio: dict, condition: Conditions, *, device) -> Latents:
     """A recording (ComfyUI AUDIO, first item; mono doubled) -> latents laid out as the windows of
     `condition`'s song, for MM3 Repaint (`mm3.stages.encode_recording`)."""
@@ -124,9 +147,9 @@ def stitch_audio(windows: Windows) -> dict:
 
 
 def write_track(path: Path, wave: torch.Tensor, sample_rate: int, fmt: str, *, mp3_bitrate: int, peak_clip: int,
-                request: dict | None) -> list[Path]:
+                request: dict | None, lrc: str | None = None) -> list[Path]:
     """The audio file (atomic) and, when the audio came from MM3 nodes, its replay request beside it
-    (same name, .json) with the output settings used."""
+    (same name, .json) with the output settings used; `lrc`: the lyric timestamps, beside it as .lrc."""
     out = OutputSettings(fmt, int(mp3_bitrate), int(peak_clip))
     written = [write_audio(path, as_stereo(wave.float().cpu()), out.format, peak_clip=out.peak_clip,
                            mp3_bitrate=out.mp3_bitrate, sample_rate=int(sample_rate))]
@@ -134,5 +157,7 @@ def write_track(path: Path, wave: torch.Tensor, sample_rate: int, fmt: str, *, m
         req = replace(MM3Request.from_dict(request), output_format=out.format, mp3_bitrate=out.mp3_bitrate,
                       peak_clip=out.peak_clip)
         written.append(atomic_write(path.with_suffix(".json"), req.to_json().encode("utf-8")))
+    if lrc:
+        written.append(atomic_write(path.with_suffix(".lrc"), lrc.encode("utf-8")))
     return written
 

@@ -155,13 +155,17 @@ class MM3SaveSong(io.ComfyNode):
                              tooltip="How loud the file is made: samples per million allowed to clip when "
                                      f"normalising. {DEFAULT_PEAK_CLIP} is the default (louder, inaudible clipping); "
                                      "0 never clips; above 100 can crackle. Not for wav32."),
+                io.String.Input("lyrics_lrc", optional=True, force_input=True,
+                                tooltip="The song's lyric timestamps from MM3 Lyric Timestamps, saved as a .lrc file "
+                                        "beside each song (same name) for karaoke players and lyric videos; "
+                                        "unconnected: none."),
             ],
             is_output_node=True,
         )
 
     @classmethod
     def execute(cls, audio: dict, filename_prefix: str, format: str, mp3_bitrate: str,
-                peak_clip: int = DEFAULT_PEAK_CLIP) -> io.NodeOutput:
+                peak_clip: int = DEFAULT_PEAK_CLIP, lyrics_lrc: str | None = None) -> io.NodeOutput:
         folder, stem, counter, subfolder = _save_path(filename_prefix)
         ext = "mp3" if format == "mp3" else "wav"
         requests = audio.get(logic.AUDIO_REQUESTS_KEY)
@@ -170,7 +174,7 @@ class MM3SaveSong(io.ComfyNode):
             name = f"{stem.replace('%batch_num%', str(b))}_{counter:05}_.{ext}"
             request = requests[b] if requests and b < len(requests) else None
             logic.write_track(folder / name, wave, audio["sample_rate"], format, mp3_bitrate=int(mp3_bitrate),
-                              peak_clip=peak_clip, request=request)
+                              peak_clip=peak_clip, request=request, lrc=lyrics_lrc)
             results.append(ui.SavedResult(name, subfolder, io.FolderType.output))
             counter += 1
         return io.NodeOutput(ui=ui.SavedAudios(results))

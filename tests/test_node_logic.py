@@ -194,3 +194,28 @@ def test_a_plan_continues_a_song_from_the_graph(pack, tiny):
     assert torch.equal(longer.codes.codes[:n], first.codes.codes) and longer.frames > first.frames
     made = stages.request_of(longer)
     assert made.continue_codes == "" and made.audio_codes == longer.codes.to_request_codes()
+
+
+def test_lyric_timestamps_of_a_planned_song(pack, tiny, tmp_path):
+    """MM3 Lyric Timestamps' engine call: the LRC of a planned song equals the one the command
+    line's run makes from the same codes; Save Song writes it beside the song; a bad head list is
+    said in words at queue time."""
+    from mm3.lyrics_align import LyricHeads, song_lrc
+
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    m = {k: hs[k].model() for k in ("lm", "depth")}
+    prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
+    (song,), _ = logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
+                                  PlanSettings(duration=2.0, lm_seed=9), device="cpu", dtype=torch.float32)
+    heads = LyricHeads.parse("1:*")
+    text = logic.lyric_timestamps(m["lm"], m["depth"], hs["depth"], song, heads, 0.25, device="cpu",
+                                  dtype=torch.float32)
+    request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=2.0, lm_seed=9, steps=2)
+    (track,) = Pipeline(str(tiny.gguf)).run(request, lyric_heads=heads)
+    assert torch.equal(track.codes.codes, song.codes.codes)
+    assert text and text == song_lrc(track.codes, lead=0.25)
+    paths = logic.write_track(tmp_path / "s.wav", track.audio, 44100, "wav16", mp3_bitrate=128, peak_clip=10,
+                              request=track.request.to_dict(), lrc=text)
+    assert [p.name for p in paths] == ["s.wav", "s.json", "s.lrc"] and paths[2].read_text() == text
+    assert logic.heads_problem("12:3,19:*") is None and logic.heads_problem(None) is None
+    assert "lyric head '12' is not LAYER:HEAD" in logic.heads_problem("12")

@@ -9,6 +9,8 @@ reference's products (CPU float32 gives its hidden states bit for bit); "fast" f
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -129,7 +131,35 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
 
+class AttentionTap:
+    """A read-only view of some heads' attention over a span of keys (`Qwen3LM.tapped`). `heads`
+    maps a layer to the heads read there, `keys` is the span (first, stop) of key positions. A
+    tapped layer also computes those heads' attention weights explicitly (float32, from the same
+    queries and keys; its output still comes from the fused attention, so no number changes),
+    renormalised over the span: the weights the head gives each key of the span divided by what
+    it gives the whole span (0 for a query that sees none of it), which is the softmax of the
+    span's scores alone. It hands them to `observe(layer, position, weights [rows, len(heads), s,
+    stop - first])` for the `s` queries at positions `position` .. `position + s - 1`."""
+
+    heads: dict[int, tuple[int, ...]] = {}
+    keys: tuple[int, int] = (0, 0)
+
+    def observe(self, layer: int, position: int, weights: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+def head_problem(layer: int, head: int | None, layers: int, heads: int) -> str | None:
+    """Why (layer, head) is not a head of an LM of `layers` layers of `heads` heads, or None."""
+    if not 0 <= layer < layers:
+        return f"layer {layer} is not in this LM: it has {layers} layers (0-{layers - 1})"
+    if head is not None and not 0 <= head < heads:
+        return f"head {head} of layer {layer} is not in this LM: it has {heads} heads a layer (0-{heads - 1})"
+    return None
+
+
 class Qwen3Attention(nn.Module):
+    taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
+
     def __init__(self, cfg: dict, ops):
         super().__init__()
         h, hd = cfg["hidden_size"], cfg["head_dim"]
@@ -155,10 +185,30 @@ class Qwen3Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         cache.write(layer, k, v)
         keys, values, mask, causal = cache.attended(layer, s)
+        if self.taps:
+            self._show(q, keys, mask, causal, cache.length, layer)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                              scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(b, s, -1).contiguous()  # [B, S, heads * head_dim]
         return self.o_proj(out)
+
+    def _show(self, q, keys, mask, causal: bool, position: int, layer: int) -> None:
+        """Each tap's heads' attention over its key span, computed apart from the layer's own."""
+        group = self.heads // self.kv_heads  # query head h reads key head h // group (enable_gqa)
+        s = q.shape[2]
+        for tap in self.taps:
+            first, stop = tap.keys
+            heads = list(tap.heads[layer])
+            kv = torch.tensor([h // group for h in heads], device=q.device)
+            span = keys[:, :, first:stop].float()[:, kv]  # [rows, heads, T, head_dim]
+            scores = torch.matmul(q[:, heads].float() * self.head_dim ** -0.5, span.transpose(-1, -2))
+            if causal:  # from an empty cache: query i (position i) sees keys 0 .. i
+                blocked = torch.arange(first, stop, device=q.device)[None] > torch.arange(s, device=q.device)[:, None]
+            else:
+                blocked = None if mask is None else ~mask[..., first:stop]
+            if blocked is not None:
+                scores.masked_fill_(blocked, -float("inf"))
+            tap.observe(layer, position, scores.softmax(-1).nan_to_num_(0.0))  # a query that sees none of it: 0
 
 
 class Qwen3MLP(nn.Module):
@@ -289,7 +339,30 @@ class Qwen3LM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
 
-    def forward(self, inputs_embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    @contextmanager
+    def tapped(self, *taps: AttentionTap):
+        """Within the block, each tap sees its heads' attention weights at every forward
+        (`AttentionTap`); a head this LM lacks is refused. No computed number changes."""
+        layers, heads = len(self.model.layers), self.cfg["num_attention_heads"]
+        for tap in taps:
+            for layer, chosen in tap.heads.items():
+                problem = next((p for h in chosen if (p := head_problem(layer, h, layers, heads))), None)
+                problem = problem or head_problem(layer, None, layers, heads)
+                if problem:
+                    raise ValueError(problem)
+        attention = [layer.self_attn for layer in self.model.layers]
+        for i, a in enumerate(attention):
+            a.taps = tuple(t for t in taps if i in t.heads)
+        try:
+            yield
+        finally:
+            for a in attention:
+                a.taps = ()
+
+    def forward(self, inputs_embeds: torch.Tensor, cache: KVCache, stop_after: int | None = None) -> torch.Tensor:
+        """`stop_after`: run layers 0 .. stop_after only and return that layer's output (not
+        final-normed; later layers' cache entries stay unwritten): for a caller that only reads
+        attention (`tapped`)."""
         b, s, _ = inputs_embeds.shape
         if b != cache.rows:
             raise ValueError(f"batch {b} does not match the KV cache's {cache.rows} rows")
@@ -297,9 +370,12 @@ class Qwen3LM(nn.Module):
             raise ValueError(f"KV cache full: {cache.length} + {s} positions > {cache.max_len}")
         cos, sin = self.rope(cache.positions(s), inputs_embeds.dtype)
         x = inputs_embeds
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers if stop_after is None else self.model.layers[:stop_after + 1]
+        for i, layer in enumerate(layers):
             x = layer(x, cos, sin, cache, i)
         cache.advance(s)
+        if stop_after is not None:
+            return x
         return rms_norm(x, self.model.norm(x.dtype, x.device), self.eps)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
