@@ -1,0 +1,125 @@
+"""The pack under ComfyUI-Distributed: a master and two workers on 127.0.0.1, each a ComfyUI process
+with its own folders (tests/helpers/distributed.py), driven through the master's
+`POST /distributed/queue` as a script or the editor drives it.
+
+Each collected song must be the song one server makes for the same request, byte for byte (float
+WAV), with its replay request; nothing of the cluster may be left running afterwards. Skipped,
+saying why, without COMFYUI_PATH and COMFYUI_DISTRIBUTED_PATH (a ComfyUI-Distributed checkout).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.comfy_workflows import api_from_ui, schema_problems
+from tests.helpers.comfyui import API_DIR, audio_entries, read_wav, run, tiny_workflow
+from tests.helpers.distributed import Cluster, distributed_missing
+
+ROOT = Path(__file__).resolve().parents[1]
+WHY = distributed_missing()
+pytestmark = [pytest.mark.comfyui, pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
+DISTRIBUTED_WORKFLOWS = ["songs_across_workers", "variations_across_workers"]
+RUN_TIMEOUT = 900  # three ComfyUI processes share the test machine's cores
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(workers=2).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+        assert c.alive() == [], "cluster processes left running"
+
+
+def distributed_run(cluster, workflow) -> dict:
+    """Queue through the master's /distributed/queue; the master's history entry once it finished."""
+    answer = cluster.queue(workflow)
+    assert answer["worker_count"] == 2 and not answer.get("node_errors"), answer
+    entry = cluster.master.wait(answer["prompt_id"], timeout=RUN_TIMEOUT)
+    assert entry["status"]["status_str"] == "success", (json.dumps(entry["status"])[:3000], cluster.master.log_tail())
+    return entry
+
+
+def worker_entries(cluster, prompt_count: int) -> list[dict]:
+    """Each worker's history entries, newest last; each worker ran `prompt_count` prompts, all successfully."""
+    found = []
+    for w, history in zip(cluster.workers, cluster.worker_histories()):
+        entries = sorted(history.values(), key=lambda e: e["prompt"][0])
+        assert len(entries) == prompt_count, (w.url, len(entries), w.log_tail())
+        assert all(e["status"]["status_str"] == "success" for e in entries), (w.url, w.log_tail())
+        found.append(entries)
+    return found
+
+
+def saved(server, entry, node: str) -> list[tuple[bytes, dict]]:
+    """(audio bytes, replay request) of each file a Save Song node wrote."""
+    return [(server.view(f), json.loads(server.view({**f, "filename": f["filename"].rsplit(".", 1)[0] + ".json"})))
+            for f in audio_entries(entry, node)]
+
+
+def test_distributed_workflows_convert_to_the_api_ones(cluster):
+    """The editor files of the two workflows queue exactly their API files (the master knows both packs' nodes)."""
+    info = cluster.master.get("/object_info")
+    for name in DISTRIBUTED_WORKFLOWS:
+        ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
+        assert schema_problems(ui) == [], name
+        api = json.loads((API_DIR / f"{name}.json").read_text())
+        assert api_from_ui(ui, info) == {k: {"class_type": v["class_type"], "inputs": v["inputs"]}
+                                         for k, v in api.items()}, name
+
+
+def test_songs_across_workers(cluster):
+    """Master and workers each plan and render their own song (lm_seed 50, 51, 52 from Distributed
+    Seed); the master saves all three with their replay requests, each equal to the song the master
+    alone makes for that lm_seed."""
+    master = cluster.master
+    wf = tiny_workflow(master, "songs_across_workers", fmt="wav32", **{"3": {"seed": 50}})
+    entry = distributed_run(cluster, wf)
+    songs = saved(master, entry, "12")
+    assert [r["lm_seed"] for _, r in songs] == [50, 51, 52]
+    assert [len(e) for e in worker_entries(cluster, 1)] == [1, 1]
+    for data, replay in songs:
+        alone, _ = run(master, tiny_workflow(master, "text_to_song", fmt="wav32",
+                                             **{"3": {"lm_seed": replay["lm_seed"]}, "8": {"filename_prefix": "alone"}}),
+                       timeout=RUN_TIMEOUT)
+        ((want, want_replay),) = saved(master, alone, "8")
+        assert read_wav(data)[:3] == (2, 44100, 32)
+        assert data == want, replay["lm_seed"]
+        assert replay == want_replay
+
+
+def test_variations_across_workers(cluster):
+    """The master plans once (AR only, Save Audio Codes); the plan's JSON travels in the workflow's
+    text to every server, which checks its own LM and depth files against the fingerprints it
+    records (the text names a depth fingerprint no server has: each one warns) and renders one
+    variation (seed 300, 301, 302). Each equals the variation the master alone renders from its plan."""
+    master = cluster.master
+    planner = {k: v for k, v in tiny_workflow(master, "variations_from_one_plan").items() if k in "12678"}
+    planner["7"]["inputs"]["lm_seed"] = 606
+    planner["8"]["inputs"]["filename_prefix"] = "mm3/cluster_plan"
+    plan_entry, _ = run(master, planner, timeout=RUN_TIMEOUT)
+    plan_text = master.view(plan_entry["outputs"]["8"]["codes"][0]).decode()
+    plan = json.loads(plan_text)
+    tampered = {**plan, "model_fingerprints": {**plan["model_fingerprints"], "depth_model": "1-" + "0" * 16}}
+    wf = tiny_workflow(master, "variations_across_workers", fmt="wav32",
+                       **{"2": {"replay_json": json.dumps(tampered)}, "4": {"seed": 300}})
+    before = [len(h) for h in cluster.worker_histories()]
+    entry = distributed_run(cluster, wf)
+    variations = saved(master, entry, "11")
+    assert [r["seed"] for _, r in variations] == [300, 301, 302]
+    assert all(r["audio_codes"] == plan["audio_codes"] and r["lm_seed"] == 606 for _, r in variations)
+    for w, entries in zip(cluster.workers, worker_entries(cluster, before[0] + 1)):
+        text = "\n".join(entries[-1]["outputs"]["2"]["text"])
+        assert "warning: depth_model" in text and "is not the file that made this song" in text, (w.url, text)
+    for data, replay in variations:
+        single = copy.deepcopy(tiny_workflow(master, "variations_from_one_plan", fmt="wav32"))
+        single["7"]["inputs"]["lm_seed"] = 606
+        single["10"]["inputs"].update(seed=replay["seed"], variations=1)
+        alone, _ = run(master, single, timeout=RUN_TIMEOUT)
+        ((want, _),) = saved(master, alone, "13")
+        assert data == want, replay["seed"]
