@@ -123,3 +123,54 @@ def test_variations_across_workers(cluster):
         alone, _ = run(master, single, timeout=RUN_TIMEOUT)
         ((want, _),) = saved(master, alone, "13")
         assert data == want, replay["seed"]
+
+
+def api_example(*args: str) -> str:
+    """workflows/api_example.py with these arguments; its stderr (it must succeed)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "workflows" / "api_example.py"), *args, "--timeout",
+                          str(RUN_TIMEOUT)], capture_output=True, text=True, timeout=RUN_TIMEOUT + 60)
+    assert out.returncode == 0, out.stderr
+    return out.stderr
+
+
+def test_api_example_fans_out_over_several_servers(cluster, tmp_path):
+    """Three --server options, no ComfyUI-Distributed involved: each server plans its own song
+    (lm_seed 70, 71, 72), its files land in its own folder, and the second server's song is the
+    one the master alone makes for lm_seed 71."""
+    master = cluster.master
+    path = tmp_path / "wf.json"
+    path.write_text(json.dumps(tiny_workflow(master, "text_to_song", fmt="wav32")))
+    servers = [a for s in cluster.servers for a in ("--server", s.url)]
+    api_example(*servers, "--workflow", str(path), "--lm-seed", "70", "--out", str(tmp_path / "out"))
+    folders = [tmp_path / "out" / f"127.0.0.1_{s.port}" for s in cluster.servers]
+    replays = [json.loads(next(f.glob("*.json")).read_text()) for f in folders]
+    assert [r["lm_seed"] for r in replays] == [70, 71, 72]
+    alone, _ = run(master, tiny_workflow(master, "text_to_song", fmt="wav32", **{"3": {"lm_seed": 71}}),
+                   timeout=RUN_TIMEOUT)
+    ((want, _),) = saved(master, alone, "8")
+    assert next(folders[1].glob("*.wav")).read_bytes() == want
+
+
+def test_api_example_queues_through_the_master(cluster, tmp_path):
+    """--distributed sends the workflow once, to the master, which sends it to its enabled workers:
+    --lm-seed sets the Distributed Seed wired into AR Plan; --codes puts a plan into
+    variations_across_workers. The collected songs are downloaded from the master."""
+    master = cluster.master
+    songs = tmp_path / "songs.json"
+    songs.write_text(json.dumps(tiny_workflow(master, "songs_across_workers", fmt="wav16")))
+    log = api_example("--server", master.url, "--distributed", "--workflow", str(songs), "--lm-seed", "80",
+                      "--out", str(tmp_path / "songs"))
+    assert "sent to 2 of 2 enabled workers" in log, log
+    replays = sorted(json.loads(p.read_text())["lm_seed"] for p in (tmp_path / "songs").glob("*.json"))
+    assert replays == [80, 81, 82] and len(list((tmp_path / "songs").glob("*.wav"))) == 3
+    plan = sorted((tmp_path / "songs").glob("*.json"))[0]  # a song's replay JSON is a plan too
+    variations = tmp_path / "variations.json"
+    variations.write_text(json.dumps(tiny_workflow(master, "variations_across_workers", fmt="wav16")))
+    api_example("--server", master.url, "--distributed", "--workflow", str(variations), "--codes", str(plan),
+                "--seed", "500", "--out", str(tmp_path / "variations"))
+    got = [json.loads(p.read_text()) for p in sorted((tmp_path / "variations").glob("*.json"))]
+    assert sorted(r["seed"] for r in got) == [500, 501, 502]
+    assert {r["audio_codes"] for r in got} == {json.loads(plan.read_text())["audio_codes"]}
