@@ -40,7 +40,7 @@ def distributed_run(cluster, workflow) -> dict:
     """Queue through the master's /distributed/queue; the master's history entry once it finished."""
     answer = cluster.queue(workflow)
     assert answer["worker_count"] == 2 and not answer.get("node_errors"), answer
-    entry = cluster.master.wait(answer["prompt_id"], timeout=RUN_TIMEOUT)
+    entry = cluster.wait(answer["prompt_id"], timeout=RUN_TIMEOUT)
     assert entry["status"]["status_str"] == "success", (json.dumps(entry["status"])[:3000], cluster.master.log_tail())
     return entry
 

@@ -103,7 +103,24 @@ class Cluster:
         their ids); its answer (prompt_id, worker_count)."""
         ids = [str(i + 1) for i in range(len(self.workers))] if workers is None else workers
         return self.master.post("/distributed/queue", {"prompt": workflow, "client_id": self.master.client_id,
-                                                       "enabled_worker_ids": ids})
+                                                       "enabled_worker_ids": ids}, timeout=300)
+
+    def wait(self, prompt_id: str, timeout: float) -> dict:
+        """The master's history entry of `prompt_id` once it finished; a server slow to answer (the
+        machine busy) is asked again, not given up on."""
+        import socket
+        import urllib.error
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                entry = self.master.get(f"/history/{prompt_id}", timeout=300).get(prompt_id)
+            except (urllib.error.URLError, ConnectionError, socket.timeout):
+                continue
+            if entry is not None and (entry["status"].get("completed") or entry["status"].get("status_str") == "error"):
+                return entry
+            time.sleep(0.2)
+        raise TimeoutError(f"prompt {prompt_id} did not finish within {timeout} s:\n{self.master.log_tail()}")
 
     def worker_histories(self) -> list[dict]:
         """Every prompt each worker ran (its /history), per worker."""
@@ -123,7 +140,7 @@ def songs_per_hour(cluster: Cluster, songs: int, duration: float, steps: int, ti
         wf = json.loads(json.dumps(base))
         wf["3"]["inputs"]["seed"] = 1000 + r * len(cluster.servers)  # new songs each run, not the cache
         answer = cluster.queue(wf)
-        entry = cluster.master.wait(answer["prompt_id"], timeout=timeout)
+        entry = cluster.wait(answer["prompt_id"], timeout=timeout)
         if entry["status"].get("status_str") != "success":
             raise RuntimeError(f"run {r} failed: {json.dumps(entry['status'])[:2000]}\n{cluster.master.log_tail()}")
         made += len(entry["outputs"]["12"]["audio"])
