@@ -72,7 +72,7 @@ class Cluster:
                         for _ in range(workers)]
         self.servers = [self.master, *self.workers]
 
-    def start(self, timeout: float = 300.0) -> "Cluster":
+    def start(self, timeout: float = 900.0) -> "Cluster":
         try:
             for s in self.servers:
                 s.launch()
