@@ -36,9 +36,9 @@ def cluster():
         assert c.alive() == [], "cluster processes left running"
 
 
-def distributed_run(cluster, workflow) -> dict:
+def distributed_run(cluster, workflow, delegate: bool = False) -> dict:
     """Queue through the master's /distributed/queue; the master's history entry once it finished."""
-    answer = cluster.queue(workflow)
+    answer = cluster.queue(workflow, delegate=delegate)
     assert answer["worker_count"] == 2 and not answer.get("node_errors"), answer
     entry = cluster.wait(answer["prompt_id"], timeout=RUN_TIMEOUT)
     assert entry["status"]["status_str"] == "success", (json.dumps(entry["status"])[:3000], cluster.master.log_tail())
@@ -91,6 +91,20 @@ def test_songs_across_workers(cluster):
         assert read_wav(data)[:3] == (2, 44100, 32)
         assert data == want, replay["lm_seed"]
         assert replay == want_replay
+
+
+def test_songs_across_workers_with_the_master_only_collecting(cluster):
+    """Delegate mode: the master runs only the collector and what follows it, so the songs are the
+    workers' two (lm_seed 61, 62), each with its replay request."""
+    master = cluster.master
+    before = [len(h) for h in cluster.worker_histories()]
+    entry = distributed_run(cluster, tiny_workflow(master, "songs_across_workers", fmt="wav32",
+                                                   **{"3": {"seed": 60}}), delegate=True)
+    songs = saved(master, entry, "12")
+    assert [r["lm_seed"] for _, r in songs] == [61, 62]
+    assert "4" not in entry["prompt"][2]  # the master was sent no plan to make
+    assert [len(e) for e in worker_entries(cluster, before[0] + 1)] == [before[0] + 1] * 2
+    assert songs[0][0] != songs[1][0]
 
 
 def test_variations_across_workers(cluster):

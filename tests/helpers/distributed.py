@@ -90,6 +90,14 @@ class Cluster:
         return self
 
     def stop(self) -> None:
+        import signal
+
+        for s in self.servers:  # all asked to end first, so they end side by side
+            if s.proc is not None:
+                try:
+                    os.killpg(s.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
         for s in self.servers:
             s.stop()
         shutil.rmtree(self.models, ignore_errors=True)
@@ -98,12 +106,13 @@ class Cluster:
         """The servers of which some process still runs."""
         return [s.url for s in self.servers if s.group_alive()]
 
-    def queue(self, workflow: dict, workers: list[str] | None = None) -> dict:
+    def queue(self, workflow: dict, workers: list[str] | None = None, delegate: bool = False) -> dict:
         """POST /distributed/queue on the master (every configured worker unless `workers` names
-        their ids); its answer (prompt_id, worker_count)."""
+        their ids; `delegate`: the master only collects); its answer (prompt_id, worker_count)."""
         ids = [str(i + 1) for i in range(len(self.workers))] if workers is None else workers
         return self.master.post("/distributed/queue", {"prompt": workflow, "client_id": self.master.client_id,
-                                                       "enabled_worker_ids": ids}, timeout=300)
+                                                       "enabled_worker_ids": ids, "delegate_master": delegate},
+                                timeout=300)
 
     def wait(self, prompt_id: str, timeout: float) -> dict:
         """The master's history entry of `prompt_id` once it finished; a server slow to answer (the
