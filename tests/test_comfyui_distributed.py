@@ -73,6 +73,21 @@ def test_distributed_workflows_convert_to_the_api_ones(cluster):
                                          for k, v in api.items()}, name
 
 
+def test_a_plan_is_asked_for_before_anything_runs(cluster):
+    """variations_across_workers as shipped holds no plan: queueing it is refused, saying what to
+    paste; a text that is not a replay JSON with codes is refused in its own words."""
+    import urllib.error
+
+    wf = json.loads((API_DIR / "variations_across_workers.json").read_text())
+    for text, words in (("", "replay_json is empty; paste the text of a replay JSON"),
+                        ('{"caption": "x", "lyrics": "y"}', "holds no audio_codes"),
+                        ("{", "MM3 Audio Codes From Text: Malformed JSON")):
+        wf["2"]["inputs"]["replay_json"] = text
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            cluster.master.post("/prompt", {"prompt": wf})
+        assert words in refused.value.read().decode(), text
+
+
 def test_songs_across_workers(cluster):
     """Master and workers each plan and render their own song (lm_seed 50, 51, 52 from Distributed
     Seed); the master saves all three with their replay requests, each equal to the song the master

@@ -6,8 +6,10 @@ The master's copy holds the cluster's configuration (ComfyUI-Distributed reads g
 from its own folder): every worker enabled, as a remote worker at 127.0.0.1:port. Each process
 leads its own process group, which `stop` ends whole.
 
-`python tests/helpers/distributed.py --workers 1 2 3 --songs 3` measures songs per hour through
-`POST /distributed/queue` (songs_across_workers on the tiny model) for each worker count.
+`python tests/helpers/distributed.py --workers 0 1 2 --songs 12` measures songs per hour through
+`POST /distributed/queue` (songs_across_workers on the tiny model) for each worker count, and the
+CPU time all servers spent per song: on one machine the servers share its cores, so the figure
+shows what the distribution costs, not a speed-up.
 """
 
 from __future__ import annotations
@@ -62,13 +64,14 @@ class DistributedServer(ComfyServer):
 class Cluster:
     """A master and `workers` worker servers, started side by side and stopped together."""
 
-    def __init__(self, workers: int, comfy_path: str | None = None, python: str | None = None):
+    def __init__(self, workers: int, comfy_path: str | None = None, python: str | None = None,
+                 env: dict | None = None):
         self.models = Path(tempfile.mkdtemp(prefix="mm3cluster_models_"))
         build_tiny_models(self.models)
         comfy_path = comfy_path or os.environ["COMFYUI_PATH"]
         python = python or os.environ.get("COMFYUI_PYTHON")
-        self.master = DistributedServer(comfy_path, python, models=self.models, own_group=True)
-        self.workers = [DistributedServer(comfy_path, python, models=self.models, own_group=True)
+        self.master = DistributedServer(comfy_path, python, env=env, models=self.models, own_group=True)
+        self.workers = [DistributedServer(comfy_path, python, env=env, models=self.models, own_group=True)
                         for _ in range(workers)]
         self.servers = [self.master, *self.workers]
 
@@ -136,13 +139,21 @@ class Cluster:
         return [w.get("/history") for w in self.workers]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used, its threads included (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def songs_per_hour(cluster: Cluster, songs: int, duration: float, steps: int, timeout: float = 1800) -> dict:
-    """Queue songs_across_workers `songs` times through the master (each run: one song on every
-    server) and time the runs end to end; the songs made and songs per hour."""
+    """Queue songs_across_workers through the master until `songs` songs are made (each run: one
+    song on every server) and time the runs end to end; the songs made, songs per hour, and the CPU
+    time every server used per song (what the machine spent, whatever share of it the servers got)."""
     from tests.helpers.comfyui import tiny_workflow
 
     runs = -(-songs // len(cluster.servers))
     base = tiny_workflow(cluster.master, "songs_across_workers", duration=duration, steps=steps)
+    cpu = sum(cpu_seconds(s.proc.pid) for s in cluster.servers)
     start = time.monotonic()
     made = 0
     for r in range(runs):
@@ -154,8 +165,10 @@ def songs_per_hour(cluster: Cluster, songs: int, duration: float, steps: int, ti
             raise RuntimeError(f"run {r} failed: {json.dumps(entry['status'])[:2000]}\n{cluster.master.log_tail()}")
         made += len(entry["outputs"]["12"]["audio"])
     elapsed = time.monotonic() - start
+    cpu = sum(cpu_seconds(s.proc.pid) for s in cluster.servers) - cpu
     return {"servers": len(cluster.servers), "workers": len(cluster.workers), "songs": made, "seconds": elapsed,
-            "songs_per_hour": made * 3600 / elapsed, "seconds_per_song": elapsed / made}
+            "songs_per_hour": made * 3600 / elapsed, "seconds_per_song": elapsed / made,
+            "cpu_seconds_per_song": cpu / made, "load_average": os.getloadavg()[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--songs", type=int, default=6, help="songs to make per measurement (at least one run)")
     p.add_argument("--duration", type=float, default=2.0, help="seconds of each song")
     p.add_argument("--steps", type=int, default=4, help="DiT steps")
+    p.add_argument("--threads", type=int, help="CPU threads of each server (OMP_NUM_THREADS; default: torch's own)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     why = distributed_missing()
@@ -175,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(why)
     results = []
     for n in args.workers:
-        cluster = Cluster(n).start()
+        cluster = Cluster(n, env=None if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}).start()
         try:
             songs_per_hour(cluster, len(cluster.servers), args.duration, args.steps)  # warm: models loaded
             result = songs_per_hour(cluster, args.songs, args.duration, args.steps)
@@ -183,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop()
         results.append(result)
         print(f"master + {n} workers: {result['songs']} songs in {result['seconds']:.1f} s, "
-              f"{result['songs_per_hour']:.0f} songs per hour ({result['seconds_per_song']:.2f} s a song)", flush=True)
+              f"{result['songs_per_hour']:.0f} songs per hour ({result['seconds_per_song']:.2f} s a song), "
+              f"{result['cpu_seconds_per_song']:.2f} CPU s a song over all servers (load average "
+              f"{result['load_average']:.1f})", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
