@@ -116,8 +116,10 @@ def _depths(api: dict) -> dict[str, int]:
 
 
 def node_height(class_type: str, widgets: int, sockets: int) -> int:
-    """Room for the editor's own layout of a node: its slots and widget rows (MM3 Prompt: two text boxes)."""
-    return 480 if class_type == "MM3PromptAssemble" else 60 + 28 * widgets + 24 * sockets
+    """Room for the editor's own layout of a node: its slots and widget rows (MM3 Prompt: two text
+    boxes; MM3 Audio Codes From Text: one)."""
+    tall = {"MM3PromptAssemble": 480, "MM3AudioCodesFromText": 320}
+    return tall.get(class_type, 60 + 28 * widgets + 24 * sockets)
 
 
 def layout(columns: list[list[tuple[str, int]]]) -> tuple[dict[str, list[int]], tuple[list[int], list[int]]]:
