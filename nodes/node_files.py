@@ -113,22 +113,29 @@ class MM3LoadAudioCodes(io.ComfyNode):
         path = folder_paths.get_annotated_filepath(codes_file)
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        request, prompt, codes = logic.read_codes_request(text, codes_file, lm, depth)
-        problems = logic.codes_file_problems(request, lm, depth)
-        if problems and model_check == "refuse":
-            raise ValueError(f"{codes_file}: {problems[0]} (refused: model_check is refuse)")
-        for p in problems:
-            logic.log.warning("MM3: %s: %s", codes_file, p)
-        with interruptible():
-            device = patcher(lm).load_device
-            lm_model, depth_model = load([lm, depth])
-            song = logic.replay_codes(lm_model, depth_model, depth, request, prompt, codes, device=device,
-                                      dtype=compute_dtype(device), progress=node_progress(), model_check=model_check)
-        text = f"{song.frames} frames, lm_seed {request.lm_seed}; file settings: seed {request.seed}, steps " \
-               f"{request.steps}, dit_cfg {request.dit_cfg:g}"
-        text += "".join(f"\nwarning: {p}" for p in problems)
-        seed = max(request.seed, 0)
-        return io.NodeOutput(song, seed, request.steps, request.dit_cfg, ui={"text": [text]})
+        return replay_codes_text(lm, depth, text, codes_file, model_check)
+
+
+def replay_codes_text(lm, depth, text: str, source: str, model_check: str) -> io.NodeOutput:
+    """What Load Audio Codes outputs for a replay request's JSON text (`source` names it in messages):
+    its song by teacher forcing, after the check of this machine's LM and depth files against the
+    fingerprints the request records; the request's seed, steps and dit_cfg."""
+    request, prompt, codes = logic.read_codes_request(text, source, lm, depth)
+    problems = logic.codes_file_problems(request, lm, depth)
+    if problems and model_check == "refuse":
+        raise ValueError(f"{source}: {problems[0]} (refused: model_check is refuse)")
+    for p in problems:
+        logic.log.warning("MM3: %s: %s", source, p)
+    with interruptible():
+        device = patcher(lm).load_device
+        lm_model, depth_model = load([lm, depth])
+        song = logic.replay_codes(lm_model, depth_model, depth, request, prompt, codes, device=device,
+                                  dtype=compute_dtype(device), progress=node_progress(), model_check=model_check)
+    text = f"{song.frames} frames, lm_seed {request.lm_seed}; file settings: seed {request.seed}, steps " \
+           f"{request.steps}, dit_cfg {request.dit_cfg:g}"
+    text += "".join(f"\nwarning: {p}" for p in problems)
+    seed = max(request.seed, 0)
+    return io.NodeOutput(song, seed, request.steps, request.dit_cfg, ui={"text": [text]})
 
 
 class MM3SaveSong(io.ComfyNode):

@@ -23,11 +23,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.comfy_server import ComfyServer
-from tests.helpers.comfyui import API_DIR, COMFYUI_PATH, needs_comfy
+from tests.helpers.comfyui import API_DIR, COMFYUI_PATH, OWN_WORKFLOWS, needs_comfy
 
 ROOT = Path(__file__).resolve().parents[1]
 PACK = "ComfyUI-MM3-GGUF"
-WORKFLOWS = sorted(p.stem for p in API_DIR.glob("*.json"))
+WORKFLOWS = OWN_WORKFLOWS  # those for ComfyUI-Distributed need its nodes (tests/test_comfyui_distributed.py)
+TEMPLATES = sorted(p.stem for p in API_DIR.glob("*.json"))
 PACK_WARNINGS = ("[ComfyUI Notice]", "[ComfyUI Deprecated]", "[DEPRECATED]", "Unhandled message", "mm3", "MM3")
 pytestmark = pytest.mark.slow
 
@@ -247,7 +248,7 @@ def test_each_workflow_runs_as_shipped_with_only_the_tiny_files(editor, comfy):
     assert not editor.pack_messages(), editor.pack_messages()
     thumbs = [f for f in editor.failed if "workflow_templates" in f or "/extensions/" in f]
     assert not thumbs, thumbs
-    for name in WORKFLOWS:  # the template browser's thumbnails, as it asks for them
+    for name in TEMPLATES:  # the template browser's thumbnails, as it asks for them
         thumb = comfy.get(f"/api/workflow_templates/{PACK}/{name}.jpg")
         assert thumb[:3] == b"\xff\xd8\xff", name  # a JPEG
 

@@ -23,8 +23,8 @@ from mm3.pipeline import Pipeline
 from mm3.request import MM3Request
 from tests.helpers.comfy_server import cached_nodes, executed_nodes
 from tests.helpers.comfy_workflows import api_from_ui, schema_problems
-from tests.helpers.comfyui import (API_DIR, CAPTION, COMFYUI_PATH, LOADER_ARCH, LYRICS, SET_KEYS, audio_entries,
-                                   needs_comfy, read_wav, run, tiny_workflow)
+from tests.helpers.comfyui import (API_DIR, CAPTION, COMFYUI_PATH, LOADER_ARCH, LYRICS, OWN_WORKFLOWS, SET_KEYS,
+                                   audio_entries, needs_comfy, other_packs, read_wav, run, tiny_workflow)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,7 +152,10 @@ def test_ui_workflows_convert_to_the_api_ones(comfy):
     info = comfy.get("/object_info")
     names = sorted(p.stem for p in API_DIR.glob("*.json"))
     assert sorted(comfy.get("/workflow_templates")["ComfyUI-MM3-GGUF"]) == names
-    for name in names:
+    # The workflows for ComfyUI-Distributed convert where its nodes are known (tests/test_comfyui_distributed.py).
+    assert {n: other_packs(n) for n in names if n not in OWN_WORKFLOWS} == {
+        "songs_across_workers": {"ComfyUI-Distributed"}, "variations_across_workers": {"ComfyUI-Distributed"}}
+    for name in OWN_WORKFLOWS:
         ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
         assert schema_problems(ui) == [], name
         api = json.loads((API_DIR / f"{name}.json").read_text())

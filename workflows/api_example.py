@@ -12,6 +12,14 @@ plain string).
         --caption "Basic Attributes: bpm is 100. Dreamy synth-pop, female vocal." \
         --lyrics-file lyrics.txt --duration 90 --lm-seed 7 --seed 1 \
         --lm MiniMax-Music3-language_model-Q8_0.gguf --out songs/
+
+Several --server options fan the workflow out, one copy per server (each GPU its own ComfyUI):
+server i takes the next block of seeds (every literal AR Plan lm_seed + i * songs, so each plans
+other songs; a workflow without one, such as a saved plan's, every sampler seed + i * variations),
+and its files go to OUT/HOST_PORT/. --distributed instead queues once through a ComfyUI-Distributed
+master (POST /distributed/queue, with every worker its configuration enables), for the workflows
+that collect on the master (songs_across_workers, variations_across_workers; --codes FILE puts a
+replay JSON into the latter's MM3 Audio Codes From Text).
 """
 
 from __future__ import annotations
@@ -59,11 +67,18 @@ def download(server: str, item: dict, timeout: float = 300) -> bytes:
 
 
 def set_input(workflow: dict, node_class: str, name: str, value) -> int:
-    """Set `name` on every node of `node_class` that has it as a literal input; returns how many."""
+    """Set `name` on every node of `node_class` that has it as a literal input, or wired from a
+    ComfyUI-Distributed seed node (which then gets it: the master's seed); returns how many."""
     n = 0
     for node in workflow.values():
-        if node["class_type"] == node_class and name in node["inputs"] and not isinstance(node["inputs"][name], list):
+        if node["class_type"] != node_class or name not in node["inputs"]:
+            continue
+        source = node["inputs"][name]
+        if not isinstance(source, list):
             node["inputs"][name] = value
+            n += 1
+        elif workflow.get(str(source[0]), {}).get("class_type") == "DistributedSeed":
+            workflow[str(source[0])]["inputs"]["seed"] = value
             n += 1
     return n
 
@@ -102,15 +117,44 @@ def node_warnings(entry: dict, workflow: dict) -> list[str]:
     return found
 
 
-def run(server: str, workflow: dict, out: Path, timeout: float) -> list[Path]:
+def enabled_workers(server: str) -> list[str]:
+    """The ids of the workers a ComfyUI-Distributed master's configuration enables."""
+    try:
+        config = call(server, "/distributed/config")
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"{server} answers /distributed/config with {e.code}: is ComfyUI-Distributed installed there?")
+    return [str(w["id"]) for w in config.get("workers", []) if w.get("enabled")]
+
+
+def queue(server: str, workflow: dict, distributed: bool = False) -> str:
+    """POST the workflow to /prompt, or with `distributed` to the master's /distributed/queue with
+    every enabled worker; its prompt id on that server."""
     client_id = uuid.uuid4().hex
     try:
-        prompt_id = call(server, "/prompt", {"prompt": workflow, "client_id": client_id})["prompt_id"]
+        if distributed:
+            workers = enabled_workers(server)
+            answer = call(server, "/distributed/queue", {"prompt": workflow, "client_id": client_id,
+                                                        "enabled_worker_ids": workers})
+            print(f"{server}: sent to {answer.get('worker_count', 0)} of {len(workers)} enabled workers",
+                  file=sys.stderr)
+            if answer.get("node_errors"):
+                raise SystemExit("the master refused the workflow:\n" + refusal(json.dumps(answer), workflow))
+        else:
+            answer = call(server, "/prompt", {"prompt": workflow, "client_id": client_id})
     except urllib.error.HTTPError as e:
-        raise SystemExit("the server refused the workflow:\n" + refusal(e.read().decode(errors="replace"), workflow))
+        raise SystemExit(f"{server} refused the workflow:\n" + refusal(e.read().decode(errors="replace"), workflow))
     except urllib.error.URLError as e:
         raise SystemExit(f"cannot reach the ComfyUI server at {server} ({e.reason}); is it running?")
-    print(f"queued {prompt_id}", file=sys.stderr)
+    print(f"{server}: queued {answer['prompt_id']}", file=sys.stderr)
+    return answer["prompt_id"]
+
+
+def run(server: str, workflow: dict, out: Path, timeout: float, distributed: bool = False) -> list[Path]:
+    return fetch_results(server, queue(server, workflow, distributed), workflow, out, timeout)
+
+
+def fetch_results(server: str, prompt_id: str, workflow: dict, out: Path, timeout: float) -> list[Path]:
+    """Wait for the prompt on /history, print the nodes' warnings, download what its output nodes wrote."""
     deadline = time.monotonic() + timeout
     while True:
         entry = call(server, f"/history/{prompt_id}").get(prompt_id)
@@ -151,6 +195,33 @@ def run(server: str, workflow: dict, out: Path, timeout: float) -> list[Path]:
     return written
 
 
+def spread_seeds(workflow: dict, index: int) -> dict:
+    """The copy of the workflow for fan-out server `index`: the next block of seeds, so every server
+    makes other songs (each literal AR Plan lm_seed + index * songs) or, without one (a saved
+    plan's workflow), other variations (each literal sampler seed + index * variations)."""
+    copy = json.loads(json.dumps(workflow))
+    plans = [n["inputs"] for n in copy.values() if n["class_type"] == "MM3ARPlan"
+             and isinstance(n["inputs"].get("lm_seed"), int)]
+    samplers = [n["inputs"] for n in copy.values() if n["class_type"] in ("MM3FlowSampler", "MM3Repaint")
+                and isinstance(n["inputs"].get("seed"), int)]
+    if plans:
+        for inputs in plans:
+            inputs["lm_seed"] += index * int(inputs.get("songs", 1))
+    elif samplers:
+        for inputs in samplers:
+            inputs["seed"] += index * int(inputs.get("variations", 1))
+    else:
+        raise SystemExit("several --server options need an AR Plan lm_seed or a sampler seed typed into the workflow "
+                         "(not wired), to give each server other songs")
+    return copy
+
+
+def server_folder(server: str) -> str:
+    """A folder name for one server's files: its host and port."""
+    parts = urllib.parse.urlsplit(server if "//" in server else "http://" + server)
+    return f"{parts.hostname}_{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
 def parse_value(text: str):
     try:
         return json.loads(text)
@@ -160,7 +231,12 @@ def parse_value(text: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--server", default="http://127.0.0.1:8188")
+    p.add_argument("--server", action="append", metavar="URL",
+                   help="a ComfyUI server (default http://127.0.0.1:8188); repeat it to fan the workflow out")
+    p.add_argument("--distributed", action="store_true",
+                   help="queue through the ComfyUI-Distributed master at --server (POST /distributed/queue)")
+    p.add_argument("--codes", metavar="FILE",
+                   help="a replay JSON for MM3 Audio Codes From Text (variations_across_workers)")
     p.add_argument("--workflow", default=str(HERE / "api" / "text_to_song.json"), help="API-format workflow JSON")
     p.add_argument("--out", default="mm3_out", help="folder for the downloaded files")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the result")
@@ -186,14 +262,30 @@ def main(argv=None) -> int:
         value = getattr(args, "model_" + flag)
         if value is not None and not set_model(workflow, flag, value):
             raise SystemExit(f"--{flag}: the workflow has no loader of that component with a literal file name")
+    if args.codes and not set_input(workflow, "MM3AudioCodesFromText", "replay_json",
+                                    Path(args.codes).read_text(encoding="utf-8")):
+        raise SystemExit("--codes: the workflow has no MM3 Audio Codes From Text with a literal replay_json")
     for item in args.set:
         key, _, value = item.partition("=")
         node_id, _, name = key.partition(".")
         if node_id not in workflow or not name:
             raise SystemExit(f"--set {item}: expected NODE.INPUT=VALUE with a node id of the workflow")
         workflow[node_id]["inputs"][name] = parse_value(value)
-    for path in run(args.server, workflow, Path(args.out), args.timeout):
-        print(path)
+    servers = args.server or ["http://127.0.0.1:8188"]
+    if args.distributed and len(servers) > 1:
+        raise SystemExit("--distributed takes one --server: the master (it sends the workflow to its workers)")
+    if len(servers) == 1:
+        for path in run(servers[0], workflow, Path(args.out), args.timeout, args.distributed):
+            print(path)
+        return 0
+    folders = [server_folder(s) for s in servers]
+    if len(set(folders)) < len(folders):
+        raise SystemExit(f"--server: the same server twice ({', '.join(servers)})")
+    copies = [spread_seeds(workflow, i) for i in range(len(servers))]
+    queued = [queue(s, wf) for s, wf in zip(servers, copies)]  # all queued first: they run side by side
+    for s, wf, prompt_id, folder in zip(servers, copies, queued, folders):
+        for path in fetch_results(s, prompt_id, wf, Path(args.out) / folder, args.timeout):
+            print(path)
     return 0
 
 

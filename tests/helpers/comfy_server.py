@@ -53,7 +53,10 @@ class ComfyServer:
     """One ComfyUI process; `base` holds its custom_nodes, models, input, output, temp and user."""
 
     def __init__(self, comfy_path: str, python: str | None = None, extra_args: tuple[str, ...] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, models: Path | None = None, own_group: bool = False):
+        """`models`: a folder of tiny GGUFs to hard-link into models/mm3 instead of building them;
+        `own_group`: the process leads a process group of its own, which `stop` ends whole."""
+        self.models, self.own_group = models, own_group
         self.comfy_path = Path(comfy_path)
         self.python = python or sys.executable
         self.extra_args = extra_args
@@ -66,15 +69,29 @@ class ComfyServer:
         self.env = {**os.environ, **(env or {})}
 
     def start(self, timeout: float = 120.0) -> "ComfyServer":
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> "ComfyServer":
+        """Start the process without waiting for it to answer (several start side by side)."""
         for d in ("custom_nodes", "input", "output", "temp", "user"):
             (self.base / d).mkdir(parents=True, exist_ok=True)
         os.symlink(ROOT, self.base / "custom_nodes" / PACK_DIR_NAME)
-        self.model_names = build_tiny_models(self.base / "models" / "mm3")
+        if self.models is None:
+            self.model_names = build_tiny_models(self.base / "models" / "mm3")
+        else:
+            (self.base / "models" / "mm3").mkdir(parents=True)
+            self.model_names = sorted(p.name for p in Path(self.models).glob("*.gguf"))
+            for name in self.model_names:
+                os.link(Path(self.models) / name, self.base / "models" / "mm3" / name)
         cmd = [self.python, str(self.comfy_path / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port",
                str(self.port), "--disable-auto-launch", "--base-directory", str(self.base),
                "--database-url", f"sqlite:///{self.base / 'user' / 'comfyui.db'}", *self.extra_args]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=self.base, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(cmd, cwd=self.base, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=self.own_group)
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> "ComfyServer":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -87,7 +104,9 @@ class ComfyServer:
         raise RuntimeError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log_tail()}")
 
     def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
+        if self.own_group and self.proc is not None:
+            self._end_group()
+        elif self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(20)
@@ -97,6 +116,34 @@ class ComfyServer:
         if getattr(self, "_log", None):
             self._log.close()
         shutil.rmtree(self.base, ignore_errors=True)
+
+    def _end_group(self):
+        """SIGTERM to the process group (the server and anything it started), SIGKILL to what is
+        left after 20 s."""
+        import signal
+
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if not self.group_alive():
+                break
+
+    def group_alive(self) -> bool:
+        """Whether any process of the server's own group still runs (own_group only)."""
+        if self.proc is None:
+            return False
+        self.proc.poll()  # reap the leader if it ended
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
 
     def log_tail(self, n: int = 60) -> str:
         try:

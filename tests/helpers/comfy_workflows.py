@@ -20,6 +20,7 @@ API_DIR = WORKFLOWS / "api"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 NOTE_TYPES = {"Note", "MarkdownNote"}  # editor-only nodes, not in the API format
 PACK_ID = "comfyui-mm3-gguf"
+NODE_PACKS = {"MM3": PACK_ID, "Distributed": "comfyui-distributed"}  # class-name prefix -> its pack's registry id
 WIDTH, COLUMN, GAP, ROW_GAP = 400, 460, 50, 70  # node width, column pitch, gaps between nodes and rows
 TITLE = 30  # the title bar, drawn above a node's position
 MAX_COLUMNS = 5  # per row: a wider graph goes on two rows
@@ -51,6 +52,20 @@ NOTES = {
     "repaint_range": "Renders a 30 s song, then MM3 Repaint samples seconds 10-20 again with another seed and keeps "
                      "the rest (a short crossfade at the edges). Both are saved. To repaint your own recording, "
                      "feed MM3 Vocoder Encode's latents (a vocoder file with its encoder) as the source.",
+    "songs_across_workers": "Needs ComfyUI-Distributed, its workers enabled, and this pack with a model set on every "
+                            "server. Each server makes its own song: Distributed Seed gives the master lm_seed 42 and "
+                            "worker i 42 + i (change it for other songs; keep it fixed). MM3 Pack Songs joins a "
+                            "server's songs and writes their lengths and replay requests into a card image; the "
+                            "Distributed Collector brings every worker's audio and card to the master, where MM3 "
+                            "Unpack Songs cuts the songs apart for Save Song (each with its replay JSON). Keep songs "
+                            "at 1 per server.",
+    "variations_across_workers": "Needs ComfyUI-Distributed, its workers enabled, and this pack with a model set on "
+                                 "every server. Plan once on the master (text_to_song, or AR Plan into Save Audio "
+                                 "Codes), then paste that replay JSON's text into MM3 Audio Codes From Text: the text "
+                                 "travels inside the workflow to every worker, and each server checks its own LM and "
+                                 "depth files against the fingerprints it records. Distributed Seed gives the master "
+                                 "seed 100 and worker i 100 + i: one variation each, collected and saved on the "
+                                 "master with their replay JSONs.",
     "rerender_from_codes": "Renders a saved replay JSON again: Save Song and Save Audio Codes write them (into "
                            "output/mm3; they are listed with [output]), or put one in input/. The list is empty until "
                            "a first song was saved: run text_to_song first. The codes are replayed, not sampled; the "
@@ -79,6 +94,13 @@ def is_widget(typ: str, opts: dict) -> bool:
     return typ in WIDGET_TYPES and not opts.get("forceInput")
 
 
+def has_control(name: str, typ: str, opts: dict) -> bool:
+    """Whether the editor gives this widget a "control after generate" value: when its schema says
+    so, and for an INT named seed or noise_seed (ComfyUI-Distributed's Distributed Seed) unless it
+    says not to."""
+    return opts.get("control_after_generate", typ == "INT" and name in ("seed", "noise_seed"))
+
+
 def _depths(api: dict) -> dict[str, int]:
     depth = {}
 
@@ -94,13 +116,15 @@ def _depths(api: dict) -> dict[str, int]:
 
 
 def node_height(class_type: str, widgets: int, sockets: int) -> int:
-    """Room for the editor's own layout of a node: its slots and widget rows (MM3 Prompt: two text boxes)."""
-    return 480 if class_type == "MM3PromptAssemble" else 60 + 28 * widgets + 24 * sockets
+    """Room for the editor's own layout of a node: its slots and widget rows (MM3 Prompt: two text
+    boxes; MM3 Audio Codes From Text: one)."""
+    tall = {"MM3PromptAssemble": 480, "MM3AudioCodesFromText": 320}
+    return tall.get(class_type, 60 + 28 * widgets + 24 * sockets)
 
 
 def layout(columns: list[list[tuple[str, int]]]) -> tuple[dict[str, list[int]], tuple[list[int], list[int]]]:
     """Positions of the nodes (per depth column: (id, height)) and the Note's position and size: at
-    most MAX_COLUMNS columns a row, two rows for a longer graph, a tall column split in two; the Note
+    most MAX_COLUMNS columns a row (as few rows as that allows), a tall column split in two; the Note
     in the first row's first free column, else above the first row (the window's bottom right, where
     the editor's minimap sits, stays free)."""
     split = []
@@ -109,8 +133,9 @@ def layout(columns: list[list[tuple[str, int]]]) -> tuple[dict[str, list[int]], 
         half = len(column) - len(column) // 2
         split += [column[:half], column[half:]] if height > TALLEST and len(column) > 1 else [column]
     columns = split
-    per_row = len(columns) if len(columns) <= MAX_COLUMNS else -(-len(columns) // 2)
-    rows = [columns[:per_row], columns[per_row:]]
+    rows_needed = -(-len(columns) // MAX_COLUMNS)
+    per_row = -(-len(columns) // rows_needed)
+    rows = [columns[i:i + per_row] for i in range(0, len(columns), per_row)]
     note_top = per_row >= MAX_COLUMNS
     pos, y0 = {}, (WIDE_NOTE_SIZE[1] + TITLE + GAP) if note_top else 0
     for row in rows:
@@ -168,7 +193,7 @@ def ui_from_api(name: str, api: dict, object_info: dict) -> dict:
             linked = isinstance(value, list)
             if is_widget(typ, opts):
                 widgets.append(opts.get("default") if linked else value)
-                if opts.get("control_after_generate"):
+                if has_control(iname, typ, opts):
                     widgets.append(CONTROL.get((name, iname), "fixed"))
             if linked:
                 link_id += 1
@@ -185,7 +210,7 @@ def ui_from_api(name: str, api: dict, object_info: dict) -> dict:
                 outputs[i]["shape"] = 6  # the editor's list marker
         height = node_height(node["class_type"], len(widgets), max(len(inputs), len(outputs)))
         columns[depth[nid]].append((nid, height))
-        cnr = PACK_ID if node["class_type"].startswith("MM3") else "comfy-core"
+        cnr = next((pack for prefix, pack in NODE_PACKS.items() if node["class_type"].startswith(prefix)), "comfy-core")
         entry = {"id": int(nid), "type": node["class_type"], "pos": [0, 0], "size": [WIDTH, height],
                  "flags": {}, "order": rank, "mode": 0, "inputs": inputs, "outputs": outputs,
                  "properties": {"Node name for S&R": node["class_type"], "cnr_id": cnr},
@@ -274,7 +299,7 @@ def api_from_ui(ui: dict, object_info: dict) -> dict:
             widget_value = None
             if is_widget(typ, opts):
                 widget_value = values[k]
-                k += 2 if opts.get("control_after_generate") else 1
+                k += 2 if has_control(iname, typ, opts) else 1
             if iname in linked:
                 inputs[iname] = list(link_src[linked[iname]])
             elif is_widget(typ, opts):

@@ -24,6 +24,20 @@ LOADER_ARCH = {"MM3LoadLanguageModel": "mm3-lm", "MM3LoadDepthDecoder": "mm3-dep
                "MM3LoadConditionEncoder": "mm3-cond", "MM3LoadDiT": "mm3-dit", "MM3LoadVocoder": "mm3-vae"}
 
 
+OTHER_PACKS = {"Distributed": "ComfyUI-Distributed"}  # class-name prefix -> the node pack it comes from
+
+
+def other_packs(name: str) -> set[str]:
+    """The node packs besides this one and ComfyUI's own that the shipped workflow `name` needs."""
+    wf = json.loads((API_DIR / f"{name}.json").read_text())
+    return {pack for node in wf.values() for prefix, pack in OTHER_PACKS.items()
+            if node["class_type"].startswith(prefix)}
+
+
+# The shipped workflows that need nothing but this pack and ComfyUI (the others: tests/test_comfyui_distributed.py).
+OWN_WORKFLOWS = sorted(p.stem for p in API_DIR.glob("*.json") if not other_packs(p.stem))
+
+
 def import_pack(sub: str):
     """A module of the repository imported as a package, as ComfyUI imports it (the node layer
     imports the engine as `mm3`, the very modules the tests use)."""
