@@ -68,7 +68,7 @@ class ComfyServer:
         self.client_id = uuid.uuid4().hex
         self.env = {**os.environ, **(env or {})}
 
-    def start(self, timeout: float = 120.0) -> "ComfyServer":
+    def start(self, timeout: float = 300.0) -> "ComfyServer":
         return self.launch().wait_ready(timeout)
 
     def launch(self) -> "ComfyServer":
@@ -91,7 +91,7 @@ class ComfyServer:
                                      start_new_session=self.own_group)
         return self
 
-    def wait_ready(self, timeout: float = 120.0) -> "ComfyServer":
+    def wait_ready(self, timeout: float = 300.0) -> "ComfyServer":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
