@@ -29,6 +29,7 @@ WINDOW = (1600, 1000)
 LEFT, TOP, RIGHT, BOTTOM = 80, 110, 20, 20
 NOTE_SIZE = [WIDTH, 400]  # beside the first row
 WIDE_NOTE_SIZE = [3 * COLUMN - (COLUMN - WIDTH), 150]  # above it
+PLAYER_HEIGHT = 180  # the live player web/mm3.js adds to MM3 Generate
 TALLEST = 700  # a column of stacked nodes taller than this is split in two side by side
 
 NOTES = {
@@ -51,6 +52,11 @@ NOTES = {
     "repaint_range": "Renders a 30 s song, then MM3 Repaint samples seconds 10-20 again with another seed and keeps "
                      "the rest (a short crossfade at the edges). Both are saved. To repaint your own recording, "
                      "feed MM3 Vocoder Encode's latents (a vocoder file with its encoder) as the source.",
+    "generate_in_one_node": "Caption + lyrics -> a song in one node: MM3 Generate plans, denoises and decodes. Where "
+                            "the five models fit in memory together, each 8 s window is rendered as soon as its "
+                            "frames are planned, and the player on the node plays the windows as they come, before "
+                            "the song is done (click the waveform to jump). With these settings it is text_to_song's "
+                            "song.",
     "rerender_from_codes": "Renders a saved replay JSON again: Save Song and Save Audio Codes write them (into "
                            "output/mm3; they are listed with [output]), or put one in input/. The list is empty until "
                            "a first song was saved: run text_to_song first. The codes are replayed, not sampled; the "
@@ -95,6 +101,8 @@ def _depths(api: dict) -> dict[str, int]:
 
 def node_height(class_type: str, widgets: int, sockets: int) -> int:
     """Room for the editor's own layout of a node: its slots and widget rows (MM3 Prompt: two text boxes)."""
+    if class_type == "MM3Generate":  # two text boxes as MM3 Prompt's, its other widgets, the live player
+        return 480 + 28 * (widgets - 2) + 24 * sockets + PLAYER_HEIGHT
     return 480 if class_type == "MM3PromptAssemble" else 60 + 28 * widgets + 24 * sockets
 
 
