@@ -142,7 +142,8 @@ class _Job:
 
 @torch.no_grad()
 def plan_and_render(models: Models, prompt: PromptText, settings: PlanSettings, synth: SynthSettings,
-                    takes: Takes = Takes(), *, device, dtype: torch.dtype, numerics: Numerics = FAST, progress: Progress | None = None,
+                    takes: Takes = Takes(), *, device, dtype: torch.dtype, numerics: Numerics = FAST,
+                    progress: Progress | None = None,
                     prefix: torch.Tensor | None = None, origin=None, weight_budget: int | None = None,
                     weight_cache: int | None = None, vae_device=None, on_audio=None) -> Rendered:
     """The songs of `settings` (song i from lm_seed + i; `prefix`: codes to continue), each
@@ -164,7 +165,8 @@ def plan_and_render(models: Models, prompt: PromptText, settings: PlanSettings, 
     capacity = max_frames_for(settings.duration, prompt.prompt.num_tokens, models.lm.max_positions,
                               settings.frame_rate)
     hop = int(files["cond"].hparams["output_hop_length"])
-    job = _Job(models, prompt, device, torch.device(vae_device or device), dtype, numerics, progress, on_audio, capacity,
+    job = _Job(models, prompt, device, torch.device(vae_device or device), dtype, numerics, progress, on_audio,
+               capacity,
                0 if prefix is None else prefix.shape[0] - 1, hop, int(files["vae"].hparams["sampling_rate"]),
                len(window_bounds(capacity)), settings.lm_seed)
     start = time.perf_counter()

@@ -469,8 +469,10 @@ class Pipeline:
         self.candidates = []
         for stage, seconds in rendered.seconds.items():
             self.timings.add(stage, seconds)
-        return [Track(audio.waveform[j], audio.sample_rate, replay_request, i, j, audio.windows.latents.conditions.song.codes)
-                for i, audio in enumerate(rendered.audio) for j, replay_request in enumerate(audio.requests)]
+        songs = [audio.windows.latents.conditions.song for audio in rendered.audio]
+        return [Track(audio.waveform[j], audio.sample_rate, replay_request, i, j, song.codes)
+                for i, (audio, song) in enumerate(zip(rendered.audio, songs))
+                for j, replay_request in enumerate(audio.requests)]
 
     # -- failure reporting ------------------------------------------------------------------------
     def _stage(self, stage: str) -> _Stage:

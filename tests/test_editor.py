@@ -251,7 +251,8 @@ ctx.currentTime = 3.2; p.tick(); out.ended = [p.playing, round(p.now()), p.compl
 p.play(); out.again = starts(ctx);
 
 // LRC: several stamps on a line, [offset], tags and unstamped lines left out.
-out.lines = P.parseLrc("[ti:Song]\\n[offset:+500]\\n[00:03.50][00:01.00]la la\\n[00:02]li\\nno stamp\\n[01:02.345]end\\n[00:05:10]x");
+out.lines = P.parseLrc(["[ti:Song]", "[offset:+500]", "[00:03.50][00:01.00]la la", "[00:02]li", "no stamp",
+  "[01:02.345]end", "[00:05:10]x"].join("\\n"));
 out.at_times = [0, 0.6, 1.0, 3.1, 100].map((t) => P.lineAt(out.lines, t));
 
 // The engine's messages (nodes/live.py) on a node of the graph: fetched in order, played back to back.

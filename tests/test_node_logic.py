@@ -100,7 +100,8 @@ def test_vocoder_decode_sends_each_window_as_a_wav_and_a_message(pack, tiny, tmp
 
     m = {k: h.model() for k, h in hs.items() if k in ("cond", "dit", "vae")}
     dp = hs["depth"].hparams
-    hiddens = torch.randn(230, int(dp["num_codebooks"]), int(dp["hidden_size"]), generator=torch.Generator().manual_seed(4))
+    hiddens = torch.randn(230, int(dp["num_codebooks"]), int(dp["hidden_size"]),
+                          generator=torch.Generator().manual_seed(4))
     codes = AudioCodes(torch.zeros(231, int(dp["num_codebooks"]), dtype=torch.long), hiddens, None, 1)
     song = stages.Song(codes, stages.PromptText(None, "c", "l", hs["lm"].file()), hs["depth"].file())
     cond = stages.encode(m["cond"], hs["cond"].file(), song, device="cpu", dtype=torch.float32)

@@ -52,7 +52,6 @@ function showText(node, lines, { warn = false } = {}) {
 // -- the live player on the nodes that decode audio ---------------------------------------------
 const LIVE_NODES = new Set(["MM3VocoderDecode", "MM3Generate"]);
 const PLAYER = "mm3_player";
-const PLAYER_HEIGHT = 180;
 
 function audioContext(sampleRate) {
   const Context = globalThis.AudioContext ?? globalThis.webkitAudioContext;
@@ -68,10 +67,10 @@ export function playerOf(node, makeContext = audioContext) {
   const view = new PlayerView(makeContext);
   const widget = node.addDOMWidget(PLAYER, "mm3player", view.root, {
     getValue: () => "", setValue: () => {}, serialize: false,
-    getMinHeight: () => PLAYER_HEIGHT, getMaxHeight: () => PLAYER_HEIGHT,
+    getMinHeight: () => view.height(), getMaxHeight: () => view.height(),
   });
   widget.serialize = false; // not saved in the workflow
-  widget.computeSize = (width) => [width, PLAYER_HEIGHT];
+  widget.computeSize = (width) => [width, view.height()];
   node.mm3Player = view;
   view.queue = Promise.resolve();
   return view;
@@ -104,7 +103,12 @@ export function onExecuted(detail) {
   const text = Array.isArray(lrc) ? lrc.join("\n") : String(lrc);
   for (const node of app.graph?.nodes ?? []) {
     const view = node.mm3Player;
-    if (view && (view.promptId === detail.prompt_id || view.promptId === null)) view.setLrc(text);
+    if (view && (view.promptId === detail.prompt_id || view.promptId === null)) {
+      view.setLrc(text);
+      const need = node.computeSize?.()[1]; // room for the lyric lines
+      if (need > node.size?.[1]) node.setSize?.([node.size[0], need]);
+      node.setDirtyCanvas?.(true, true);
+    }
   }
 }
 

@@ -9,6 +9,9 @@
 
 export const LEAD = 0.05; // seconds between a start asked for and the clock: room for the audio thread
 export const PEAKS_PER_SECOND = 50; // waveform resolution
+export const WAVE_HEIGHT = 40; // pixels of the waveform
+export const LYRICS_HEIGHT = 96; // pixels of the lyric lines (shown with an LRC text)
+export const PLAYER_HEIGHT = 76; // the widget without lyrics: the controls and the waveform
 
 // -- WAV ----------------------------------------------------------------------------------------
 // A RIFF WAVE file (32-bit float or 16-bit PCM, any channel count) -> { sampleRate, channels: [Float32Array] }.
@@ -287,8 +290,8 @@ export class PlayerView {
     this.choice.title = "Which song and variation to hear";
     this.choice.onchange = () => this.select(this.choice.value);
     bar.append(this.button, this.time, this.choice);
-    this.canvas = el("canvas", "width: 100%; height: 48px; cursor: pointer; background: rgba(0,0,0,0.25);");
-    this.canvas.height = 48;
+    this.canvas = el("canvas", `width: 100%; height: ${WAVE_HEIGHT}px; cursor: pointer; background: rgba(0,0,0,0.25);`);
+    this.canvas.height = WAVE_HEIGHT;
     this.canvas.title = "Click to jump there";
     this.canvas.onclick = (e) => {
       const p = this.player, rect = this.canvas.getBoundingClientRect?.();
@@ -296,12 +299,17 @@ export class PlayerView {
       p.seek(((e.clientX - rect.left) / rect.width) * p.duration);
       this.draw();
     };
-    this.lyrics = el("div", "max-height: 96px; overflow-y: auto; display: none; line-height: 1.4;");
+    this.lyrics = el("div", `max-height: ${LYRICS_HEIGHT}px; overflow-y: auto; display: none; line-height: 1.4;`);
     this.root.append(bar, this.canvas, this.lyrics);
   }
 
   get player() {
     return this.tracks.get(this.selected) ?? null;
+  }
+
+  // The widget's height: the controls and the waveform, and the lyrics while there are some.
+  height() {
+    return PLAYER_HEIGHT + (this.lineEls?.length ? LYRICS_HEIGHT + 4 : 0);
   }
 
   // One "mm3.window" message with its decoded audio; a new prompt starts over.

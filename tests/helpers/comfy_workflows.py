@@ -29,7 +29,7 @@ WINDOW = (1600, 1000)
 LEFT, TOP, RIGHT, BOTTOM = 80, 110, 20, 20
 NOTE_SIZE = [WIDTH, 400]  # beside the first row
 WIDE_NOTE_SIZE = [3 * COLUMN - (COLUMN - WIDTH), 150]  # above it
-PLAYER_HEIGHT = 180  # the live player web/mm3.js adds to MM3 Generate
+PLAYER_HEIGHT = 180  # the live player web/mm3.js adds to MM3 Generate, with its lyric lines
 TALLEST = 700  # a column of stacked nodes taller than this is split in two side by side
 
 NOTES = {
