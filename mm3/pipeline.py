@@ -19,7 +19,6 @@ import torch
 
 from . import overlap, stages
 from .ar import max_frames_for, plan
-from .overlap import fits_together
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
 from .constants import FRAME_RATE
@@ -444,7 +443,8 @@ class Pipeline:
                 not request.takes_setting().is_plain:
             return False
         paths = {self.registry.resolve(kind, getattr(request, MODEL_FIELDS[kind])) for kind in KINDS}
-        return fits_together(sum(os.path.getsize(p) for p in paths), self.device, self.store.resident_bytes())
+        return overlap.fits_together(sum(os.path.getsize(p) for p in paths), self.device,
+                                     self.store.resident_bytes())
 
     def _overlapped(self, request: MM3Request, progress, on_audio) -> list[Track]:
         numerics = self.numerics(request.rng)
