@@ -16,7 +16,7 @@ import { api } from "../../scripts/api.js";
 import { PlayerView, readWav } from "./mm3_player.js";
 
 const TEXT_NODES = new Set(["MM3PromptAssemble", "MM3ARPlan", "MM3LoadAudioCodes", "MM3SaveAudioCodes", "MM3CaptionBuilder",
-  "MM3Repaint"]);
+  "MM3Repaint", "MM3Generate"]);
 const INFO = "mm3_info";
 const COUNT_DELAY_MS = 400;
 const KIND_TITLES = { lm: "Language model", depth: "Depth decoder", cond: "Condition encoder", dit: "DiT",

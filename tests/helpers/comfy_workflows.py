@@ -29,7 +29,9 @@ WINDOW = (1600, 1000)
 LEFT, TOP, RIGHT, BOTTOM = 80, 110, 20, 20
 NOTE_SIZE = [WIDTH, 400]  # beside the first row
 WIDE_NOTE_SIZE = [3 * COLUMN - (COLUMN - WIDTH), 150]  # above it
-PLAYER_HEIGHT = 180  # the live player web/mm3.js adds to MM3 Generate, with its lyric lines
+# MM3 Generate as the editor draws it: its widgets, two text boxes, the live player with lyric lines
+# (web/mm3.js) and the node's text; short enough that its workflow's Note clears the queue panel.
+GENERATE_HEIGHT = 930
 TALLEST = 700  # a column of stacked nodes taller than this is split in two side by side
 
 NOTES = {
@@ -101,8 +103,8 @@ def _depths(api: dict) -> dict[str, int]:
 
 def node_height(class_type: str, widgets: int, sockets: int) -> int:
     """Room for the editor's own layout of a node: its slots and widget rows (MM3 Prompt: two text boxes)."""
-    if class_type == "MM3Generate":  # two text boxes as MM3 Prompt's, its other widgets, the live player
-        return 480 + 28 * (widgets - 2) + 24 * sockets + PLAYER_HEIGHT
+    if class_type == "MM3Generate":
+        return GENERATE_HEIGHT
     return 480 if class_type == "MM3PromptAssemble" else 60 + 28 * widgets + 24 * sockets
 
 
