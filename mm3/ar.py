@@ -256,13 +256,15 @@ class _Draws:
 
 def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, device: torch.device,
                    progress: Progress, compile: bool = False, static_shapes: bool = False,
-                   emit_first: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+                   emit_first: bool = False, on_frames=None) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
     """Frames 0 .. max_frames (frame 0 is fed back, not emitted) of every song until it ends.
     Returns per song (codes [n + 1, ncb] on the CPU, frame hiddens [n, ncb, H], ended_naturally).
     `emit_first` (a continued song, its frame 0 already known): frames 0 .. max_frames - 1 are all
     emitted; returns codes [n, ncb] and hiddens [n, ncb, H].
     `static_shapes` (implied by `compile`): the LM attends over power-of-two lengths of its cache
-    with the unfilled positions masked, so the step's shapes change only at those lengths."""
+    with the unfilled positions masked, so the step's shapes change only at those lengths.
+    `on_frames(rows, final, read)` after each processed frame: per song the code rows recorded so
+    far, whether the song is complete, and `read(i, n)`: song i's first n code rows on the CPU."""
     gens, cache = draws.generators, sampler.cache
     n_songs, ncb, hidden_size = len(gens), sampler.ncb, sampler.lm.hidden_size
     last_launch = max_frames - 1 if emit_first else max_frames
@@ -310,6 +312,11 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
         if recorded:
             progress.on_progress("ar", max(emitted), max_frames,
                                  {"frame": f, "songs": n_songs, "active": sum(active)})
+        if on_frames is not None:
+            on_frames([n + 1 for n in last_frame], [not a for a in active], read)
+
+    def read(i: int, n: int) -> torch.Tensor:
+        return codes_buf[:n, i].cpu()
 
     launched = done = 0
     try:
@@ -345,7 +352,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
          device: torch.device | None = None, dtype: torch.dtype = torch.float32,
          generators: list[torch.Generator] | torch.Generator | None = None, progress: Progress | None = None,
          weight_budget: int | None = None, compile: bool = False,
-         prefix: torch.Tensor | None = None, keep_hiddens: bool = True) -> list[AudioCodes]:
+         prefix: torch.Tensor | None = None, keep_hiddens: bool = True, on_frames=None) -> list[AudioCodes]:
     """Sample `settings.songs` songs for `prompt`: one AudioCodes each (codes [F+1, ncb], hiddens
     [F, ncb, H] in `dtype` on `device`), song i from `generators[i]` (the reference's draws; the
     generator can go on to draw the DiT noise) or from a CPU generator seeded `lm_seed + i`.
@@ -353,6 +360,9 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     `keep_hiddens` False: codes only, for a caller that replays them. `weight_budget`: bytes of
     dequantized weight copies kept for the call (None: `mm3.device.ar_weight_budget`). `compile`:
     the frame step through torch.compile. Progress after every frame; cancel before every frame.
+    `on_frames(frames, final, codes)` after every frame: per song the frames emitted so far (a
+    continued song's prefix counted), whether it is complete, and `codes(i)`: song i's code rows so
+    far [frames + 1, ncb] on the CPU (prefix included), for a caller that renders as it plans.
     """
     _check_pair(lm, depth, prompt)
     device = model_device(lm) if device is None else torch.device(device)
@@ -402,7 +412,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
         sampler.last = last
         draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab)
         results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
-                                 compile=compile, emit_first=prefix is not None)
+                                 compile=compile, emit_first=prefix is not None,
+                                 on_frames=None if on_frames is None else _song_so_far(on_frames, prefix))
     finally:
         if own:
             release_dequantized([depth, lm])
@@ -418,6 +429,18 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
             hiddens = None if prior is None else torch.cat([prior, hiddens.to(prior.device)])
         out.append(AudioCodes(codes, hiddens if keep_hiddens else None, prompt, seeds[i], ended))
     return out
+
+
+def _song_so_far(on_frames, prefix: torch.Tensor | None):
+    """`_sample_frames`' per-frame report as `plan`'s `on_frames` sees it: whole songs, a
+    continued song's prefix in front."""
+    def report(rows: list[int], final: list[bool], read):
+        if prefix is None:
+            on_frames([max(0, n - 1) for n in rows], final, lambda i: read(i, rows[i]))
+        else:
+            known = prefix.shape[0]
+            on_frames([known - 1 + n for n in rows], final, lambda i: torch.cat([prefix, read(i, rows[i])]))
+    return report
 
 
 def activation_bytes(lm_hp: dict, prompt_tokens: int, frames: int, songs: int, lm_cfg: float, device,
@@ -461,61 +484,105 @@ def _feed_frames(lm: Qwen3LM, depth: RVQDepthDecoder, codes: torch.Tensor, off: 
     return last
 
 
+REPLAY_CHUNK = 100  # frames per teacher-forced pass; divides the flow windows' hop, so every window's frames
+#                    are replayed, with the same shapes, as soon as they are planned (`Replayer`)
+
+
+class Replayer:
+    """The teacher-forced replay of one song fed as its codes come (`feed`): frames are replayed
+    in passes of `REPLAY_CHUNK` frames at fixed boundaries (0, 100, 200, ...; the last pass takes
+    the rest once the song is final), so the hiddens are the same bits whether the codes were fed
+    at once (`replay`) or chunk by chunk while the song is planned. `hiddens` [replayed, ncb, H]."""
+
+    def __init__(self, lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, capacity: int, *,
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                 progress: Progress | None = None, total: int | None = None,
+                 lyric_heads: LyricHeads | None = None, tap: AttentionTap | None = None, hiddens: bool = True):
+        _check_pair(lm, depth, prompt)
+        self.device = model_device(lm) if device is None else torch.device(device)
+        n_prompt = prompt.num_tokens
+        if n_prompt + capacity > lm.max_positions:
+            raise ValueError(f"{capacity} frames after a {n_prompt}-token prompt exceed the LM context {lm.max_positions}")
+        self.lm, self.depth, self.prompt, self.dtype = lm, depth, prompt, dtype
+        self.progress, self.total = progress or Progress(), total or capacity
+        self.cache = None
+        self.capacity = capacity
+        self.out = torch.empty(capacity, depth.num_codebooks, lm.hidden_size, dtype=dtype, device=self.device) \
+            if hiddens else None
+        self.replayed = 0  # frames whose hiddens are in `out`
+        self.lyrics = None if lyric_heads is None else LyricAttention(prompt, lyric_heads.resolve(lm.cfg), capacity)
+        self.taps = [t for t in (self.lyrics, tap) if t is not None]
+        # hiddens False: no depth passes and no LM layer past the deepest tapped one
+        self.last_layer = None if hiddens or not self.taps else max(layer for t in self.taps for layer in t.heads)
+
+    @property
+    def hiddens(self) -> torch.Tensor | None:
+        return None if self.out is None else self.out[:self.replayed]
+
+    def lyric_attention(self) -> torch.Tensor | None:
+        """[replayed frames, lyric tokens] (`mm3.lyrics_align.LyricAttention`), None without lyric heads."""
+        return None if self.lyrics is None else self.lyrics.attention()[:self.replayed]
+
+    def feed(self, codes: torch.Tensor, final: bool = False) -> int:
+        """Replay the whole passes that `codes` [F + 1, ncb] (the song so far) now allow, and with
+        `final` the rest; returns the frames replayed so far. Cancel check before every pass."""
+        n = codes.shape[0] - 1
+        if n > self.capacity:
+            raise ValueError(f"{n} frames fed to a replay sized for {self.capacity}")
+        end = n if final else n - n % REPLAY_CHUNK
+        if end <= self.replayed:
+            return self.replayed
+        cs, ncb, lm, depth, dtype = self.prompt.codes, self.depth.num_codebooks, self.lm, self.depth, self.dtype
+        codes_d = codes[:end + 1].to(self.device)
+        try:
+            with onednn_matmul(self.device):  # chunks of frames: GEMMs, where oneDNN beats MKL (mm3.matmul)
+                if self.cache is None:
+                    self.cache = lm.new_cache(1, self.prompt.num_tokens + self.capacity, dtype, self.device)
+                    lm(lm.embed(self.prompt.ids[:1].to(self.device), dtype), self.cache, stop_after=self.last_layer)
+                for a in range(self.replayed, end, REPLAY_CHUNK):
+                    if self.progress.should_stop():
+                        raise Cancelled(f"replay cancelled at frame {a} of {self.total}")
+                    b = min(a + REPLAY_CHUNK, end)
+                    fed = frame_feedback(lm, depth, codes_d[a:b], cs.code_offset, dtype)  # frames a .. b-1: [m, 1, H]
+                    with lm.tapped(*self.taps):  # read-only: no number changes
+                        hid = lm(fed.transpose(0, 1), self.cache, stop_after=self.last_layer)[0]  # [m, H]
+                    if self.out is not None:  # the hidden after frame k predicted frame k + 1
+                        nxt = codes_d[a + 1:b + 1]
+                        seq = [depth.projection(hid)[:, None],
+                               depth.projection(lm.embed(nxt[:, 0] + cs.code_offset, dtype))[:, None]]
+                        seq += [depth.projection(depth.code_embedding(nxt[:, j], j, dtype))[:, None]
+                                for j in range(1, ncb - 1)]
+                        states = depth(torch.cat(seq, dim=1))  # [m, ncb, H]
+                        self.out[a:b, 0] = hid
+                        self.out[a:b, 1:] = states[:, 1:]
+                    self.replayed = b
+                    self.progress.on_progress("replay", b, self.total, {"frames": self.total})
+        finally:
+            CPU_SCRATCH.clear()
+        return self.replayed
+
+
 @torch.no_grad()
 def replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, codes: torch.Tensor, *,
-           device: torch.device | None = None, dtype: torch.dtype = torch.float32, chunk: int = 512,
+           device: torch.device | None = None, dtype: torch.dtype = torch.float32,
            progress: Progress | None = None, lm_seed: int | None = None, ended: bool = False,
            lyric_heads: LyricHeads | None = None, tap: AttentionTap | None = None,
            hiddens: bool = True) -> AudioCodes:
     """Frame hiddens of known codes [F + 1, ncb] by teacher forcing: prefill the conditional prompt,
     one LM pass over the fed-back frames 0 .. F - 1 (the hidden after frame k - 1 predicted frame k),
     then for each frame k >= 1 one causal depth pass over [LM hidden, c0, c1 .. c6] whose positions
-    1 .. 7 are the depth states. Processed in chunks of `chunk` frames (cancel check between them).
+    1 .. 7 are the depth states; in passes of `REPLAY_CHUNK` frames (`Replayer`), cancel check
+    between them.
 
     `lyric_heads`: also each frame's attention onto the lyrics at those heads, kept as the result's
     `lyric_attention` (`mm3.lyrics_align`); `tap`: another read-only attention tap over the frames.
     Neither changes a number. `hiddens` False: the attention only (no depth passes, no layer past
     the deepest tapped one; the result has no frame hiddens)."""
-    _check_pair(lm, depth, prompt)
-    device = model_device(lm) if device is None else torch.device(device)
-    progress = progress or Progress()
-    cs, ncb = prompt.codes, depth.num_codebooks
-    codes = _checked_codes(codes, cs, depth)
-    n = codes.shape[0] - 1
-    n_prompt = prompt.num_tokens
-    if n_prompt + n > lm.max_positions:
-        raise ValueError(f"{n} frames after a {n_prompt}-token prompt exceed the LM context {lm.max_positions}")
-    codes_d = codes.to(device)
-    lyrics = None if lyric_heads is None else LyricAttention(prompt, lyric_heads.resolve(lm.cfg), n)
-    taps = [t for t in (lyrics, tap) if t is not None]
-    last_layer = None if hiddens or not taps else max(layer for t in taps for layer in t.heads)
-    try:
-        with onednn_matmul(device):  # chunks of frames: GEMMs, where oneDNN beats MKL (mm3.matmul)
-            cache = lm.new_cache(1, n_prompt + n, dtype, device)
-            lm(lm.embed(prompt.ids[:1].to(device), dtype), cache, stop_after=last_layer)
-
-            out = torch.empty(n, ncb, lm.hidden_size, dtype=dtype, device=device) if hiddens else None
-            for a in range(0, n, chunk):
-                if progress.should_stop():
-                    raise Cancelled(f"replay cancelled at frame {a} of {n}")
-                b = min(a + chunk, n)
-                fed = frame_feedback(lm, depth, codes_d[a:b], cs.code_offset, dtype)  # frames a .. b-1: [m, 1, H]
-                with lm.tapped(*taps):
-                    hid = lm(fed.transpose(0, 1), cache, stop_after=last_layer)[0]  # [m, H]: predicts frame k + 1
-                if hiddens:
-                    nxt = codes_d[a + 1:b + 1]  # the frames those hiddens predicted
-                    seq = [depth.projection(hid)[:, None],
-                           depth.projection(lm.embed(nxt[:, 0] + cs.code_offset, dtype))[:, None]]
-                    seq += [depth.projection(depth.code_embedding(nxt[:, j], j, dtype))[:, None]
-                            for j in range(1, ncb - 1)]
-                    states = depth(torch.cat(seq, dim=1))  # [m, ncb, H]
-                    out[a:b, 0] = hid
-                    out[a:b, 1:] = states[:, 1:]
-                progress.on_progress("replay", b, n, {"frames": n})
-    finally:
-        CPU_SCRATCH.clear()
-    return AudioCodes(codes, out, prompt, lm_seed, ended,
-                      lyric_attention=None if lyrics is None else lyrics.attention())
+    codes = _checked_codes(codes, prompt.codes, depth)
+    replayer = Replayer(lm, depth, prompt, codes.shape[0] - 1, device=device, dtype=dtype, progress=progress,
+                        lyric_heads=lyric_heads, tap=tap, hiddens=hiddens)
+    replayer.feed(codes, final=True)
+    return AudioCodes(codes, replayer.hiddens, prompt, lm_seed, ended, lyric_attention=replayer.lyric_attention())
 
 
 def plan_and_replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings, *,

@@ -44,6 +44,17 @@ def window_bounds(num_frames: int) -> list[tuple[int, int]]:
     return [(s, min(s + WINDOW_FRAMES, num_frames)) for s in starts]
 
 
+def settled_windows(frames: int, final: bool) -> int:
+    """How many leading windows of a song with `frames` frames planned so far are settled: their
+    bounds (`window_bounds`) and whether each is the song's last can no longer change. A complete
+    song (`final`): all of them. One still being planned: window k, frames [100k, 100k + 200),
+    once more than 100k + 200 frames are planned, for then every frame of it is there and the
+    song goes on past it (window k + 1 exists, so the stitch crops k's end as it will)."""
+    if final:
+        return len(window_bounds(frames)) if frames >= 1 else 0
+    return max(0, -(-(frames - WINDOW_FRAMES) // WINDOW_HOP))
+
+
 def flow_sigmas(steps: int, shift: float = 1.0) -> torch.Tensor:
     """[steps + 1] float32 flow times: 1 - float32(linspace(1, 1/N, N)) computed in float32, then 1.0.
 
@@ -209,15 +220,21 @@ def encode_conditions(cond_encoder, frame_hiddens: torch.Tensor, *, device=None,
     if frame_hiddens.dim() not in (2, 3):
         raise ValueError(f"frame_hiddens must be [F, layers, hidden] or [F, layers * hidden], got "
                          f"{list(frame_hiddens.shape)}")
-    fh = frame_hiddens.reshape(frame_hiddens.shape[0], -1).unsqueeze(0)  # [1, F, layers * hidden]
-    bounds = window_bounds(fh.shape[1])
+    bounds = window_bounds(frame_hiddens.shape[0])
     out = []
     for k, (s, e) in enumerate(bounds):
         if progress.should_stop():
             raise Cancelled(f"condition encoding cancelled at window {k + 1}/{len(bounds)}")
-        out.append(cond_encoder(fh[:, s:e].to(device=device, dtype=dtype)).to(dtype))  # [1, L_k, D]
+        out.append(encode_window(cond_encoder, frame_hiddens[s:e], device=device, dtype=dtype))
         progress.on_progress("cond", k + 1, len(bounds), {"window": k, "windows": len(bounds)})
     return out
+
+
+def encode_window(cond_encoder, frame_hiddens: torch.Tensor, *, device, dtype: torch.dtype) -> torch.Tensor:
+    """One window's condition [1, L, D] in `dtype` on `device` from its frames' hiddens alone
+    ([e - s, layers, hidden] or [e - s, layers * hidden])."""
+    fh = frame_hiddens.reshape(frame_hiddens.shape[0], -1).unsqueeze(0)  # [1, e - s, layers * hidden]
+    return cond_encoder(fh.to(device=device, dtype=dtype)).to(dtype)
 
 
 @dataclass

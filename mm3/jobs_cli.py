@@ -254,20 +254,59 @@ def cmd_generate(args, req: MM3Request | None = None, pipe=None) -> int:
     lrc = bool(getattr(args, "lrc", False))
     _check_targets(targets + [t.with_suffix(".json") for t in targets] + [_lrc_path(t) for t in targets if lrc],
                    args.overwrite)
-    stream = _window_writer(args, out, req)
-    if pipe is None:
-        pipe = _pipeline(args)
-        req = _match_models(pipe, req, args)
-    with Console(args.quiet) as console:
-        tracks = pipe.run(req, console.progress(), on_audio=stream, lyric_heads=req.lyric_heads() if lrc else None)
-    _print_takes(pipe, args.quiet)
-    start = time.perf_counter()
-    _write_tracks(tracks, out, fmt, req, args.overwrite, args.quiet, lrc)
-    pipe.timings.add("write", time.perf_counter() - start)
-    pipe.timings.add("load", pipe.store.load_seconds)
-    if not args.quiet:
-        print(f"timings: {pipe.timings.summary()}", file=sys.stderr)
+    player = _player(args)
+    stream = _both(_window_writer(args, out, req), player)
+    try:
+        if pipe is None:
+            pipe = _pipeline(args)
+            req = _match_models(pipe, req, args)
+        with Console(args.quiet) as console:
+            tracks = pipe.run(req, console.progress(), on_audio=stream,
+                              lyric_heads=req.lyric_heads() if lrc else None)
+        _print_takes(pipe, args.quiet)
+        start = time.perf_counter()
+        _write_tracks(tracks, out, fmt, req, args.overwrite, args.quiet, lrc)
+        pipe.timings.add("write", time.perf_counter() - start)
+        pipe.timings.add("load", pipe.store.load_seconds)
+        if not args.quiet:
+            print(f"timings: {pipe.timings.summary()}", file=sys.stderr)
+        if player is not None:
+            _play_to_the_end(player, args.quiet)
+    finally:
+        if player is not None:
+            player.finish(should_stop=lambda: True)  # a failed or interrupted run stops the sound at once
     return 0
+
+
+def _player(args):
+    """With --play: the device player (checked before any work: the optional package, a device)."""
+    if not getattr(args, "play", False):
+        return None
+    from .playback import DevicePlayer, open_output
+
+    return DevicePlayer(open_output())
+
+
+def _play_to_the_end(player, quiet: bool) -> None:
+    if player.pending() and not quiet:
+        print("playing the rest of the first track (Ctrl+C stops)", file=sys.stderr)
+    try:
+        player.finish()
+    except KeyboardInterrupt:
+        pass
+
+
+def _both(*callbacks):
+    """One `on_audio` callback calling each given one in turn (None when none is given)."""
+    given = [c for c in callbacks if c is not None]
+    if len(given) < 2:
+        return given[0] if given else None
+
+    def each(*piece):
+        for c in given:
+            c(*piece)
+
+    return each
 
 
 def _window_writer(args, out: Path, req: MM3Request):
@@ -418,6 +457,9 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
         p.add_argument("--stream-dir", dest="stream_dir",
                        help="also write each window's audio to this folder as soon as it is decoded (32-bit float "
                             "WAV at the rendered level, OUT_<track>_<window>.wav), to listen before the song is done")
+        p.add_argument("--play", action="store_true",
+                       help="play the first track on the default audio device as its windows are decoded (needs "
+                            "the optional sounddevice package)")
     p.add_argument("--rng", choices=RNG_MODES, default=None,
                    help="random streams: independent (lm_seed for the AR, seed for the DiT noise) or reference (one "
                         "generator drives AR then DiT noise, as the diffusers pipeline); default: the request's "

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import stages
+from . import overlap, stages
 from .ar import max_frames_for, plan
 from .codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from .components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
@@ -40,8 +41,10 @@ log = logging.getLogger(__name__)
 
 # What each stage is called in error messages, and the components it runs.
 STAGE_NAMES = {"ar": "planning (LM + depth decoder)", "replay": "replaying codes (LM + depth decoder)",
-               "dit": "DiT sampling (condition encoder + DiT)", "vae": "vocoder decoding"}
-STAGE_KINDS = {"ar": ("lm", "depth"), "replay": ("lm", "depth"), "dit": ("cond", "dit"), "vae": ("vae",)}
+               "dit": "DiT sampling (condition encoder + DiT)", "vae": "vocoder decoding",
+               "overlap": "planning and synthesis together (all five models)"}
+STAGE_KINDS = {"ar": ("lm", "depth"), "replay": ("lm", "depth"), "dit": ("cond", "dit"), "vae": ("vae",),
+               "overlap": KINDS}
 
 
 class DeviceOutOfMemory(RunError):
@@ -105,6 +108,13 @@ class Timings:
         return f"{parts}; total {total:.2f} s"
 
 
+def _warn_lm_cfg(lm, request: MM3Request) -> None:
+    trained = lm.cfg.get("trained_lm_cfg")
+    if trained is not None and trained != request.lm_cfg:
+        log.warning("%s was made for lm_cfg %g%s; this request asks for %g", request.lm_model or "the LM",
+                    trained, " (its guidance is distilled)" if trained == 1.0 else "", request.lm_cfg)
+
+
 class Pipeline:
     """Models from `models_dir` (one folder or several), on `device` in `dtype` (auto by default)."""
 
@@ -121,6 +131,7 @@ class Pipeline:
         self.timings = Timings()
         self._last: dict[str, tuple[int, int, dict]] = {}  # stage -> its latest progress report
         self.candidates = []  # the takes of the latest plan (`mm3.takes.Candidate`)
+        self.overlap = True  # a streamed run plans and synthesises together where it can (`can_overlap`)
 
     # -- checks before any model is loaded -----------------------------------------------------------
     def preflight(self, request: MM3Request, kinds: tuple[str, ...] = KINDS,
@@ -257,10 +268,7 @@ class Pipeline:
                                "for takes, require_ending or continue_codes")
         with self._stage("ar"):
             lm, depth = self._ar_models(request, numerics)
-            trained = lm.cfg.get("trained_lm_cfg")
-            if trained is not None and trained != settings.lm_cfg:
-                log.warning("%s was made for lm_cfg %g%s; this request asks for %g", request.lm_model or "the LM",
-                            trained, " (its guidance is distilled)" if trained == 1.0 else "", settings.lm_cfg)
+            _warn_lm_cfg(lm, request)
             prefix = None
             if request.continue_codes:
                 prefix = parse_audio_codes(request.continue_codes, prompt.prompt.codes.num_semantic,
@@ -383,8 +391,10 @@ class Pipeline:
             on_audio=None, lyric_heads: LyricHeads | None = None) -> list[Track]:
         """Every track of the request, song-major (song 0 variation 0, 0/1, ..., 1/0, ...).
         `on_audio(song, k, windows, samples [V, 2, T_k], sample_rate)`: each window's audio of each
-        song as soon as it is decoded. `lyric_heads`: each track's codes also carry their lyric
-        attention (`mm3.lyrics_align.song_lrc` makes its LRC).
+        song as soon as it is decoded; where the run plans and synthesises together (`can_overlap`)
+        the windows come while the songs are planned, `windows` None until a song's length is known.
+        `lyric_heads`: each track's codes also carry their lyric attention (`mm3.lyrics_align.song_lrc`
+        makes its LRC).
 
         `rng` overrides the request's random-stream mode (`request.rng`). Each track's replay
         request names the files used, with their fingerprints. Bad input fails before any model is
@@ -423,6 +433,8 @@ class Pipeline:
             if request.source_codes:
                 source = self.replay(request, progress, codes=parse_audio_codes(
                     request.source_codes, songs[0].prompt.prompt.codes.num_semantic, 1 << 62))
+        elif on_audio is not None and self.can_overlap(request):
+            return self._overlapped(request, progress, on_audio, lyric_heads)
         else:
             songs, gens = self.plan(request, progress, rng, lyric_heads)
         tracks = []
@@ -434,6 +446,45 @@ class Pipeline:
             tracks += [Track(audio.waveform[j], audio.sample_rate, replay_request, i, j, song.codes)
                        for j, replay_request in enumerate(audio.requests)]
         return tracks
+
+    def can_overlap(self, request: MM3Request) -> bool:
+        """Whether a streamed run of `request` plans and synthesises together (`mm3.overlap`): new
+        songs (no audio_codes), the independent RNG, one take without require_ending, and all five
+        models fitting in the device's memory at once (else stage by stage, one group resident)."""
+        if not self.overlap or request.audio_codes or request.rng != "independent" or \
+                not request.takes_setting().is_plain:
+            return False
+        paths = {self.registry.resolve(kind, getattr(request, MODEL_FIELDS[kind])) for kind in KINDS}
+        return overlap.fits_together(sum(os.path.getsize(p) for p in paths), self.device,
+                                     self.store.resident_bytes())
+
+    def _overlapped(self, request: MM3Request, progress, on_audio, lyric_heads=None) -> list[Track]:
+        numerics = self.numerics(request.rng)
+        prompt = self.prompt_text(request)
+        progress = self._track(progress)
+        for stage in ("ar", "dit"):
+            self._last.pop(stage, None)
+        with self._stage("overlap"):
+            models = {kind: self.store.model(kind, getattr(request, MODEL_FIELDS[kind]),
+                                             numerics.models if kind in ("lm", "depth") else "fast", together=True)
+                      for kind in KINDS}
+            _warn_lm_cfg(models["lm"], request)
+            files = {kind: self.model_file(kind, request) for kind in KINDS}
+            prefix = None
+            if request.continue_codes:
+                prefix = parse_audio_codes(request.continue_codes, prompt.prompt.codes.num_semantic,
+                                           models["depth"].audio_vocab)
+            rendered = overlap.plan_and_render(
+                overlap.Models(**models, files=files), prompt, request.plan_settings(), request.synth_settings(),
+                request.takes_setting(), device=self.device, dtype=self.dtype, numerics=numerics, progress=progress,
+                prefix=prefix, origin=request, on_audio=on_audio, lyric_heads=lyric_heads)
+        self.candidates = []
+        for stage, seconds in rendered.seconds.items():
+            self.timings.add(stage, seconds)
+        songs = [audio.windows.latents.conditions.song for audio in rendered.audio]
+        return [Track(audio.waveform[j], audio.sample_rate, replay_request, i, j, song.codes)
+                for i, (audio, song) in enumerate(zip(rendered.audio, songs))
+                for j, replay_request in enumerate(audio.requests)]
 
     # -- failure reporting ------------------------------------------------------------------------
     def _stage(self, stage: str) -> _Stage:
@@ -455,6 +506,8 @@ class Pipeline:
 
     def _where(self, stage: str) -> str:
         """How far `stage` got: "after frame 12 of 250", "after step 3/30 of window 2/3", ..."""
+        if stage == "overlap":
+            return ", ".join(self._where(s) for s in ("ar", "dit") if s in self._last) or "before its first frame"
         last = self._last.get(stage)
         if last is None:
             return "before its first " + {"ar": "frame", "replay": "frame", "dit": "step", "vae": "window"}[stage]

@@ -9,6 +9,7 @@ its file, so asking for another quant of a component replaces the loaded one.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -40,16 +41,17 @@ class ModelStore:
     load_seconds: float = 0.0
     loading: str | None = None  # the file being loaded, or whose loading failed (for error messages)
 
-    def model(self, kind: str, name: str = "", numerics: str = "fast"):
+    def model(self, kind: str, name: str = "", numerics: str = "fast", together: bool = False):
         """The engine model of `kind` from file `name` ("" or "auto": the registry picks one), on the device;
-        the LM and the depth decoder in `numerics` (`mm3.models.build_model`)."""
+        the LM and the depth decoder in `numerics` (`mm3.models.build_model`). `together`: the other
+        group stays loaded (planning and synthesis overlapped, `mm3.overlap`)."""
         path = self.registry.resolve(kind, name)
         have = self.loaded.get(kind)
         if have is not None and have.component.path == path and have.numerics == numerics:
             return have.model
         if have is not None:
             self._release(kind)  # another quant of the same component, or other numerics
-        if not self.keep_loaded:
+        if not (self.keep_loaded or together):
             group = GROUP_OF[kind]
             others = [k for k in self.loaded if GROUP_OF[k] != group]
             for other in others:
@@ -105,6 +107,10 @@ class ModelStore:
             self._release(kind, collect=False)
         gc.collect()  # once for the group: a full collection costs ~0.1 s
         empty_cache(self.device)
+
+    def resident_bytes(self) -> int:
+        """The sizes of the files of the loaded models."""
+        return sum(os.path.getsize(path) for path in {have.component.path for have in self.loaded.values()})
 
     def resident(self) -> list[str]:
         return sorted(self.loaded)

@@ -5,7 +5,8 @@ Each component handle gets one `MM3Patcher`, a `ModelPatcher` sized by the weigh
 (whole, or module by module under --lowvram / --novram); a layer left on the CPU fetches its weight
 to the input's device for each use, and one moved back gets the view of the GGUF mapping it was built
 on, so unloading copies nothing off the device. The AR group {LM, depth} and the synthesis group
-{cond, DiT, vocoder} are never needed together: loading one unloads the other's, except keep_loaded ones.
+{cond, DiT, vocoder} are never needed together by the stage nodes: loading one unloads the other's,
+except keep_loaded ones; MM3 Generate loads all five at once where they fit (`load_together`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from mm3.components import ARCH_OF, DESCRIPTIONS, GROUPS
 from mm3.gguf.weight_copies import compressed_nbytes
+from mm3.overlap import fits_together
 from mm3.registry import AUTO, MODEL_SUFFIXES, file_problem, pick_usable
 from .handles import ComponentHandle, classify
 
@@ -242,6 +244,27 @@ def load(handles: list[ComponentHandle], memory_required: int = 0) -> list[torch
             gone = unload_group(other)
             if gone:
                 log.info("MM3: unloaded %s before loading the %s group", ", ".join(gone), group)
+    patchers = [patcher(h) for h in handles]
+    mm.load_models_gpu(patchers, memory_required=memory_required)
+    return [p.model.engine for p in patchers]
+
+
+def fit_together(handles: list[ComponentHandle], memory_required: int = 0) -> bool:
+    """Whether every model of `handles` (both groups) can be resident at once with `memory_required`
+    bytes of activations: on the CPU the engine's rule (`mm3.overlap.fits_together`, free RAM), on a
+    device its total memory (ComfyUI unloads other models to make room) less what it keeps free."""
+    device = load_device(handles[0].kind)
+    if any(load_device(h.kind) != device for h in handles):
+        return False  # the vocoder on its own device (--cpu-vae): one group at a time
+    weights = sum(patcher(h).model_size() for h in handles)
+    if mm.is_device_cpu(device):
+        return fits_together(weights + memory_required, device)
+    return weights + memory_required + mm.minimum_inference_memory() <= mm.get_total_memory(device)
+
+
+def load_together(handles: list[ComponentHandle], memory_required: int = 0) -> list[torch.nn.Module]:
+    """Build (once) and load the models of `handles`, of both groups, in one request to ComfyUI's
+    manager (planning and synthesis overlapped; `fit_together` says when). Returns the engine models."""
     patchers = [patcher(h) for h in handles]
     mm.load_models_gpu(patchers, memory_required=memory_required)
     return [p.model.engine for p in patchers]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
 from mm3.progress import STAGES, Cancelled, Progress
+from .live import SUBFOLDER, WindowPreview
 
 CATEGORY = "MiniMax Music 3 (GGUF)"
 
@@ -42,6 +44,31 @@ def _send_text(text: str):
             server.send_progress_text(text, ctx.node_id, server.client_id)
     except Exception:  # progress text is a nicety; never fail a run over it
         pass
+
+
+def window_preview(duration: float | None = None) -> WindowPreview | None:
+    """The running node's window sender (`live.WindowPreview`), whose messages go to the client that
+    queued the prompt only; None without one (a prompt queued with no client id)."""
+    try:
+        import folder_paths
+        from comfy_execution.utils import get_executing_context
+        from server import PromptServer
+
+        ctx, server = get_executing_context(), PromptServer.instance
+        client = server.client_id if server is not None else None
+        if ctx is None or client is None:
+            return None
+        folder = Path(folder_paths.get_temp_directory()) / SUBFOLDER
+    except Exception:  # the preview is a nicety; never fail a run over it
+        return None
+
+    def send(event: str, data: dict) -> None:
+        try:
+            server.send_sync(event, data, client)
+        except Exception:
+            pass
+
+    return WindowPreview(send, folder, ctx.node_id, ctx.prompt_id, song=ctx.list_index or 0, duration=duration)
 
 
 def show_warnings(warnings: list[str]) -> None:

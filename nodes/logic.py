@@ -138,10 +138,25 @@ def encode_recording(vae_model, vae: ComponentHandle, audio: dict, condition: Co
                                    condition, device=device)
 
 
+def decode_streamed(vae_model, vae, latents: Latents, on_audio, *, device, progress: Progress | None = None) -> Windows:
+    """`mm3.stages.decode`, each window's audio handed to `on_audio(k, windows, samples,
+    sample_rate)` as soon as it is decoded (`mm3.stages.WindowStream`; None: `decode` itself)."""
+    if on_audio is None:
+        return stages.decode(vae_model, vae, latents, device=device, progress=progress)
+    stream = stages.WindowStream(vae_model, vae, latents.conditions, on_audio, device=device, progress=progress)
+    for k, latent in enumerate(latents.latents):
+        stream(k, latent)
+    return stream.windows(latents)
+
+
 def stitch_audio(windows: Windows) -> dict:
     """Standard ComfyUI AUDIO: waveform [V, 2, T] float32 on the CPU, the rate, and (extra key) each
     item's replay request for Save Song."""
-    audio = stages.stitch_windows(windows)
+    return audio_output(stages.stitch_windows(windows))
+
+
+def audio_output(audio: stages.Audio) -> dict:
+    """A stitched song as ComfyUI AUDIO (see `stitch_audio`)."""
     return {"waveform": audio.waveform, "sample_rate": audio.sample_rate,
             AUDIO_REQUESTS_KEY: [r.to_dict() for r in audio.requests]}
 

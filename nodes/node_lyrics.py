@@ -56,7 +56,10 @@ class MM3LyricTimestamps(io.ComfyNode):
             lm_model, depth_model = load([lm, depth])
             text = logic.lyric_timestamps(lm_model, depth_model, depth, codes, chosen, lead, device=device,
                                           dtype=compute_dtype(device), progress=node_progress())
-        return io.NodeOutput(text, ui={"text": [text or "(no lyric line was reached)"]})
+        ui = {"text": [text or "(no lyric line was reached)"]}
+        if text:
+            ui["lyrics_lrc"] = [text]  # the live players of this prompt show the lines (web/mm3.js)
+        return io.NodeOutput(text, ui=ui)
 
 
 NODES = [MM3LyricTimestamps]

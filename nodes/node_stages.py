@@ -46,6 +46,7 @@ from .common import (
     interruptible,
     node_progress,
     show_warnings,
+    window_preview,
 )
 from .handles import ar_memory, dit_memory, dtype_bytes, vocoder_memory
 from .node_options import SAMPLING_OPTIONS, SamplingOptions
@@ -290,7 +291,8 @@ class MM3VocoderDecode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="MM3VocoderDecode", display_name="MM3 Vocoder Decode", category=CATEGORY,
-            description="Decodes each window's latents to stereo audio (not yet cropped and joined: see Stitch).",
+            description="Decodes each window's latents to stereo audio (not yet cropped and joined: see Stitch). "
+                        "The node's player plays each window as soon as it is decoded.",
             inputs=[VAE.Input("vae"), LATENTS.Input("latents")],
             outputs=[AUDIO_WINDOWS.Output("windows", display_name="windows")],
         )
@@ -304,7 +306,8 @@ class MM3VocoderDecode(io.ComfyNode):
             longest = max(x.shape[-1] for x in latents.latents)
             need = vocoder_memory(shapes, list(vae.hparams["upsampling_ratios"]), longest)
             (model,) = load([vae], memory_required=need)
-            out = stages.decode(model, vae.file(), latents, device=device, progress=node_progress())
+            out = logic.decode_streamed(model, vae.file(), latents, window_preview(), device=device,
+                                        progress=node_progress())
         show_warnings(out.warnings)
         return io.NodeOutput(out)
 

@@ -80,9 +80,12 @@ def test_plan_fast_path_matches_reference(ours, ref, one_thread, song):
     assert rel(ac.frame_hiddens, rr.frame_hiddens) < 1e-5
 
 
-def test_replay_matches_sampled_hiddens(ours, ref, one_thread):
+def test_replay_matches_sampled_hiddens(ours, ref, one_thread, monkeypatch):
+    import mm3.ar
+
+    monkeypatch.setattr(mm3.ar, "REPLAY_CHUNK", 64)  # several passes over this song's frames
     rr = ref.runs["long"]
-    rp = replay(ours.lm, ours.depth, ours.prompt, rr.codes, chunk=64)
+    rp = replay(ours.lm, ours.depth, ours.prompt, rr.codes)
     assert rp.frames == rr.frame_hiddens.shape[0] and torch.equal(rp.codes, rr.codes)
     err = (rp.frame_hiddens - rr.frame_hiddens).pow(2).mean().sqrt() / rr.frame_hiddens.pow(2).mean().sqrt()
     assert err < 1e-2

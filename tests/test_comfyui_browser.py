@@ -298,3 +298,33 @@ def test_model_sidebar_lists_the_components(editor, comfy):
         editor.page.screenshot(path=str(Path(folder) / "models_sidebar.png"), clip={"x": 0, "y": 0, "width": 900,
                                                                                    "height": 1000})
     assert not editor.pack_messages(), editor.pack_messages()
+
+
+@needs_comfy
+def test_generate_plays_each_window_on_its_node(editor, comfy):
+    """MM3 Generate opened from its template (a short song): the player on the node receives each
+    window, schedules them back to back on its audio clock, knows when the song is complete, draws
+    the time, and shows an LRC text's lines with the current one lit; the layout holds with the
+    player and nothing of the pack reaches the console."""
+    editor.load_template("generate_in_one_node")
+    editor.page.evaluate("""() => { const n = window.app.graph._nodes.find((n) => n.type === "MM3Generate");
+        for (const [k, v] of [["duration", 9], ["steps", 2]]) n.widgets.find((w) => w.name === k).value = v; }""")
+    _entry(comfy, editor.queue())
+    player = """() => { const v = window.app.graph._nodes.find((n) => n.type === "MM3Generate").mm3Player;
+        const p = v?.player; return p && { tracks: [...v.tracks.keys()], complete: p.complete,
+        pieces: p.pieces.map((q) => [q.start, q.duration]), text: v.time.textContent,
+        canvas: [v.canvas.width, v.canvas.clientHeight] }; }"""
+    editor.page.wait_for_function(f"({player})()?.complete === true", timeout=60000)
+    state = editor.page.evaluate(player)
+    assert state["tracks"] == ["0.0"] and len(state["pieces"]) == 2, state
+    (s0, d0), (s1, d1) = state["pieces"]
+    assert s0 == 0 and s1 == pytest.approx(s0 + d0, abs=1e-9) and 8.5 < s1 + d1 < 9.5, state
+    assert "/ 0:08" in state["text"] and state["canvas"][0] > 100, state  # 8.998 s
+    lit = editor.page.evaluate("""() => { const v = window.app.graph._nodes.find((n) => n.type === "MM3Generate").mm3Player;
+        v.setLrc("[00:00.00]first line\\n[00:04.00]second line"); v.player.seek(5); v.draw();
+        return v.lineEls.map((e) => [e.textContent, e.style.fontWeight]); }""")
+    assert lit == [["first line", ""], ["second line", "700"]], lit
+    editor.screenshot("MM3_THUMBNAILS", "generate_in_one_node.jpg", size=(960, 540), least=0.1, type="jpeg", quality=70)
+    nodes = editor.nodes()
+    assert not _overlaps(nodes) and not editor.hidden_nodes(), (_overlaps(nodes), editor.hidden_nodes())
+    assert not editor.pack_messages(), editor.pack_messages()

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,9 +64,10 @@ console.log(JSON.stringify({ name: ext.name, audioUI: save.input.required.audioU
 """
 
 
-def run_web_harness(tmp_path, script: str) -> dict:
-    """Run `script` (node.js) beside web/mm3.js and stand-ins for the editor's app and api modules;
-    the JSON it prints. Skipped without node.js."""
+def run_web_harness(tmp_path, script: str, api_js: str = JS_API) -> dict:
+    """Run `script` (node.js) beside web/mm3.js (and the modules it imports) and stand-ins for the
+    editor's app and api modules (`api_js`: another api stand-in); the JSON it prints. Skipped
+    without node.js."""
     import shutil
 
     node = shutil.which("node")
@@ -74,8 +76,9 @@ def run_web_harness(tmp_path, script: str) -> dict:
     (tmp_path / "scripts").mkdir()
     (tmp_path / "extensions" / "pack").mkdir(parents=True)
     (tmp_path / "scripts" / "app.js").write_text(JS_APP)
-    (tmp_path / "scripts" / "api.js").write_text(JS_API)
-    shutil.copy(ROOT / "web" / "mm3.js", tmp_path / "extensions" / "pack" / "mm3.js")
+    (tmp_path / "scripts" / "api.js").write_text(api_js)
+    for script_file in (ROOT / "web").glob("*.js"):
+        shutil.copy(script_file, tmp_path / "extensions" / "pack" / script_file.name)
     (tmp_path / "package.json").write_text('{"type": "module"}')
     (tmp_path / "harness.js").write_text(script)
     out = subprocess.run([node, "harness.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
@@ -152,7 +155,7 @@ def test_shipped_workflows_fit_the_window_at_their_saved_view():
     """Each editor workflow, opened at its saved view in a 1600 x 1000 window, shows every node (its
     Note too) whole inside the part of the window the editor's bars leave free, at a scale where
     the editor still draws text, without overlaps; more than five columns wrap onto a second row."""
-    from tests.helpers.comfy_workflows import BOTTOM, LEFT, RIGHT, TOP, WINDOW, boxes_on_screen
+    from tests.helpers.comfy_workflows import BOTTOM, LEFT, MAX_COLUMNS, RIGHT, TOP, WINDOW, boxes_on_screen
 
     for path in sorted((ROOT / "workflows").glob("*.json")):
         ui = json.loads(path.read_text())
@@ -165,8 +168,9 @@ def test_shipped_workflows_fit_the_window_at_their_saved_view():
         for i, (a, p) in enumerate(boxes):
             for b, q in boxes[i + 1:]:
                 assert not (p[0] < q[2] and q[0] < p[2] and p[1] < q[3] and q[1] < p[3]), (path.name, a, b)
-        first = min(n["pos"][1] + n["size"][1] for n in ui["nodes"] if n["type"].startswith("MM3Load"))
-        assert all(n["pos"][1] > first for n in ui["nodes"] if n["type"] == "MM3SaveSong"), path.name  # row 2
+        if len(ui["nodes"]) - 1 > MAX_COLUMNS:  # a chain of more nodes wraps: Save Song ends it on row 2
+            first = min(n["pos"][1] + n["size"][1] for n in ui["nodes"] if n["type"].startswith("MM3Load"))
+            assert all(n["pos"][1] > first for n in ui["nodes"] if n["type"] == "MM3SaveSong"), path.name
 
 
 JS_SIDEBAR = """class El { constructor(tag) { this.tag = tag; this.style = {}; this.children = []; this.textContent = ""; }
@@ -201,3 +205,115 @@ def test_web_sidebar_says_sizes_free_space_and_each_problem_once(tmp_path):
     assert "about 28.6 GB; to download: about 28.6 GB, 10.0 GB free in /models/mm3: not enough space" in text
     assert "about 8.8 GB; to download: about 4.2 GB, 10.0 GB free in /models/mm3" in text
     assert "Download the light set" in text
+
+
+# -- the live player (web/mm3_player.js) ------------------------------------------------------------
+JS_PLAYER_API = """import { readFileSync } from "node:fs";
+export const api = { listeners: {}, fetched: [], addEventListener(type, f) { (this.listeners[type] ??= []).push(f); },
+  async fetchApi(path) { this.fetched.push(path); const q = new URLSearchParams(path.split("?")[1]);
+    const bytes = readFileSync(`files/${q.get("filename")}`);
+    return { ok: true, arrayBuffer: async () => bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.length) }; } };"""
+JS_PLAYER_HARNESS = """import { readFileSync } from "node:fs";
+class El { constructor(tag) { this.tag = tag; this.style = {}; this.children = []; this.textContent = ""; }
+  append(...c) { this.children.push(...c); } replaceChildren(...c) { this.children = c; } }
+globalThis.document = { createElement: (tag) => new El(tag) };
+globalThis.requestAnimationFrame = () => 0;
+const { app } = await import("./scripts/app.js");
+const { api } = await import("./scripts/api.js");
+const P = await import("./extensions/pack/mm3_player.js");
+await import("./extensions/pack/mm3.js");
+class Ctx { constructor(rate) { this.currentTime = 0; this.sampleRate = rate; this.started = []; this.destination = {}; }
+  createBuffer(n, length, sampleRate) { const chans = Array.from({ length: n }, () => new Float32Array(length));
+    return { length, sampleRate, duration: length / sampleRate, chans, copyToChannel(d, c) { chans[c].set(d); } }; }
+  createBufferSource() { const ctx = this; return { connect() {}, stop() { this.stopped = true; },
+    start(when, offset) { ctx.started.push({ at: ctx.currentTime, when, offset, n: this.buffer.length }); } }; }
+  resume() {} }
+const round = (x) => Math.round(x * 1e9) / 1e9;
+const starts = (ctx) => ctx.started.splice(0).map((s) => [round(s.when), round(s.offset), s.n]);
+const out = {};
+
+// The schedule: 0.1 s pieces back to back, a pause, a seek, the render falling behind, the end.
+const ctx = new Ctx(1000);
+const p = new P.LivePlayer(ctx);
+const piece = (k, last = false) => ({ start: 100 * k, channels: [new Float32Array(100).fill(k / 10),
+  new Float32Array(100).fill(-k / 10)], sampleRate: 1000, last });
+ctx.currentTime = 1; p.add(piece(0)); p.play();
+out.first = starts(ctx);
+p.add(piece(1));
+out.second = starts(ctx);
+ctx.currentTime = 1.2; out.at = round(p.now()); p.pause(); p.seek(0.05);
+ctx.currentTime = 2; p.play();
+out.resumed = starts(ctx);
+ctx.currentTime = 2.5; p.tick(); out.waiting = [p.waiting, round(p.now())];
+ctx.currentTime = 3; p.add(piece(2, true));
+out.caught_up = starts(ctx);
+ctx.currentTime = 3.2; p.tick(); out.ended = [p.playing, round(p.now()), p.complete, round(p.duration)];
+p.play(); out.again = starts(ctx);
+
+// LRC: several stamps on a line, [offset], tags and unstamped lines left out.
+out.lines = P.parseLrc(["[ti:Song]", "[offset:+500]", "[00:03.50][00:01.00]la la", "[00:02]li", "no stamp",
+  "[01:02.345]end", "[00:05:10]x"].join("\\n"));
+out.at_times = [0, 0.6, 1.0, 3.1, 100].map((t) => P.lineAt(out.lines, t));
+
+// The engine's messages (nodes/live.py) on a node of the graph: fetched in order, played back to back.
+const messages = JSON.parse(readFileSync("messages.json", "utf8"));
+const node = { comfyClass: "MM3Generate", widgets: [], addDOMWidget(name, type, element, options) {
+  const w = { name, type, element, options }; this.widgets.push(w); return w; } };
+app.graph = { getNodeById: (id) => (id === 7 ? node : null), nodes: [node] };
+const made = [];
+app.extensions[0].setup();
+const { playerOf, onWindow, onExecuted } = await import("./extensions/pack/mm3.js");
+const view = playerOf(node, (rate) => { const c = new Ctx(rate); made.push(c); return c; });
+for (const m of messages) await onWindow(m);
+const track = view.player;
+const joined = (c) => track.pieces.flatMap((pc) => Array.from(pc.buffer.chans[c]));
+out.view = { widget: node.widgets.map((w) => [w.name, w.options.serialize]), tracks: [...view.tracks.keys()],
+  fetched: api.fetched.length, complete: track.complete, rate: made[0].sampleRate,
+  starts: made[0].started.map((s) => round(s.when)), left: joined(0), right: joined(1) };
+onExecuted({ prompt_id: messages[0].prompt_id, output: { lyrics_lrc: ["[00:00.00]one", "[00:00.20]two"] } });
+track.pause();
+view.lineEls[1].onclick();
+out.seek = [round(track.now()), track.currentLine(), view.lineEls[1].style.fontWeight, view.lineEls[0].style.fontWeight];
+out.listens = Object.keys(api.listeners).sort();
+console.log(JSON.stringify(out));
+"""
+
+
+def test_live_player_schedules_windows_back_to_back_and_follows_lrc(tmp_path):
+    """web/mm3_player.js under node.js with a stand-in AudioContext: each window starts where the
+    previous one ends on the one clock; a pause and seek restart from the right place; when the
+    render falls behind, the player waits and goes on from where it stopped; at the end it stops.
+    LRC text parses (several stamps, offset, tags left out) and the line of a time is found. The
+    messages nodes/live.py sends for a song (two variations) are fetched in order, decoded from its
+    WAV files exactly, and played gaplessly; clicking a lyric line seeks there."""
+    from tests.helpers.comfyui import import_pack
+
+    live = import_pack("nodes.live")
+    messages = []
+    files = tmp_path / "files"
+    preview = live.WindowPreview(lambda event, data: messages.append(data), files, "7", "prompt-1", duration=9.0)
+    g = torch.Generator().manual_seed(0)
+    pieces = [torch.rand(2, 2, n, generator=g) * 2 - 1 for n in (300, 200, 250)]
+    for k, piece in enumerate(pieces):
+        preview(k, None if k < 2 else 3, piece, 1000)
+    (tmp_path / "messages.json").write_text(json.dumps(messages))
+    got = run_web_harness(tmp_path, JS_PLAYER_HARNESS, JS_PLAYER_API)
+    assert got["first"] == [[1.05, 0, 100]]
+    assert got["second"] == [[1.15, 0, 100]]  # right after the first, on the same clock
+    assert got["at"] == 0.15
+    assert got["resumed"] == [[2.05, 0.05, 100], [2.1, 0, 100]]  # from 0.05 s on
+    assert got["waiting"] == [True, 0.2]
+    assert got["caught_up"] == [[3.05, 0, 100]]  # goes on from where it stopped
+    assert got["ended"] == [False, 0.3, True, 0.3]
+    assert got["again"] == [[3.25, 0, 100], [3.35, 0, 100], [3.45, 0, 100]]  # from the start
+    assert got["lines"] == [{"time": 0.5, "text": "la la"}, {"time": 1.5, "text": "li"}, {"time": 3.0, "text": "la la"},
+                            {"time": 4.6, "text": "x"}, {"time": 61.845, "text": "end"}]
+    assert got["at_times"] == [-1, 0, 0, 2, 4]
+    view = got["view"]
+    assert view["widget"] == [["mm3_player", False]] and view["tracks"] == ["0.0", "0.1"]
+    assert view["fetched"] == 6 and view["complete"] and view["rate"] == 1000
+    assert view["starts"] == [0.05, 0.35, 0.55]  # variation 0's windows back to back
+    whole = torch.cat(pieces, dim=-1)[0]
+    assert torch.equal(torch.tensor(view["left"]), whole[0]) and torch.equal(torch.tensor(view["right"]), whole[1])
+    assert got["seek"] == [0.2, 1, "700", ""]
+    assert got["listens"] == ["executed", "mm3.window"]

@@ -12,8 +12,8 @@ models    the five networks
 files     models folders, the model inventory, the loaded-model store
 stages    prompt, lyric timestamps, codes, the AR plan, flow matching, decoding, takes, captions,
           audio output, the numerics choice, the settings of the synthesis and the output
-front     the request, the typed stage results, the pipeline, the codec
-tools     the command line and its tools (align, convert, quantize, download, info, tiny, demo)
+front     the request, the typed stage results, planning and synthesis overlapped, the pipeline, the codec
+tools     the command line and its tools (align, convert, quantize, download, info, tiny, demo, playback)
 bench     the benchmark
 """
 
@@ -36,8 +36,8 @@ LAYERS = (
     ("files", ("mm3.registry", "mm3.inventory", "mm3.store")),
     ("stages", ("mm3.prompt", "mm3.lyrics_align", "mm3.codes", "mm3.ar", "mm3.flow", "mm3.audio", "mm3.takes", "mm3.captions",
                 "mm3.output", "mm3.numerics", "mm3.settings")),
-    ("front", ("mm3.request", "mm3.stages", "mm3.pipeline", "mm3.codec")),
-    ("tools", ("mm3.tools", "mm3.cli", "mm3.jobs_cli", "mm3.align_cli", "mm3.demo", "mm3.__main__")),
+    ("front", ("mm3.request", "mm3.stages", "mm3.overlap", "mm3.pipeline", "mm3.codec")),
+    ("tools", ("mm3.tools", "mm3.cli", "mm3.jobs_cli", "mm3.align_cli", "mm3.playback", "mm3.demo", "mm3.__main__")),
     ("bench", ("mm3.bench",)),
 )
 

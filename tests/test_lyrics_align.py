@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import mm3.ar
 from mm3.ar import PlanSettings, plan, plan_and_replay, replay
 from mm3.errors import InputError
 from mm3.lyrics_align import (DEFAULT_HEADS, HeadStats, LyricHeads, LyricHeadsError, LyricTime, check_lead,
@@ -110,10 +111,11 @@ def expected_onsets(line_of_frame, lines):
 
 # -- the constructed alignment ---------------------------------------------------------------------
 @pytest.mark.parametrize("durations", [[10, 3, 12, 7, 1, 20], [4, 9, 30, 6]], ids=["every line", "ends early"])
-def test_constructed_attention_gives_the_constructed_timestamps(files, durations):
+def test_constructed_attention_gives_the_constructed_timestamps(files, durations, monkeypatch):
+    monkeypatch.setattr(mm3.ar, "REPLAY_CHUNK", 16)  # several passes over the frames
     lm, depth, prompt = constructed(files)
     line_of_frame = [k for k, n in enumerate(durations) for _ in range(n)]
-    song = replay(lm, depth, prompt, codes_for(line_of_frame), chunk=16, lyric_heads=LyricHeads.parse("0:0"))
+    song = replay(lm, depth, prompt, codes_for(line_of_frame), lyric_heads=LyricHeads.parse("0:0"))
     att = song.lyric_attention
     assert att.shape == (len(line_of_frame), prompt.lyric_span[1] - prompt.lyric_span[0])
     a0 = prompt.lyric_span[0]
@@ -159,19 +161,21 @@ def test_head_ranking_finds_the_constructed_head(files):
 
 # -- the tap changes nothing -----------------------------------------------------------------------
 @pytest.mark.parametrize("numerics", ["reference", "fast"])
-def test_replay_hiddens_are_bit_identical_with_the_tap(files, numerics):
+def test_replay_hiddens_are_bit_identical_with_the_tap(files, numerics, monkeypatch):
     lm, depth = models(files, numerics)
     prompt = build_prompt(files[2], CAPTION, LYRICS)
     (song,) = plan(lm, depth, prompt, PlanSettings(duration=3.0, lm_seed=3), keep_hiddens=False)
     for chunk in (7, 512):
-        plain = replay(lm, depth, prompt, song.codes, chunk=chunk)
-        tapped = replay(lm, depth, prompt, song.codes, chunk=chunk, lyric_heads=LyricHeads.parse("0:*,1:1"))
+        monkeypatch.setattr(mm3.ar, "REPLAY_CHUNK", chunk)
+        plain = replay(lm, depth, prompt, song.codes)
+        tapped = replay(lm, depth, prompt, song.codes, lyric_heads=LyricHeads.parse("0:*,1:1"))
         assert plain.lyric_attention is None and tapped.lyric_attention is not None
         assert torch.equal(plain.frame_hiddens, tapped.frame_hiddens)
     # attention only: no depth passes, no layer past the deepest tapped one; the same attention
     heads = LyricHeads.parse("0:1,0:3")
-    whole = replay(lm, depth, prompt, song.codes, chunk=7, lyric_heads=heads)
-    alone = replay(lm, depth, prompt, song.codes, chunk=7, lyric_heads=heads, hiddens=False)
+    monkeypatch.setattr(mm3.ar, "REPLAY_CHUNK", 7)
+    whole = replay(lm, depth, prompt, song.codes, lyric_heads=heads)
+    alone = replay(lm, depth, prompt, song.codes, lyric_heads=heads, hiddens=False)
     assert alone.frame_hiddens is None and torch.equal(whole.lyric_attention, alone.lyric_attention)
     rows = whole.lyric_attention.sum(1)
     assert torch.allclose(rows, torch.ones_like(rows), atol=1e-5)

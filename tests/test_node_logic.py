@@ -89,6 +89,47 @@ def test_split_synthesis_matches_pipeline_over_windows(pack, tiny):
     assert torch.equal(ours, want)
 
 
+def test_vocoder_decode_sends_each_window_as_a_wav_and_a_message(pack, tiny, tmp_path):
+    """Vocoder Decode with a live preview (nodes/live.py): the same windows as without one; per
+    window and variation one float WAV in the folder and one message naming it, its place in the
+    song in samples; the WAVs joined are the stitched song. A folder that cannot be written
+    leaves the render alone (no preview, a warning)."""
+    logic, live, hs = pack("nodes.logic"), pack("nodes.live"), _handles(pack, tiny)
+    from mm3 import stages
+    from mm3.codec import read_audio
+
+    m = {k: h.model() for k, h in hs.items() if k in ("cond", "dit", "vae")}
+    dp = hs["depth"].hparams
+    hiddens = torch.randn(230, int(dp["num_codebooks"]), int(dp["hidden_size"]),
+                          generator=torch.Generator().manual_seed(4))
+    codes = AudioCodes(torch.zeros(231, int(dp["num_codebooks"]), dtype=torch.long), hiddens, None, 1)
+    song = stages.Song(codes, stages.PromptText(None, "c", "l", hs["lm"].file()), hs["depth"].file())
+    cond = stages.encode(m["cond"], hs["cond"].file(), song, device="cpu", dtype=torch.float32)
+    lat = stages.sample(m["dit"], hs["dit"].file(), cond, SynthSettings(seed=2, steps=2, dit_cfg=1.7, variations=2),
+                        device="cpu", dtype=torch.float32)
+    sent = []
+    preview = live.WindowPreview(lambda event, data: sent.append((event, data)), tmp_path / "live", "6", "p-1",
+                                 duration=9.2)
+    streamed = logic.decode_streamed(m["vae"], hs["vae"].file(), lat, preview, device="cpu")
+    plain = stages.decode(m["vae"], hs["vae"].file(), lat, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(streamed.waves, plain.waves))
+    song_audio = logic.stitch_audio(plain)["waveform"]
+    assert [(e, d["window"], d["variation"], d["windows"], d["last"]) for e, d in sent] == [
+        ("mm3.window", 0, 0, 2, False), ("mm3.window", 0, 1, 2, False),
+        ("mm3.window", 1, 0, 2, True), ("mm3.window", 1, 1, 2, True)]
+    for j in range(2):
+        mine = [d for _, d in sent if d["variation"] == j]
+        assert [d["start"] for d in mine] == [0, mine[0]["samples"]] and mine[0]["duration"] == 9.2
+        assert all(d["file"]["type"] == "temp" and d["file"]["subfolder"] == live.SUBFOLDER for d in mine)
+        pieces = [read_audio(tmp_path / "live" / d["file"]["filename"])[0] for d in mine]
+        assert torch.equal(torch.cat(pieces, dim=-1), song_audio[j])
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    quiet = live.WindowPreview(lambda *a: sent.append(a), blocked / "live", "6", "p-2")
+    again = logic.decode_streamed(m["vae"], hs["vae"].file(), lat, quiet, device="cpu")
+    assert quiet.failed and len(sent) == 4 and all(torch.equal(a, b) for a, b in zip(again.waves, plain.waves))
+
+
 def test_load_codes_rejects_bad_files(pack, tiny):
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
     with pytest.raises(ValueError, match="holds no audio_codes"):

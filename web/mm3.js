@@ -5,15 +5,19 @@
 //   changes a node's cache key) nor saved in the workflow;
 // - a live token count on MM3 Prompt while the caption and lyrics are typed, with the budget;
 // - an audio player on Save Song (ComfyUI's own AUDIO_UI widget);
+// - a live player on Vocoder Decode and Generate that plays each window as soon as it is decoded
+//   (web/mm3_player.js), with the waveform so far and the lyrics of an LRC text, when one arrives;
 // - a seed's "control after generate" hidden while the seed is wired in;
 // - AR Plan workflows saved before its expert knobs moved onto MM3 Sampling Options load right;
 // - the "MM3 models" sidebar: which of the five components are present in the mm3 folders, each
 //   published set's files, and a resumable download of a missing set.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { PlayerView, readWav } from "./mm3_player.js";
 
 const TEXT_NODES = new Set(["MM3PromptAssemble", "MM3ARPlan", "MM3LoadAudioCodes", "MM3SaveAudioCodes", "MM3CaptionBuilder",
-  "MM3Repaint", "MM3AudioCodesFromText", "MM3UnpackSongs"]);
+  "MM3Repaint", "MM3AudioCodesFromText", "MM3UnpackSongs", "MM3Generate",
+  "MM3LyricTimestamps"]);
 const INFO = "mm3_info";
 const COUNT_DELAY_MS = 400;
 const KIND_TITLES = { lm: "Language model", depth: "Depth decoder", cond: "Condition encoder", dit: "DiT",
@@ -44,6 +48,69 @@ function showText(node, lines, { warn = false } = {}) {
   widget.value = Array.isArray(lines) ? lines.join("\n") : String(lines ?? "");
   if (widget.element) widget.element.style.color = warn ? "var(--error-text, #f66)" : "";
   node.setDirtyCanvas?.(true, true);
+}
+
+// -- the live player on the nodes that decode audio ---------------------------------------------
+const LIVE_NODES = new Set(["MM3VocoderDecode", "MM3Generate"]);
+const PLAYER = "mm3_player";
+
+function audioContext(sampleRate) {
+  const Context = globalThis.AudioContext ?? globalThis.webkitAudioContext;
+  try {
+    return new Context({ sampleRate }); // the windows' own rate: no resampling
+  } catch (e) {
+    return new Context();
+  }
+}
+
+export function playerOf(node, makeContext = audioContext) {
+  if (node.mm3Player) return node.mm3Player;
+  const view = new PlayerView(makeContext);
+  const widget = node.addDOMWidget(PLAYER, "mm3player", view.root, {
+    getValue: () => "", setValue: () => {}, serialize: false,
+    getMinHeight: () => view.height(), getMaxHeight: () => view.height(),
+  });
+  widget.serialize = false; // not saved in the workflow
+  widget.computeSize = (width) => [width, view.height()];
+  node.mm3Player = view;
+  view.queue = Promise.resolve();
+  return view;
+}
+
+function graphNode(id) {
+  const g = app.graph;
+  return g?.getNodeById?.(Number(id)) ?? g?.getNodeById?.(id) ?? null;
+}
+
+// A "mm3.window" message: its WAV fetched and decoded in arrival order, then handed to the node's player.
+export function onWindow(message) {
+  const node = graphNode(message?.node);
+  if (!node || !LIVE_NODES.has(node.comfyClass ?? node.type)) return null;
+  const view = playerOf(node);
+  view.queue = view.queue.then(async () => {
+    const query = new URLSearchParams(message.file).toString();
+    const r = await api.fetchApi(`/view?${query}`);
+    if (!r.ok) throw new Error(`${message.file.filename}: ${r.status}`);
+    view.add(message, readWav(await r.arrayBuffer()));
+    node.setDirtyCanvas?.(true, true);
+  }).catch((e) => console.warn(`MM3 live player: ${e}`));
+  return view.queue;
+}
+
+// LRC text a node of the same prompt shows (ui "lyrics_lrc"): every live player of the prompt takes it.
+export function onExecuted(detail) {
+  const lrc = detail?.output?.lyrics_lrc;
+  if (!lrc) return;
+  const text = Array.isArray(lrc) ? lrc.join("\n") : String(lrc);
+  for (const node of app.graph?.nodes ?? []) {
+    const view = node.mm3Player;
+    if (view && (view.promptId === detail.prompt_id || view.promptId === null)) {
+      view.setLrc(text);
+      const need = node.computeSize?.()[1]; // room for the lyric lines
+      if (need > node.size?.[1]) node.setSize?.([node.size[0], need]);
+      node.setDirtyCanvas?.(true, true);
+    }
+  }
 }
 
 // -- the live token count on MM3 Prompt --------------------------------------------------------
@@ -293,6 +360,8 @@ async function startDownload(root, set) {
 app.registerExtension({
   name: "MM3.GGUF.Nodes",
   setup() {
+    api.addEventListener?.("mm3.window", (e) => onWindow(e.detail));
+    api.addEventListener?.("executed", (e) => onExecuted(e.detail));
     const tabs = app.extensionManager;
     const register = tabs?.registerSidebarTab?.bind(tabs) ?? tabs?.sidebarTab?.registerSidebarTab?.bind(tabs.sidebarTab);
     register?.({
@@ -307,6 +376,14 @@ app.registerExtension({
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name === "MM3SaveSong") {
       nodeData.input.required.audioUI = ["AUDIO_UI", {}]; // the player core gives SaveAudio
+    }
+    if (LIVE_NODES.has(nodeData.name)) {
+      const created = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const r = created?.apply(this, arguments);
+        playerOf(this);
+        return r;
+      };
     }
     if (hasSeedControl(nodeData)) {
       for (const hook of ["onConnectionsChange", "onConfigure"]) {

@@ -10,7 +10,8 @@ the reference from the same tensors (dequantized where ours are quantized), and 
   dit       ms per step of one window (the CFG pair; ours one batch of 2, the reference two calls)
   vocoder   seconds per minute of audio (one window, both stereo sides)
   e2e       seconds per minute of audio for a whole song (ours: mm3.pipeline; reference: its AR,
-            denoise and decode blocks driven with the same prompt ids)
+            denoise and decode blocks driven with the same prompt ids); with --stream, ours alone with
+            the windows handed on as they are decoded: seconds to the first audio and to the whole song
 
 plus the peak memory of each run (process RSS, whose baseline holds both sides' weights; peak
 VRAM per side on CUDA). The JSON names the machine, torch, dtype and date. Without diffusers the
@@ -153,7 +154,8 @@ def _run(args) -> dict:
                                                                    "num_key_value_heads", "head_dim")},
                   **{k: {kk: vv for kk, vv in v.items() if kk != "_class_name"} for k, v in ckpt.cfgs.items()}},
         "settings": {"frames": args.frames or c["frames"], "e2e_seconds": args.seconds or c["seconds"],
-                     "steps": args.steps, "repeat": args.repeat, "seed": args.seed, "compile": args.compile},
+                     "steps": args.steps, "repeat": args.repeat, "seed": args.seed, "compile": args.compile,
+                     "stream": args.stream},
         "build_seconds": round(time.perf_counter() - t0, 1), "notes": [],
     }
     have_reference = importlib.util.find_spec("diffusers") is not None and ckpt.diffusers is not None
@@ -176,7 +178,7 @@ def _run(args) -> dict:
         if "vocoder" in stages:
             report["vocoder"] = synth.measure_vocoder(ctx)
         if "e2e" in stages:
-            report["e2e"] = synth.measure_e2e(ctx, report["settings"]["e2e_seconds"], args.steps)
+            report["e2e"] = synth.measure_e2e(ctx, report["settings"]["e2e_seconds"], args.steps, args.stream)
     report["notes"] += ctx.notes
     if not args.work:
         shutil.rmtree(root, ignore_errors=True)
@@ -198,6 +200,12 @@ def summary(report: dict) -> str:
         fmt = (lambda v: "n/a" if v is None else f"{v:.2f}")
         lines.append(f"  {stage:8s} ours {fmt(ours):>9s}  diffusers {fmt(ref):>9s} {unit:12s} "
                      f"ratio {fmt(r.get('ratio'))}x")
+        if stage == "e2e" and r.get("stream"):
+            t = r["stream"]
+            ar = t["ar_first_window_s"]
+            lines.append(f"           streamed ({'planning and synthesis overlapped' if t['overlapped'] else 'by stages'}): "
+                         f"first audio after {t['first_audio_s']:.2f} s, the whole song after {t['whole_s']:.2f} s"
+                         + ("" if ar is None else f"; the AR had planned the first window's frames after {ar:.2f} s"))
         if stage == "dit" and r.get("compute_dtype", report["dtype"]) != report["dtype"]:
             same = r.get(f"ours_{report['dtype']}_ms_per_step")
             lines.append(f"           ours computes the DiT in {r['compute_dtype']} (mm3.cpu_bf16)"
@@ -218,6 +226,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--frames", type=int, default=0, help="AR frames per timed run (0 = the config's)")
     p.add_argument("--seconds", type=float, default=0, help="song length of the e2e run (0 = the config's)")
     p.add_argument("--steps", type=int, default=30, help="DiT steps of the e2e run (default 30)")
+    p.add_argument("--stream", action="store_true", help="e2e: ours with each window handed on as it is decoded "
+                   "(planning and synthesis overlapped), timing the first audio against the whole song; no reference")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement, interleaved; best kept")
     p.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
     p.add_argument("--compile", action="store_true", help="run our AR frame step through torch.compile (CUDA "

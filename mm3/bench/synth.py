@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from ..flow import WINDOW_FRAMES
+from ..progress import Progress
 from .context import Context
 from .measure import PeakMemory, best_of, ratio, sync
 from .reference import run_song
@@ -135,9 +137,12 @@ def measure_vocoder(ctx: Context) -> dict:
     return out
 
 
-def measure_e2e(ctx: Context, seconds: float, steps: int) -> dict:
+def measure_e2e(ctx: Context, seconds: float, steps: int, stream: bool = False) -> dict:
     """A whole song of `seconds`: ours through mm3.pipeline (plan, replay, DiT, vocoder), the
-    reference through its AR, denoise and decode blocks on the same prompt ids and seeds."""
+    reference through its AR, denoise and decode blocks on the same prompt ids and seeds. `stream`:
+    ours with each window handed on as it is decoded (planning and synthesis overlapped where
+    `Pipeline.can_overlap`), timing the first window's audio against the whole song; no reference
+    run (it has no stream to compare with)."""
     from ..pipeline import Pipeline
     from ..request import MM3Request
     from .checkpoints import CAPTION, LYRICS
@@ -150,9 +155,19 @@ def measure_e2e(ctx: Context, seconds: float, steps: int) -> dict:
 
     weights = sum(compressed_nbytes(pipe.store.model(kind)) for kind in ("lm", "depth", "cond", "dit", "vae"))
     # (loading is not part of the timed run)
+    marks = {}
+
+    def heard(song, k, windows, samples, rate):
+        marks.setdefault("first_audio", time.perf_counter())
+
+    def planned(stage, done, total, info):
+        if stage == "ar" and done >= WINDOW_FRAMES + 1:  # the frames the first window waits for
+            marks.setdefault("ar_first_window", time.perf_counter())
+
+    overlapped = stream and pipe.can_overlap(request.validate())
     with PeakMemory(ctx.device) as pm:
         t0 = time.perf_counter()
-        tracks = pipe.run(request)
+        tracks = pipe.run(request, Progress(on_progress=planned), on_audio=heard if stream else None)
         sync(ctx.device)
         ours = time.perf_counter() - t0
     audio_s = tracks[0].audio.shape[-1] / tracks[0].sample_rate
@@ -161,10 +176,15 @@ def measure_e2e(ctx: Context, seconds: float, steps: int) -> dict:
            "ours_stages_s": {k: round(v, 2) for k, v in pipe.timings.stages.items()},
            "memory": {"ours": pm.as_dict()}, "diffusers_s_per_min": None,
            "weights_mib": {"ours": round(weights / 2**20, 1)}}
+    if stream:
+        out["stream"] = {"overlapped": overlapped, "whole_s": round(ours, 2),
+                         "first_audio_s": round(marks["first_audio"] - t0, 2),
+                         "ar_first_window_s": round(marks["ar_first_window"] - t0, 2)
+                         if "ar_first_window" in marks else None}
     ids = pipe.prompt(request).ids
     pipe.store.release_all()
     del pipe
-    if ctx.have_reference:
+    if ctx.have_reference and not stream:
         with PeakMemory(ctx.device) as pm:
             t0 = time.perf_counter()
             ref_audio, stages = _reference_song(ctx, ids, seconds, steps)

@@ -30,6 +30,9 @@ WINDOW = (1600, 1000)
 LEFT, TOP, RIGHT, BOTTOM = 80, 110, 20, 20
 NOTE_SIZE = [WIDTH, 400]  # beside the first row
 WIDE_NOTE_SIZE = [3 * COLUMN - (COLUMN - WIDTH), 150]  # above it
+# MM3 Generate as the editor draws it: its widgets, two text boxes, the live player with lyric lines
+# (web/mm3.js) and the node's text; short enough that its workflow's Note clears the queue panel.
+GENERATE_HEIGHT = 930
 TALLEST = 700  # a column of stacked nodes taller than this is split in two side by side
 
 NOTES = {
@@ -66,6 +69,11 @@ NOTES = {
                                  "depth files against the fingerprints it records. Distributed Seed gives the master "
                                  "seed 100 and worker i 100 + i: one variation each, collected and saved on the "
                                  "master with their replay JSONs.",
+    "generate_in_one_node": "Caption + lyrics -> a song in one node: MM3 Generate plans, denoises and decodes. Where "
+                            "the five models fit in memory together, each 8 s window is rendered as soon as its "
+                            "frames are planned, and the player on the node plays the windows as they come, before "
+                            "the song is done (click the waveform to jump). With these settings it is text_to_song's "
+                            "song.",
     "rerender_from_codes": "Renders a saved replay JSON again: Save Song and Save Audio Codes write them (into "
                            "output/mm3; they are listed with [output]), or put one in input/. The list is empty until "
                            "a first song was saved: run text_to_song first. The codes are replayed, not sampled; the "
@@ -117,8 +125,8 @@ def _depths(api: dict) -> dict[str, int]:
 
 def node_height(class_type: str, widgets: int, sockets: int) -> int:
     """Room for the editor's own layout of a node: its slots and widget rows (MM3 Prompt: two text
-    boxes; MM3 Audio Codes From Text: one)."""
-    tall = {"MM3PromptAssemble": 480, "MM3AudioCodesFromText": 320}
+    boxes; MM3 Audio Codes From Text: one; MM3 Generate: its player too)."""
+    tall = {"MM3PromptAssemble": 480, "MM3AudioCodesFromText": 320, "MM3Generate": GENERATE_HEIGHT}
     return tall.get(class_type, 60 + 28 * widgets + 24 * sockets)
 
 
