@@ -13,6 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from ..fingerprint import is_fingerprint
 from .keys import GROUPS, KINDS, group_of
 
 ENTRY_KEYS = ("file", "fingerprint", "component", "strength", "groups")
@@ -77,6 +78,8 @@ def check_entry(entry, where: str = "loras") -> dict:
             continue
         if not isinstance(value, str):
             raise ValueError(f"{where}.{key} must be a string, got {json.dumps(value)}")
+        if key == "fingerprint" and not is_fingerprint(value):
+            raise ValueError(f"{where}.fingerprint must be \"<size>-<16 hex digits>\", got {json.dumps(value)}")
         if key == "component" and value not in KINDS:
             raise ValueError(f"{where}.component must be one of {', '.join(KINDS)}, got {json.dumps(value)}")
         out[key] = value
