@@ -29,7 +29,7 @@ from .lora.adapter import read_adapter
 from .lora.attach import Applied, attach, layer_terms
 from .lora.files import find_lora
 from .lora.health import base_shapes
-from .lora.keys import KINDS as LORA_KINDS
+from .lora.keys import KINDS as LORA_KINDS, NAMES as LORA_NAMES
 from .lora.use import check_entries, use_of
 from .numerics import FAST, Numerics
 from .opener import read_component
@@ -203,8 +203,9 @@ class Pipeline:
                 raise RequestError(f"LoRA {entry['file']} not found (also looked in {', '.join(self.lora_folders)})")
             adapter = read_adapter(path)
             if "component" in entry and entry["component"] not in adapter.kinds:
-                raise RequestError(f"LoRA {entry['file']} changes the {' and '.join(adapter.kinds)}, not the "
-                                   f"{entry['component']} its entry names")
+                held = " and ".join(LORA_NAMES[k] for k in adapter.kinds)
+                raise RequestError(f"LoRA {entry['file']} changes the {held}, not the {LORA_NAMES[entry['component']]} "
+                                   "its entry names")
             if entry.get("component", kind) == kind and kind in adapter.kinds:
                 out.append(Applied(adapter, use_of(entry, kind, adapter.fingerprint)))
         return out

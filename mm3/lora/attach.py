@@ -16,6 +16,7 @@ import torch.nn as nn
 from ..gguf.ops import Linear
 from ..gguf.products import LowRank
 from .adapter import Adapter, AdapterError, Module
+from .keys import NAMES
 from .use import LoraUse
 
 
@@ -48,8 +49,8 @@ def _rows(adapter: Adapter, m: Module, shapes: dict) -> list[tuple[int, int]]:
     missing = [layer for layer in m.target.layers if layer not in shapes]
     if missing:
         count = sum(1 for s in shapes if s.endswith((".q_proj", ".to_q")))
-        raise AdapterError(f"LoRA {adapter.name}: module {m.key} changes {missing[0]}, which this "
-                           f"{'LM' if m.kind == 'lm' else 'DiT'} does not have (it has {count} layers)")
+        raise AdapterError(f"LoRA {adapter.name}: module {m.key} changes {missing[0]}, which this {NAMES[m.kind]} "
+                           f"does not have (it has {count} layers)")
     sizes = [shapes[layer] for layer in m.target.layers]
     widths = {w for _, w in sizes}
     rows = sum(n for n, _ in sizes)

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("lm", "dit")
+NAMES = {"lm": "LM", "dit": "DiT"}  # in messages
 # Strength groups: an adapter's q/k rows shape the song's structure, its v/out and MLP rows the
 # timbre (HOT-Step's finding), so a user can keep one without the other.
 GROUPS = ("attn_qk", "attn_vo", "mlp")

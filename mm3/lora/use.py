@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from ..fingerprint import is_fingerprint
-from .keys import GROUPS, KINDS, group_of
+from .keys import GROUPS, KINDS, NAMES, group_of
 
 ENTRY_KEYS = ("file", "fingerprint", "component", "strength", "groups")
 PLAIN = tuple((g, 1.0) for g in GROUPS)
@@ -126,7 +126,7 @@ def lora_mismatch(recorded: list, component: str, uses) -> str | None:
         return None
     had = ", ".join(use_of(e, component, e.get("fingerprint", "")).describe() for e in want) or "none"
     now = ", ".join(u.describe() for u in uses) or "none"
-    return f"LoRAs on the {component}: this song was made with {had}, this run uses {now}; the audio can differ"
+    return f"LoRAs on the {NAMES[component]}: this song was made with {had}, this run uses {now}; the audio can differ"
 
 
 def parse_flag(text: str) -> dict:
