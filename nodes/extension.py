@@ -10,10 +10,11 @@ from . import comfy_models, node_options, routes
 from .node_caption import NODES as CAPTION_NODES
 from .node_files import NODES as FILE_NODES
 from .node_loaders import NODES as LOADER_NODES
+from .node_lora import NODES as LORA_NODES
 from .node_options import NODES as OPTION_NODES
 from .node_stages import NODES as STAGE_NODES
 
-NODES: list[type[io.ComfyNode]] = LOADER_NODES + STAGE_NODES + OPTION_NODES + FILE_NODES + CAPTION_NODES
+NODES: list[type[io.ComfyNode]] = LOADER_NODES + LORA_NODES + STAGE_NODES + OPTION_NODES + FILE_NODES + CAPTION_NODES
 
 
 class MM3Extension(ComfyExtension):
