@@ -77,9 +77,10 @@ _RULES = (
 _DOTTED = [(kind, layout, re.compile(p), build) for kind, layout, p, build in _RULES]
 _UNDERSCORED = [(kind, layout, re.compile(p.replace(r"\.", "_")), build) for kind, layout, p, build in _RULES]
 
-# Wrappers before the module path: (prefix, the kind it names or None).
-_PREFIXES = (("base_model.model.", None), ("language_model.", "lm"), ("text_encoders.", "lm"),
-             ("transformer.", "dit"), ("model.diffusion_model.", "dit"), ("diffusion_model.", "dit"))
+# Wrappers before the module path: (prefix, the kind it names or None, the tool whose spelling it is).
+_PREFIXES = (("base_model.model.", None, "PEFT"), ("language_model.", "lm", "SimpleTuner"),
+             ("text_encoders.", "lm", "ComfyUI"), ("transformer.", "dit", "diffusers"),
+             ("model.diffusion_model.", "dit", "ComfyUI"), ("diffusion_model.", "dit", "ComfyUI"))
 _KOHYA = (("lora_unet_", "dit"), ("lora_te1_", "lm"), ("lora_te_", "lm"))
 
 # A factor's name after its module: lora_A / lora_B (PEFT, optionally `.<adapter name>`), lora_down /
@@ -104,24 +105,24 @@ def target_of(module: str) -> Target | None:
     for prefix, kind in _KOHYA:
         if module.startswith(prefix):
             return _match(module[len(prefix):], kind, _UNDERSCORED, "kohya")
-    hint, path = None, module
+    hint, path, layout = None, module, None
     while True:
-        for prefix, kind in _PREFIXES:
+        for prefix, kind, tool in _PREFIXES:
             if path.startswith(prefix):
                 if kind is not None and hint is not None and kind != hint:
                     return None
-                hint, path = hint or kind, path[len(prefix):]
+                hint, path, layout = hint or kind, path[len(prefix):], layout or tool
                 break
         else:
             break
-    return _match(path, hint, _DOTTED, None)
+    return _match(path, hint, _DOTTED, layout)
 
 
 def _match(path: str, hint: str | None, rules, layout: str | None) -> Target | None:
     for kind, rule_layout, pattern, build in rules:
         m = pattern.fullmatch(path)
         if m and hint in (None, kind):
-            return Target(kind, build(*m.groups()), layout or rule_layout)
+            return Target(kind, build(*m.groups()), rule_layout if rule_layout == "ComfyUI" else layout or rule_layout)
     return None
 
 

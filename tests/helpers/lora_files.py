@@ -87,8 +87,7 @@ def write_lora(path: Path, state: dict, modules: list[str], fmt: str, kind: str,
     save_file(tensors, str(path), metadata=metadata)
     if fmt == "peft" and alpha is not None:
         (Path(path).parent / "adapter_config.json").write_text(json.dumps(
-            {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": sorted({m.split(".")[-1]
-                                                                                          for m in modules})}))
+            {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": sorted(modules)}))
     return deltas
 
 
