@@ -198,11 +198,12 @@ def request_of(result) -> MM3Request:
 
 
 def _lora_entries(base: MM3Request, files: dict[str, ModelFile]) -> list[dict]:
-    """The request's adapters: those of the LM and DiT that ran, after the origin's entries for a
-    component that did not run here (a plan keeps the DiT's for its render)."""
+    """The request's adapters, the LM's then the DiT's: those of the models that ran, and the
+    origin's for a component that did not run here (a plan keeps the DiT's for its render)."""
     ran = [k for k in LORA_KINDS if k in files]
     kept = [e for e in base.loras if not ran or e.get("component", ran[0]) not in ran]
-    return kept + [u.to_dict() for k in ran for u in files[k].adapters]
+    entries = kept + [u.to_dict() for k in ran for u in files[k].adapters]
+    return sorted(entries, key=lambda e: LORA_KINDS.index(e["component"]) if e.get("component") in LORA_KINDS else -1)
 
 
 def _synth_fields(latents: Latents, song: Song) -> dict:
