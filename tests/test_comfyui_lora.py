@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import torch
+from safetensors.torch import save_file
 
 from mm3.gguf import GGUFFile
 from mm3.output import render
@@ -32,6 +33,9 @@ def _loras(comfy) -> dict:
         dit = _shapes(models / comfy.files["mm3-dit"])
         write_lora(folder / "lm_style.safetensors", lm, lm_modules(lm), "kohya", "lm", seed=1)
         write_lora(folder / "dit_style.safetensors", dit, dit_modules(dit), "diffusers", "dit", seed=2)
+        sdxl = "lora_unet_down_blocks_0_attentions_0_proj_in"  # another model's LoRA: not listed
+        save_file({f"{sdxl}.lora_down.weight": torch.zeros(2, 8), f"{sdxl}.lora_up.weight": torch.zeros(8, 2)},
+                  str(folder / "sdxl_style.safetensors"))
     return {"lm": "lm_style.safetensors", "dit": "dit_style.safetensors", "folder": folder}
 
 
@@ -68,7 +72,8 @@ def test_lora_nodes_give_the_command_lines_audio_and_leave_the_plain_model_plain
     loras = _loras(comfy)
     info = comfy.get("/object_info")["MM3LoadLoRA"]
     assert info["input_order"]["required"] == ["model", "lora_name", "strength", "attn_qk", "attn_vo", "mlp"]
-    assert {loras["lm"], loras["dit"]} <= set(info["input"]["required"]["lora_name"][1]["options"])
+    listed = set(info["input"]["required"]["lora_name"][1]["options"])
+    assert {loras["lm"], loras["dit"]} <= listed and "sdxl_style.safetensors" not in listed
 
     entry, _ = run(comfy, _graph(comfy, loras, plain_branch=True))
     pipe = Pipeline(str(comfy.base / "models" / "mm3"))

@@ -80,7 +80,7 @@ class ByRows:
         return (self.decode if few else self.wide)(x, bias)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LowRank:
     """Adapters attached to one layer: `terms` ((down A [r, in], up B [out, r], scale s), ...) add
     `sum s B (A x)` to its output (tensors of any dtype, on any device; `merge`: into a float copy
