@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from mm3.cli import main as cli_main
 from mm3.gguf import ops
-from mm3.gguf.products import ByRows, LowRank, PartsWithLowRank, Separate, WithLowRank
+from mm3.gguf.products import ByRows, LowRank, Separate, Split, WithLowRank
 from mm3.lora.adapter import AdapterError, read_adapter
 from mm3.lora.attach import Applied, attach
 from mm3.lora.health import group_changes
@@ -197,11 +197,12 @@ def test_fused_parts_carry_their_own_adapters(case, request):
         assert chosen is None  # each part its own product
     elif case == "mixed":
         assert isinstance(chosen, ByRows) and isinstance(chosen.decode, Separate)
-        assert isinstance(chosen.wide, PartsWithLowRank)
+        assert isinstance(chosen.wide.product, WithLowRank)
     elif case == "int4":
-        assert isinstance(chosen, ByRows) and isinstance(chosen.decode, PartsWithLowRank)
+        assert isinstance(chosen, ByRows) and isinstance(chosen.decode, Split)
+        assert isinstance(chosen.decode.product, WithLowRank)
     else:
-        assert isinstance(chosen, PartsWithLowRank)
+        assert isinstance(chosen, Split) and isinstance(chosen.product, WithLowRank)
     assert torch.equal(ys[0], plain[0])
     for i, t in terms.items():
         torch.testing.assert_close(ys[i] - plain[i], F.linear(x, _delta(t)), rtol=1e-5, atol=1e-5)
