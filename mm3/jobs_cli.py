@@ -19,6 +19,7 @@ from pathlib import Path
 from .constants import FORMAT_EXTENSIONS, RNG_MODES
 from .output import FileBatch, OutputError, atomic_write, render
 from .progress import STAGES, Progress
+from .lora.use import parse_flag
 from .request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
 from .lyrics_align import LEAD_SECONDS, LyricHeads, check_lead, song_lrc
 from .stages import replay_requests
@@ -32,8 +33,9 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
     """The request of a command: `--request`'s file (if any) with the flags' fields over it, and
     `args.recorded_models`: the *_model fields whose names a replay request (one with audio_codes)
     recorded, as opposed to names given by a flag or by a request for a new song (an unknown name
-    there is an error, as in the reference server)."""
-    args.recorded_models = ()
+    there is an error, as in the reference server); `args.recorded_loras`: likewise its LoRAs
+    (--lora replaces them)."""
+    args.recorded_models, args.recorded_loras = (), False
     if args.request:
         try:
             text = Path(args.request).read_bytes()
@@ -68,8 +70,14 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
                 line = data.count(b"\n", 0, e.start) + 1
                 raise RequestError(f"{flag} {path} is not valid UTF-8 text: byte 0x{data[e.start]:02x} at offset "
                                    f"{e.start} (line {line}); save it as UTF-8") from None
+    if getattr(args, "lora", None):
+        try:
+            overrides["loras"] = [parse_flag(text) for text in args.lora]
+        except ValueError as e:
+            raise RequestError(str(e)) from None
     if args.request and req.audio_codes:
         args.recorded_models = tuple(f for f in MODEL_FIELDS.values() if f not in overrides and getattr(req, f))
+        args.recorded_loras = "loras" not in overrides and bool(req.loras)
     if getattr(args, "rng", None) is not None:
         overrides["rng"] = args.rng
     overrides |= _lrc_overrides(args)
@@ -190,6 +198,11 @@ def _pipeline(args):
         pipe = Pipeline(args.models, device=args.device, dtype=args.dtype, keep_loaded=args.keep_loaded)
     except ValueError as e:  # an unavailable --device or unknown --dtype
         raise RequestError(str(e)) from None
+    requests = [args.request] if isinstance(args.request, str) else list(args.request or ())  # align: several
+    for request in requests:  # a replay file's LoRAs may sit beside it
+        folder = str(Path(request).resolve().parent)
+        if folder not in pipe.lora_folders:
+            pipe.lora_folders.append(folder)
     if pipe.dit_dtype != pipe.dtype and not getattr(args, "quiet", False):
         print(f"note: the DiT computes in {str(pipe.dit_dtype).removeprefix('torch.')} on this {pipe.device.type} "
               f"(native products); --dtype {str(pipe.dtype).removeprefix('torch.')} keeps it in that", file=sys.stderr)
@@ -199,7 +212,8 @@ def _pipeline(args):
 def _match_models(pipe, req: MM3Request, args, kinds=None) -> MM3Request:
     """Warn (or with --strict refuse) where the files a request file names are missing or differ."""
     kw = {} if kinds is None else {"kinds": kinds}
-    req, warnings = pipe.match_models(req, recorded=args.recorded_models, strict=args.strict, **kw)
+    req, warnings = pipe.match_models(req, recorded=args.recorded_models, strict=args.strict,
+                                      loras_recorded=getattr(args, "recorded_loras", False), **kw)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     return req
@@ -467,8 +481,12 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
     add_lrc_flags(p, "also write the lyric timestamps beside each " + ("song's replay JSON" if not synth else "track")
                   + " (OUT.lrc: each lyric line's start, from the LM's attention)")
     p.add_argument("--strict", action="store_true",
-                   help="refuse a request whose model files (named by --request) are missing or differ from those "
-                        "that made it, instead of warning")
+                   help="refuse a request whose model or LoRA files (named by --request) are missing or differ from "
+                        "those that made it, instead of warning")
+    p.add_argument("--lora", action="append", metavar="PATH[:STRENGTH[:QK,VO,MLP]]",
+                   help="apply a LoRA (safetensors; the LM or the DiT, read from its tensor names), at STRENGTH "
+                        "(default 1) and optional strengths of its attention q/k, attention v/out and MLP layers; "
+                        "repeat to stack several (replaces the request's loras)")
     for kind in ("lm", "depth", "cond", "dit", "vae"):
         p.add_argument(f"--{kind}-model", dest=f"{kind}_model", help=f"{kind} file name in --models")
     p.add_argument("--out", required=True, help=out_help)

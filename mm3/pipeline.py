@@ -27,6 +27,12 @@ from .device import empty_cache, pick_device, pick_dtype, total_bytes
 from .errors import RunError
 from .fingerprint import file_fingerprint
 from .lyrics_align import LyricHeads
+from .lora.adapter import read_adapter
+from .lora.attach import Applied, attach, layer_terms
+from .lora.files import find_lora
+from .lora.health import base_shapes
+from .lora.keys import KINDS as LORA_KINDS, NAMES as LORA_NAMES
+from .lora.use import check_entries, use_of
 from .numerics import FAST, Numerics
 from .opener import read_component
 from .progress import Cancelled, Progress
@@ -132,6 +138,7 @@ class Pipeline:
         self._last: dict[str, tuple[int, int, dict]] = {}  # stage -> its latest progress report
         self.candidates = []  # the takes of the latest plan (`mm3.takes.Candidate`)
         self.overlap = True  # a streamed run plans and synthesises together where it can (`can_overlap`)
+        self.lora_folders = list(self.registry.folders)  # where a LoRA named by a request is looked for
 
     # -- checks before any model is loaded -----------------------------------------------------------
     def preflight(self, request: MM3Request, kinds: tuple[str, ...] = KINDS,
@@ -148,6 +155,9 @@ class Pipeline:
         check_compatible(comps)
         if lyric_heads is not None and "lm" in comps:
             lyric_heads.resolve(comps["lm"].hparams)
+        for kind in LORA_KINDS:  # each adapter fits its model's layers (header shapes)
+            if kind in comps:
+                layer_terms(self.loras(request, kind), base_shapes(comps[kind]))
         prompt = self.prompt(request)
         context = comps["lm"].hparams["max_position_embeddings"] if "lm" in comps else None
         if request.audio_codes:
@@ -183,21 +193,84 @@ class Pipeline:
 
     def pin_models(self, request: MM3Request, kinds: tuple[str, ...] = KINDS) -> MM3Request:
         """`request` naming the file each of `kinds` resolves to (its name in the models folder)
-        with that file's fingerprint, as a replay request records them."""
+        with that file's fingerprint, as a replay request records them, and its adapters one entry
+        per component with their files' fingerprints."""
         files = [self.model_file(kind, request) for kind in kinds]
         prints = dict(request.model_fingerprints) | {f.request_field: f.fingerprint for f in files}
-        return replace(request, **{f.request_field: f.name for f in files}, model_fingerprints=prints)
+        loras = [a.use.to_dict() for kind in LORA_KINDS for a in self.loras(request, kind)]
+        return replace(request, **{f.request_field: f.name for f in files}, model_fingerprints=prints, loras=loras)
+
+    # -- adapters ---------------------------------------------------------------------------------
+    def loras(self, request: MM3Request, kind: str) -> list[Applied]:
+        """The adapters `request` sets on the `kind` model, in order: each entry's file (found by
+        `mm3.lora.files.find_lora` in `lora_folders`) on the components its entry names, else on
+        every one it changes."""
+        if kind not in LORA_KINDS:
+            return []
+        try:
+            entries = check_entries(request.loras)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        out = []
+        for entry in entries:
+            path, _ = find_lora(entry["file"], entry.get("fingerprint"), self.lora_folders)
+            if path is None:
+                raise RequestError(f"LoRA {entry['file']} not found (also looked in {', '.join(self.lora_folders)})")
+            adapter = read_adapter(path)
+            if "component" in entry and entry["component"] not in adapter.kinds:
+                held = " and ".join(LORA_NAMES[k] for k in adapter.kinds)
+                raise RequestError(f"LoRA {entry['file']} changes the {held}, not the {LORA_NAMES[entry['component']]} "
+                                   "its entry names")
+            if entry.get("component", kind) == kind and kind in adapter.kinds:
+                out.append(Applied(adapter, use_of(entry, kind, adapter.fingerprint)))
+        return out
+
+    def match_loras(self, request: MM3Request, *, strict: bool = False) -> tuple[MM3Request, list[str]]:
+        """Reconcile the adapters a replay request records with the files at hand: one found elsewhere
+        by name or fingerprint is used from there; a missing one is left out; one whose fingerprint
+        differs is used as it is. Each such case is a warning, or with `strict` a `RequestError`."""
+        try:
+            entries = check_entries(request.loras)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        kept, warnings = [], []
+        for entry in entries:
+            path, how = find_lora(entry["file"], entry.get("fingerprint"), self.lora_folders)
+            if path is None:
+                warnings.append(f"LoRA {entry['file']} is not found (looked in {', '.join(self.lora_folders)}); "
+                                "rendering without it, so the audio can differ")
+                continue
+            found = file_fingerprint(path)
+            if how == "fingerprint":
+                warnings.append(f"LoRA {entry['file']} is not found; using {path}, which has the same fingerprint")
+            elif entry.get("fingerprint") and found != entry["fingerprint"]:
+                warnings.append(f"LoRA {entry['file']}: {path} (fingerprint {found}) is not the file that made this "
+                                f"song (fingerprint {entry['fingerprint']}); the audio can differ")
+            kept.append({**entry, "file": path if how != "path" else entry["file"]})
+        if strict and warnings:
+            raise RequestError(warnings[0] + " (refused with --strict)")
+        return replace(request, loras=kept), warnings
+
+    def _adapted(self, model, kind: str, request: MM3Request, numerics: Numerics):
+        """`model` with the request's adapters set (merged as PEFT merges them in the reference
+        numerics, beside the weights in the fast ones)."""
+        attach(model, self.loras(request, kind), merge=numerics.reference)
+        return model
 
     def match_models(self, request: MM3Request, *, recorded: tuple[str, ...] = tuple(MODEL_FIELDS.values()),
-                     strict: bool = False, kinds: tuple[str, ...] = KINDS) -> tuple[MM3Request, list[str]]:
+                     strict: bool = False, kinds: tuple[str, ...] = KINDS,
+                     loras_recorded: bool = False) -> tuple[MM3Request, list[str]]:
         """Reconcile the files a replay request names with the models folder.
 
         For each `*_model` field in `recorded` (names read from a request file, not typed by the
         user): a named file that is missing is looked for by its fingerprint (a renamed copy), else
         replaced by the file an empty name picks; a file whose fingerprint differs from the recorded
-        one is used as it is. Each such case is a warning, or with `strict` a `RequestError`.
-        Returns the request pinned to the files that will be used, and the warnings."""
+        one is used as it is. `loras_recorded`: the adapters too (`match_loras`). Each such case is a
+        warning, or with `strict` a `RequestError`. Returns the request pinned to the files that
+        will be used, and the warnings."""
         warnings, names = [], {}
+        if loras_recorded:
+            request, warnings = self.match_loras(request)
         for kind in kinds:
             field = MODEL_FIELDS[kind]
             name, want = getattr(request, field), request.model_fingerprints.get(field)
@@ -243,10 +316,11 @@ class Pipeline:
     def model_file(self, kind: str, request: MM3Request) -> ModelFile:
         """The file `request` names for `kind`, as a stage records it."""
         path = self.registry.resolve(kind, getattr(request, MODEL_FIELDS[kind]))
-        return ModelFile(kind, self.registry.name_of(path), file_fingerprint(path), read_component(path, kind).hparams)
+        return ModelFile(kind, self.registry.name_of(path), file_fingerprint(path), read_component(path, kind).hparams,
+                         tuple(a.use for a in self.loras(request, kind)))
 
     def _ar_models(self, request: MM3Request, numerics: Numerics = FAST):
-        return (self.store.model("lm", request.lm_model, numerics.models),
+        return (self._adapted(self.store.model("lm", request.lm_model, numerics.models), "lm", request, numerics),
                 self.store.model("depth", request.depth_model, numerics.models))
 
     def plan(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None,
@@ -355,6 +429,7 @@ class Pipeline:
         run = dict(device=self.device, dtype=self.dtype, numerics=numerics, progress=progress)
         with self._stage("dit"):
             cond, dit = self.store.model("cond", request.cond_model), self.store.model("dit", request.dit_model)
+            dit = self._adapted(dit, "dit", request, numerics)
             cond_file, dit_file = self.model_file("cond", request), self.model_file("dit", request)
             start = time.perf_counter()
             conditions = stages.encode(cond, cond_file, song, device=self.device, dtype=self.dtype, progress=progress)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from .components import MODEL_FIELDS
 from .constants import (
@@ -44,7 +44,7 @@ from .shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW
 EXTENSION_FIELDS = ("lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",
                     "lm_dry_min_match", "min_duration", "takes", "require_ending", "ending_rounds", "lm_take",
                     "dit_shift", "continue_codes", "repaint_start", "repaint_end", "repaint_seed", "repaint_fade",
-                    "source_codes", "lrc_heads", "lrc_lead")
+                    "source_codes", "lrc_heads", "lrc_lead", "loras")
 
 
 class RequestError(InputError):
@@ -106,6 +106,8 @@ class MM3Request:
     # seconds added to every stamp.
     lrc_heads: str = ""
     lrc_lead: float = LEAD_SECONDS
+    # Adapters (LoRA) on the LM and the DiT, in order: `mm3.lora.use` says the entries' fields.
+    loras: list = field(default_factory=list)
 
     # -- JSON ---------------------------------------------------------------------------------
     @classmethod
@@ -142,6 +144,10 @@ class MM3Request:
             elif f.type == "bool":
                 if not isinstance(v, bool):
                     raise RequestError(f"{f.name} must be true or false, got {json.dumps(v)}")
+            elif f.type == "list":
+                if not isinstance(v, list):
+                    raise RequestError(f"{f.name} must be a list, got {json.dumps(v)}")
+                v = list(v)
             kwargs[f.name] = v
         return cls(**kwargs)
 
@@ -150,7 +156,8 @@ class MM3Request:
         or for the reference server, reads the same)."""
         out = asdict(self)
         for f in fields(self):
-            if f.name in EXTENSION_FIELDS and out[f.name] == f.default:
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            if f.name in EXTENSION_FIELDS and out[f.name] == default:
                 del out[f.name]
         return out
 
@@ -210,6 +217,12 @@ class MM3Request:
             if not is_fingerprint(value):
                 raise RequestError(f"model_fingerprints {key} must be \"<size>-<16 hex digits>\", got {json.dumps(value)}")
         self._check_extensions()
+        from .lora.use import check_entries
+
+        try:
+            check_entries(self.loras)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         return self
 
     def shaping(self):
@@ -321,10 +334,13 @@ class MM3Request:
                 ok = isinstance(v, dict)
             elif f.type == "bool":
                 ok = isinstance(v, bool)
+            elif f.type == "list":
+                ok = isinstance(v, list)
             else:
                 ok = isinstance(v, (int, float)) and not isinstance(v, bool)
             if not ok:
-                kind = {"str": "a string", "int": "an integer", "dict": "an object", "bool": "true or false"}.get(
+                kind = {"str": "a string", "int": "an integer", "dict": "an object", "bool": "true or false",
+                        "list": "a list"}.get(
                     f.type, "a number")
                 raise RequestError(f"{f.name} must be {kind}, got {v!r}")
 

@@ -20,6 +20,8 @@ from .codes import AudioCodes
 from .components import MODEL_FIELDS, check_compatible
 from .flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents, windows_from_timeline
 from .lyrics_align import LyricHeads
+from .lora.keys import KINDS as LORA_KINDS
+from .lora.use import lora_mismatch
 from .numerics import FAST, Numerics
 from .progress import Progress
 from .prompt import Prompt
@@ -35,12 +37,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ModelFile:
     """A component file a stage ran: its kind, its name in the models folder, its content
-    fingerprint (`mm3.fingerprint`) and hyper-parameters (what `check_compatible` reads)."""
+    fingerprint (`mm3.fingerprint`) and hyper-parameters (what `check_compatible` reads); for the LM
+    and the DiT, the adapters its model ran with (`mm3.lora.use.LoraUse`s, in order)."""
 
     kind: str
     name: str
     fingerprint: str
     hparams: dict = field(repr=False, compare=False)
+    adapters: tuple = ()
 
     @property
     def request_field(self) -> str:
@@ -187,10 +191,20 @@ def request_of(result) -> MM3Request:
     if latents is not None:
         fields |= _synth_fields(latents, song)
     prints = dict(base.model_fingerprints)
-    for f in files_of(result).values():
+    files = files_of(result)
+    for f in files.values():
         fields[f.request_field] = f.name
         prints[f.request_field] = f.fingerprint
-    return replace(base, **fields, model_fingerprints=prints)
+    return replace(base, **fields, model_fingerprints=prints, loras=_lora_entries(base, files))
+
+
+def _lora_entries(base: MM3Request, files: dict[str, ModelFile]) -> list[dict]:
+    """The request's adapters, the LM's then the DiT's: those of the models that ran, and the
+    origin's for a component that did not run here (a plan keeps the DiT's for its render)."""
+    ran = [k for k in LORA_KINDS if k in files]
+    kept = [e for e in base.loras if not ran or e.get("component", ran[0]) not in ran]
+    entries = kept + [u.to_dict() for k in ran for u in files[k].adapters]
+    return sorted(entries, key=lambda e: LORA_KINDS.index(e["component"]) if e.get("component") in LORA_KINDS else -1)
 
 
 def _synth_fields(latents: Latents, song: Song) -> dict:
@@ -223,6 +237,7 @@ def _file_warnings(song: Song, *files: ModelFile) -> list[str]:
     if song.model_check is None or song.origin is None:
         return []
     found = [m for f in files if (m := model_mismatch(song.origin, f.request_field, f.name, f.fingerprint))]
+    found += [m for f in files if f.kind in LORA_KINDS and (m := lora_mismatch(song.origin.loras, f.kind, f.adapters))]
     if found and song.model_check == "refuse":
         raise ValueError(found[0] + " (refused: model_check is refuse)")
     for m in found:
@@ -243,14 +258,16 @@ def _stored(song: AudioCodes) -> AudioCodes:
 def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, settings: PlanSettings,
                takes: Takes = Takes(), *, device, dtype: torch.dtype, progress=None, weight_budget: int | None = None,
                prefix: torch.Tensor | None = None, generators: list[torch.Generator] | None = None,
-               origin: MM3Request | None = None,
+               origin: MM3Request | None = None, lm: ModelFile | None = None,
                lyric_heads: LyricHeads | None = None) -> tuple[list[Song], list[Candidate]]:
     """The songs of `settings` (song i from lm_seed + i), each with the hiddens its codes replay
     to, so its replay request renders the same audio; `prefix`: codes to continue. With
     `generators` (the reference RNG) each song is sampled from its generator with the reference's
-    op shapes, and the generators are left where the DiT noise continues. `lyric_heads`: each
-    song also carries its lyric attention (`mm3.lyrics_align`), from the replay, or without one
-    (the reference RNG) from a replay of the LM alone. Returns the songs and every take planned."""
+    op shapes, and the generators are left where the DiT noise continues. `lm`: the LM file as it
+    ran (with its adapters), when not the one that built the prompt. `lyric_heads`: each song also
+    carries its lyric attention (`mm3.lyrics_align`), from the replay, or without one (the
+    reference RNG) from a replay of the LM alone. Returns the songs and every take planned."""
+    prompt = prompt if lm is None else replace(prompt, lm=lm)
     check_compatible({"lm": prompt.lm, "depth": depth})
     kw = dict(device=device, dtype=dtype, progress=progress)
     if generators is not None:
@@ -271,13 +288,14 @@ def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, sett
 @torch.no_grad()
 def replay_song(lm_model, depth_model, prompt: PromptText, depth: ModelFile, codes: torch.Tensor, *, lm_seed: int,
                 device, dtype: torch.dtype, progress=None, origin: MM3Request | None = None,
-                model_check: str | None = None, lyric_heads: LyricHeads | None = None, hiddens: bool = True,
-                tap=None) -> Song:
-    """The song of known codes [F + 1, ncb]: its frame hiddens by teacher forcing (no sampling).
-    `lyric_heads`, `tap`, `hiddens` False: the lyric attention, another attention tap, the
-    attention alone (`mm3.ar.replay`)."""
+                model_check: str | None = None, lm: ModelFile | None = None,
+                lyric_heads: LyricHeads | None = None, hiddens: bool = True, tap=None) -> Song:
+    """The song of known codes [F + 1, ncb]: its frame hiddens by teacher forcing (no sampling);
+    `lm` as in `plan_songs`. `lyric_heads`, `tap`, `hiddens` False: the lyric attention, another
+    attention tap, the attention alone (`mm3.ar.replay`)."""
     if model_check is not None and model_check not in MODEL_CHECKS:
         raise ValueError(f"model_check must be one of {', '.join(MODEL_CHECKS)}, got {model_check!r}")
+    prompt = prompt if lm is None else replace(prompt, lm=lm)
     check_compatible({"lm": prompt.lm, "depth": depth})
     song = replay(lm_model, depth_model, prompt.prompt, codes, device=device, dtype=dtype, progress=progress,
                   lm_seed=lm_seed, lyric_heads=lyric_heads, hiddens=hiddens, tap=tap)

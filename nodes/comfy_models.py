@@ -7,6 +7,10 @@ to the input's device for each use, and one moved back gets the view of the GGUF
 on, so unloading copies nothing off the device. The AR group {LM, depth} and the synthesis group
 {cond, DiT, vocoder} are never needed together by the stage nodes: loading one unloads the other's,
 except keep_loaded ones; MM3 Generate loads all five at once where they fit (`load_together`).
+A handle with adapters (MM3 Load LoRA) shares its base's patcher; `load` sets on the engine model
+exactly the adapters of the handle being run. ComfyUI's own LoRA patches change float weights in
+place, which the engine's compressed weights are not; side products set per run keep every other
+branch of the graph on the plain model.
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ import torch
 from mm3.components import ARCH_OF, DESCRIPTIONS, GROUPS
 from mm3.gguf.weight_copies import compressed_nbytes
 from mm3.overlap import fits_together
+from mm3.lora.adapter import adapter_kinds
+from mm3.lora.attach import attach
+from mm3.lora.keys import KINDS as LORA_KINDS
 from mm3.registry import AUTO, MODEL_SUFFIXES, file_problem, pick_usable
 from .handles import ComponentHandle, classify
+from .lora_handles import adapters_of, base_of
 
 log = logging.getLogger("mm3")
 FOLDER = "mm3"  # models/mm3, plus any `mm3:` entry of extra_model_paths.yaml
@@ -121,6 +129,24 @@ def chosen_file(kind: str, name: str) -> str:
     return by_path[pick_usable(list(by_path), memory, kind, by_path)]
 
 
+LORA_FOLDER = "loras"  # ComfyUI's models/loras
+
+
+def lora_files(kinds=LORA_KINDS) -> list[str]:
+    """Names in ComfyUI's loras folder of the LoRA files of this model that change one of `kinds`
+    (their tensor names read once per file version, cached)."""
+    out = []
+    for name in folder_paths.get_filename_list(LORA_FOLDER):
+        path = folder_paths.get_full_path(LORA_FOLDER, name)
+        if path and set(adapter_kinds(path)) & set(kinds):
+            out.append(name)
+    return out
+
+
+def lora_path(name: str) -> str:
+    return folder_paths.get_full_path_or_raise(LORA_FOLDER, name)
+
+
 # -- devices and dtype --------------------------------------------------------------------------
 def load_device(kind: str) -> torch.device:
     # The vocoder follows ComfyUI's VAE device (--cpu-vae); everything else the main device.
@@ -205,7 +231,9 @@ MODULE_CLASSES = {kind: type(f"MM3{name}", (MM3Module,), {"__module__": __name__
 
 
 def patcher(handle: ComponentHandle) -> MM3Patcher:
-    """The handle's patcher, built once (the engine model is built on the CPU over the file's mmap)."""
+    """The handle's patcher, built once (the engine model is built on the CPU over the file's mmap);
+    a handle with adapters shares its base handle's."""
+    handle = base_of(handle)
     if handle.patcher is None:
         module = MODULE_CLASSES[handle.kind](handle.model(), handle.kind, handle.name)
         handle.patcher = MM3Patcher(module, load_device(handle.kind), OFFLOAD, size=handle.nbytes(), handle=handle)
@@ -244,9 +272,23 @@ def load(handles: list[ComponentHandle], memory_required: int = 0) -> list[torch
             gone = unload_group(other)
             if gone:
                 log.info("MM3: unloaded %s before loading the %s group", ", ".join(gone), group)
+    return _loaded(handles, memory_required)
+
+
+def _loaded(handles: list[ComponentHandle], memory_required: int) -> list[torch.nn.Module]:
+    """One request to ComfyUI's manager for `handles` and their adapters; each engine model then
+    carries exactly its handle's adapters (none for a loader's own)."""
     patchers = [patcher(h) for h in handles]
-    mm.load_models_gpu(patchers, memory_required=memory_required)
-    return [p.model.engine for p in patchers]
+    mm.load_models_gpu(patchers, memory_required=memory_required + _adapter_bytes(handles))
+    models = [p.model.engine for p in patchers]
+    for h, model in zip(handles, models):
+        if h.kind in LORA_KINDS:
+            attach(model, adapters_of(h))
+    return models
+
+
+def _adapter_bytes(handles: list[ComponentHandle]) -> int:
+    return sum(h.adapter_nbytes() for h in handles if adapters_of(h))
 
 
 def fit_together(handles: list[ComponentHandle], memory_required: int = 0) -> bool:
@@ -256,7 +298,7 @@ def fit_together(handles: list[ComponentHandle], memory_required: int = 0) -> bo
     device = load_device(handles[0].kind)
     if any(load_device(h.kind) != device for h in handles):
         return False  # the vocoder on its own device (--cpu-vae): one group at a time
-    weights = sum(patcher(h).model_size() for h in handles)
+    weights = sum(patcher(h).model_size() for h in handles) + _adapter_bytes(handles)
     if mm.is_device_cpu(device):
         return fits_together(weights + memory_required, device)
     return weights + memory_required + mm.minimum_inference_memory() <= mm.get_total_memory(device)
@@ -265,9 +307,7 @@ def fit_together(handles: list[ComponentHandle], memory_required: int = 0) -> bo
 def load_together(handles: list[ComponentHandle], memory_required: int = 0) -> list[torch.nn.Module]:
     """Build (once) and load the models of `handles`, of both groups, in one request to ComfyUI's
     manager (planning and synthesis overlapped; `fit_together` says when). Returns the engine models."""
-    patchers = [patcher(h) for h in handles]
-    mm.load_models_gpu(patchers, memory_required=memory_required)
-    return [p.model.engine for p in patchers]
+    return _loaded(handles, memory_required)
 
 
 def spare_bytes(handles: list[ComponentHandle], need: int = 0) -> int | None:

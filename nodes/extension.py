@@ -12,12 +12,13 @@ from .node_files import NODES as FILE_NODES
 from .node_generate import NODES as GENERATE_NODES
 from .node_loaders import NODES as LOADER_NODES
 from .node_lyrics import NODES as LYRICS_NODES
+from .node_lora import NODES as LORA_NODES
 from .node_options import NODES as OPTION_NODES
 from .node_portable import NODES as PORTABLE_NODES
 from .node_stages import NODES as STAGE_NODES
 
-NODES: list[type[io.ComfyNode]] = (LOADER_NODES + STAGE_NODES + GENERATE_NODES + LYRICS_NODES + OPTION_NODES
-                                   + FILE_NODES + CAPTION_NODES + PORTABLE_NODES)
+NODES: list[type[io.ComfyNode]] = (LOADER_NODES + LORA_NODES + STAGE_NODES + GENERATE_NODES + LYRICS_NODES
+                                   + OPTION_NODES + FILE_NODES + CAPTION_NODES + PORTABLE_NODES)
 
 
 class MM3Extension(ComfyExtension):

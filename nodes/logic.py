@@ -23,6 +23,7 @@ from mm3.errors import InputError
 from mm3.lyrics_align import LyricHeads, song_lrc
 from mm3.output import atomic_write, write_audio
 from mm3.progress import Progress
+from mm3.lora.use import lora_mismatch
 from mm3.prompt import build_prompt
 from mm3.request import MM3Request, RequestError, model_mismatch, plan_fields
 from mm3.settings import OutputSettings
@@ -61,7 +62,7 @@ def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandl
         raise ValueError(str(e)) from None
     return stages.plan_songs(lm_model, depth_model, prompt, depth.file(), settings, takes, device=device, dtype=dtype,
                              progress=progress, weight_budget=weight_budget,
-                             prefix=None if prior is None else prior.codes.codes)
+                             prefix=None if prior is None else prior.codes.codes, lm=lm.file())
 
 
 def read_codes_request(text: str, source: str, lm: ComponentHandle, depth: ComponentHandle):
@@ -87,9 +88,10 @@ def read_codes_request(text: str, source: str, lm: ComponentHandle, depth: Compo
 
 def codes_file_problems(request: MM3Request, lm: ComponentHandle, depth: ComponentHandle) -> list[str]:
     """What keeps a replay file from rendering its original audio in these nodes: other LM or
-    depth files than those that made it, or the reference RNG (which the nodes do not run)."""
+    depth files (or LM LoRAs) than those that made it, or the reference RNG (which the nodes do not run)."""
     found = [m for field, h in (("lm_model", lm), ("depth_model", depth))
              if (m := model_mismatch(request, field, h.name, h.fingerprint))]
+    found += [m for m in (lora_mismatch(request.loras, "lm", lm.file().adapters),) if m]
     if request.rng != "independent":
         found.append(f"this song was rendered with the {request.rng} RNG (one generator for the AR sampling and the "
                      "DiT noise); the nodes draw the DiT noise from the seed alone, so the audio differs: render it "

@@ -3,12 +3,12 @@ import (module-level or inside a function) closes a circle. The layer order, low
 
 base      the package root, errors, constants, the file cache, progress reports
 formats   GGUF and safetensors reading and writing, quant types, the diffusers checkpoint's
-          conventions, the published-set catalogue, file fingerprints
+          conventions, the published-set catalogue, file fingerprints, adapter (LoRA) files
 numerics  matrix products, device and dtype choice, the GGUF layers and kernels, sampling, shaping
 table     the component table: kinds, hyper-parameters, the compatibility and loadability checks
 dialects  other tools' file layouts, mapped onto the engine's tensor names
 opener    which components a file holds, opening it, the tokenizer read from the LM file
-models    the five networks
+models    the five networks, adapters set on them and their health check
 files     models folders, the model inventory, the loaded-model store
 stages    prompt, lyric timestamps, codes, the AR plan, flow matching, decoding, takes, captions,
           audio output, the numerics choice, the settings of the synthesis and the output
@@ -25,14 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent / "mm3"
 LAYERS = (
     ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress")),
     ("formats", ("mm3.formats", "mm3.gguf", "mm3.gguf.errors", "mm3.gguf.reader", "mm3.gguf.writer",
-                 "mm3.gguf.quants", "mm3.gguf.encode", "mm3.fingerprint")),
+                 "mm3.gguf.quants", "mm3.gguf.encode", "mm3.fingerprint", "mm3.lora")),
     ("numerics", ("mm3.matmul", "mm3.cpu_bf16", "mm3.device", "mm3.gguf.kernels", "mm3.gguf.triton_gguf",
                   "mm3.gguf.cpu_int4", "mm3.gguf.ops", "mm3.gguf.products", "mm3.gguf.weight_copies", "mm3.sampling",
                   "mm3.shaping")),
     ("table", ("mm3.components",)),
     ("dialects", ("mm3.dialects",)),
     ("opener", ("mm3.opener", "mm3.tokenizer")),
-    ("models", ("mm3.models",)),
+    ("models", ("mm3.models", "mm3.lora.attach", "mm3.lora.health")),
     ("files", ("mm3.registry", "mm3.inventory", "mm3.store")),
     ("stages", ("mm3.prompt", "mm3.lyrics_align", "mm3.codes", "mm3.ar", "mm3.flow", "mm3.audio", "mm3.takes", "mm3.captions",
                 "mm3.output", "mm3.numerics", "mm3.settings")),

@@ -131,6 +131,8 @@ def _run(args) -> dict:
     if quant != c["native"] and quant not in MIXES:
         raise SystemExit(f"--quant must be {c['native']} (the {args.config} checkpoint's own type) or one of "
                          f"{', '.join(MIXES)}, got {quant!r}")
+    if args.lora_rank < 0:
+        raise SystemExit(f"--lora-rank must be 0 (none) or a rank, got {args.lora_rank}")
     stages = [s.strip() for s in args.stages.split(",")]
     unknown = sorted(set(stages) - {"ar", "dit", "vocoder", "e2e"})
     if unknown:
@@ -155,7 +157,7 @@ def _run(args) -> dict:
                   **{k: {kk: vv for kk, vv in v.items() if kk != "_class_name"} for k, v in ckpt.cfgs.items()}},
         "settings": {"frames": args.frames or c["frames"], "e2e_seconds": args.seconds or c["seconds"],
                      "steps": args.steps, "repeat": args.repeat, "seed": args.seed, "compile": args.compile,
-                     "stream": args.stream},
+                     "stream": args.stream, "lora_rank": args.lora_rank},
         "build_seconds": round(time.perf_counter() - t0, 1), "notes": [],
     }
     have_reference = importlib.util.find_spec("diffusers") is not None and ckpt.diffusers is not None
@@ -170,6 +172,10 @@ def _run(args) -> dict:
     ctx = Context(ckpt, device, dtype, have_reference, args.repeat, args.seed)
     ctx.compile = args.compile
     ctx.dtype_named = args.dtype not in (None, "", "auto")
+    ctx.lora_rank = args.lora_rank
+    if args.lora_rank:
+        report["notes"].append(f"stages ar and dit: ours with a random rank-{args.lora_rank} LoRA on every attention "
+                               "and MLP layer of the LM and the DiT (side products); the reference and e2e without")
     with _quiet_reference(have_reference):
         if "ar" in stages:
             report["ar"] = ar.measure(ctx, report["settings"]["frames"])
@@ -232,6 +238,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
     p.add_argument("--compile", action="store_true", help="run our AR frame step through torch.compile (CUDA "
                    "graphs on CUDA); compilation happens in the warm-up run")
+    p.add_argument("--lora-rank", dest="lora_rank", type=int, default=0,
+                   help="give our LM and DiT a random LoRA of this rank on every attention and MLP layer (0: none), "
+                        "to measure what an adapter costs")
     p.add_argument("--work", default=None, help="folder for the built checkpoints (kept and reused; default: "
                    "a temporary folder, removed afterwards)")
 

@@ -15,6 +15,7 @@ class Context:
         self.notes: list[str] = []
         self.compile = False  # torch.compile our AR frame step
         self.dtype_named = False  # the user named `dtype`: it is the DiT's too (else the engine picks)
+        self.lora_rank = 0  # > 0: our LM and DiT carry a random adapter of this rank (`mm3.bench.lora`)
         self.light = ckpt.diffusers is None  # ours in its default mode only (released sizes off CUDA)
         self._ours: dict = {}
         self._ref: dict = {}
@@ -34,6 +35,10 @@ class Context:
             from ..models import build_model
 
             self._ours[key] = build_model(self.file(kind), numerics=numerics).to(self.device)
+            if self.lora_rank and kind in ("lm", "dit"):
+                from .lora import attach_random
+
+                attach_random(self._ours[key], kind, self.lora_rank, self.seed)
         return self._ours[key]
 
     def prompt(self):

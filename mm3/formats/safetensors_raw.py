@@ -77,6 +77,18 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def read_metadata(path: str | Path) -> dict:
+    """The header's `__metadata__` (string keys and values; empty when there is none)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        try:
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+        except (ValueError, AttributeError):
+            return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def file_entries(path: Path, names: list[str] | None = None) -> dict[str, TensorEntry]:
     """The tensors of one safetensors file (or the `names` among them), checked against its size."""
     header, base = read_header(path)

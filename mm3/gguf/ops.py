@@ -223,6 +223,7 @@ class Linear(WeightSlots):
         self._product: tuple | None = None  # (input dtype, device, product)
         self._packing: cpu_int4.Packing | None = None  # the int4 planes of the weight, once made
         self._pages: list = []  # the weight's file pages, once looked up
+        self.low_rank: products.LowRank | None = None  # attached adapters (`set_low_rank`)
         self.declare("weight", out_features, in_features)
         self.has_bias = bias
         if bias:
@@ -233,6 +234,11 @@ class Linear(WeightSlots):
         self._product = None
         if weights:
             self._packing, self._pages = None, []
+
+    def set_low_rank(self, low_rank: "products.LowRank | None") -> None:
+        """Attach adapters' low-rank terms beside the weight (None: none); the product is chosen again."""
+        self.low_rank = low_rank
+        self._changed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.get("bias", x.dtype, x.device) if self.has_bias else None

@@ -1,0 +1,224 @@
+"""An adapter file read: its modules (which engine layers, the down and up factors, the scale).
+
+A safetensors file of LoRA factors (`mm3.lora.keys` names them); every tensor must be one, or the
+file is refused naming the first that matches no layer. Scale alpha / rank, alpha from (first
+found): the module's `.alpha` scalar, the file's metadata (diffusers' `lora_adapter_metadata`
+JSON, a bare `lora_alpha` / `alpha`, kohya's `ss_network_alpha`), PEFT's `adapter_config.json`
+beside the file (`lora_alpha`, `alpha_pattern`, `use_rslora`: alpha / sqrt(rank)), else the rank
+(scale 1, as SimpleTuner trains and HOT-Step, ComfyUI and diffusers read a file without one).
+SimpleTuner marks a DiT adapter whose `ff_in` rows are gate first (`swiglu_gate_first`); its up
+rows are swapped to the value-first order of the engine's `ff_in`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from ..filecache import FileCache
+from ..fingerprint import file_fingerprint
+from ..formats.safetensors_raw import file_entries, read_metadata
+from .keys import Target, group_of, split_key, target_of
+
+SUFFIX = ".safetensors"
+CONFIG_NAME = "adapter_config.json"  # where PEFT's save_pretrained puts the alpha
+
+
+class AdapterError(InputError):
+    """An adapter file that cannot be read or applied; the message names the file and the value."""
+
+
+@dataclass(frozen=True, eq=False)
+class Module:
+    """One adapter module: `down` A [rank, in] and `up` B [rows, rank] in the file's dtype (rows:
+    the target layers' together, in order), `scale` alpha / rank."""
+
+    key: str
+    target: Target
+    down: torch.Tensor = field(repr=False)
+    up: torch.Tensor = field(repr=False)
+    alpha: float
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+    @property
+    def kind(self) -> str:
+        return self.target.kind
+
+
+@dataclass(frozen=True, eq=False)
+class Adapter:
+    """An adapter file: `modules` in file order, `layout` (the naming it uses), its fingerprint."""
+
+    path: str
+    layout: str
+    modules: tuple[Module, ...] = field(repr=False)
+    fingerprint: str
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The components it changes ("lm", "dit"), in that order."""
+        found = {m.kind for m in self.modules}
+        return tuple(k for k in ("lm", "dit") if k in found)
+
+    def of_kind(self, kind: str) -> list[Module]:
+        return [m for m in self.modules if m.kind == kind]
+
+    def groups(self, kind: str) -> tuple[str, ...]:
+        """The strength groups its layers of `kind` fall in."""
+        return tuple(sorted({group_of(layer) for m in self.of_kind(kind) for layer in m.target.layers}))
+
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({m.rank for m in self.modules}))
+
+
+_READ = FileCache(16)
+_KINDS = FileCache(512)
+
+
+def read_adapter(path: str | os.PathLike) -> Adapter:
+    """The adapter file at `path` (cached while the file is unchanged)."""
+    path = os.fspath(path)
+    try:
+        return _READ.get(path, lambda st: _read(path))
+    except FileNotFoundError:
+        raise AdapterError(f"LoRA file {path} not found") from None
+
+
+def adapter_kinds(path: str | os.PathLike) -> tuple[str, ...]:
+    """The components an adapter file changes, from its tensor names alone (header read, cached);
+    () when it is no adapter of this model."""
+    path = os.fspath(path)
+    try:
+        return _KINDS.get(path, lambda st: _kinds(path))
+    except OSError:
+        return ()
+
+
+def _kinds(path: str) -> tuple[str, ...]:
+    try:
+        entries = _entries(path)
+    except AdapterError:
+        return ()
+    found = set()
+    for key in entries:
+        split = split_key(key)
+        target = split and target_of(split[0])
+        if target is None:
+            return ()
+        found.add(target.kind)
+    return tuple(k for k in ("lm", "dit") if k in found)
+
+
+def _entries(path: str) -> dict:
+    if not path.endswith(SUFFIX):
+        raise AdapterError(f"{path}: a LoRA is read from a {SUFFIX} file (convert a .bin or .pt adapter with "
+                           "safetensors first)")
+    try:
+        return file_entries(Path(path))
+    except (ValueError, KeyError, OSError) as e:
+        raise AdapterError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _read(path: str) -> Adapter:
+    entries = _entries(path)
+    if not entries:
+        raise AdapterError(f"{path}: holds no tensors (a LoRA holds lora_A / lora_B factors)")
+    parts: dict[str, dict[str, object]] = {}
+    for key, entry in entries.items():
+        split = split_key(key)
+        target = split and target_of(split[0])
+        if target is None:
+            raise AdapterError(f"{path}: tensor {key} matches no layer of the MiniMax Music 3 LM or DiT (expected "
+                               "LoRA factors of their attention and MLP layers, named as PEFT / diffusers, ComfyUI, "
+                               "kohya or SimpleTuner write them)")
+        parts.setdefault(split[0], {"target": target})[split[1]] = entry
+    config = _config(path)
+    if config.get("use_dora"):
+        raise AdapterError(f"{path}: a DoRA adapter (use_dora); only plain LoRA factors are supported")
+    gate_first = str(config.get("swiglu_gate_first", "")).lower() in ("true", "1")
+    modules, seen = [], {}
+    for key, p in parts.items():
+        target = p["target"]
+        if "down" not in p or "up" not in p:
+            missing = "up (lora_B)" if "down" in p else "down (lora_A)"
+            raise AdapterError(f"{path}: module {key} has no {missing} factor")
+        down, up = p["down"].to_torch(), p["up"].to_torch()
+        if down.dim() != 2 or up.dim() != 2 or up.shape[1] != down.shape[0]:
+            raise AdapterError(f"{path}: module {key} has factors {list(down.shape)} and {list(up.shape)}; expected "
+                               "down [rank, in] and up [out, rank]")
+        for layer in target.layers:
+            if layer in seen:
+                raise AdapterError(f"{path}: modules {seen[layer]} and {key} both change {layer}")
+            seen[layer] = key
+        rank = down.shape[0]
+        alpha = _alpha(p.get("alpha"), key, config, rank, path)
+        scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        if gate_first and target.layers[-1].endswith(".ff_in"):
+            half = up.shape[0] // 2
+            up = torch.cat((up[half:], up[:half]))
+        modules.append(Module(key, target, down, up, alpha, scale))
+    layouts = sorted({m.target.layout for m in modules})
+    return Adapter(path, " + ".join(layouts), tuple(modules), file_fingerprint(path))
+
+
+def _alpha(entry, key: str, config: dict, rank: int, path: str) -> float:
+    if entry is not None:
+        value = entry.to_torch()
+        if value.numel() != 1:
+            raise AdapterError(f"{path}: {key}.alpha holds {value.numel()} values, expected one")
+        return float(value.reshape(()).item())
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return float(value)
+    alpha = config.get("lora_alpha")
+    return float(rank) if alpha is None else float(alpha)
+
+
+def _config(path: str) -> dict:
+    """The adapter's settings: its metadata, else PEFT's adapter_config.json beside it."""
+    meta = read_metadata(path)
+    found: dict = {}
+    raw = meta.get("lora_adapter_metadata")
+    if raw:
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise AdapterError(f"{path}: its lora_adapter_metadata is not JSON") from None
+        # diffusers' pipelines prefix each setting with the component ("transformer.lora_alpha").
+        found = {k.rsplit(".", 1)[-1] if k.rsplit(".", 1)[-1] in _SETTINGS else k: v for k, v in data.items()}
+    for key, name in (("lora_alpha", "lora_alpha"), ("alpha", "lora_alpha"), ("ss_network_alpha", "lora_alpha"),
+                      ("swiglu_gate_first", "swiglu_gate_first"),
+                      ("transformer.swiglu_gate_first", "swiglu_gate_first")):
+        if key in meta and name not in found:
+            found[name] = meta[key]
+    if "lora_alpha" not in found:
+        beside = Path(path).with_name(CONFIG_NAME)
+        if beside.is_file():
+            try:
+                found = {**json.loads(beside.read_text(encoding="utf-8")), **found}
+            except ValueError:
+                raise AdapterError(f"{beside}: not JSON") from None
+    if found.get("lora_alpha") is not None:
+        try:
+            found["lora_alpha"] = float(found["lora_alpha"])
+        except (TypeError, ValueError):
+            raise AdapterError(f"{path}: lora_alpha {found['lora_alpha']!r} is not a number") from None
+    return found
+
+
+_SETTINGS = ("lora_alpha", "r", "alpha_pattern", "rank_pattern", "use_rslora", "use_dora", "target_modules")

@@ -1,0 +1,100 @@
+"""MM3 Load LoRA: an adapter from ComfyUI's models/loras on the language model or the DiT.
+
+Takes an MM3 LM or DiT and gives the same type back with the adapter added (chain several); the
+input handle is left as it was (`lora_handles.AdaptedHandle`). It checks that the file fits the
+model and reports how far the adapters move each group's weights (`mm3.lora.health`), warning
+above the healthy range.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from comfy_api.latest import io
+
+from mm3.lora.adapter import read_adapter
+from mm3.lora.attach import Applied, layer_terms
+from mm3.lora.health import WARN_ABOVE, base_shapes, group_changes, warnings_of
+from mm3.lora.keys import GROUPS, NAMES
+from mm3.lora.use import LoraUse
+
+from .comfy_models import lora_files, lora_path
+from .common import CATEGORY, DIT, LM
+from .lora_handles import AdaptedHandle, adapters_of, base_of
+
+log = logging.getLogger("mm3")
+MAX_STRENGTH = 2.0
+GROUP_TOOLTIPS = {
+    "attn_qk": "How much of the LoRA reaches the attention's query/key layers, which shape the song's structure "
+               "(where sections go, how lines are placed). 1 = as trained; 0 keeps the timbre the LoRA gives "
+               "without changing the structure (a common fix for songs that fall apart); 0-1 is safe.",
+    "attn_vo": "How much of the LoRA reaches the attention's value/output layers, which carry much of its sound "
+               "(voice colour, instruments). 1 = as trained; 0-1.5 is safe.",
+    "mlp": "How much of the LoRA reaches the MLP layers, which carry timbre and detail (and most of the damage an "
+           "overtrained LoRA does). 1 = as trained; lower it to 0.5 if the sound turns harsh; 0-1.5 is safe.",
+}
+
+
+class MM3LoadLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        model = io.MatchType.Template("model", [LM, DIT])
+        return io.Schema(
+            node_id="MM3LoadLoRA", display_name="MM3 Load LoRA", category=CATEGORY,
+            description="Adds a LoRA (a style adapter trained for MiniMax Music 3, from models/loras) to the language "
+                        "model or the DiT; chain several. The model wired in stays as it was for other nodes. Shows "
+                        f"how far the LoRAs move each group of weights and warns above {100 * WARN_ABOVE:.0f} % "
+                        "(healthy LoRAs move them 1-5 %).",
+            inputs=[
+                io.MatchType.Input("model", template=model,
+                                   tooltip="The language model (changes the song's plan: melody, words, structure) "
+                                           "or the DiT (changes the sound) from its loader or another MM3 Load LoRA."),
+                io.Combo.Input("lora_name", options=lora_files(),
+                               tooltip="The LoRA file from models/loras (only LoRAs of MiniMax Music 3 are listed: "
+                                       "PEFT / diffusers, ComfyUI, kohya or SimpleTuner files). A language-model "
+                                       "LoRA goes after the LM loader, a DiT LoRA after the DiT loader."),
+                io.Float.Input("strength", default=1.0, min=-MAX_STRENGTH, max=MAX_STRENGTH, step=0.05,
+                               tooltip="How strongly the LoRA's style is applied: 1 = as trained, 0 = off, 0.5-1 "
+                                       "is typical; above 1.2 or below 0 often sounds broken."),
+                *(io.Float.Input(g, default=1.0, min=0.0, max=MAX_STRENGTH, step=0.05, tooltip=GROUP_TOOLTIPS[g])
+                  for g in GROUPS),
+            ],
+            outputs=[io.MatchType.Output(template=model, display_name="model")],
+        )
+
+    @classmethod
+    def execute(cls, model, lora_name: str, strength: float, attn_qk: float = 1.0, attn_vo: float = 1.0,
+                mlp: float = 1.0) -> io.NodeOutput:
+        adapter = read_adapter(lora_path(lora_name))
+        kind, base = model.kind, base_of(model)
+        if kind not in adapter.kinds:
+            held = " and ".join(NAMES[k] for k in adapter.kinds)
+            raise ValueError(f"MM3 Load LoRA: {lora_name} changes the {held}; wire it after the {held} loader, not "
+                             f"after the {NAMES.get(kind, kind)}")
+        groups = tuple((g, float(v)) for g, v in zip(GROUPS, (attn_qk, attn_vo, mlp)))
+        use = LoraUse(lora_name, adapter.fingerprint, kind, float(strength), groups)
+        applied = adapters_of(model) + (Applied(adapter, use),)
+        component = base.component()
+        layer_terms(applied, base_shapes(component))  # refuses a LoRA made for another model size
+        changes = group_changes(applied, component)
+        what = lora_name if len(applied) == 1 else f"the {len(applied)} LoRAs together"
+        warnings = warnings_of(changes, what)
+        for w in warnings:
+            log.warning("MM3: %s", w)
+        lines = [f"{NAMES[kind]} with {', '.join(a.use.describe() for a in applied)}",
+                 "weights changed (||s B A|| / ||W||):"] + [c.line() for c in changes]
+        lines += [f"warning: {w}" for w in warnings]
+        return io.NodeOutput(AdaptedHandle(base, applied), ui={"text": ["\n".join(lines)]})
+
+    @classmethod
+    def fingerprint_inputs(cls, lora_name: str, **values):
+        try:
+            st = os.stat(lora_path(lora_name))
+            stamp = (lora_name, st.st_size, st.st_mtime_ns)
+        except (OSError, FileNotFoundError):
+            stamp = (lora_name,)  # execution reports the missing file
+        return stamp, tuple(sorted((k, v) for k, v in values.items() if isinstance(v, (int, float))))
+
+
+NODES = [MM3LoadLoRA]
