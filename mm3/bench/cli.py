@@ -198,6 +198,14 @@ def summary(report: dict) -> str:
         fmt = (lambda v: "n/a" if v is None else f"{v:.2f}")
         lines.append(f"  {stage:8s} ours {fmt(ours):>9s}  diffusers {fmt(ref):>9s} {unit:12s} "
                      f"ratio {fmt(r.get('ratio'))}x")
+        if stage == "ar" and r.get("cpu_products"):
+            cp = r["cpu_products"]
+            timed = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cp["candidates_ms_per_frame"].items(),
+                                                                  key=lambda kv: kv[1]))
+            lines.append(f"           CPU products: {cp['chosen']} ({cp['source']}; ms/frame: {timed})")
+        if stage == "ar" and r.get("machine_copy_gb_per_s"):
+            lines.append(f"           weights read at {r['ours_weight_gb_per_s']:.2f} GB/s, "
+                         f"{100 * r['weight_bandwidth_share']:.1f} % of a 1 GiB copy's {r['machine_copy_gb_per_s']:.1f} GB/s")
         if stage == "dit" and r.get("compute_dtype", report["dtype"]) != report["dtype"]:
             same = r.get(f"ours_{report['dtype']}_ms_per_step")
             lines.append(f"           ours computes the DiT in {r['compute_dtype']} (mm3.cpu_bf16)"
