@@ -57,12 +57,14 @@ STAGE = "cpu"  # the timing's progress stage (`mm3.progress.STAGES`)
 class Choice:
     """The form of each component's few-row products (`cpu_forms.FORMS` names), the thread count
     the AR stage runs at (None: whatever torch has), where it came from ("measured", "cached",
-    "named") and, when measured, every candidate's ms per frame."""
+    "named") and, when measured, every candidate's ms per frame (`stopped`: the candidates cut
+    short, whose figure is a lower bound)."""
 
     forms: dict[str, str]
     threads: int | None = None
     source: str = "measured"
     ms_per_frame: dict[str, float] = field(default_factory=dict)
+    stopped: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -72,11 +74,13 @@ class Choice:
         """One line: which form serves and how fast each candidate was."""
         if not self.ms_per_frame:
             return f"CPU products of the AR stage: {self.label} ({self.source})"
-        timed = ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.ms_per_frame.items(), key=lambda kv: kv[1]))
+        timed = ", ".join(f"{k} {'>' if k in self.stopped else ''}{v:.1f}"
+                          for k, v in sorted(self.ms_per_frame.items(), key=lambda kv: kv[1]))
         return f"CPU products of the AR stage: {self.label} serves ({self.source}; ms per frame: {timed})"
 
     def to_json(self) -> dict:
-        return {"forms": self.forms, "threads": self.threads, "ms_per_frame": self.ms_per_frame}
+        return {"forms": self.forms, "threads": self.threads, "ms_per_frame": self.ms_per_frame,
+                "stopped": self.stopped}
 
     @classmethod
     def from_json(cls, d: dict, source: str = "cached") -> "Choice":
@@ -87,7 +91,8 @@ class Choice:
         threads = d.get("threads")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads {threads!r}")
-        return cls(dict(forms), threads, source, {str(k): float(v) for k, v in d.get("ms_per_frame", {}).items()})
+        return cls(dict(forms), threads, source, {str(k): float(v) for k, v in d.get("ms_per_frame", {}).items()},
+                   [str(k) for k in d.get("stopped", [])])
 
 
 def _label(forms: dict[str, str], threads: int | None) -> str:
@@ -403,8 +408,8 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
         put_back(outside)
         torch.set_num_threads(before)
     apply(best.forms, models)
-    timed = {c.label + (" (stopped)" if c.stopped else ""): round(c.best * 1e3, 1) for c in everyone if c.turns}
-    return Choice(dict(best.forms), best.threads, "measured", timed)
+    timed = {c.label: round(c.best * 1e3, 1) for c in everyone if c.turns}
+    return Choice(dict(best.forms), best.threads, "measured", timed, [c.label for c in everyone if c.stopped])
 
 
 def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: list, turn_frames: int, fastest: float) -> None:

@@ -70,7 +70,7 @@ def cpu_products(ctx) -> dict | None:
     if choice is None:
         return None
     return {"chosen": choice.label, "forms": choice.forms, "threads": choice.threads, "source": choice.source,
-            "candidates_ms_per_frame": choice.ms_per_frame}
+            "candidates_ms_per_frame": choice.ms_per_frame, "candidates_cut_short": choice.stopped}
 
 
 def measure(ctx, frames: int) -> dict:

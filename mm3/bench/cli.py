@@ -200,8 +200,9 @@ def summary(report: dict) -> str:
                      f"ratio {fmt(r.get('ratio'))}x")
         if stage == "ar" and r.get("cpu_products"):
             cp = r["cpu_products"]
-            timed = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cp["candidates_ms_per_frame"].items(),
-                                                                  key=lambda kv: kv[1]))
+            short = cp.get("candidates_cut_short", [])
+            timed = ", ".join(f"{k} {'>' if k in short else ''}{v:.1f}"
+                              for k, v in sorted(cp["candidates_ms_per_frame"].items(), key=lambda kv: kv[1]))
             lines.append(f"           CPU products: {cp['chosen']} ({cp['source']}; ms/frame: {timed})")
         if stage == "ar" and r.get("machine_copy_gb_per_s"):
             lines.append(f"           weights read at {r['ours_weight_gb_per_s']:.2f} GB/s, "
