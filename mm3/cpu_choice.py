@@ -330,7 +330,7 @@ class Candidate:
     threads: int
     turns: list[float] = field(default_factory=list)  # seconds per frame of each turn
     parts: list[dict[str, float]] = field(default_factory=list)  # per turn: seconds per frame of each component's products
-    stopped: bool = False  # a turn ran past SLOW_LIMIT times the fastest: its figure is a lower bound
+    cut: list[bool] = field(default_factory=list)  # per turn: ran past SLOW_LIMIT times the fastest (a lower bound)
 
     @property
     def label(self) -> str:
@@ -339,6 +339,11 @@ class Candidate:
     @property
     def best(self) -> float:
         return min(self.turns) if self.turns else float("inf")
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the best figure is a lower bound (every turn was cut short)."""
+        return bool(self.cut) and all(self.cut)
 
 
 def candidate_forms(models: dict, dtype: torch.dtype, budget: int) -> list[str]:
@@ -428,10 +433,11 @@ def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: list, turn_fr
     except TooSlow:
         c.turns.append((time.perf_counter() - start) / turn_frames)
         c.parts.append({})
-        c.stopped = True
+        c.cut.append(True)
         return
     c.turns.append(sum(seconds) / len(seconds))
     c.parts.append({k: v / len(seconds) for k, v in clock.seconds.items()})
+    c.cut.append(False)
 
 
 def _use(models: dict, forms: dict[str, str], copies: list, clock: Clock | None) -> None:
