@@ -8,7 +8,8 @@ the first plan on a machine every candidate (a form, a thread count) runs whole 
 scratch state (its own KV cache and draws: the song is untouched), in turns of a few frames,
 the candidates alternating; each frame's products are also timed per component, which proposes
 one more candidate mixing the fastest form of the LM with that of the depth decoder. The fastest
-whole frame wins. The choice is cached on disk (`cache_file`), keyed by the processor, its core
+whole frame wins (or one with fewer threads within 10 % of it: they stall less when the machine's
+load rises). The choice is cached on disk (`cache_file`), keyed by the processor, its core
 count, torch's version, the compute dtype, the thread setting and each component's weight types
 and size, so later runs and the same seed get the same choice and the same audio.
 
@@ -49,6 +50,7 @@ ROUNDS = 3  # turns per candidate (the slow ones leave after the first)
 TURN_FRAMES = 3  # frames per turn; the first settles the switch and is not counted
 KEEP_WITHIN = 1.25  # after the first round, candidates slower than this times the fastest leave
 SLOW_LIMIT = 3.0  # a turn slower than this times the fastest is cut short
+FEWER_THREADS = 1.1  # fewer threads win when within this factor of the fastest (they stall less when the load rises)
 
 STAGE = "cpu"  # the timing's progress stage (`mm3.progress.STAGES`)
 
@@ -405,7 +407,7 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
                 candidates = _after_first_round(candidates, models)
                 everyone += [c for c in candidates if not c.turns]
         progress.on_progress(STAGE, total, total, {})
-        best = min(candidates, key=lambda c: c.best)
+        best = _fastest(candidates)
     finally:
         _stop_clocks(models)
         set_aside(modules)
@@ -415,6 +417,13 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
     apply(best.forms, models)
     timed = {c.label: round(c.best * 1e3, 1) for c in everyone if c.turns}
     return Choice(dict(best.forms), best.threads, "measured", timed, [c.label for c in everyone if c.stopped])
+
+
+def _fastest(candidates: list[Candidate]) -> Candidate:
+    """The fastest candidate, or one with fewer threads within FEWER_THREADS of it."""
+    fastest = min(c.best for c in candidates)
+    near = [c for c in candidates if c.best <= FEWER_THREADS * fastest]
+    return min(near, key=lambda c: (c.threads, c.best))
 
 
 def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: list, turn_frames: int, fastest: float) -> None:

@@ -299,3 +299,13 @@ def test_int4_is_a_candidate_only_where_a_weight_type_has_it(q8):
     assert forms[0] == ("int4" if cpu_int4.available() else "dequant-linear")
     assert "copy-linear" in forms
     assert "copy-linear" not in cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 0)
+
+
+def test_fewer_threads_win_a_near_tie():
+    both = lambda f: {"lm": f, "depth": f}  # noqa: E731
+    two = _candidate(both("int4"), 2, 0.100, {})
+    one = _candidate(both("copy-linear"), 1, 0.108, {})
+    slow = _candidate(both("dequant-linear"), 1, 0.300, {})
+    assert cpu_choice._fastest([two, one, slow]) is one
+    one.turns[0] = 0.120  # more than 10 % slower: the threads pay
+    assert cpu_choice._fastest([two, one, slow]) is two
