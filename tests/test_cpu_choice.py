@@ -309,3 +309,18 @@ def test_fewer_threads_win_a_near_tie():
     assert cpu_choice._fastest([two, one, slow]) is one
     one.turns[0] = 0.120  # more than 10 % slower: the threads pay
     assert cpu_choice._fastest([two, one, slow]) is two
+
+
+def test_weights_that_are_no_product_keep_their_copies():
+    """Norm vectors and convolutions have no CPU form: a copy in another dtype (the bfloat16 DiT's)
+    is kept for them as before."""
+    from mm3.gguf import ops as gguf_ops
+    from mm3.gguf.weight_copies import cache_dequantized
+
+    holder = torch.nn.Module()
+    holder.norm, holder.conv = gguf_ops.Vector(8), gguf_ops.Conv1d(8, 8, 3)
+    holder.norm.set_float("weight", torch.ones(8))
+    holder.conv.set_float("weight", torch.ones(8, 8, 3))
+    holder.conv.set_float("bias", torch.zeros(8))
+    assert cpu_forms.form_of(holder.norm, torch.device("cpu")) is None
+    assert cache_dequantized(holder, torch.bfloat16) == (8 + 8 * 8 * 3 + 8) * 2

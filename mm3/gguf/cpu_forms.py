@@ -79,8 +79,9 @@ class Serving:
 
 def form_of(layer, device: torch.device) -> Form | None:
     """The form of `layer`'s few-row products on `device`: its `cpu_form`, `DEFAULT` without one,
-    None off the CPU or outside the fast numerics (`decode_products` off)."""
-    if torch.device(device).type != "cpu" or not layer.decode_products:
+    None off the CPU, outside the fast numerics (`decode_products` off) or for a layer that is no
+    product (a norm's vector, a convolution)."""
+    if torch.device(device).type != "cpu" or not getattr(layer, "decode_products", False):
         return None
     serving = getattr(layer, "cpu_form", None)
     return DEFAULT if serving is None else serving.form
