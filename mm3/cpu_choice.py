@@ -46,9 +46,10 @@ ENV_CACHE = "MM3_CACHE_DIR"
 CACHE_NAME = "cpu-products.json"
 CACHE_VERSION = 1
 COMPONENTS = ("lm", "depth")
-ROUNDS = 3  # turns per candidate (the slow ones leave after the first)
+ROUNDS = 3  # turns per candidate (the slow ones leave after the second: one turn may meet a burst of load)
+PRUNE_AFTER = 2  # rounds every candidate runs
 TURN_FRAMES = 3  # frames per turn; the first settles the switch and is not counted
-KEEP_WITHIN = 1.25  # after the first round, candidates slower than this times the fastest leave
+KEEP_WITHIN = 1.25  # after PRUNE_AFTER rounds, candidates slower than this times the fastest leave
 SLOW_LIMIT = 3.0  # a turn slower than this times the fastest is cut short
 FEWER_THREADS = 1.1  # fewer threads win when within this factor of the fastest (they stall less when the load rises)
 
@@ -343,6 +344,12 @@ class Candidate:
         return min(self.turns) if self.turns else float("inf")
 
     @property
+    def best_parts(self) -> dict[str, float] | None:
+        """Seconds per frame of each component's products in the best turn not cut short."""
+        whole = [(t, p) for t, p, cut in zip(self.turns, self.parts, self.cut) if not cut]
+        return min(whole, key=lambda tp: tp[0])[1] if whole else None
+
+    @property
     def stopped(self) -> bool:
         """Whether the best figure is a lower bound (every turn was cut short)."""
         return bool(self.cut) and all(self.cut)
@@ -404,8 +411,8 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
             for c in candidates[shift:] + candidates[:shift]:
                 _turn(c, models, frames, copies, turn_frames, min(x.best for x in everyone))
                 tick(turn_frames)
-            if r == 0:
-                candidates = _after_first_round(candidates, models)
+            if r == PRUNE_AFTER - 1:
+                candidates = _pruned(candidates, models)
                 everyone += [c for c in candidates if not c.turns]
         progress.on_progress(STAGE, total, total, {})
         best = _fastest(candidates)
@@ -467,17 +474,17 @@ def _stop_clocks(models: dict) -> None:
                 layer.cpu_form = Serving(layer.cpu_form.form, layer.cpu_form.component)
 
 
-def _after_first_round(candidates: list[Candidate], models: dict) -> list[Candidate]:
+def _pruned(candidates: list[Candidate], models: dict) -> list[Candidate]:
     """The candidates within KEEP_WITHIN of the fastest, and one mixing each component's fastest
     form at the fastest thread count when that differs from every candidate."""
     lead = min(candidates, key=lambda c: c.best)
     kept = [c for c in candidates if c.best <= KEEP_WITHIN * lead.best]
-    same_threads = [c for c in candidates if c.threads == lead.threads and c.parts and not c.stopped]
+    same_threads = [c for c in candidates if c.threads == lead.threads and c.best_parts]
     mixed = {}
     for name in models:
-        timed = [c for c in same_threads if name in c.parts[0]]
+        timed = [c for c in same_threads if name in c.best_parts]
         if timed:
-            mixed[name] = min(timed, key=lambda c: c.parts[0][name]).forms[name]
+            mixed[name] = min(timed, key=lambda c: c.best_parts[name]).forms[name]
     if len(mixed) == len(models) and all(c.forms != mixed or c.threads != lead.threads for c in candidates):
         kept.append(Candidate(mixed, lead.threads))
     return kept

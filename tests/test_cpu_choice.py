@@ -239,27 +239,37 @@ def _spy(forward, seen):
     return spied
 
 
-def _candidate(forms, threads, turn, parts):
+def _candidate(forms, threads, turn, parts, cut=False):
     c = cpu_choice.Candidate(forms, threads)
     c.turns.append(turn)
     c.parts.append(parts)
+    c.cut.append(cut)
     return c
 
 
-def test_after_the_first_round_the_slow_leave_and_the_components_fastest_forms_meet():
+def test_after_two_rounds_the_slow_leave_and_the_components_fastest_forms_meet():
     both = lambda f: {"lm": f, "depth": f}  # noqa: E731
     first = [_candidate(both("int4"), 2, 0.100, {"lm": 0.020, "depth": 0.060}),
              _candidate(both("dequant-linear"), 2, 0.110, {"lm": 0.045, "depth": 0.045}),
              _candidate(both("copy-linear"), 2, 0.200, {"lm": 0.100, "depth": 0.080}),
              _candidate(both("int4"), 1, 0.150, {"lm": 0.010, "depth": 0.010})]  # other threads: not mixed in
-    kept = cpu_choice._after_first_round(first, {"lm": None, "depth": None})
+    kept = cpu_choice._pruned(first, {"lm": None, "depth": None})
     assert [c.label for c in kept] == ["int4 x2", "dequant-linear x2", "lm int4 + depth dequant-linear x2"]
     assert kept[-1].turns == []
 
 
+def test_a_turn_cut_short_is_a_lower_bound_and_proposes_nothing():
+    c = _candidate({"lm": "int4", "depth": "int4"}, 2, 0.400, {}, cut=True)  # a burst of load
+    assert c.stopped and c.best_parts is None
+    c.turns.append(0.150)
+    c.parts.append({"lm": 0.05, "depth": 0.08})
+    c.cut.append(False)
+    assert not c.stopped and c.best == 0.150 and c.best_parts == {"lm": 0.05, "depth": 0.08}
+
+
 def test_a_candidate_far_slower_than_the_best_is_cut_short(q8, monkeypatch):
     """Frames that would run for long (a loaded core under many threads, a slow form) stop at the
-    deadline of their turn: their figure is a lower bound, marked, and they leave after the first round."""
+    deadline of their turn: their figure is a lower bound, marked, and they leave after two rounds."""
     lm, depth = _models(q8)
     models = {"lm": lm, "depth": depth}
     head = lm.lm_head
