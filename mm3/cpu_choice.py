@@ -385,7 +385,7 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
     everyone = list(candidates)
     before = torch.get_num_threads()
     outside = set_aside(modules)  # copies someone else keeps: back after the timing
-    copies = []
+    copies: dict[str, list] = {}  # per component, the copies its `copy` forms read
     done, total = 0, sum(FORMS[f].holds == "int4" for f in forms) + rounds * len(candidates) * turn_frames
 
     def tick(n: int):
@@ -399,7 +399,7 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
         if any(FORMS[f].holds == "copy" for f in forms):
             apply({name: "copy-linear" for name in models}, models, free=False)
             cache_dequantized(modules, dtype, budget)
-            copies = set_aside(modules)
+            copies = {name: set_aside([model]) for name, model in models.items()}
         torch.set_num_threads(max(threads))
         for f in forms:
             if FORMS[f].holds == "int4":  # its first use packs the weights: not timed
@@ -434,7 +434,7 @@ def _fastest(candidates: list[Candidate]) -> Candidate:
     return min(near, key=lambda c: (c.threads, c.best))
 
 
-def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: list, turn_frames: int, fastest: float) -> None:
+def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: dict, turn_frames: int, fastest: float) -> None:
     """One turn of `c`: a frame that settles the switch, then `turn_frames - 1` timed ones, cut
     short past SLOW_LIMIT times the `fastest` seconds per frame so far."""
     clock = Clock()
@@ -457,13 +457,14 @@ def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: list, turn_fr
     c.cut.append(False)
 
 
-def _use(models: dict, forms: dict[str, str], copies: list, clock: Clock | None) -> None:
-    """The models in `forms` (their int4 packings kept for later turns), with the copies in use
-    where a form reads them."""
+def _use(models: dict, forms: dict[str, str], copies: dict, clock: Clock | None) -> None:
+    """The models in `forms` (their int4 packings kept for later turns), each component's copies
+    in use where its form reads them."""
     if copies:
         set_aside(list(models.values()))
-        if any(FORMS[f].holds == "copy" for f in forms.values()):
-            put_back(copies)
+        for name, kept in copies.items():
+            if FORMS[forms[name]].holds == "copy":
+                put_back(kept)
     apply(forms, models, clock, free=False)
 
 

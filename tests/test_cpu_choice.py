@@ -334,3 +334,21 @@ def test_weights_that_are_no_product_keep_their_copies():
     holder.conv.set_float("bias", torch.zeros(8))
     assert cpu_forms.form_of(holder.norm, torch.device("cpu")) is None
     assert cache_dequantized(holder, torch.bfloat16) == (8 + 8 * 8 * 3 + 8) * 2
+
+
+def test_a_mixed_candidate_reads_copies_only_where_its_form_does(q8):
+    """While the LM is timed with copies and the depth decoder with the int4 product, only the LM's
+    copies are in use (a depth copy at hand would serve in place of the int4 product)."""
+    from mm3.gguf.weight_copies import cache_dequantized, dequantized_nbytes, set_aside
+
+    lm, depth = _models(q8)
+    models = {"lm": lm, "depth": depth}
+    cpu_choice.apply({"lm": "copy-linear", "depth": "copy-linear"}, models, free=False)
+    cache_dequantized([depth, lm], torch.float32)
+    copies = {name: set_aside([model]) for name, model in models.items()}
+    cpu_choice._use(models, {"lm": "copy-linear", "depth": "int4"}, copies, None)
+    assert dequantized_nbytes(lm) > 0 and dequantized_nbytes(depth) == 0
+    product = products.for_linear(depth.layers[0].down_proj, torch.float32, torch.device("cpu"))
+    assert isinstance(product.decode, products.Int4Product) or not cpu_int4.available()
+    cpu_choice._use(models, {"lm": "int4", "depth": "copy-linear"}, copies, None)
+    assert dequantized_nbytes(lm) == 0 and dequantized_nbytes(depth) > 0
