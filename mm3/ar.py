@@ -12,10 +12,12 @@ fuses products and caches the depth decoder's keys, equal up to rounding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import cpu_choice
 from .codes import AudioCodes
 from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
 from .device import ar_weight_budget, keeps_ar_copies, model_device
@@ -191,6 +193,40 @@ class FrameSampler:
         return frame, end, hidden
 
 
+class ScratchFrames:
+    """Whole AR frames of the prompt's first song on scratch state, for timing the CPU product
+    forms (`mm3.cpu_choice`): a KV cache of their own (rewound to the prompt before every run),
+    their own sampler and draws, so the songs planned afterwards are untouched."""
+
+    def __init__(self, lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings,
+                 dtype: torch.dtype, device: torch.device, frames: int = cpu_choice.TURN_FRAMES):
+        rows = rows_per_song(lm.numerics, settings.lm_cfg, device)
+        frames = max(1, min(frames, lm.max_positions - prompt.num_tokens - 1))
+        self.cache = lm.new_cache(rows, prompt.num_tokens + frames + 1, dtype, device)
+        self.after_prompt = lm(lm.embed(prompt.ids[:rows].to(device), dtype), self.cache)[:, -1]
+        self.start = self.cache.length
+        one = replace(settings, songs=1, shaping=Shaping())
+        self.sampler = FrameSampler(lm, depth, prompt.codes, self.cache, one, dtype, device, frames)
+        self.generator = torch.Generator().manual_seed(0)
+        self.sizes = ((1, lm.head_ids[1] - lm.head_ids[0]), (1, depth.num_codebooks - 1, depth.audio_vocab))
+        self.device = device
+
+    def run(self, n: int) -> list[float]:
+        """n frames from the prompt on; each one's seconds."""
+        seconds = []
+        for _ in range(n):
+            if not seconds or self.cache.length + 1 > self.cache.max_len:
+                self.cache.length = self.start
+                self.cache.pos.fill_(self.start)
+                self.sampler.last = self.after_prompt
+            q_sem, q_dep = (torch.empty(size).exponential_(generator=self.generator).to(self.device)
+                            for size in self.sizes)
+            start = time.perf_counter()
+            self.sampler.step(q_sem, q_dep)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+
 def kv_bucket(n_keys: int, max_len: int) -> int:
     """Attention length of a compiled step for `n_keys` filled positions: a power of two >= it."""
     b = MIN_KV_BUCKET
@@ -363,6 +399,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     `on_frames(frames, final, codes)` after every frame: per song the frames emitted so far (a
     continued song's prefix counted), whether it is complete, and `codes(i)`: song i's code rows so
     far [frames + 1, ncb] on the CPU (prefix included), for a caller that renders as it plans.
+    On the CPU the models first take the product forms `mm3.cpu_choice` chose for this machine
+    (timed on scratch frames at the first plan), and the frames run at its thread count.
     """
     _check_pair(lm, depth, prompt)
     device = model_device(lm) if device is None else torch.device(device)
@@ -393,31 +431,35 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     budget = ar_weight_budget(device) if weight_budget is None else int(weight_budget)
     if lm.numerics == "fast" and not keeps_ar_copies(device):
         budget = 0  # the fused kernels read the GGUF blocks themselves
+    choice = cpu_choice.serve({"lm": lm, "depth": depth}, dtype, device,
+                              lambda: ScratchFrames(lm, depth, prompt, settings, dtype, device), budget=budget,
+                              progress=progress)
     own = budget > 0 and dequantized_nbytes([depth, lm]) == 0  # copies someone else keeps are left alone
-    if own:  # the depth decoder runs 7 times a frame: its weights first
-        cache_dequantized([depth, lm], dtype, budget, device)
-    try:
-        prior = None if prefix is None or not keep_hiddens else replay(
-            lm, depth, prompt, prefix, device=device, dtype=dtype, progress=progress).frame_hiddens
-        # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
-        # One spare position: the last frame is fed back too.
-        r = rows_per_song(lm.numerics, settings.lm_cfg, device)
-        cache = lm.new_cache(r, n_prompt + known + max_frames + 1, dtype, device)
-        last = lm(lm.embed(prompt.ids[:r].to(device), dtype), cache)[:, -1]  # [r, H], final-normed
-        if prefix is not None:
-            last = _feed_frames(lm, depth, prefix.to(device), cs.code_offset, dtype, cache)
-        if n_songs > 1:
-            cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
-        sampler = FrameSampler(lm, depth, cs, cache, settings, dtype, device, max_frames, prefix)
-        sampler.last = last
-        draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab)
-        results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
-                                 compile=compile, emit_first=prefix is not None,
-                                 on_frames=None if on_frames is None else _song_so_far(on_frames, prefix))
-    finally:
-        if own:
-            release_dequantized([depth, lm])
-        CPU_SCRATCH.clear()
+    with cpu_choice.threads(choice):
+        if own:  # the depth decoder runs 7 times a frame: its weights first
+            cache_dequantized([depth, lm], dtype, budget, device)
+        try:
+            prior = None if prefix is None or not keep_hiddens else replay(
+                lm, depth, prompt, prefix, device=device, dtype=dtype, progress=progress).frame_hiddens
+            # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
+            # One spare position: the last frame is fed back too.
+            r = rows_per_song(lm.numerics, settings.lm_cfg, device)
+            cache = lm.new_cache(r, n_prompt + known + max_frames + 1, dtype, device)
+            last = lm(lm.embed(prompt.ids[:r].to(device), dtype), cache)[:, -1]  # [r, H], final-normed
+            if prefix is not None:
+                last = _feed_frames(lm, depth, prefix.to(device), cs.code_offset, dtype, cache)
+            if n_songs > 1:
+                cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
+            sampler = FrameSampler(lm, depth, cs, cache, settings, dtype, device, max_frames, prefix)
+            sampler.last = last
+            draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab)
+            results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
+                                     compile=compile, emit_first=prefix is not None,
+                                     on_frames=None if on_frames is None else _song_so_far(on_frames, prefix))
+        finally:
+            if own:
+                release_dequantized([depth, lm])
+            CPU_SCRATCH.clear()
     out = []
     for i, (codes, hiddens, ended) in enumerate(results):
         if hiddens.shape[0] == 0:

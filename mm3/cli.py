@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -28,12 +29,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_choices() -> None:
+    """The line a machine's first plan writes about the CPU products it measured (`mm3.cpu_choice`),
+    on stderr, where nothing else has set up logging."""
+    choice_log = logging.getLogger("mm3.cpu_choice")
+    if not logging.getLogger().handlers and not choice_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        choice_log.addHandler(handler)
+        choice_log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 2 bad input (`InputError`: request, prompt, codes, model files, output
     paths); 1 a run that failed (`RunError`: NaN/Inf, out of device memory, the LM ended at once);
     130 cancelled (Ctrl+C). Every failure is one line on stderr; no output file or temporary is
     left behind."""
     args = build_parser().parse_args(argv)
+    _show_choices()
     try:
         return args.func(args) or 0
     except Cancelled as e:

@@ -1,10 +1,9 @@
 """The forms of matrix products the engine picks on the CPU, and a reusable dequantization buffer.
 
-`decode_linear`: a decode step multiplies a few rows by large weights, so its speed is the speed of
-reading them. On the CPU `x @ w.T` (`F.linear`) and `w @ x.T` (weight-major) read them at very
-different speeds, and which wins depends on the processor; so both are timed on the first product
-of each shape and the faster kept for the process (`MM3_DECODE_FORM` names one instead).
-Accelerators keep `F.linear`.
+`weight_major_linear`: a decode step multiplies a few rows by large weights, so its speed is the
+speed of reading them. On the CPU `x @ w.T` (`F.linear`) and `w @ x.T` (weight-major) read them at
+very different speeds, and which wins depends on the processor; `mm3.gguf.cpu_forms` names the form
+each layer takes, as `mm3.cpu_choice` measured it on the machine (inside whole AR frames).
 
 `Scratch`: one flat buffer per dtype for per-call dequantization on the CPU, where a fresh
 allocation of a large weight means page faults on every product.
@@ -20,10 +19,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import math
-import os
 import threading
-import time
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -31,46 +27,15 @@ import torch.nn.functional as F
 DECODE_MAX_ROWS = 16  # beyond this the weight-major form stops paying on the CPU
 
 
-DECODE_FORMS = ("auto", "linear", "weight-major")
-_WEIGHT_MAJOR: dict[tuple, bool] = {}  # (N, K, rows, dtype) -> whether w @ x.T is the faster form
-
-
-def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ w [N, K].T (+ b) -> [..., N], in the fastest form for a few rows on x's device."""
+def weight_major_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w [N, K].T (+ b) -> [..., N], as `w @ x.T` for a few rows on the CPU (else `F.linear`)."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or rows > DECODE_MAX_ROWS:
         return F.linear(x, w, b)
-    x2 = x.reshape(rows, x.shape[-1])
-    if not _weight_major(x2, w):
-        return F.linear(x, w, b)
-    y = torch.mm(w, x2.T).T  # [rows, N]
+    y = torch.mm(w, x.reshape(rows, x.shape[-1]).T).T  # [rows, N]
     if b is not None:
         y = y + b
     return y.contiguous().view(*x.shape[:-1], w.shape[0])
-
-
-def _weight_major(x2: torch.Tensor, w: torch.Tensor) -> bool:
-    key = (w.shape[0], w.shape[1], x2.shape[0], w.dtype)
-    answer = _WEIGHT_MAJOR.get(key)
-    if answer is None:
-        named = os.environ.get("MM3_DECODE_FORM", "auto").strip().lower() or "auto"
-        if named not in DECODE_FORMS:
-            warnings.warn(f"MM3_DECODE_FORM={named!r} is not one of {', '.join(DECODE_FORMS)}; timing both",
-                          stacklevel=2)
-        if named in ("linear", "weight-major"):
-            answer = named == "weight-major"
-        else:
-            forms = {True: lambda: torch.mm(w, x2.T), False: lambda: F.linear(x2, w)}
-            forms[False]()  # the first product touches the weight's pages: not timed
-            best = {True: math.inf, False: math.inf}
-            for _ in range(3):
-                for form, run in forms.items():
-                    start = time.perf_counter()
-                    run()
-                    best[form] = min(best[form], time.perf_counter() - start)
-            answer = best[True] < best[False]
-        _WEIGHT_MAJOR[key] = answer
-    return answer
 
 
 class Scratch(threading.local):

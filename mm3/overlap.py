@@ -21,6 +21,7 @@ import torch
 from .ar import PlanSettings, Replayer, max_frames_for, plan
 from .audio import decode_windows, stitch_piece
 from .components import check_compatible
+from .cpu_choice import at_threads
 from .device import free_bytes
 from .flow import WindowSampler, encode_window, settled_windows, window_bounds
 from .lyrics_align import LyricHeads
@@ -82,6 +83,11 @@ class _SongRender:
         ready = settled_windows(frames, final)
         if ready <= len(self.waves):
             return
+        with at_threads(job.threads):  # the caller's count, not the AR frames' (`mm3.cpu_choice`)
+            self._render(frames, final, codes, ready)
+
+    def _render(self, frames: int, final: bool, codes, ready: int) -> None:
+        job = self.job
         if self.replayer is None:
             self.replayer = Replayer(job.models.lm, job.models.depth, job.prompt.prompt, job.capacity,
                                      device=job.device, dtype=job.dtype, progress=job.quiet,
@@ -133,6 +139,7 @@ class _Job:
     windows: int  # the most windows a song can have (for progress reports)
     first_seed: int | None  # lm_seed of song 0
     lyric_heads: LyricHeads | None = None  # the replay also keeps each song's lyric attention
+    threads: int = 1  # torch threads for the windows (the AR frames may run at another count)
     seconds: dict[str, float] = field(default_factory=lambda: {"plan": 0.0, "dit": 0.0, "vae": 0.0})
 
     @property
@@ -173,7 +180,7 @@ def plan_and_render(models: Models, prompt: PromptText, settings: PlanSettings, 
     job = _Job(models, prompt, device, torch.device(vae_device or device), dtype, numerics, progress, on_audio,
                capacity,
                0 if prefix is None else prefix.shape[0] - 1, hop, int(files["vae"].hparams["sampling_rate"]),
-               len(window_bounds(capacity)), settings.lm_seed, lyric_heads)
+               len(window_bounds(capacity)), settings.lm_seed, lyric_heads, torch.get_num_threads())
     start = time.perf_counter()
     with ExitStack() as stack:
         renders = []

@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random MiniMax Music 3 models, built once per test session."""
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,12 @@ if not torch.cuda.is_available():
 # Whether the DiT computes in bfloat16 on the CPU depends on the processor (mm3.cpu_bf16); the
 # parity tests compare float32 runs, so the suite pins it off and tests/test_cpu_bf16.py turns it on.
 os.environ["MM3_CPU_BF16"] = "off"
+
+# The CPU product form of the AR stage is measured on the machine (mm3.cpu_choice) and decides the
+# fast numerics' rounding; the suite names one and keeps its cache out of the user's folder.
+os.environ["MM3_CPU_PRODUCT"] = "int4"
+os.environ["MM3_CACHE_DIR"] = tempfile.mkdtemp(prefix="mm3-test-cache-")
+atexit.register(shutil.rmtree, os.environ["MM3_CACHE_DIR"], True)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CORPUS = SHARED / "corpus" / "demo_prompts"

@@ -3,9 +3,11 @@
 A frame is the LM-head sampling, the 7 depth steps with their sampling, and the LM step that feeds
 the frame back. Each side runs the same prompt ids, seed and weights (`Context`); the time per frame
 is taken between the first and the last frame of a run, so the prompt prefill is left out. Ours runs
-with the models loaded for the fast numerics (the default; weights kept dequantized within
-`mm3.device.ar_weight_budget`) and for the reference numerics; the codes of the fast run are
-compared with the reference's.
+with the models loaded for the fast numerics (the default) and for the reference numerics; the
+codes of the fast run are compared with the reference's. On the CPU the product forms are timed
+first, as the first plan on a machine times them (`mm3.cpu_choice`, here always afresh and not
+cached): every candidate's ms per frame and the one chosen are reported, and the AR's weight
+bandwidth beside the machine's (a copy of a 1 GiB tensor).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import time
 
 import torch
 
-from ..ar import PlanSettings, plan
+from .. import cpu_choice
+from ..ar import PlanSettings, ScratchFrames, plan
 from ..constants import FRAME_RATE
 from ..progress import Progress
 from .measure import PeakMemory, ratio, sync
@@ -54,15 +57,30 @@ def _reference(ctx, frames: int):
     return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1), torch.stack(codes).cpu()
 
 
+def cpu_products(ctx) -> dict | None:
+    """The CPU product forms timed afresh on the bench's models (`mm3.cpu_choice.serve`), kept for
+    this process: each candidate's ms per frame and the chosen one; None off the CPU."""
+    from ..device import ar_weight_budget
+
+    lm, depth = ctx.ours("lm"), ctx.ours("depth")
+    settings = PlanSettings(duration=1.0, lm_seed=ctx.seed)
+    choice = cpu_choice.serve({"lm": lm, "depth": depth}, ctx.dtype, ctx.device,
+                              lambda: ScratchFrames(lm, depth, ctx.prompt(), settings, ctx.dtype, ctx.device),
+                              budget=ar_weight_budget(ctx.device), fresh=True)
+    if choice is None:
+        return None
+    return {"chosen": choice.label, "forms": choice.forms, "threads": choice.threads, "source": choice.source,
+            "candidates_ms_per_frame": choice.ms_per_frame, "candidates_cut_short": choice.stopped}
+
+
 def measure(ctx, frames: int) -> dict:
     """ms per frame for each side (best of ctx.repeat interleaved runs of `frames` frames)."""
     from ..device import ar_weight_budget
 
+    products = cpu_products(ctx)
     runs = {"ours": lambda n: _ours(ctx, n, compile=ctx.compile)}
     if not ctx.light:
         runs["ours_reference_numerics"] = lambda n: _ours(ctx, n, "reference")
-        if ctx.ckpt.quant != ctx.ckpt.native:  # quantized: also without kept dequantized copies
-            runs["ours_per_product_dequant"] = lambda n: _ours(ctx, n, weight_budget=0)
     if ctx.have_reference:
         runs["diffusers"] = lambda n: _reference(ctx, n)
     for fn in runs.values():
@@ -97,6 +115,12 @@ def measure(ctx, frames: int) -> dict:
     stored = frame_weight_bytes(ctx.ours("lm"), ctx.ours("depth"), ctx.prompt().codes.num_semantic + 1)
     out["weights_per_frame_mib"] = round(stored / 2**20, 1)
     out["ours_weight_gb_per_s"] = round(stored / (out["ours_ms_per_frame"] * 1e-3) / 1e9, 2)
+    if ctx.device.type == "cpu":
+        copy = cpu_choice.machine_bandwidth()
+        out["machine_copy_gb_per_s"] = round(copy, 2)
+        out["weight_bandwidth_share"] = round(out["ours_weight_gb_per_s"] / copy, 3)
+    if products is not None:
+        out["cpu_products"] = products
     return out
 
 

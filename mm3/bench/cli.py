@@ -212,6 +212,15 @@ def summary(report: dict) -> str:
             lines.append(f"           streamed ({'planning and synthesis overlapped' if t['overlapped'] else 'by stages'}): "
                          f"first audio after {t['first_audio_s']:.2f} s, the whole song after {t['whole_s']:.2f} s"
                          + ("" if ar is None else f"; the AR had planned the first window's frames after {ar:.2f} s"))
+        if stage == "ar" and r.get("cpu_products"):
+            cp = r["cpu_products"]
+            short = cp.get("candidates_cut_short", [])
+            timed = ", ".join(f"{k} {'>' if k in short else ''}{v:.1f}"
+                              for k, v in sorted(cp["candidates_ms_per_frame"].items(), key=lambda kv: kv[1]))
+            lines.append(f"           CPU products: {cp['chosen']} ({cp['source']}; ms/frame: {timed})")
+        if stage == "ar" and r.get("machine_copy_gb_per_s"):
+            lines.append(f"           weights read at {r['ours_weight_gb_per_s']:.2f} GB/s, "
+                         f"{100 * r['weight_bandwidth_share']:.1f} % of a 1 GiB copy's {r['machine_copy_gb_per_s']:.1f} GB/s")
         if stage == "dit" and r.get("compute_dtype", report["dtype"]) != report["dtype"]:
             same = r.get(f"ours_{report['dtype']}_ms_per_step")
             lines.append(f"           ours computes the DiT in {r['compute_dtype']} (mm3.cpu_bf16)"

@@ -8,7 +8,7 @@ there) and dequantizes it to the input's dtype, so a model works whatever part o
 manager left on the CPU. Models are written against these classes only (another implementation,
 a ComfyUI cast layer, is a subclass passed as `ops`). How a `Linear` or `Fused` multiplies (a
 float copy, the Triton kernel, the CPU int4 planes, a dequantization per use) is its product,
-chosen in `mm3.gguf.products` when its weights or numerics change, not on each call.
+chosen in `mm3.gguf.products` when its weights, numerics or CPU form change, not on each call.
 
 Memory: weights built from a file are views of its mapping (their "home"). Moving a layer back to
 the home's device and dtype puts the home view back instead of copying device memory to the host
@@ -192,7 +192,11 @@ class WeightSlots(nn.Module):
 
 
 class _Setting:
-    """A layer setting whose change makes the layer choose its product again (`_changed`)."""
+    """A layer setting whose change makes the layer choose its product again (`_changed`);
+    `convert` makes the stored value (a flag by default)."""
+
+    def __init__(self, convert=bool):
+        self.convert = convert
 
     def __set_name__(self, owner, name):
         self.key = "_" + name
@@ -200,26 +204,29 @@ class _Setting:
     def __get__(self, layer, owner=None):
         return self if layer is None else layer.__dict__[self.key]
 
-    def __set__(self, layer, on) -> None:
-        layer.__dict__[self.key] = bool(on)
+    def __set__(self, layer, value) -> None:
+        layer.__dict__[self.key] = self.convert(value)
         layer._changed()
 
 
 class Linear(WeightSlots):
     """`forward(x [..., in]) -> [..., out]` through the layer's product (`mm3.gguf.products`),
     chosen on the first use after the weights, their copies or these settings change.
-    `decode_products`: few-row products in the fastest form for the device
-    (`mm3.matmul.decode_linear`); off, every product is `F.linear` (the reference's).
+    `decode_products`: few-row products on the CPU in the layer's `cpu_form` (the int4 product,
+    float copies, weight-major; `mm3.gguf.cpu_forms`); off, every product is `F.linear` (the reference's).
     `fused_kernels`: where `mm3.gguf.kernels` runs, products read the GGUF blocks directly (off:
-    dequantize, then multiply, as the reference's op shapes)."""
+    dequantize, then multiply, as the reference's op shapes).
+    `cpu_form`: how few-row products read the weight on the CPU (a `cpu_forms.Serving`; None:
+    `cpu_forms.DEFAULT`)."""
 
     decode_products = _Setting()
     fused_kernels = _Setting()
+    cpu_form = _Setting(lambda serving: serving)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.decode_products, self.fused_kernels = False, True
+        self.decode_products, self.fused_kernels, self.cpu_form = False, True, None
         self._product: tuple | None = None  # (input dtype, device, product)
         self._packing: cpu_int4.Packing | None = None  # the int4 planes of the weight, once made
         self._pages: list = []  # the weight's file pages, once looked up
@@ -262,6 +269,10 @@ class Linear(WeightSlots):
         if self._packing is not None:
             self.give_back_pages()
 
+    def drop_packing(self) -> None:
+        """Free the int4 packing (another form serves); it is made again if the int4 product returns."""
+        self._packing = None
+
     def give_back_pages(self) -> None:
         """Unmap the weight's file pages once they are packed for the int4 product
         (`cpu_int4.release_pages`); where they lie is looked up once per weight."""
@@ -272,7 +283,7 @@ class Linear(WeightSlots):
     def rows(self, start: int, stop: int) -> "Linear":
         """A Linear of weight rows [start, stop): views of this layer's tensors, nothing copied."""
         out = type(self)(self.in_features, stop - start, bias=self.has_bias)
-        out.decode_products, out.fused_kernels = self.decode_products, self.fused_kernels
+        out.decode_products, out.fused_kernels, out.cpu_form = self.decode_products, self.fused_kernels, self.cpu_form
         for name in ("weight", "bias") if self.has_bias else ("weight",):
             out.set_stored(name, self._slot_types[name], self.stored(name)[start:stop])
         return out
@@ -355,6 +366,10 @@ class Fused:
         if self._packing is not None:
             for p in self.parts:
                 p.give_back_pages()
+
+    def drop_packing(self) -> None:
+        """Free the parts' stacked int4 packing (another form serves)."""
+        self._packing = None
 
     def stacked_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[sum(out), in] in `dtype` on `device`."""

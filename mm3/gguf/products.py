@@ -5,10 +5,12 @@ A product is a callable `product(x [..., K], bias [N] | None) -> [..., N]` (a li
 picks it from what the layer holds at that moment: a float weight at hand (`FloatWeight`: a kept
 copy or a stored float of that dtype), the Triton kernel reading the GGUF blocks
 (`KernelProduct`), the CPU int4 planes for decode-shaped inputs (`Int4Product` within `ByRows`),
-or a dequantization per use (`FloatWeight` over a fresh weight each time). The layer keeps the
-choice until its weights are filled or moved, float copies are kept or dropped, adapters are
-attached or its numerics change (`Linear.decode_products`, `Linear.fused_kernels`, `Fused.fuse`);
-forward only calls it.
+or a dequantization per use (`FloatWeight` over a fresh weight each time). On the CPU the layer's
+form (`cpu_forms`, measured on the machine by `mm3.cpu_choice`) says which of those serves its
+few-row products and whether a float one is weight-major. The layer keeps the choice until its
+weights are filled or moved, float copies are kept or dropped, adapters are attached, or its
+numerics or form change (`Linear.decode_products`, `Linear.fused_kernels`, `Linear.cpu_form`,
+`Fused.fuse`); forward only calls it.
 
 Adapters (LoRA) attached to a layer (`Linear.low_rank`, a `LowRank`) are a side product beside
 whichever of these serves the weight (`WithLowRank`; a `Fused` layer's over its stacked output),
@@ -16,7 +18,7 @@ so a quantized weight stays quantized; a `LowRank` marked `merge` is added into 
 the weight instead, as PEFT merges an adapter (the reference's numbers). Without adapters nothing
 wraps the product.
 
-Another product (a GPU weight layout, a measured CPU form) is one more class with that call
+Another product (a GPU weight layout) is one more class with that call
 signature, returned by `choose`.
 """
 
@@ -28,23 +30,23 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..matmul import DECODE_MAX_ROWS, decode_linear
-from . import cpu_int4, kernels
+from ..matmul import DECODE_MAX_ROWS, weight_major_linear
+from . import cpu_forms, cpu_int4, kernels
 
 Weight = Callable[[], torch.Tensor]  # the weight a product reads, on the input's device
 
 
 class FloatWeight:
-    """torch's product over a float weight in the input's dtype: `decode` takes the fastest form
-    for few rows (`mm3.matmul.decode_linear`), else `F.linear` (the reference's). `after` runs
-    after each product (an int4 layer's blocks read again give back their pages)."""
+    """torch's product over a float weight in the input's dtype: `major` multiplies few rows
+    weight-major (`mm3.matmul.weight_major_linear`), else `F.linear` (the reference's). `after`
+    runs after each product (an int4 layer's blocks read again give back their pages)."""
 
-    def __init__(self, weight: Weight, decode: bool, after: Callable[[], None] | None = None):
-        self.weight, self.decode, self.after = weight, decode, after
+    def __init__(self, weight: Weight, major: bool, after: Callable[[], None] | None = None):
+        self.weight, self.major, self.after = weight, major, after
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weight()
-        y = decode_linear(x, w, bias) if self.decode else F.linear(x, w, bias)
+        y = weight_major_linear(x, w, bias) if self.major else F.linear(x, w, bias)
         if self.after is not None:
             self.after()
         return y
@@ -173,8 +175,8 @@ def kernel_reads(layer, dtype: torch.dtype, device: torch.device) -> bool:
 
 def int4_takes(layer, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this `Linear`'s decode-shaped products on `device` go to the CPU int4 product
-    (`cpu_int4.serves`, with no kept float copy and the weight on the CPU)."""
-    if not cpu_int4.serves(layer, layer.qtype("weight"), device):
+    (its form, `cpu_forms.reads_int4`, with no kept float copy and the weight on the CPU)."""
+    if not cpu_forms.reads_int4(layer, layer.qtype("weight"), device):
         return False
     return not layer.keeps_copy(dtype, device) and layer.stored("weight").device.type == "cpu"
 
@@ -185,7 +187,7 @@ def for_linear(layer, dtype: torch.dtype, device: torch.device):
     low_rank = layer.low_rank
     if low_rank is not None and low_rank.merge:
         merged = low_rank.merged(layer.get("weight", dtype, device))
-        return FloatWeight(lambda: merged, layer.decode_products)
+        return FloatWeight(lambda: merged, cpu_forms.weight_major(layer, device))
     product = _base_for_linear(layer, dtype, device)
     return product if low_rank is None else side_product(product, [low_rank], [layer.out_features], dtype, device)
 
@@ -195,14 +197,14 @@ def _base_for_linear(layer, dtype: torch.dtype, device: torch.device):
     stored = layer.stored("weight")
     if kernel_reads(layer, dtype, device):
         return KernelProduct(_resident(stored, device) or (lambda: layer.fetch("weight", device)), qtype)
+    major = cpu_forms.weight_major(layer, device)
     at_hand = layer.float_at_hand(dtype, device)
     if at_hand is not None:
-        return FloatWeight(lambda: at_hand, layer.decode_products)
-    per_use = FloatWeight(lambda: layer.get("weight", dtype, device, scratch=True), layer.decode_products,
-                          after=layer.blocks_read)
+        return cpu_forms.timed(layer, FloatWeight(lambda: at_hand, major))
+    per_use = FloatWeight(lambda: layer.get("weight", dtype, device, scratch=True), major, after=layer.blocks_read)
     if int4_takes(layer, dtype, device):
-        return ByRows(Int4Product(layer.packing, layer.out_features), per_use)
-    return per_use
+        return cpu_forms.timed(layer, ByRows(Int4Product(layer.packing, layer.out_features), per_use))
+    return cpu_forms.timed(layer, per_use)
 
 
 def for_fused(fused, dtype: torch.dtype, device: torch.device):
@@ -224,13 +226,13 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
     if kernels.available(device.type) and same and all(kernel_reads(p, dtype, device) for p in parts):
         return split(KernelProduct(fused.stacked_stored_source(device), qtype))
     int4 = [int4_takes(p, dtype, device) for p in parts]
-    wide = split(FloatWeight(fused.stacked_weight_source(dtype, device), parts[0].decode_products,
+    wide = split(FloatWeight(fused.stacked_weight_source(dtype, device), cpu_forms.weight_major(parts[0], device),
                              after=fused.blocks_read))
     if all(int4) and same:
-        return ByRows(split(Int4Product(fused.packing, sum(fused.sizes))), wide)
+        return cpu_forms.timed(parts[0], ByRows(split(Int4Product(fused.packing, sum(fused.sizes))), wide))
     if any(int4):  # a mix raised some parts to another type (v_proj in Q6_K): each part its own way
-        return ByRows(Separate(parts), wide)
-    return wide
+        return ByRows(Separate(parts), cpu_forms.timed(parts[0], wide))
+    return cpu_forms.timed(parts[0], wide)
 
 
 def _resident(stored: torch.Tensor, device: torch.device) -> Weight | None:

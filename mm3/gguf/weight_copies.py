@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn as nn
 
-from . import cpu_int4
+from . import cpu_forms
 from .ops import FLOAT_TYPES, Embedding, Fused, WeightSlots, _adjacent
 
 
@@ -41,8 +41,8 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
         for sub in m.modules():
             for fused in (v for v in vars(sub).values() if isinstance(v, Fused) and v.fuse):
                 stored = [p.stored("weight") for p in fused.parts]
-                if any(cpu_int4.serves(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
-                    continue  # int4 parts need no copy (faster without); the others get their own below
+                if not all(cpu_forms.wants_copy(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
+                    continue  # parts whose CPU form reads no copy (int4, dequantization per product); others below
                 done.update(id(p) for p in fused.parts)
                 if want is not None and any(t.device != want for t in stored):
                     continue
@@ -61,7 +61,7 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
                     continue
                 if qtype in FLOAT_TYPES and FLOAT_TYPES[qtype] == dtype:
                     continue  # already what a use returns
-                if name == "weight" and cpu_int4.serves(sub, qtype, value.device):
+                if name == "weight" and not cpu_forms.wants_copy(sub, qtype, value.device):
                     continue
                 nbytes = math.prod(sub._slot_shapes[name]) * element
                 cached = sub._dequantized.get(name)
@@ -87,6 +87,21 @@ def release_dequantized(modules) -> int:
     for sub in {id(sub): sub for sub, _ in _slots(modules)}.values():
         sub.drop_copies()
     return freed
+
+
+def set_aside(modules) -> list[tuple[WeightSlots, str, torch.Tensor]]:
+    """Take every copy kept under `modules` out of use without freeing it; `put_back` returns
+    them (to time forms that read copies beside forms that must not see them)."""
+    saved = [(sub, name, sub._dequantized[name]) for sub, name in _slots(modules) if name in sub._dequantized]
+    for sub in {id(sub): sub for sub, _, _ in saved}.values():
+        sub.drop_copies()
+    return saved
+
+
+def put_back(saved: list[tuple[WeightSlots, str, torch.Tensor]]) -> None:
+    """The copies `set_aside` took, in use again."""
+    for sub, name, value in saved:
+        sub.keep_copy(name, value)
 
 
 def compressed_nbytes(module: nn.Module, device: torch.device | None = None) -> int:

@@ -1,0 +1,354 @@
+"""The AR stage's CPU product forms, measured on the machine (`mm3.cpu_choice`): timed in whole frames
+at the first plan and cached on disk by processor, cores, torch, dtype, threads and weight types;
+reused without timing, timed again for another processor, named by MM3_CPU_PRODUCT, a damaged
+cache ignored with a warning; the timing leaves the song as a run with the choice given; the forms
+agree with each other (exactly in the reference numerics, within rounding in the fast ones).
+
+The suite pins MM3_CPU_PRODUCT (tests/conftest.py); these tests set it themselves."""
+
+import json
+import logging
+import time
+import types
+
+import pytest
+import torch
+
+from mm3 import cpu_choice
+from mm3.ar import PlanSettings, plan
+from mm3.gguf import cpu_forms, cpu_int4, products
+from mm3.gguf.ops import Linear
+from mm3.models.depth import RVQDepthDecoder
+from mm3.models.lm import Qwen3LM
+from mm3.opener import open_component
+from mm3.prompt import build_prompt
+from mm3.tokenizer import MM3Tokenizer
+from mm3.tools.quantize import quantize_file
+
+SECONDS = 0.6  # frames of a planned song (the tiny model's frame rate)
+
+
+@pytest.fixture(scope="module")
+def q8(tiny, tmp_path_factory):
+    """The tiny LM and depth decoder in Q8_0 (int4 planes, dequantization and copies all apply)."""
+    out = tmp_path_factory.mktemp("q8")
+    files = {}
+    for kind, arch in (("lm", "mm3-lm"), ("depth", "mm3-depth")):
+        files[kind] = quantize_file(tiny.file(arch), out / f"{kind}-Q8_0.gguf", "Q8_0")
+    lm_c, d_c = open_component(files["lm"], expect="lm"), open_component(files["depth"], expect="depth")
+    tok = MM3Tokenizer.from_component(lm_c)
+    yield types.SimpleNamespace(lm_c=lm_c, d_c=d_c, prompt=build_prompt(tok, "warm synth pop", "[verse]\nhello"))
+    lm_c.close()
+    d_c.close()
+
+
+def _models(q8, numerics="fast"):
+    return Qwen3LM.load(q8.lm_c, numerics=numerics), RVQDepthDecoder.load(q8.d_c, numerics=numerics)
+
+
+@pytest.fixture
+def timing(tmp_path, monkeypatch):
+    """Forms timed (MM3_CPU_PRODUCT=auto) into a cache folder of the test's own; every call of
+    `measure` counted; one thread, which the user set (so only the forms are timed)."""
+    monkeypatch.setenv("MM3_CPU_PRODUCT", "auto")
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_choice, "user_threads", lambda: 1)
+    cpu_choice.forget()
+    calls = []
+    real = cpu_choice.measure
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("threads"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_choice, "measure", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield calls
+    torch.set_num_threads(threads)
+    cpu_choice.forget()
+
+
+def _plan(q8, lm, depth, seed=3):
+    (song,) = plan(lm, depth, q8.prompt, PlanSettings(duration=SECONDS, lm_seed=seed), dtype=torch.float32)
+    return song
+
+
+def _forms(model) -> set[str]:
+    return {m.cpu_form.form.name for m in model.modules() if isinstance(m, Linear) and m.qtype("weight") is not None}
+
+
+def test_the_cached_choice_is_reused_and_another_processor_times_again(q8, timing, monkeypatch):
+    lm, depth = _models(q8)
+    first = _plan(q8, lm, depth)
+    assert len(timing) == 1 and timing[0] == [1]
+    entries = json.loads(cpu_choice.cache_file().read_text())["choices"]
+    (key,) = entries
+    assert f"cpu={cpu_choice.processor()}" in key and "lm=Q8_0:" in key and "threads=1" in key
+    stored = entries[key]
+    assert set(stored["forms"]) == {"lm", "depth"} and stored["threads"] == 1
+    assert {"int4 x1", "dequant-linear x1", "copy-linear x1"} <= set(stored["ms_per_frame"])
+    assert _forms(lm) == {stored["forms"]["lm"]} and _forms(depth) == {stored["forms"]["depth"]}
+
+    cpu_choice.forget()  # a new process: the choice comes from the disk, without timing
+    again = _plan(q8, *_models(q8))
+    assert len(timing) == 1 and torch.equal(again.codes, first.codes)
+
+    monkeypatch.setattr(cpu_choice, "processor", lambda: "Another Processor 9000")
+    cpu_choice.forget()
+    _plan(q8, *_models(q8))
+    assert len(timing) == 2
+    keys = json.loads(cpu_choice.cache_file().read_text())["choices"]
+    assert len(keys) == 2 and any("cpu=Another Processor 9000" in k for k in keys)
+
+
+def test_other_weight_types_are_timed_apart(q8, tiny, timing):
+    """The F32 models have no int4 or copy candidates, and their own cache entry."""
+    _plan(q8, *_models(q8))
+    lm_c, d_c = open_component(tiny.file("mm3-lm"), expect="lm"), open_component(tiny.file("mm3-depth"), expect="depth")
+    try:
+        plan(Qwen3LM.load(lm_c), RVQDepthDecoder.load(d_c), q8.prompt, PlanSettings(duration=SECONDS, lm_seed=1))
+    finally:
+        lm_c.close()
+        d_c.close()
+    assert len(timing) == 2
+    entries = json.loads(cpu_choice.cache_file().read_text())["choices"]
+    f32 = next(v for k, v in entries.items() if "lm=F32:" in k)
+    assert set(f32["ms_per_frame"]) == {"dequant-linear x1", "dequant-weight-major x1"}
+
+
+@pytest.mark.parametrize("form", list(cpu_forms.FORMS))
+def test_the_named_form_serves_without_timing(q8, form, timing, monkeypatch):
+    monkeypatch.setenv("MM3_CPU_PRODUCT", form)
+    lm, depth = _models(q8)
+    _plan(q8, lm, depth)
+    assert timing == [] and not cpu_choice.cache_file().exists()
+    assert _forms(lm) == _forms(depth) == {form}
+    layer = depth.layers[0].down_proj
+    product = products.for_linear(layer, torch.float32, torch.device("cpu"))
+    if form == "int4":
+        assert isinstance(product, products.ByRows) and isinstance(product.decode, products.Int4Product)
+    else:
+        assert isinstance(product, products.FloatWeight) and product.major == form.endswith("weight-major")
+
+
+def test_an_unknown_name_is_warned_about_and_the_forms_timed(q8, timing, monkeypatch, caplog):
+    monkeypatch.setenv("MM3_CPU_PRODUCT", "fastest please")
+    with caplog.at_level(logging.WARNING, logger="mm3.cpu_choice"):
+        _plan(q8, *_models(q8))
+    assert "MM3_CPU_PRODUCT='fastest please' is not one of auto, int4, dequant-linear" in caplog.text
+    assert len(timing) == 1
+
+
+@pytest.mark.parametrize("damage", ["{not json", json.dumps({"version": 99, "choices": {}}), "entry"])
+def test_a_damaged_cache_is_ignored_with_a_warning(q8, timing, damage, caplog):
+    lm, depth = _models(q8)
+    path = cpu_choice.cache_file()
+    path.parent.mkdir(parents=True)
+    if damage == "entry":  # a valid file whose entry for this machine names a form that does not exist
+        key = cpu_choice.key({"lm": lm, "depth": depth}, torch.float32, 1)
+        damage = json.dumps({"version": cpu_choice.CACHE_VERSION, "choices": {key: {"forms": {"lm": "magic"}}}})
+    path.write_text(damage)
+    with caplog.at_level(logging.WARNING, logger="mm3.cpu_choice"):
+        _plan(q8, lm, depth)
+    assert "ignoring" in caplog.text and "timing again" in caplog.text
+    assert len(timing) == 1
+    stored = json.loads(path.read_text())
+    assert stored["version"] == cpu_choice.CACHE_VERSION and len(stored["choices"]) == 1  # written anew
+
+
+def test_the_timing_leaves_the_song_as_the_choice_given(q8, timing):
+    """The first plan times the forms on scratch frames, then plans; the same plan with the choice
+    already made (no timing) gives the same codes and hiddens, bit for bit."""
+    lm, depth = _models(q8)
+    timed = _plan(q8, lm, depth)
+    assert len(timing) == 1
+    given = _plan(q8, *_models(q8))
+    assert len(timing) == 1
+    assert torch.equal(timed.codes, given.codes) and torch.equal(timed.frame_hiddens, given.frame_hiddens)
+
+
+def test_the_reference_numerics_take_no_form(q8, monkeypatch):
+    """Forms apply to the fast numerics only: the reference's codes and hiddens are the same whatever
+    is named, and nothing is timed."""
+    songs = []
+    for form in cpu_forms.FORMS:
+        monkeypatch.setenv("MM3_CPU_PRODUCT", form)
+        lm, depth = _models(q8, "reference")
+        songs.append(_plan(q8, lm, depth))
+        assert all(m.cpu_form is None for m in lm.modules() if isinstance(m, Linear))
+    for s in songs[1:]:
+        assert torch.equal(s.codes, songs[0].codes) and torch.equal(s.frame_hiddens, songs[0].frame_hiddens)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_the_fast_forms_agree_within_rounding(q8, monkeypatch):
+    """Dequantization per product and kept copies multiply the same floats (the same bits);
+    weight-major sums in another order, int4 rounds inputs and scales to bfloat16: the codes of the
+    tiny model stay the same and the hiddens within that rounding."""
+    songs = {}
+    for form in cpu_forms.FORMS:
+        monkeypatch.setenv("MM3_CPU_PRODUCT", form)
+        songs[form] = _plan(q8, *_models(q8))
+    base = songs["dequant-linear"]
+    assert torch.equal(songs["copy-linear"].frame_hiddens, base.frame_hiddens)
+    for form, song in songs.items():
+        assert torch.equal(song.codes, base.codes), form
+        assert _rel(song.frame_hiddens, base.frame_hiddens) < (2e-2 if form == "int4" else 1e-5), form
+
+
+def test_a_thread_count_the_user_set_is_kept(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpu_choice.thread_counts() == [torch.get_num_threads()]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_choice, "physical_cores", lambda: 6)
+    monkeypatch.setattr(cpu_choice, "usable_cores", lambda: 12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(6)  # torch's own default here: the forms and 1, 2, 4, 6 threads are timed
+        assert cpu_choice.user_threads() is None and cpu_choice.thread_counts() == [1, 2, 4, 6]
+        torch.set_num_threads(3)  # set by the user
+        assert cpu_choice.user_threads() == 3 and cpu_choice.thread_counts() == [3]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_plan_runs_at_the_chosen_threads_and_gives_them_back(q8, monkeypatch):
+    seen = []
+    monkeypatch.setenv("MM3_CPU_PRODUCT", "int4")
+    monkeypatch.setattr(cpu_choice, "serve", lambda *a, **k: cpu_choice.Choice({"lm": "int4", "depth": "int4"}, 1))
+    lm, depth = _models(q8)
+    monkeypatch.setattr(type(lm), "forward", _spy(type(lm).forward, seen))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _plan(q8, lm, depth)
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _spy(forward, seen):
+    def spied(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return forward(self, *args, **kwargs)
+    return spied
+
+
+def _candidate(forms, threads, turn, parts, cut=False):
+    c = cpu_choice.Candidate(forms, threads)
+    c.turns.append(turn)
+    c.parts.append(parts)
+    c.cut.append(cut)
+    return c
+
+
+def test_after_two_rounds_the_slow_leave_and_the_components_fastest_forms_meet():
+    both = lambda f: {"lm": f, "depth": f}  # noqa: E731
+    first = [_candidate(both("int4"), 2, 0.100, {"lm": 0.020, "depth": 0.060}),
+             _candidate(both("dequant-linear"), 2, 0.110, {"lm": 0.045, "depth": 0.045}),
+             _candidate(both("copy-linear"), 2, 0.200, {"lm": 0.100, "depth": 0.080}),
+             _candidate(both("int4"), 1, 0.150, {"lm": 0.010, "depth": 0.010})]  # other threads: not mixed in
+    kept = cpu_choice._pruned(first, {"lm": None, "depth": None})
+    assert [c.label for c in kept] == ["int4 x2", "dequant-linear x2", "lm int4 + depth dequant-linear x2"]
+    assert kept[-1].turns == []
+
+
+def test_a_turn_cut_short_is_a_lower_bound_and_proposes_nothing():
+    c = _candidate({"lm": "int4", "depth": "int4"}, 2, 0.400, {}, cut=True)  # a burst of load
+    assert c.stopped and c.best_parts is None
+    c.turns.append(0.150)
+    c.parts.append({"lm": 0.05, "depth": 0.08})
+    c.cut.append(False)
+    assert not c.stopped and c.best == 0.150 and c.best_parts == {"lm": 0.05, "depth": 0.08}
+
+
+def test_a_candidate_far_slower_than_the_best_is_cut_short(q8, monkeypatch):
+    """Frames that would run for long (a loaded core under many threads, a slow form) stop at the
+    deadline of their turn: their figure is a lower bound, marked, and they leave after two rounds."""
+    lm, depth = _models(q8)
+    models = {"lm": lm, "depth": depth}
+    head = lm.lm_head
+    x = torch.randn(2, head.in_features)
+
+    class Frames:
+        def run(self, n):
+            out = []
+            for _ in range(n):
+                start = time.perf_counter()
+                if head.cpu_form.form.name == "dequant-weight-major":
+                    time.sleep(0.2)
+                head(x)
+                out.append(time.perf_counter() - start)
+            return out
+
+    choice = cpu_choice.measure(models, Frames(), torch.float32, budget=1 << 30, threads=[1],
+                                forms=["dequant-linear", "dequant-weight-major"])
+    assert choice.forms == {"lm": "dequant-linear", "depth": "dequant-linear"}
+    assert choice.stopped == ["dequant-weight-major x1"] and "dequant-weight-major x1" in choice.ms_per_frame
+    assert choice.line().startswith("CPU products of the AR stage: dequant-linear x1 serves (measured; ms per frame: ")
+    assert "dequant-weight-major x1 >" in choice.line()
+
+
+def test_the_cache_folder_is_named_or_the_users(monkeypatch, tmp_path):
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / "here"))
+    assert cpu_choice.cache_file() == tmp_path / "here" / "cpu-products.json"
+    monkeypatch.delenv("MM3_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if cpu_choice.sys.platform.startswith("linux"):
+        assert cpu_choice.cache_file() == tmp_path / "xdg" / "mm3" / "cpu-products.json"
+
+
+def test_int4_is_a_candidate_only_where_a_weight_type_has_it(q8):
+    lm, depth = _models(q8)
+    forms = cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 1 << 30)
+    assert forms[0] == ("int4" if cpu_int4.available() else "dequant-linear")
+    assert "copy-linear" in forms
+    assert "copy-linear" not in cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 0)
+
+
+def test_fewer_threads_win_a_near_tie():
+    both = lambda f: {"lm": f, "depth": f}  # noqa: E731
+    two = _candidate(both("int4"), 2, 0.100, {})
+    one = _candidate(both("copy-linear"), 1, 0.108, {})
+    slow = _candidate(both("dequant-linear"), 1, 0.300, {})
+    assert cpu_choice._fastest([two, one, slow]) is one
+    one.turns[0] = 0.120  # more than 10 % slower: the threads pay
+    assert cpu_choice._fastest([two, one, slow]) is two
+
+
+def test_weights_that_are_no_product_keep_their_copies():
+    """Norm vectors and convolutions have no CPU form: a copy in another dtype (the bfloat16 DiT's)
+    is kept for them as before."""
+    from mm3.gguf import ops as gguf_ops
+    from mm3.gguf.weight_copies import cache_dequantized
+
+    holder = torch.nn.Module()
+    holder.norm, holder.conv = gguf_ops.Vector(8), gguf_ops.Conv1d(8, 8, 3)
+    holder.norm.set_float("weight", torch.ones(8))
+    holder.conv.set_float("weight", torch.ones(8, 8, 3))
+    holder.conv.set_float("bias", torch.zeros(8))
+    assert cpu_forms.form_of(holder.norm, torch.device("cpu")) is None
+    assert cache_dequantized(holder, torch.bfloat16) == (8 + 8 * 8 * 3 + 8) * 2
+
+
+def test_a_mixed_candidate_reads_copies_only_where_its_form_does(q8):
+    """While the LM is timed with copies and the depth decoder with the int4 product, only the LM's
+    copies are in use (a depth copy at hand would serve in place of the int4 product)."""
+    from mm3.gguf.weight_copies import cache_dequantized, dequantized_nbytes, set_aside
+
+    lm, depth = _models(q8)
+    models = {"lm": lm, "depth": depth}
+    cpu_choice.apply({"lm": "copy-linear", "depth": "copy-linear"}, models, free=False)
+    cache_dequantized([depth, lm], torch.float32)
+    copies = {name: set_aside([model]) for name, model in models.items()}
+    cpu_choice._use(models, {"lm": "copy-linear", "depth": "int4"}, copies, None)
+    assert dequantized_nbytes(lm) > 0 and dequantized_nbytes(depth) == 0
+    product = products.for_linear(depth.layers[0].down_proj, torch.float32, torch.device("cpu"))
+    assert isinstance(product.decode, products.Int4Product) or not cpu_int4.available()
+    cpu_choice._use(models, {"lm": "int4", "depth": "copy-linear"}, copies, None)
+    assert dequantized_nbytes(lm) == 0 and dequantized_nbytes(depth) > 0
