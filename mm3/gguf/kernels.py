@@ -172,3 +172,42 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.T
                                    y.stride(0), w_stride, QTYPE=_CODES[qtype], HAS_BIAS=bias is not None,
                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y.view(*x.shape[:-1], n)
+
+
+def report_specs(decode: list, prefill: list) -> list:
+    """The fused block kernels as `mm3.gguf.kernel_report` compiles them: per weight type a decode
+    kernel (the CFG pair's two rows) and a prefill one, with bfloat16 inputs (the CUDA compute
+    dtype; BF16 weights, which bfloat16 compute multiplies with torch, with float32 inputs), for
+    the products `decode` and `prefill` (`kernel_report.Launch`)."""
+    import triton
+
+    from .kernel_report import KernelSpec
+    from .triton_gguf import fused_linear_kernel
+
+    specs = []
+    for qtype, code in _CODES.items():
+        if qtype == QT.F32:
+            continue
+        x_type = "fp32" if qtype == QT.BF16 else "bf16"
+        w_type = {QT.BF16: "*bf16", QT.F16: "*fp16"}.get(qtype, "*u8")
+        block, size = GGML_QUANT_SIZES[qtype]
+        for shape, launches in (("decode", decode), ("prefill", prefill)):
+            rows = launches[0].rows
+            bm, bn, bk = _tiles(rows)
+            k = launches[0].k
+            w_stride = k if qtype in _FLOATS else k // block * size
+            signature = {"x_ptr": "*" + x_type, "w_ptr": w_type, "b_ptr": "*" + x_type, "y_ptr": "*" + x_type,
+                         "M": "i32", "N": "i32", "K": "i32", "x_stride": "i32", "y_stride": "i32", "w_stride": "i32",
+                         **dict.fromkeys(("QTYPE", "HAS_BIAS", "BLOCK_M", "BLOCK_N", "BLOCK_K"), "constexpr")}
+            aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "N", "K", "x_stride", "y_stride") + \
+                (("w_stride",) if w_stride % 16 == 0 else ())
+
+            def programs(launch, sms, bm=bm, bn=bn):
+                return triton.cdiv(launch.rows, bm) * triton.cdiv(launch.n, bn)
+
+            specs.append(KernelSpec(
+                name=f"triton/{qtype.name}/{shape}", family="triton", weight_type=qtype.name, shape=shape,
+                fn=fused_linear_kernel, signature=signature, aligned=aligned, weight_args=("w_ptr",),
+                constexprs={"QTYPE": code, "HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
+                programs=programs, launches=list(launches)))
+    return specs
