@@ -68,3 +68,51 @@ def test_the_command_refuses_an_unknown_architecture():
     done = subprocess.run([sys.executable, "-m", "mm3", "kernels", "--report", "--arch", "75"],
                           capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 2 and "--arch 75: expected one of 80, 89, 90" in done.stderr
+
+
+LAYOUT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+
+
+def _report(arch, types=None, shapes=None):
+    pytest.importorskip("triton", reason="this torch installation has no Triton")
+    from mm3.tools.kernels import report
+
+    return report(arch, ("layout",), types, shapes)
+
+
+def _meets_the_targets(rows):
+    """Decode: at least 90 % of the weight's bytes by 8-byte or wider loads, at least two waves at
+    every released decode shape; every kernel: no spills."""
+    assert rows
+    for r in rows:
+        assert set(r) >= {"name", "weight_type", "shape", "weight_load_bytes_by_width", "spills"}
+        assert r["spills"] == 0, r
+        shares = r["weight_load_bytes_by_width"]
+        assert sum(shares.values()) == pytest.approx(1.0, abs=1e-3) and r["wide_load_share"] == pytest.approx(
+            sum(v for w, v in shares.items() if int(w) >= 8), abs=1e-3)
+        if r["shape"] == "decode":
+            assert r["wide_load_share"] >= 0.9, r
+            assert r["min_waves"] >= 2 and all(g["waves"] >= 2 for g in r["grids"]), r
+            assert len(r["grids"]) >= 10  # every released decode product
+
+
+def test_decode_kernels_on_the_device_layout_load_wide_for_sm90():
+    """The common types' decode kernels for sm_90 (the full matrix is the slow test below)."""
+    _meets_the_targets(_report(90, ["Q8_0", "Q4_K", "Q5_K", "Q6_K"], ["decode"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [80, 89, 90])
+def test_every_layout_kernel_meets_the_targets(arch):
+    rows = _report(arch)
+    assert {(r["weight_type"], r["shape"]) for r in rows} == {(t, s) for t in LAYOUT_TYPES for s in ("decode", "prefill")}
+    _meets_the_targets(rows)
+
+
+def test_the_command_prints_json():
+    done = subprocess.run([sys.executable, "-m", "mm3", "kernels", "--report", "--arch", "90", "--family", "layout",
+                           "--types", "Q8_0", "--shape", "decode", "--json", "-"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__)), timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(done.stdout)
+    assert row["name"] == "layout/Q8_0/decode" and row["weight_load_bytes_by_width"] == {"16": 1.0}

@@ -172,13 +172,14 @@ def ptxas_facts(ptx: str, arch: int) -> PtxasFacts:
                       int(spills.group(3)) if spills else 0, int(spills.group(1)) if spills else 0)
 
 
-_COMPILED: dict = {}  # (spec name, arch) -> (ptx, shared bytes): one compilation per process
+_COMPILED: dict = {}  # (spec, arch) -> (ptx, shared bytes): one compilation per process
 
 
 def compile_ptx(spec: KernelSpec, arch: int) -> tuple[str, int]:
     """(PTX, shared memory bytes) of `spec` for `sm_<arch>`; Triton's own cache keeps the result
     across processes (`TRITON_CACHE_DIR`)."""
-    key = (spec.name, arch)
+    key = (spec.name, arch, repr(sorted(spec.constexprs.items())), repr(sorted(spec.signature.items())),
+           spec.aligned, spec.num_warps, spec.num_stages)
     if key not in _COMPILED:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile

@@ -16,7 +16,7 @@ from ..constants import SEMANTIC_VOCAB_SIZE
 from ..formats.diffusers import DIFFUSERS_DEFAULTS
 from .tiny import RELEASED_LM_CONFIG
 
-FAMILIES = ("triton",)
+FAMILIES = ("triton", "layout")
 PREFILL_ROWS_PER_WINDOW = 689  # latents of a 200-frame DiT window at the released rates (mm3.audio)
 
 
@@ -46,8 +46,9 @@ def released_launches():
     return decode, prefill
 
 
-def specs(families=FAMILIES) -> list:
-    """The kernels of `families` with the released products."""
+def specs(families=FAMILIES, weight_types=None, shapes=None) -> list:
+    """The kernels of `families` with the released products (only those of `weight_types` and
+    `shapes`, "decode" / "prefill", when given)."""
     decode, prefill = released_launches()
     out = []
     if "triton" in families:
@@ -58,27 +59,29 @@ def specs(families=FAMILIES) -> list:
         from ..gguf import layout_kernels
 
         out += layout_kernels.report_specs(decode, prefill)
-    return out
+    return [s for s in out if (weight_types is None or s.weight_type in weight_types)
+            and (shapes is None or s.shape in shapes)]
 
 
-def report(arch: int, families=FAMILIES) -> list[dict]:
-    """`kernel_report.report` of the kernels of `families` for `sm_<arch>`. Under Triton's
+def report(arch: int, families=FAMILIES, weight_types=None, shapes=None) -> list[dict]:
+    """`kernel_report.report` of `specs(families, weight_types, shapes)` for `sm_<arch>`. Under Triton's
     interpreter (`TRITON_INTERPRET=1`) kernels are not compiled in-process: a fresh process without
     it makes the report."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         code = ("import json, sys; from mm3.tools.kernels import report; "
-                "print(json.dumps(report(int(sys.argv[1]), sys.argv[2].split(','))))")
+                "print(json.dumps(report(*json.loads(sys.argv[1]))))")
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        done = subprocess.run([sys.executable, "-c", code, str(arch), ",".join(families)], capture_output=True,
-                              text=True, env=env, timeout=3600)
+        args = json.dumps([arch, list(families), weight_types and list(weight_types), shapes and list(shapes)])
+        done = subprocess.run([sys.executable, "-c", code, args], capture_output=True, text=True, env=env,
+                              timeout=3600)
         if done.returncode != 0:
             raise RuntimeError(f"the kernel report for sm_{arch} failed: {done.stderr[-3000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
     from ..gguf.kernel_report import report as compile_report
 
-    return compile_report(specs(families), arch)
+    return compile_report(specs(families, weight_types, shapes), arch)
 
 
 def _cli(args) -> int:
@@ -94,7 +97,11 @@ def _cli(args) -> int:
         import triton  # noqa: F401
     except ImportError:
         raise InputError("kernels --report needs Triton (it compiles the kernels with Triton's compilers)") from None
-    rows = report(args.arch, families)
+    types = [t.strip().upper() for t in args.types.split(",")] if args.types else None
+    shapes = [args.shape] if args.shape != "all" else None
+    rows = report(args.arch, families, types, shapes)
+    if not rows:
+        raise InputError(f"no kernel of family {args.family} for --types {args.types!r} and --shape {args.shape}")
     if args.json == "-":
         print(json.dumps(rows, indent=2))
         return 0
@@ -113,6 +120,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--arch", type=int, default=90, help="CUDA architecture: 80, 89 or 90 (default 90)")
     p.add_argument("--family", choices=FAMILIES + ("all",), default="all",
                    help="triton: the kernels over GGUF blocks; layout: over the device layout; all (default)")
+    p.add_argument("--types", default="", help="only these weight types, comma-separated (e.g. Q8_0,Q4_K)")
+    p.add_argument("--shape", choices=("decode", "prefill", "all"), default="all", help="only decode or prefill kernels")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the report as JSON to OUT ('-': "
                    "print only the JSON)")
     p.set_defaults(func=_cli)
