@@ -11,7 +11,9 @@ go through the same kernel instead of a cast copy.
 
 Used where Triton runs the device (CUDA, ROCm, XPU); `TRITON_INTERPRET=1` runs the same kernels on
 CPU tensors, which is how they are tested without a GPU. `MM3_KERNELS` picks: "auto" (default:
-accelerators with Triton), "off", or "triton" (also CPU tensors; with the interpreter only).
+on accelerators with Triton, these kernels or those over the device layout, whichever
+`mm3.gguf.kernel_choice` measured faster there), "off", "triton" (these; also CPU tensors with the
+interpreter) or "layout" (`mm3.gguf.layout_kernels`; also CPU tensors with the interpreter).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ _FLOATS = {QT.F32, QT.F16, QT.BF16}
 FLOAT_DTYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 
 
-MODES = ("auto", "off", "triton")
+MODES = ("auto", "off", "triton", "layout")
 
 
 def _setting() -> str:
@@ -47,7 +49,7 @@ _AVAILABLE: dict[str, bool] = {}  # device type -> answer, for the current setti
 
 
 def configure(setting: str | None = None) -> None:
-    """Set the kernel mode ("auto", "off", "triton"; None: read MM3_KERNELS again). A layer keeps
+    """Set the kernel mode (one of MODES; None: read MM3_KERNELS again). A layer keeps
     the product it chose (`mm3.gguf.products`) until its weights or numerics are set again."""
     if setting is not None and setting not in MODES:
         raise ValueError(f"kernel mode {setting!r}: expected one of {', '.join(MODES)}")
@@ -55,8 +57,13 @@ def configure(setting: str | None = None) -> None:
     _AVAILABLE.clear()
 
 
+def mode() -> str:
+    """The kernel mode in force (`configure`)."""
+    return _SETTING[0]
+
+
 def available(device: torch.device | str) -> bool:
-    """Whether `fused_linear` runs on tensors of `device` in this process."""
+    """Whether Triton kernels run on tensors of `device` in this process (in the mode in force)."""
     kind = device if isinstance(device, str) else device.type
     answer = _AVAILABLE.get(kind)
     if answer is None:
@@ -65,7 +72,7 @@ def available(device: torch.device | str) -> bool:
 
 
 def _runs_on(device_type: str, setting: str, interpreted: bool) -> bool:
-    if setting == "off" or (device_type == "cpu" and not (setting == "triton" and interpreted)):
+    if setting == "off" or (device_type == "cpu" and not (setting in ("triton", "layout") and interpreted)):
         return False
     if device_type not in ("cpu", "cuda", "xpu"):  # MPS: Triton has no Metal back end
         return False

@@ -11,6 +11,7 @@ go to `layout_triton.gemm_kernel`. `MM3_KERNELS` and the product choice live in
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -44,6 +45,13 @@ class Config:
 DECODE = Config(block_n=4, block_c=8, num_warps=2)
 PREFILL = Config(block_n=64, block_c=1, num_warps=4, block_m=64)
 PREFILL_F32 = Config(block_n=32, block_c=1, num_warps=4, block_m=32)  # float32 inputs: FMA products
+# Under Triton's interpreter (tests on the CPU) a program costs the same whatever its tile: wide
+# tiles, few programs. The arithmetic of each output is the same.
+INTERPRETED = (Config(block_n=64, block_c=8, num_warps=2), Config(block_n=64, block_c=1, num_warps=4, block_m=64))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def chunks_of(k: int) -> int:
@@ -127,7 +135,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, bias: torch
     strides = (q.stride(0), qh.stride(0), s.stride(0), s2.stride(0))
     b = bias if bias is not None else y
     if m <= GEMV_MAX_ROWS:
-        config = config or DECODE
+        config = config or (INTERPRETED[0] if _interpreted() else DECODE)
         block_m, block_c, groups, tiles, splits = decode_grid(m, n, k, multiprocessors(x.device), config)
         split_chunks = -(-chunks // (splits * block_c)) * block_c
         splits = -(-chunks // split_chunks)
@@ -141,7 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, bias: torch
             split_sum_kernel[(triton.cdiv(m * n, block),)](out, b, y, m, n, y.stride(0), splits,
                                                             HAS_BIAS=bias is not None, BLOCK=block)
     else:
-        config = config or (PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
+        config = config or (INTERPRETED[1] if _interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
         grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
         gemm_kernel[grid](x2, q, qh, s, s2, b, y, m, n, k, x2.stride(0), y.stride(0), *strides, chunks,
                           QTYPE=code, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
