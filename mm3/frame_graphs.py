@@ -14,6 +14,7 @@ device, and runs eagerly from then on: a bad graph costs speed, never the song.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -32,11 +33,11 @@ def wanted(device: torch.device, shaping: bool) -> bool:
 class GraphedStep:
     """`sampler.step` through one captured graph per KV bucket (`sampler.cache.bucket`), each
     checked against an eager step at its first frame. `capture(sampler, q_sem, q_dep)` returns a
-    replay function (`cuda_capture` by default; tests pass their own)."""
+    replay function (`CudaCapture` by default; tests pass their own)."""
 
     def __init__(self, sampler, device: torch.device, capture=None):
         self.sampler, self.device = sampler, torch.device(device)
-        self.capture = capture or cuda_capture
+        self.capture = capture or CudaCapture(self.device)
         self.graphs: dict = {}
         self.eager = False  # set when a graph disagreed: the rest of the run is eager
         self.checks: list[tuple] = []  # (bucket, agreed, why) of every check made
@@ -55,8 +56,9 @@ class GraphedStep:
         when they agree."""
         s = self.sampler
         last, pos = s.last.clone(), s.cache.pos.clone()
-        want = [t.clone() for t in s.step(q_sem, q_dep)]
-        want_last = s.last.clone()
+        with getattr(self.capture, "warm", contextlib.nullcontext)():  # on the capture's stream
+            want = [t.clone() for t in s.step(q_sem, q_dep)]
+            want_last = s.last.clone()
         s.last = last
         s.cache.pos.copy_(pos)
         try:
@@ -96,27 +98,40 @@ def agree(want, want_last, got, got_last) -> tuple[bool, str]:
     return True, ""
 
 
-_POOLS: dict = {}  # device -> the memory pool its frame graphs share (replayed one bucket after another)
+class CudaCapture:
+    """Captures `sampler.step` as CUDA graphs on one side stream, all sharing one memory pool (a
+    run replays one bucket's graph after another, never two at once)."""
 
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
 
-def cuda_capture(sampler, q_sem: torch.Tensor, q_dep: torch.Tensor):
-    """Capture `sampler.step` as a CUDA graph; returns replay(q_sem, q_dep) -> the step's outputs
-    (the graph's own tensors: copy them before the next replay). The products must have been
-    chosen and the kernels compiled (an eager step did both)."""
-    device = sampler.last.device
-    static_sem, static_dep, static_last = q_sem.clone(), q_dep.clone(), sampler.last.clone()
-    sampler.last = static_last
-    pool = _POOLS.setdefault(device, torch.cuda.graph_pool_handle())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = sampler.step(static_sem, static_dep)
-        static_last.copy_(sampler.last)
-    sampler.last = static_last
+    @contextlib.contextmanager
+    def warm(self):
+        """Run eager work on the capture's stream (what a capture after it needs warmed up)."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
 
-    def replay(q_sem: torch.Tensor, q_dep: torch.Tensor):
-        static_sem.copy_(q_sem)
-        static_dep.copy_(q_dep)
-        graph.replay()
-        return out
+    def __call__(self, sampler, q_sem: torch.Tensor, q_dep: torch.Tensor):
+        """The step captured; returns replay(q_sem, q_dep) -> its outputs (the graph's own
+        tensors: copy them before the next replay). The products must have been chosen and the
+        kernels compiled (the eager step in `warm` did both)."""
+        static_sem, static_dep, static_last = q_sem.clone(), q_dep.clone(), sampler.last.clone()
+        sampler.last = static_last
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = sampler.step(static_sem, static_dep)
+            static_last.copy_(sampler.last)
+        sampler.last = static_last
 
-    return replay
+        def replay(q_sem: torch.Tensor, q_dep: torch.Tensor):
+            static_sem.copy_(q_sem)
+            static_dep.copy_(q_dep)
+            graph.replay()
+            return out
+
+        return replay

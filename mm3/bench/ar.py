@@ -58,7 +58,7 @@ def measure(ctx, frames: int) -> dict:
     """ms per frame for each side (best of ctx.repeat interleaved runs of `frames` frames)."""
     from ..device import ar_weight_budget
 
-    runs = {"ours": lambda n: _ours(ctx, n, compile=ctx.compile)}
+    runs = {"ours": lambda n: _ours(ctx, n, compile=ctx.compile, graphs=ctx.graphs)}
     if not ctx.light:
         runs["ours_reference_numerics"] = lambda n: _ours(ctx, n, "reference")
         if ctx.ckpt.quant != ctx.ckpt.native:  # quantized: also without kept dequantized copies
@@ -97,6 +97,10 @@ def measure(ctx, frames: int) -> dict:
     stored = frame_weight_bytes(ctx.ours("lm"), ctx.ours("depth"), ctx.prompt().codes.num_semantic + 1)
     out["weights_per_frame_mib"] = round(stored / 2**20, 1)
     out["ours_weight_gb_per_s"] = round(stored / (out["ours_ms_per_frame"] * 1e-3) / 1e9, 2)
+    bandwidth = ctx.roofline.get("copy_gb_per_s")
+    if bandwidth:  # the roofline: a frame reads its weights once; how close to the copy bandwidth
+        out["floor_ms_per_frame"] = round(stored / (bandwidth * 1e9) * 1e3, 2)
+        out["bandwidth_share"] = round(out["ours_weight_gb_per_s"] / bandwidth, 3)
     return out
 
 
