@@ -18,10 +18,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import cpu_choice
+from . import frame_graphs
 from .codes import AudioCodes
 from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
 from .device import ar_weight_budget, keeps_ar_copies, model_device
 from .errors import RunError
+from .gguf.ops import choose_products
 from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
 from .lyrics_align import LyricAttention, LyricHeads
 from .matmul import CPU_SCRATCH, onednn_matmul
@@ -292,13 +294,16 @@ class _Draws:
 
 def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, device: torch.device,
                    progress: Progress, compile: bool = False, static_shapes: bool = False,
-                   emit_first: bool = False, on_frames=None) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+                   emit_first: bool = False, on_frames=None,
+                   graphs: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
     """Frames 0 .. max_frames (frame 0 is fed back, not emitted) of every song until it ends.
     Returns per song (codes [n + 1, ncb] on the CPU, frame hiddens [n, ncb, H], ended_naturally).
     `emit_first` (a continued song, its frame 0 already known): frames 0 .. max_frames - 1 are all
     emitted; returns codes [n, ncb] and hiddens [n, ncb, H].
-    `static_shapes` (implied by `compile`): the LM attends over power-of-two lengths of its cache
-    with the unfilled positions masked, so the step's shapes change only at those lengths.
+    `static_shapes` (implied by `compile` and graphs): the LM attends over power-of-two lengths of its
+    cache with the unfilled positions masked, so the step's shapes change only at those lengths.
+    `graphs` (None: `frame_graphs.wanted`, on CUDA by default): the step replayed from CUDA graphs,
+    each checked against an eager step (`mm3.frame_graphs`); `compile` takes precedence.
     `on_frames(rows, final, read)` after each processed frame: per song the code rows recorded so
     far, whether the song is complete, and `read(i, n)`: song i's first n code rows on the CPU."""
     gens, cache = draws.generators, sampler.cache
@@ -307,10 +312,17 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     codes_buf = torch.zeros(last_launch + 1, n_songs, ncb, dtype=torch.long, device=device)
     hid_buf = torch.zeros(last_launch + 1, n_songs, ncb, hidden_size, dtype=sampler.dtype, device=device)
     step = sampler.step
-    static = compile or static_shapes
+    if graphs is None:
+        graphs = frame_graphs.wanted(device, sampler.shaper is not None)
+    graphs = graphs and not compile
+    static = compile or static_shapes or graphs
     cache.host_counting = not static
+    if compile or graphs:  # the step only calls products chosen now
+        choose_products([sampler.lm, sampler.depth], sampler.dtype, device)
     if compile:
         step = torch.compile(sampler.step, mode="reduce-overhead" if device.type == "cuda" else None, dynamic=False)
+    elif graphs:
+        step = frame_graphs.GraphedStep(sampler, device)
 
     active, ended = [True] * n_songs, [False] * n_songs
     emitted, last_frame = [0] * n_songs, [-1] * n_songs
@@ -387,7 +399,7 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
 def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings, *,
          device: torch.device | None = None, dtype: torch.dtype = torch.float32,
          generators: list[torch.Generator] | torch.Generator | None = None, progress: Progress | None = None,
-         weight_budget: int | None = None, compile: bool = False,
+         weight_budget: int | None = None, compile: bool = False, graphs: bool | None = None,
          prefix: torch.Tensor | None = None, keep_hiddens: bool = True, on_frames=None) -> list[AudioCodes]:
     """Sample `settings.songs` songs for `prompt`: one AudioCodes each (codes [F+1, ncb], hiddens
     [F, ncb, H] in `dtype` on `device`), song i from `generators[i]` (the reference's draws; the
@@ -395,7 +407,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     `prefix`: codes [P + 1, ncb] to continue (teacher forced; the duration counts them).
     `keep_hiddens` False: codes only, for a caller that replays them. `weight_budget`: bytes of
     dequantized weight copies kept for the call (None: `mm3.device.ar_weight_budget`). `compile`:
-    the frame step through torch.compile. Progress after every frame; cancel before every frame.
+    the frame step through torch.compile; `graphs`: from CUDA graphs (None: on CUDA, see
+    `mm3.frame_graphs`). Progress after every frame; cancel before every frame.
     `on_frames(frames, final, codes)` after every frame: per song the frames emitted so far (a
     continued song's prefix counted), whether it is complete, and `codes(i)`: song i's code rows so
     far [frames + 1, ncb] on the CPU (prefix included), for a caller that renders as it plans.
@@ -454,7 +467,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
             sampler.last = last
             draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab)
             results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
-                                     compile=compile, emit_first=prefix is not None,
+                                     compile=compile, graphs=graphs, emit_first=prefix is not None,
                                      on_frames=None if on_frames is None else _song_so_far(on_frames, prefix))
         finally:
             if own:

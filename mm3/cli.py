@@ -12,7 +12,7 @@ from .errors import Cancelled, InputError, MM3Error
 
 # Modules that register a subcommand through `add_cli(subparsers)`.
 TOOLS = ("mm3.jobs_cli", "mm3.align_cli", "mm3.tools.info", "mm3.tools.tiny", "mm3.tools.convert", "mm3.tools.quantize",
-         "mm3.tools.download", "mm3.codec", "mm3.demo", "mm3.bench")
+         "mm3.tools.download", "mm3.tools.kernels", "mm3.codec", "mm3.demo", "mm3.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

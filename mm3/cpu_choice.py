@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import platform
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,16 +32,16 @@ from typing import Callable, Protocol
 
 import torch
 
+from .cache_dir import cache_dir
 from .gguf import cpu_int4
 from .gguf.cpu_forms import DEFAULT, FORMS, Clock, Serving, TooSlow
-from .gguf.ops import FLOAT_TYPES, Fused, Linear, fused_layers
+from .gguf.ops import FLOAT_TYPES, Linear, fused_layers
 from .gguf.weight_copies import cache_dequantized, put_back, set_aside
 from .progress import Cancelled, Progress
 
 log = logging.getLogger(__name__)
 
 ENV_FORM = "MM3_CPU_PRODUCT"
-ENV_CACHE = "MM3_CACHE_DIR"
 CACHE_NAME = "cpu-products.json"
 CACHE_VERSION = 1
 COMPONENTS = ("lm", "depth")
@@ -162,19 +161,6 @@ def thread_counts() -> list[int]:
 
 
 # -- the cache ------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """`MM3_CACHE_DIR`, else the user's cache folder: %LOCALAPPDATA%\\mm3 on Windows,
-    ~/Library/Caches/mm3 on macOS, $XDG_CACHE_HOME/mm3 or ~/.cache/mm3 elsewhere."""
-    named = os.environ.get(ENV_CACHE, "").strip()
-    if named:
-        return Path(named).expanduser()
-    if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
-        return Path(os.environ["LOCALAPPDATA"]) / "mm3"
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "mm3"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mm3"
-
-
 def cache_file() -> Path:
     return cache_dir() / CACHE_NAME
 

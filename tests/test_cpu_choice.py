@@ -8,6 +8,7 @@ The suite pins MM3_CPU_PRODUCT (tests/conftest.py); these tests set it themselve
 
 import json
 import logging
+import sys
 import time
 import types
 
@@ -299,7 +300,7 @@ def test_the_cache_folder_is_named_or_the_users(monkeypatch, tmp_path):
     assert cpu_choice.cache_file() == tmp_path / "here" / "cpu-products.json"
     monkeypatch.delenv("MM3_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    if cpu_choice.sys.platform.startswith("linux"):
+    if sys.platform.startswith("linux"):
         assert cpu_choice.cache_file() == tmp_path / "xdg" / "mm3" / "cpu-products.json"
 
 

@@ -23,18 +23,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "mm3"
 
 LAYERS = (
-    ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress")),
+    ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress", "mm3.cache_dir")),
     ("formats", ("mm3.formats", "mm3.gguf", "mm3.gguf.errors", "mm3.gguf.reader", "mm3.gguf.writer",
                  "mm3.gguf.quants", "mm3.gguf.encode", "mm3.fingerprint", "mm3.lora")),
     ("numerics", ("mm3.matmul", "mm3.cpu_bf16", "mm3.device", "mm3.gguf.kernels", "mm3.gguf.triton_gguf",
-                  "mm3.gguf.cpu_int4", "mm3.gguf.cpu_forms", "mm3.gguf.ops", "mm3.gguf.products", "mm3.gguf.weight_copies", "mm3.sampling",
+                  "mm3.gguf.cpu_int4", "mm3.gguf.cpu_forms", "mm3.gguf.custom_ops", "mm3.gguf.device_layout", "mm3.gguf.kernel_choice", "mm3.gguf.kernel_report", "mm3.gguf.layout_kernels",
+                  "mm3.gguf.layout_triton", "mm3.gguf.placement", "mm3.gguf.ops", "mm3.gguf.products", "mm3.gguf.weight_copies", "mm3.sampling",
                   "mm3.shaping")),
     ("table", ("mm3.components",)),
     ("dialects", ("mm3.dialects",)),
     ("opener", ("mm3.opener", "mm3.tokenizer")),
     ("models", ("mm3.models", "mm3.lora.attach", "mm3.lora.health")),
     ("files", ("mm3.registry", "mm3.inventory", "mm3.store")),
-    ("stages", ("mm3.prompt", "mm3.lyrics_align", "mm3.codes", "mm3.cpu_choice", "mm3.ar", "mm3.flow", "mm3.audio", "mm3.takes", "mm3.captions",
+    ("stages", ("mm3.prompt", "mm3.lyrics_align", "mm3.codes", "mm3.cpu_choice", "mm3.frame_graphs", "mm3.ar", "mm3.flow",
+                "mm3.audio", "mm3.takes", "mm3.captions",
                 "mm3.output", "mm3.numerics", "mm3.settings")),
     ("front", ("mm3.request", "mm3.stages", "mm3.overlap", "mm3.pipeline", "mm3.codec")),
     ("tools", ("mm3.tools", "mm3.cli", "mm3.jobs_cli", "mm3.align_cli", "mm3.playback", "mm3.demo", "mm3.__main__")),

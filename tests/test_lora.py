@@ -8,7 +8,6 @@ adapters are written in each tool's spelling (`tests.helpers.lora_files`).
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path

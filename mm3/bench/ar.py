@@ -78,7 +78,7 @@ def measure(ctx, frames: int) -> dict:
     from ..device import ar_weight_budget
 
     products = cpu_products(ctx)
-    runs = {"ours": lambda n: _ours(ctx, n, compile=ctx.compile)}
+    runs = {"ours": lambda n: _ours(ctx, n, compile=ctx.compile, graphs=ctx.graphs)}
     if not ctx.light:
         runs["ours_reference_numerics"] = lambda n: _ours(ctx, n, "reference")
     if ctx.have_reference:
@@ -121,6 +121,10 @@ def measure(ctx, frames: int) -> dict:
         out["weight_bandwidth_share"] = round(out["ours_weight_gb_per_s"] / copy, 3)
     if products is not None:
         out["cpu_products"] = products
+    bandwidth = ctx.roofline.get("copy_gb_per_s")
+    if bandwidth:  # the roofline: a frame reads its weights once; how close to the copy bandwidth
+        out["floor_ms_per_frame"] = round(stored / (bandwidth * 1e9) * 1e3, 2)
+        out["bandwidth_share"] = round(out["ours_weight_gb_per_s"] / bandwidth, 3)
     return out
 
 

@@ -14,12 +14,13 @@ the reference from the same tensors (dequantized where ours are quantized), and 
             the windows handed on as they are decoded: seconds to the first audio and to the whole song
 
 plus the peak memory of each run (process RSS, whose baseline holds both sides' weights; peak
-VRAM per side on CUDA). The JSON names the machine, torch, dtype and date. Without diffusers the
+VRAM per side on CUDA) and, on CUDA, a roofline: the device's copy bandwidth and product
+throughput (measured), the bytes a frame or step reads, its floor and the share reached. The JSON names the machine, torch, dtype and date. Without diffusers the
 reference side is skipped with a note. Configs (sizes in CONFIGS): tiny (the test model), medium
 (small enough for a laptop CPU: LM hidden 1024 x 8 layers with the released vocabulary layout, depth hidden
 1024, DiT 512 wide x 4, a small vocoder), real (released dimensions: on CUDA against the reference,
-which needs a large GPU; on other devices ours alone, stages ar and dit, from random files written
-straight in the quant asked for, e.g.
+which needs a large GPU; on other devices, or with --direct, ours alone, stages ar and dit, from random
+files written straight in the quant asked for, e.g.
 
     python -m mm3 bench --config real --device cpu --quant Q4_K_M --stages ar --frames 20 --repeat 1
 ).
@@ -49,18 +50,25 @@ from .measure import machine
 DIRECT_STAGES = {"ar", "dit"}
 
 
-def _direct(name: str, device: torch.device) -> bool:
-    """`real` off CUDA: ours only, from random files written straight in the quant asked for."""
-    return name == "real" and device.type != "cuda"
+def _direct(name: str, device: torch.device, asked: bool = False) -> bool:
+    """`real` off CUDA (or with --direct): ours only, from random files written straight in the
+    quant asked for."""
+    return name == "real" and (device.type != "cuda" or asked)
+
+
+def _kernel_mode() -> str:
+    from ..gguf import kernels
+
+    return kernels.mode()
 
 
 def _check_room(name: str, ckpt_cfgs: dict, lm_cfg: dict, device: torch.device, work: Path, quant: str,
-                stages: list[str]):
+                stages: list[str], direct: bool = False):
     """`real` holds the released dimensions twice (ours and the reference) on CUDA, or ours alone as
     directly written files elsewhere: refuse where it cannot fit or run."""
     if name != "real":
         return
-    if _direct(name, device):
+    if _direct(name, device, direct):
         if not set(stages) <= DIRECT_STAGES:
             raise SystemExit(f"config real on {device.type} runs the stages {', '.join(sorted(DIRECT_STAGES))} "
                              f"(ours only, random files written directly), not {', '.join(stages)}")
@@ -109,7 +117,7 @@ def _quiet_reference(active: bool):
 
 
 def run(args) -> dict:
-    """The report for `args`; the CPU thread count it sets is restored afterwards."""
+    """The report for `args`; the CPU thread count and kernel mode it sets are restored afterwards."""
     threads = torch.get_num_threads()
     try:
         if args.threads:
@@ -117,6 +125,10 @@ def run(args) -> dict:
         return _run(args)
     finally:
         torch.set_num_threads(threads)
+        if getattr(args, "kernels", None):
+            from ..gguf import kernels
+
+            kernels.configure()
 
 
 def _run(args) -> dict:
@@ -138,11 +150,17 @@ def _run(args) -> dict:
     if unknown:
         raise SystemExit(f"unknown stage(s) {', '.join(unknown)}; choose from ar, dit, vocoder, e2e")
     lm_cfg = {**RELEASED_LM_CONFIG, **c["lm"]}
+    if args.direct and args.config != "real":
+        raise SystemExit(f"--direct writes the released sizes (config real), not config {args.config}")
     _check_room(args.config, {k: {**DIFFUSERS_DEFAULTS[k], **c[k]} for k in COMPONENTS}, lm_cfg, device,
-                Path(args.work or tempfile.gettempdir()), quant, stages)
+                Path(args.work or tempfile.gettempdir()), quant, stages, args.direct)
+    if args.kernels:  # before any model is placed: the form a weight takes on the device follows it
+        from ..gguf import kernels
+
+        kernels.configure(args.kernels)
     root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="mm3-bench-"))
     t0 = time.perf_counter()
-    if _direct(args.config, device):
+    if _direct(args.config, device, args.direct):
         need = {"ar": ("language_model", "rvq_depth_decoder"), "dit": ("condition_encoder", "transformer")}
         ckpt = build_direct(args.config, root / args.config, quant, args.seed,
                             [comp for s in stages for comp in need[s]])
@@ -157,7 +175,8 @@ def _run(args) -> dict:
                   **{k: {kk: vv for kk, vv in v.items() if kk != "_class_name"} for k, v in ckpt.cfgs.items()}},
         "settings": {"frames": args.frames or c["frames"], "e2e_seconds": args.seconds or c["seconds"],
                      "steps": args.steps, "repeat": args.repeat, "seed": args.seed, "compile": args.compile,
-                     "stream": args.stream, "lora_rank": args.lora_rank},
+                     "stream": args.stream, "lora_rank": args.lora_rank, "graphs": args.graphs,
+                     "kernels": _kernel_mode()},
         "build_seconds": round(time.perf_counter() - t0, 1), "notes": [],
     }
     have_reference = importlib.util.find_spec("diffusers") is not None and ckpt.diffusers is not None
@@ -171,14 +190,24 @@ def _run(args) -> dict:
 
     ctx = Context(ckpt, device, dtype, have_reference, args.repeat, args.seed)
     ctx.compile = args.compile
+    ctx.graphs = {"on": True, "off": False}.get(args.graphs)
     ctx.dtype_named = args.dtype not in (None, "", "auto")
     ctx.lora_rank = args.lora_rank
     if args.lora_rank:
         report["notes"].append(f"stages ar and dit: ours with a random rank-{args.lora_rank} LoRA on every attention "
                                "and MLP layer of the LM and the DiT (side products); the reference and e2e without")
+    if device.type == "cuda":  # the roofline's two ceilings, measured here
+        from .measure import copy_bandwidth, matmul_tflops
+
+        ctx.roofline = {"copy_gb_per_s": copy_bandwidth(device), "matmul_tflops": matmul_tflops(device, dtype)}
+        report["roofline"] = dict(ctx.roofline)
     with _quiet_reference(have_reference):
         if "ar" in stages:
             report["ar"] = ar.measure(ctx, report["settings"]["frames"])
+            if ctx.light:  # strict memory: the AR group leaves before the synthesis group loads
+                ctx.release("lm", "depth")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         if "dit" in stages:
             report["dit"] = synth.measure_dit(ctx)
         if "vocoder" in stages:
@@ -225,6 +254,17 @@ def summary(report: dict) -> str:
             same = r.get(f"ours_{report['dtype']}_ms_per_step")
             lines.append(f"           ours computes the DiT in {r['compute_dtype']} (mm3.cpu_bf16)"
                          + ("" if same is None else f"; in {report['dtype']} {fmt(same)} ms/step"))
+    roof = report.get("roofline")
+    if roof:
+        lines.append(f"  roofline: copy {roof['copy_gb_per_s']} GB/s, {report['dtype']} products "
+                     f"{roof['matmul_tflops']} TFLOP/s")
+        a, d = report.get("ar") or {}, report.get("dit") or {}
+        if "bandwidth_share" in a:
+            lines.append(f"  ar  reads {a['weights_per_frame_mib']} MiB a frame: floor {a['floor_ms_per_frame']} ms, "
+                         f"{100 * a['bandwidth_share']:.0f} % of the copy bandwidth")
+        if "compute_share" in d:
+            lines.append(f"  dit {d['flops_per_step'] / 1e12:.2f} TFLOP a step: floor {d['floor_ms_per_step']} ms, "
+                         f"{100 * d['compute_share']:.0f} % of the product throughput; reads {d['read_mib_per_step']} MiB")
     lines += [f"  note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 
@@ -250,6 +290,12 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--lora-rank", dest="lora_rank", type=int, default=0,
                    help="give our LM and DiT a random LoRA of this rank on every attention and MLP layer (0: none), "
                         "to measure what an adapter costs")
+    p.add_argument("--direct", action="store_true", help="config real from random files written straight in the "
+                   "quant, ours alone (the default off CUDA): no float checkpoint, no reference")
+    p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="our AR frame step from CUDA "
+                   "graphs (auto: the engine's default, on with CUDA)")
+    p.add_argument("--kernels", choices=("auto", "off", "triton", "layout"), default=None,
+                   help="the quantized kernels (MM3_KERNELS; default: as the environment says)")
     p.add_argument("--work", default=None, help="folder for the built checkpoints (kept and reused; default: "
                    "a temporary folder, removed afterwards)")
 

@@ -14,6 +14,8 @@ class Context:
         self.have_reference, self.repeat, self.seed = have_reference, max(1, repeat), seed
         self.notes: list[str] = []
         self.compile = False  # torch.compile our AR frame step
+        self.graphs: bool | None = None  # the AR frame step from CUDA graphs (None: the engine's default)
+        self.roofline: dict = {}  # what the device measured: copy bandwidth, product throughput
         self.dtype_named = False  # the user named `dtype`: it is the DiT's too (else the engine picks)
         self.lora_rank = 0  # > 0: our LM and DiT carry a random adapter of this rank (`mm3.bench.lora`)
         self.light = ckpt.diffusers is None  # ours in its default mode only (released sizes off CUDA)

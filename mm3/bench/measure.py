@@ -103,3 +103,58 @@ def best_of(fns: dict, repeat: int, device: torch.device) -> dict:
             sync(device)
             best[k] = min(best[k], time.perf_counter() - t0)
     return best
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
+    """GB/s a device-to-device copy moves (bytes read + written), best of 5: the bandwidth a
+    bandwidth-bound stage can reach. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    nbytes = min(nbytes, free // 4)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return round(2 * nbytes / best / 1e9, 1)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float | None:
+    """Tera floating-point operations per second of one large square product in `dtype`, best of
+    5: the compute a compute-bound stage can reach. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del a, b
+    return round(2 * n ** 3 / best / 1e12, 1)
+
+
+def read_bytes(module: torch.nn.Module) -> int:
+    """Bytes of weights one forward of `module` reads: each slot's kept float copy where one is
+    kept (`mm3.gguf.weight_copies`), else the slot as held (blocks or device layout)."""
+    from ..gguf.ops import WeightSlots
+
+    total = 0
+    for sub in module.modules():
+        if not isinstance(sub, WeightSlots):
+            continue
+        for name in sub._slot_types:
+            t = sub._dequantized.get(name)
+            t = sub._parameters.get(name) if t is None else t
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total

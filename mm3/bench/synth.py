@@ -14,7 +14,7 @@ import torch
 from ..flow import WINDOW_FRAMES
 from ..progress import Progress
 from .context import Context
-from .measure import PeakMemory, best_of, ratio, sync
+from .measure import PeakMemory, best_of, ratio, read_bytes, sync
 from .reference import run_song
 
 LATENT_WINDOW_FRAMES = 200  # a full DiT window (mm3.flow.WINDOW_FRAMES): 689 latents at the released rates
@@ -89,6 +89,9 @@ def measure_dit(ctx: Context) -> dict:
             out[f"diffusers_{out['compute_dtype']}_rel_diff"] = float((v_low.float() - v_ref).norm() / v_ref.norm())
             del low
     best = {} if ctx.light else best_of({"ours_per_step_dequant": lambda: dit(px, pt, pc)}, ctx.repeat, ctx.device)
+    if ctx.light and ctx.device.type == "cuda":  # without weight copies: the kernels (or a dequantization per product)
+        best.update(best_of({"ours_no_copies": ours}, ctx.repeat, ctx.device))
+        out["no_copies_read_mib"] = round(read_bytes(dit) / 2**20, 1)
     if compute != ctx.dtype and not ctx.light:  # the bench's dtype, with weight copies of its own
         cache_dequantized(dit, ctx.dtype, dit_weight_budget(ctx.device))
         best.update(best_of({f"ours_{same}": ours_same}, ctx.repeat, ctx.device))
@@ -101,6 +104,7 @@ def measure_dit(ctx: Context) -> dict:
         out["onednn_matmul"] = switched
     with PeakMemory(ctx.device) as timed:
         best.update(best_of(fns, ctx.repeat, ctx.device))
+    out["read_mib_per_step"] = round(read_bytes(dit) / 2**20, 1)
     mem = {"ours": timed.as_dict()} if ctx.light else {}  # ours alone: the timed runs' peak is its own
     for side in ("ours", "diffusers"):
         if side in fns and side not in mem:
@@ -112,7 +116,36 @@ def measure_dit(ctx: Context) -> dict:
     out.setdefault("diffusers_ms_per_step", None)
     out.update({"kept_dequantized_mib": round(kept / 2**20, 1), "memory": mem,
                 "ratio": ratio(out["diffusers_ms_per_step"], out["ours_ms_per_step"])})
+    out.update(_dit_roofline(ctx, dit, cond.shape[1], out))
     return out
+
+
+def dit_flops(dit, latents: int, batch: int = 2) -> int:
+    """Floating-point operations of one DiT forward of `batch` windows of `latents` (the CFG pair):
+    every linear product over the tokens (the latents and the time token) and the attention's two
+    products per block."""
+    from ..gguf.ops import Linear
+
+    tokens = batch * (latents + 1)
+    linear = sum(2 * tokens * m.in_features * m.out_features for m in dit.modules() if isinstance(m, Linear))
+    hp = dit.hp
+    inner = int(hp["num_attention_heads"]) * int(hp["attention_head_dim"])
+    attention = int(hp["num_layers"]) * 2 * 2 * batch * (latents + 1) ** 2 * inner
+    return linear + attention
+
+
+def _dit_roofline(ctx: Context, dit, latents: int, out: dict) -> dict:
+    """Compute and bandwidth floors of a step against what the device measured (CUDA)."""
+    tflops, bandwidth = ctx.roofline.get("matmul_tflops"), ctx.roofline.get("copy_gb_per_s")
+    flops = dit_flops(dit, latents)
+    step = out["ours_ms_per_step"] * 1e-3
+    roof = {"flops_per_step": flops, "ours_tflops": round(flops / step / 1e12, 2)}
+    if tflops:
+        roof["floor_ms_per_step"] = round(flops / (tflops * 1e12) * 1e3, 2)
+        roof["compute_share"] = round(roof["ours_tflops"] / tflops, 3)
+    if bandwidth:
+        roof["bandwidth_share"] = round(out["read_mib_per_step"] * 2**20 / step / 1e9 / bandwidth, 3)
+    return roof
 
 
 @torch.no_grad()

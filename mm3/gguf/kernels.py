@@ -11,7 +11,9 @@ go through the same kernel instead of a cast copy.
 
 Used where Triton runs the device (CUDA, ROCm, XPU); `TRITON_INTERPRET=1` runs the same kernels on
 CPU tensors, which is how they are tested without a GPU. `MM3_KERNELS` picks: "auto" (default:
-accelerators with Triton), "off", or "triton" (also CPU tensors; with the interpreter only).
+on accelerators with Triton, these kernels or those over the device layout, whichever
+`mm3.gguf.kernel_choice` measured faster there), "off", "triton" (these; also CPU tensors with the
+interpreter) or "layout" (`mm3.gguf.layout_kernels`; also CPU tensors with the interpreter).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ _FLOATS = {QT.F32, QT.F16, QT.BF16}
 FLOAT_DTYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 
 
-MODES = ("auto", "off", "triton")
+MODES = ("auto", "off", "triton", "layout")
 
 
 def _setting() -> str:
@@ -47,7 +49,7 @@ _AVAILABLE: dict[str, bool] = {}  # device type -> answer, for the current setti
 
 
 def configure(setting: str | None = None) -> None:
-    """Set the kernel mode ("auto", "off", "triton"; None: read MM3_KERNELS again). A layer keeps
+    """Set the kernel mode (one of MODES; None: read MM3_KERNELS again). A layer keeps
     the product it chose (`mm3.gguf.products`) until its weights or numerics are set again."""
     if setting is not None and setting not in MODES:
         raise ValueError(f"kernel mode {setting!r}: expected one of {', '.join(MODES)}")
@@ -55,8 +57,13 @@ def configure(setting: str | None = None) -> None:
     _AVAILABLE.clear()
 
 
+def mode() -> str:
+    """The kernel mode in force (`configure`)."""
+    return _SETTING[0]
+
+
 def available(device: torch.device | str) -> bool:
-    """Whether `fused_linear` runs on tensors of `device` in this process."""
+    """Whether Triton kernels run on tensors of `device` in this process (in the mode in force)."""
     kind = device if isinstance(device, str) else device.type
     answer = _AVAILABLE.get(kind)
     if answer is None:
@@ -65,7 +72,7 @@ def available(device: torch.device | str) -> bool:
 
 
 def _runs_on(device_type: str, setting: str, interpreted: bool) -> bool:
-    if setting == "off" or (device_type == "cpu" and not (setting == "triton" and interpreted)):
+    if setting == "off" or (device_type == "cpu" and not (setting in ("triton", "layout") and interpreted)):
         return False
     if device_type not in ("cpu", "cuda", "xpu"):  # MPS: Triton has no Metal back end
         return False
@@ -172,3 +179,42 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.T
                                    y.stride(0), w_stride, QTYPE=_CODES[qtype], HAS_BIAS=bias is not None,
                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y.view(*x.shape[:-1], n)
+
+
+def report_specs(decode: list, prefill: list) -> list:
+    """The fused block kernels as `mm3.gguf.kernel_report` compiles them: per weight type a decode
+    kernel (the CFG pair's two rows) and a prefill one, with bfloat16 inputs (the CUDA compute
+    dtype; BF16 weights, which bfloat16 compute multiplies with torch, with float32 inputs), for
+    the products `decode` and `prefill` (`kernel_report.Launch`)."""
+    import triton
+
+    from .kernel_report import KernelSpec
+    from .triton_gguf import fused_linear_kernel
+
+    specs = []
+    for qtype, code in _CODES.items():
+        if qtype == QT.F32:
+            continue
+        x_type = "fp32" if qtype == QT.BF16 else "bf16"
+        w_type = {QT.BF16: "*bf16", QT.F16: "*fp16"}.get(qtype, "*u8")
+        block, size = GGML_QUANT_SIZES[qtype]
+        for shape, launches in (("decode", decode), ("prefill", prefill)):
+            rows = launches[0].rows
+            bm, bn, bk = _tiles(rows)
+            k = launches[0].k
+            w_stride = k if qtype in _FLOATS else k // block * size
+            signature = {"x_ptr": "*" + x_type, "w_ptr": w_type, "b_ptr": "*" + x_type, "y_ptr": "*" + x_type,
+                         "M": "i32", "N": "i32", "K": "i32", "x_stride": "i32", "y_stride": "i32", "w_stride": "i32",
+                         **dict.fromkeys(("QTYPE", "HAS_BIAS", "BLOCK_M", "BLOCK_N", "BLOCK_K"), "constexpr")}
+            aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "N", "K", "x_stride", "y_stride") + \
+                (("w_stride",) if w_stride % 16 == 0 else ())
+
+            def programs(launch, sms, bm=bm, bn=bn):
+                return triton.cdiv(launch.rows, bm) * triton.cdiv(launch.n, bn)
+
+            specs.append(KernelSpec(
+                name=f"triton/{qtype.name}/{shape}", family="triton", weight_type=qtype.name, shape=shape,
+                fn=fused_linear_kernel, signature=signature, aligned=aligned, weight_args=("w_ptr",),
+                constexprs={"QTYPE": code, "HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
+                programs=programs, launches=list(launches)))
+    return specs

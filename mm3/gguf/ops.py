@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from ..matmul import CPU_SCRATCH
-from . import cpu_int4, products
+from . import cpu_int4, custom_ops, placement, products
 from .errors import ComponentError
 from .reader import CompressedTensor
 
@@ -62,6 +62,7 @@ class WeightSlots(nn.Module):
         self._homes: dict[str, torch.Tensor] = {}  # slot -> the tensor it was filled with (see _apply)
         self._dequantized: dict[str, torch.Tensor] = {}  # slot -> kept float copy (cache_dequantized)
         self._ready: dict[tuple, torch.Tensor] = {}  # (slot, dtype, device) -> the weight `get` returns as is
+        self._forms: dict[str, str] = {}  # slot -> the form it is held in when not the file's (mm3.gguf.placement)
         self.version = 0
 
     def _changed(self, weights: bool = False) -> None:
@@ -78,6 +79,7 @@ class WeightSlots(nn.Module):
         self._parameters[name] = nn.Parameter(value, requires_grad=False)
         self._slot_types[name] = qtype
         self._homes[name] = value
+        self._forms.pop(name, None)
         self._dequantized.pop(name, None)
         self._changed(weights=True)
 
@@ -108,6 +110,11 @@ class WeightSlots(nn.Module):
     def qtype(self, name: str) -> GGMLQuantizationType | None:
         return self._slot_types.get(name)
 
+    def form(self, name: str) -> str | None:
+        """How the slot's tensor is held when not as in the file: "layout" (the device layout of
+        `mm3.gguf.device_layout`, placed by `mm3.gguf.placement`), else None."""
+        return self._forms.get(name)
+
     # -- float copies ----------------------------------------------------------------------------
     def keep_copy(self, name: str, value: torch.Tensor) -> None:
         """Keep `value`, the slot's weight as floats, for the uses in its dtype on its device."""
@@ -136,8 +143,9 @@ class WeightSlots(nn.Module):
 
     # -- using -----------------------------------------------------------------------------------
     def fetch(self, name: str, device: torch.device | None) -> torch.Tensor:
-        """The slot's stored tensor on `device` (a copy for this use when it lives elsewhere)."""
-        value = self.stored(name)
+        """The slot's tensor as in the file (blocks, or floats) on `device` (a copy for this use when
+        it lives elsewhere or in another form)."""
+        value = placement.file_form(self, name, self.stored(name))
         return value if device is None or value.device == torch.device(device) else value.to(device, non_blocking=True)
 
     def get(self, name: str, dtype: torch.dtype, device: torch.device | None = None, *,
@@ -167,8 +175,10 @@ class WeightSlots(nn.Module):
     # -- moving ----------------------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """`Module.to()` and friends, except that a slot sent back to its home's device and dtype
-        gets the home tensor back (the file mapping) instead of a copy. Kept float copies are
-        dropped: they belong to the device they were made on."""
+        gets the home tensor back (the file mapping) instead of a copy, and a quantized weight
+        reaching an accelerator takes the form its products read there (`mm3.gguf.placement`:
+        the device layout replaces the blocks; back on the CPU, the file's blocks return). Kept
+        float copies are dropped: they belong to the device they were made on."""
         if recurse:
             for child in self.children():
                 child._apply(fn)
@@ -178,10 +188,17 @@ class WeightSlots(nn.Module):
             probe = fn(torch.empty(0, dtype=value.dtype))  # where and as what `fn` sends a tensor
             home = self._homes.get(name)
             if home is not None and probe.device == home.device and probe.dtype == home.dtype:
-                moved = home
+                moved, form = home, None
             else:
                 with torch.no_grad():
                     moved = fn(value)
+                form = self._forms.get(name)
+            moved, form = placement.settle(self, name, moved, form)  # the form for that device
+            self._forms.pop(name, None)
+            if form is not None:
+                self._forms[name] = form
+                if home is not None and home.device == moved.device and home.device.type != "cpu":
+                    del self._homes[name]  # a home in device memory: the layout replaces it
             self._parameters[name] = nn.Parameter(moved, requires_grad=False)
         for name, buf in self._buffers.items():
             if buf is not None:
@@ -251,10 +268,15 @@ class Linear(WeightSlots):
         b = self.get("bias", x.dtype, x.device) if self.has_bias else None
         chosen = self._product
         if chosen is None or chosen[0] != x.dtype or chosen[1] != x.device:
-            if self.qtype("weight") is None:
-                raise ComponentError(f"{type(self).__name__}.weight was never loaded")
-            chosen = self._product = (x.dtype, x.device, products.for_linear(self, x.dtype, x.device))
+            chosen = self.choose(x.dtype, x.device)
         return chosen[2](x, b)
+
+    def choose(self, dtype: torch.dtype, device: torch.device) -> tuple:
+        """Choose the product for inputs of `dtype` on `device` (what the first such use does)."""
+        if self.qtype("weight") is None:
+            raise ComponentError(f"{type(self).__name__}.weight was never loaded")
+        self._product = (dtype, device, products.for_linear(self, dtype, device))
+        return self._product
 
     def packing(self) -> cpu_int4.Packing:
         """The weight's `cpu_int4` packing, made on first use (its file pages then given back)."""
@@ -286,6 +308,8 @@ class Linear(WeightSlots):
         out.decode_products, out.fused_kernels, out.cpu_form = self.decode_products, self.fused_kernels, self.cpu_form
         for name in ("weight", "bias") if self.has_bias else ("weight",):
             out.set_stored(name, self._slot_types[name], self.stored(name)[start:stop])
+            if name in self._forms:  # a layout's rows are the rows of its planes
+                out._forms[name] = self._forms[name]
         return out
 
 
@@ -346,9 +370,14 @@ class Fused:
         versions = tuple(p.version for p in self.parts)
         chosen = self._product
         if chosen is None or chosen[0] != x.dtype or chosen[1] != x.device or chosen[2] != versions:
-            product = products.for_fused(self, x.dtype, x.device)  # may restack the parts
-            chosen = self._product = (x.dtype, x.device, tuple(p.version for p in self.parts), product)
+            chosen = self.choose(x.dtype, x.device)
         return chosen[3](x)
+
+    def choose(self, dtype: torch.dtype, device: torch.device) -> tuple:
+        """Choose the product for inputs of `dtype` on `device` (what the first such use does)."""
+        product = products.for_fused(self, dtype, device)  # may restack the parts
+        self._product = (dtype, device, tuple(p.version for p in self.parts), product)
+        return self._product
 
     def packing(self) -> cpu_int4.Packing:
         """The parts' blocks as one `cpu_int4` packing, made once while the parts keep their weights."""
@@ -450,6 +479,20 @@ class Fused:
         return out.numel() * out.element_size()
 
 
+def choose_products(modules, dtype: torch.dtype, device: torch.device) -> None:
+    """Choose now the product of every `Linear` and fused group under `modules` for inputs of
+    `dtype` on `device`, as their first uses would: a step about to be compiled or captured as a
+    CUDA graph then only calls them."""
+    device = torch.device(device)
+    for fused in fused_layers(modules):
+        if fused.fuse:
+            fused.choose(dtype, device)
+    for m in [modules] if isinstance(modules, nn.Module) else list(modules):
+        for sub in m.modules():
+            if isinstance(sub, Linear) and sub.qtype("weight") is not None:
+                sub.choose(dtype, device)
+
+
 def fused_layers(modules) -> list[Fused]:
     """Every `Fused` helper held by a module under `modules`."""
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
@@ -478,10 +521,8 @@ class Embedding(WeightSlots):
         if qtype in FLOAT_TYPES:
             rows = F.embedding(at, table).to(dtype)
         else:
-            from .quants import dequantize
-
             raw = table[at.reshape(-1)]
-            rows = dequantize(raw, qtype, (raw.shape[0], self.embedding_dim), dtype).view(*at.shape, -1)
+            rows = custom_ops.dequantize(raw, qtype, (raw.shape[0], self.embedding_dim), dtype).view(*at.shape, -1)
         return rows.to(device, non_blocking=True)
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

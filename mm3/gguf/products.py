@@ -3,7 +3,8 @@
 A product is a callable `product(x [..., K], bias [N] | None) -> [..., N]` (a list of outputs for a
 `Fused` layer) that serves inputs of one dtype on one device. `choose(layer, dtype, device)`
 picks it from what the layer holds at that moment: a float weight at hand (`FloatWeight`: a kept
-copy or a stored float of that dtype), the Triton kernel reading the GGUF blocks
+copy or a stored float of that dtype), the Triton kernels over the device layout the weight was
+placed in (`LayoutProduct`, `mm3.gguf.placement`), the Triton kernel reading the GGUF blocks
 (`KernelProduct`), the CPU int4 planes for decode-shaped inputs (`Int4Product` within `ByRows`),
 or a dequantization per use (`FloatWeight` over a fresh weight each time). On the CPU the layer's
 form (`cpu_forms`, measured on the machine by `mm3.cpu_choice`) says which of those serves its
@@ -17,9 +18,6 @@ whichever of these serves the weight (`WithLowRank`; a `Fused` layer's over its 
 so a quantized weight stays quantized; a `LowRank` marked `merge` is added into a float copy of
 the weight instead, as PEFT merges an adapter (the reference's numbers). Without adapters nothing
 wraps the product.
-
-Another product (a GPU weight layout) is one more class with that call
-signature, returned by `choose`.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..matmul import DECODE_MAX_ROWS, weight_major_linear
-from . import cpu_forms, cpu_int4, kernels
+from . import cpu_forms, cpu_int4, custom_ops, kernels, layout_kernels
 
 Weight = Callable[[], torch.Tensor]  # the weight a product reads, on the input's device
 
@@ -59,7 +57,17 @@ class KernelProduct:
         self.weight, self.qtype = weight, qtype
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.fused_linear(x, self.weight(), self.qtype, bias)
+        return custom_ops.block_linear(x, self.weight(), self.qtype, bias)
+
+
+class LayoutProduct:
+    """The Triton kernels over the weight held in the device layout (`mm3.gguf.layout_kernels`)."""
+
+    def __init__(self, weight: Weight, qtype, in_features: int):
+        self.weight, self.qtype, self.in_features = weight, qtype, in_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return custom_ops.layout_linear(x, self.weight(), self.qtype, self.in_features, bias)
 
 
 class Int4Product:
@@ -166,17 +174,27 @@ def kernel_reads(layer, dtype: torch.dtype, device: torch.device) -> bool:
     runs there and reads the type, and no float weight of that dtype is at hand (a kept copy, or a
     float tensor already in that dtype, goes to torch's product)."""
     qtype = layer.qtype("weight")
-    if not layer.fused_kernels or qtype is None or not kernels.available(device.type):
+    if not layer.fused_kernels or qtype is None or layer.form("weight") is not None or \
+            not kernels.available(device.type):
         return False
     if (qtype in kernels.FLOAT_DTYPES and kernels.FLOAT_DTYPES[qtype] == dtype) or layer.keeps_copy(dtype, device):
         return False
     return kernels.supports(qtype, layer.in_features) and kernels.works(qtype, dtype, device)
 
 
+def layout_reads(layer, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the layout kernels compute this `Linear`'s product: its weight is held in the device
+    layout on `device` (`mm3.gguf.placement`), no float copy of `dtype` is kept there, and the
+    kernels compute right for `dtype` inputs."""
+    if layer.form("weight") != "layout" or not layer.fused_kernels or layer.keeps_copy(dtype, device):
+        return False
+    return layer.stored("weight").device == device and layout_kernels.works(layer.qtype("weight"), dtype, device)
+
+
 def int4_takes(layer, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this `Linear`'s decode-shaped products on `device` go to the CPU int4 product
     (its form, `cpu_forms.reads_int4`, with no kept float copy and the weight on the CPU)."""
-    if not cpu_forms.reads_int4(layer, layer.qtype("weight"), device):
+    if layer.form("weight") is not None or not cpu_forms.reads_int4(layer, layer.qtype("weight"), device):
         return False
     return not layer.keeps_copy(dtype, device) and layer.stored("weight").device.type == "cpu"
 
@@ -195,6 +213,8 @@ def for_linear(layer, dtype: torch.dtype, device: torch.device):
 def _base_for_linear(layer, dtype: torch.dtype, device: torch.device):
     qtype = layer.qtype("weight")
     stored = layer.stored("weight")
+    if layout_reads(layer, dtype, device):
+        return LayoutProduct(lambda: stored, qtype, layer.in_features)
     if kernel_reads(layer, dtype, device):
         return KernelProduct(_resident(stored, device) or (lambda: layer.fetch("weight", device)), qtype)
     major = cpu_forms.weight_major(layer, device)
@@ -223,6 +243,9 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
 
     qtype = parts[0].qtype("weight")
     same = all(p.qtype("weight") == qtype for p in parts)
+    if all(layout_reads(p, dtype, device) for p in parts):  # a mix of types: each part its own product
+        return split(LayoutProduct(fused.stacked_stored_source(device), qtype, fused.in_features)) \
+            if same else Separate(parts)
     if kernels.available(device.type) and same and all(kernel_reads(p, dtype, device) for p in parts):
         return split(KernelProduct(fused.stacked_stored_source(device), qtype))
     int4 = [int4_takes(p, dtype, device) for p in parts]

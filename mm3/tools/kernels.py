@@ -1,0 +1,127 @@
+"""`python -m mm3 kernels --report --arch 90`: what the quantized kernels compile to for a CUDA GPU.
+
+Needs Triton (its bundled compilers), not a GPU. Per kernel (family, weight type, decode or
+prefill): the share of the weight's bytes loaded by each load width, registers, spills, shared
+memory, and the grid and waves it gets at the released sizes (`mm3.gguf.kernel_report`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from ..constants import SEMANTIC_VOCAB_SIZE
+from ..formats.diffusers import DIFFUSERS_DEFAULTS
+from .tiny import RELEASED_LM_CONFIG
+
+FAMILIES = ("triton", "layout")
+PREFILL_ROWS_PER_WINDOW = 689  # latents of a 200-frame DiT window at the released rates (mm3.audio)
+
+
+def released_launches():
+    """(decode, prefill) products at the released sizes (`kernel_report.Launch`): decode is one
+    song's AR frame (the CFG pair: 2 rows) through the LM (fused q/k/v and gate/up, as the fast
+    numerics run them), its head's candidate rows and the depth decoder; prefill is a DiT window
+    (the CFG pair of a window's latents)."""
+    from ..gguf.kernel_report import Launch
+
+    lm, depth, dit = RELEASED_LM_CONFIG, DIFFUSERS_DEFAULTS["rvq_depth_decoder"], DIFFUSERS_DEFAULTS["transformer"]
+    h, hd = lm["hidden_size"], lm["head_dim"]
+    q, kv, ffn = lm["num_attention_heads"] * hd, lm["num_key_value_heads"] * hd, lm["intermediate_size"]
+    dh, dffn = depth["hidden_size"], depth["intermediate_size"]
+    decode = [Launch("lm.qkv", q + 2 * kv, h, 2), Launch("lm.o_proj", h, q, 2),
+              Launch("lm.gate_up", 2 * ffn, h, 2), Launch("lm.down_proj", h, ffn, 2),
+              Launch("lm.head", SEMANTIC_VOCAB_SIZE + 1, h, 2),
+              Launch("depth.qkv", 3 * dh, dh, 2), Launch("depth.to_out", dh, dh, 2),
+              Launch("depth.gate_up", 2 * dffn, dh, 2), Launch("depth.down_proj", dh, dffn, 2),
+              Launch("depth.projection", dh, h, 2), Launch("depth.audio_head", depth["audio_vocab_size"], dh, 2)]
+    inner = dit["num_attention_heads"] * dit["attention_head_dim"]
+    rows = 2 * PREFILL_ROWS_PER_WINDOW
+    prefill = [Launch("dit.qkv", 3 * inner, inner, rows), Launch("dit.to_out", inner, inner, rows),
+               Launch("dit.ff_in", 2 * dit["ff_inner_dim"], inner, rows),
+               Launch("dit.ff_out", inner, dit["ff_inner_dim"], rows),
+               Launch("dit.proj_in", inner, 2 * dit["in_channels"] + dit["condition_dim"], rows)]
+    return decode, prefill
+
+
+def specs(families=FAMILIES, weight_types=None, shapes=None) -> list:
+    """The kernels of `families` with the released products (only those of `weight_types` and
+    `shapes`, "decode" / "prefill", when given)."""
+    decode, prefill = released_launches()
+    out = []
+    if "triton" in families:
+        from ..gguf import kernels
+
+        out += kernels.report_specs(decode, prefill)
+    if "layout" in families:
+        from ..gguf import layout_kernels
+
+        out += layout_kernels.report_specs(decode, prefill)
+    return [s for s in out if (weight_types is None or s.weight_type in weight_types)
+            and (shapes is None or s.shape in shapes)]
+
+
+def report(arch: int, families=FAMILIES, weight_types=None, shapes=None) -> list[dict]:
+    """`kernel_report.report` of `specs(families, weight_types, shapes)` for `sm_<arch>`. Under Triton's
+    interpreter (`TRITON_INTERPRET=1`) kernels are not compiled in-process: a fresh process without
+    it makes the report."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        code = ("import json, sys; from mm3.tools.kernels import report; "
+                "print(json.dumps(report(*json.loads(sys.argv[1]))))")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        args = json.dumps([arch, list(families), weight_types and list(weight_types), shapes and list(shapes)])
+        done = subprocess.run([sys.executable, "-c", code, args], capture_output=True, text=True, env=env,
+                              timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"the kernel report for sm_{arch} failed: {done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    from ..gguf.kernel_report import report as compile_report
+
+    return compile_report(specs(families, weight_types, shapes), arch)
+
+
+def _cli(args) -> int:
+    from ..errors import InputError
+    from ..gguf.kernel_report import ARCH_SMS, table
+
+    if not args.report:
+        raise InputError("kernels: nothing to do; pass --report")
+    if args.arch not in ARCH_SMS:
+        raise InputError(f"--arch {args.arch}: expected one of {', '.join(map(str, ARCH_SMS))}")
+    families = FAMILIES if args.family == "all" else (args.family,)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise InputError("kernels --report needs Triton (it compiles the kernels with Triton's compilers)") from None
+    types = [t.strip().upper() for t in args.types.split(",")] if args.types else None
+    shapes = [args.shape] if args.shape != "all" else None
+    rows = report(args.arch, families, types, shapes)
+    if not rows:
+        raise InputError(f"no kernel of family {args.family} for --types {args.types!r} and --shape {args.shape}")
+    if args.json == "-":
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"sm_{args.arch} ({ARCH_SMS[args.arch]} SMs)")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("kernels", help="what the GPU kernels compile to (no GPU needed)", description=__doc__)
+    p.add_argument("--report", action="store_true", help="compile every kernel and print the report")
+    p.add_argument("--arch", type=int, default=90, help="CUDA architecture: 80, 89 or 90 (default 90)")
+    p.add_argument("--family", choices=FAMILIES + ("all",), default="all",
+                   help="triton: the kernels over GGUF blocks; layout: over the device layout; all (default)")
+    p.add_argument("--types", default="", help="only these weight types, comma-separated (e.g. Q8_0,Q4_K)")
+    p.add_argument("--shape", choices=("decode", "prefill", "all"), default="all", help="only decode or prefill kernels")
+    p.add_argument("--json", metavar="OUT", default=None, help="also write the report as JSON to OUT ('-': "
+                   "print only the JSON)")
+    p.set_defaults(func=_cli)

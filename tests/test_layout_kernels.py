@@ -1,0 +1,114 @@
+"""The kernels over the device layout (`mm3.gguf.layout_kernels`) against the torch dequantization
+(itself bit-exact against gguf-py): every type, the decode kernel (1-5 input rows, K split over
+programs, bias) and the tiled one (more rows), their expansion of the weight bit for bit, half
+precision inputs. On a machine with CUDA natively; elsewhere through Triton's interpreter."""
+
+import os
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mm3.gguf import device_layout as dl
+from mm3.gguf import layout_kernels as lk
+from mm3.gguf.quants import SCALE_OFFSETS, dequantize
+
+triton = pytest.importorskip("triton", reason="this torch installation has no Triton")
+
+Q = gguf.GGMLQuantizationType
+QUANTS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+NATIVE = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if NATIVE else "cpu")
+SPLIT = lk.Config(block_n=4, block_c=1, num_warps=2)  # one chunk per tile: K splits over programs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runnable():
+    if not NATIVE and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1: the kernels cannot run here")
+
+
+def weight(qtype, n, k, g):
+    """(the layout on DEVICE, or the float weight; its float32 values)."""
+    if qtype in lk.FLOATS:
+        w = torch.randn(n, k, generator=g).to(lk.FLOATS[qtype])
+        return w.to(DEVICE), w.float()
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=g)
+    for offset in SCALE_OFFSETS[qtype]:
+        raw[:, offset:offset + 2] = (torch.rand(raw.shape[0], generator=g) * 0.02 + 1e-3).half().view(
+            torch.uint8).view(-1, 2)
+    raw = raw.reshape(n, -1)
+    return dl.to_planes(raw, qtype, k).to(DEVICE), dequantize(raw, qtype, (n, k))
+
+
+def _k(qtype):
+    return 512 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 320  # 32-value types: a padded last chunk
+
+
+@pytest.mark.parametrize("qtype", QUANTS + [Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_products_match_float64(qtype):
+    g = torch.Generator().manual_seed(int(qtype))
+    k, n = _k(qtype), 9
+    w, values = weight(qtype, n, k, g)
+    bias = torch.randn(n, generator=g)
+    for rows, config in ((1, None), (3, SPLIT), (5, None), (lk.GEMV_MAX_ROWS + 3, None)):
+        x = torch.randn(rows, k, generator=g)
+        got = lk.linear(x.to(DEVICE), w, qtype, k, bias.to(DEVICE), config=config).cpu()
+        want = F.linear(x.double(), values.double(), bias.double())
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-6, rows
+
+
+@pytest.mark.parametrize("qtype", QUANTS, ids=lambda t: t.name)
+def test_the_weight_expands_bit_for_bit(qtype):
+    """x = rows of the identity: the product is the kernels' own expansion of the weight."""
+    g = torch.Generator().manual_seed(50 + int(qtype))
+    k = _k(qtype)
+    w, values = weight(qtype, 6, k, g)
+    eye = torch.eye(k, device=DEVICE)
+    assert torch.equal(lk.linear(eye[:2], w, qtype, k).cpu(), values.T[:2])  # decode
+    assert torch.equal(lk.linear(eye[:lk.GEMV_MAX_ROWS + 1], w, qtype, k).cpu(), values.T[:lk.GEMV_MAX_ROWS + 1])
+
+
+def test_split_k_sums_in_a_fixed_order():
+    """K split over programs, partial sums added by a second kernel: the same bits every call."""
+    g = torch.Generator().manual_seed(3)
+    k = 1024
+    w, values = weight(Q.Q4_K, 5, k, g)
+    x = torch.randn(2, k, generator=g).to(DEVICE)
+    assert lk.decode_grid(2, 5, k, lk.REFERENCE_SMS, SPLIT)[-1] == 4
+    first = lk.linear(x, w, Q.Q4_K, k, config=SPLIT)
+    assert torch.equal(first, lk.linear(x, w, Q.Q4_K, k, config=SPLIT))
+    want = x.cpu().double() @ values.double().T
+    assert ((first.cpu().double() - want).norm() / want.norm()).item() < 1e-6
+
+
+def test_half_precision_inputs():
+    g = torch.Generator().manual_seed(7)
+    w, values = weight(Q.Q6_K, 5, 256, g)
+    x = torch.randn(2, 3, 256, generator=g)
+    # Triton 3.8's interpreter multiplies bfloat16 tiles wrongly: bfloat16 natively only.
+    for dtype in (torch.bfloat16, torch.float16) if NATIVE else (torch.float16,):
+        for rows in (2, 7):
+            xs = x.reshape(-1, 256)[:rows]
+            got = lk.linear(xs.to(DEVICE, dtype), w, Q.Q6_K, 256).cpu()
+            want = F.linear(xs.to(dtype).double(), values.double())
+            assert got.dtype == dtype and ((got.double() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_grids_fill_the_gpu_at_the_released_shapes():
+    """Decode grids: K is split until a 132-SM GPU gets 4 programs per multiprocessor, in whole
+    tiles, never past a row."""
+    assert lk.decode_grid(2, 1024, 4096, 132) == (2, 8, 1, 256, 2)  # an audio head: 16 chunks, 2 tiles
+    assert lk.decode_grid(2, 24576, 4096, 132) == (2, 8, 1, 6144, 1)  # the LM's gate and up: no split needed
+    assert lk.decode_grid(5, 4096, 12288, 132) == (4, 8, 2, 1024, 1)
+    assert lk.decode_tiles(2304) == 1 and lk.decode_tiles(6144) == 8  # 9 and 24 chunks
+
+
+def test_bad_weights_are_refused():
+    with pytest.raises(ValueError, match=r"a Q8_0 layout of rows of 64 values is \[n, 320\] uint8"):
+        lk.linear(torch.zeros(1, 64), torch.zeros(3, 68, dtype=torch.uint8), Q.Q8_0, 64)
+    with pytest.raises(ValueError, match="inputs of 32 values for a weight with rows of 64"):
+        lk.linear(torch.zeros(1, 32), torch.zeros(3, 320, dtype=torch.uint8), Q.Q8_0, 64)

@@ -1,0 +1,180 @@
+"""Where the device layout replaces the blocks (`mm3.gguf.placement`) and which kernels serve a
+weight (`mm3.gguf.kernel_choice`, `MM3_KERNELS`): one copy of the weight in the form its products
+read, the file's blocks back bit for bit when it leaves, memory counted as held, products routed to
+the layout kernels (fused parts stacked as views), and the measured choice kept on disk per machine.
+The layout runs on CPU tensors here through Triton's interpreter (`MM3_KERNELS=layout`)."""
+
+import json
+import os
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mm3.cache_dir import cache_dir
+from mm3.gguf import device_layout as dl
+from mm3.gguf import kernel_choice, kernels, layout_kernels, placement, products
+from mm3.gguf import ops as gguf_ops
+from mm3.gguf.weight_copies import compressed_nbytes
+from tests.test_layout_kernels import weight as layout_weight
+
+Q = gguf.GGMLQuantizationType
+pytest.importorskip("triton", reason="this torch installation has no Triton")
+
+
+@pytest.fixture
+def layout_mode():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1: the kernels cannot run here")
+    kernels.configure("layout")
+    yield
+    kernels.configure()
+
+
+def _blocks(qtype, n, k, seed):
+    from mm3.gguf.quants import dequantize
+
+    g = torch.Generator().manual_seed(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=g)
+    from mm3.gguf.quants import SCALE_OFFSETS
+
+    for offset in SCALE_OFFSETS[qtype]:
+        raw[:, offset:offset + 2] = (torch.rand(raw.shape[0], generator=g) * 0.02 + 1e-3).half().view(
+            torch.uint8).view(-1, 2)
+    raw = raw.reshape(n, -1)
+    return raw, dequantize(raw, qtype, (n, k))
+
+
+def _linear(qtype, n, k, seed):
+    layer = gguf_ops.Linear(k, n, bias=False)
+    raw, values = _blocks(qtype, n, k, seed)
+    layer.set_stored("weight", qtype, raw)
+    return layer, raw, values
+
+
+def test_the_layout_replaces_the_blocks_and_the_file_view_returns(layout_mode):
+    layer, raw, values = _linear(Q.Q4_K, 12, 256, 1)
+    layer.to("cpu")  # a placement: the kernel mode in force asks for the layout here
+    assert layer.form("weight") == "layout"
+    held = layer.stored("weight")
+    assert held.shape == (12, dl.layout_of(Q.Q4_K, 256).row_bytes) and held.data_ptr() != raw.data_ptr()
+    assert compressed_nbytes(layer) == held.numel()  # what a memory manager counts is what is held
+    assert torch.equal(layer.fetch("weight", None), raw)  # the file's form, for whatever reads it
+    x = torch.randn(2, 256)
+    want = F.linear(x.double(), values.double())
+    got = layer(x)
+    assert isinstance(layer._product[2], products.LayoutProduct)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+    kernels.configure("off")
+    layer.to("cpu")  # the layout is not wanted any more: the home view, bit for bit
+    assert layer.form("weight") is None and layer.stored("weight").data_ptr() == raw.data_ptr()
+    assert torch.equal(layer(x), F.linear(x, values))
+
+
+def test_relayout_and_reference_numerics(layout_mode):
+    layer, raw, values = _linear(Q.Q8_0, 8, 64, 2)
+    assert placement.relayout(layer) == 1 and layer.form("weight") == "layout"
+    assert placement.relayout(layer) == 0
+    layer.fused_kernels = False  # reference numerics: the dequantized weight's F.linear
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x), F.linear(x, values))
+    assert placement.relayout(layer) == 1 and layer.form("weight") is None  # the layout is not wanted there
+    assert torch.equal(layer.stored("weight"), raw)
+
+
+def test_a_fused_product_stacks_the_layouts_as_views(layout_mode, monkeypatch):
+    parts = [_linear(Q.Q6_K, n, 256, 10 + n) for n in (8, 4, 4)]
+    layers = [p for p, _, _ in parts]
+    for layer in layers:
+        placement.relayout(layer)
+    assert layout_kernels.works(Q.Q6_K, torch.float32, torch.device("cpu"))  # checked once, before counting
+    calls = []
+    real = layout_kernels.linear
+    monkeypatch.setattr(layout_kernels, "linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    fused = gguf_ops.Fused(layers)
+    x = torch.randn(2, 256)
+    for y, (_, _, values) in zip(fused(x), parts):
+        want = F.linear(x.double(), values.double())
+        assert ((y.double() - want).norm() / want.norm()).item() < 1e-6
+    assert calls == [(16, dl.layout_of(Q.Q6_K, 256).row_bytes)]  # one product over the stacked rows
+    assert gguf_ops._adjacent([p.stored("weight") for p in layers])
+    assert all(p.form("weight") == "layout" for p in layers)
+    mixed = gguf_ops.Fused([_linear(Q.Q4_K, 4, 256, 20)[0], _linear(Q.Q6_K, 4, 256, 21)[0]])
+    for p in mixed.parts:
+        placement.relayout(p)
+    assert isinstance(products.for_fused(mixed, torch.float32, torch.device("cpu")), products.Separate)
+
+
+def test_rows_of_a_layout_keep_its_form(layout_mode):
+    layer, raw, values = _linear(Q.Q4_0, 10, 64, 3)
+    placement.relayout(layer)
+    part = layer.rows(2, 7)
+    assert part.form("weight") == "layout"
+    x = torch.randn(1, 64)
+    want = F.linear(x.double(), values[2:7].double())
+    assert ((part(x).double() - want).norm() / want.norm()).item() < 1e-6
+
+
+def test_auto_takes_no_layout_on_the_cpu():
+    kernels.configure("auto")
+    try:
+        layer, raw, _ = _linear(Q.Q4_K, 4, 256, 4)
+        layer.to("cpu")
+        assert layer.form("weight") is None and layer.stored("weight") is raw or \
+            layer.stored("weight").data_ptr() == raw.data_ptr()
+        assert kernel_choice.family(Q.Q4_K, 4, 256, torch.device("cpu")) is None
+    finally:
+        kernels.configure()
+
+
+def test_the_measured_choice_is_kept_per_machine(tmp_path, monkeypatch):
+    """auto on an accelerator: timed once, then read back from the cache folder without timing."""
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "available", lambda device_type: True)
+    kernels.configure("auto")
+    kernel_choice.forget()
+    timed = []
+
+    def measure(qtype, n, k, device, names):
+        timed.append((qtype, n, k))
+        return {"layout": 0.5, "triton": 2.0}
+
+    monkeypatch.setattr(kernel_choice, "measure", measure)
+    xpu = torch.device("xpu")
+    try:
+        assert kernel_choice.family(Q.Q4_K, 4096, 4096, xpu) == "layout"
+        assert kernel_choice.family(Q.Q4_K, 4096, 4096, xpu) == "layout"
+        assert timed == [(Q.Q4_K, 4096, 4096)]
+        saved = json.loads((tmp_path / "cache" / "choices.json").read_text())
+        (machine,) = saved
+        assert machine.startswith("xpu | driver") and f"torch {torch.__version__}" in machine
+        assert saved[machine]["Q4_K/4096x4096"] == {"family": "layout", "ms": {"layout": 0.5, "triton": 2.0}}
+        kernel_choice.forget()  # a new process: the file answers
+        monkeypatch.setattr(kernel_choice, "measure", lambda *a: pytest.fail("timed again"))
+        assert kernel_choice.family(Q.Q4_K, 4096, 4096, xpu) == "layout"
+        kernels.configure("triton")  # a named family is taken as it is
+        assert kernel_choice.family(Q.Q4_K, 4096, 4096, xpu) == "triton"
+        assert kernel_choice.family(Q.Q2_K, 4096, 4096, xpu) is None  # no kernel reads it
+    finally:
+        kernels.configure()
+        kernel_choice.forget()
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / "x"))
+    assert cache_dir() == tmp_path / "x"
+    monkeypatch.delenv("MM3_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if os.name == "posix" and not os.uname().sysname == "Darwin":
+        assert cache_dir() == tmp_path / "xdg" / "mm3"
+
+
+def test_the_layout_kernels_serve_the_placed_weight(layout_mode):
+    """The product of a placed layer is the layout kernels' over the held planes."""
+    w, values = layout_weight(Q.Q5_K, 6, 256, torch.Generator().manual_seed(9))
+    layer = gguf_ops.Linear(256, 6, bias=False)
+    layer.set_stored("weight", Q.Q5_K, dl.to_blocks(w.cpu(), Q.Q5_K, 256))
+    placement.relayout(layer)
+    assert torch.equal(layer.stored("weight"), w.cpu())
