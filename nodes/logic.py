@@ -36,6 +36,19 @@ AUDIO_REQUESTS_KEY = "mm3_requests"  # extra key of an AUDIO dict: one replay re
 log = logging.getLogger("mm3")
 
 
+def linked_seed(seed: int, top: int, name: str) -> int:
+    """A seed wired in from another node (ComfyUI checks a widget's range, not a link's): one past
+    `top` wraps around into 0..top, so a seed node with a wider range (ComfyUI-Distributed's
+    Distributed Seed draws up to 2^50) still gives distinct, recorded seeds. Negative: refused."""
+    if seed < 0:
+        raise InputError(f"{name} must be 0..{top}, got {seed}")
+    if seed <= top:
+        return seed
+    folded = seed % (top + 1)
+    log.info("MM3: %s %d is past %d: %d is used (and recorded in the replay JSON)", name, seed, top, folded)
+    return folded
+
+
 def assemble_prompt(lm: ComponentHandle, caption: str, lyrics: str) -> PromptText:
     tokenizer = MM3Tokenizer.from_component(lm.component())
     return PromptText(build_prompt(tokenizer, caption, lyrics, max_tokens=MAX_PROMPT_TOKENS), caption, lyrics, lm.file())

@@ -111,6 +111,8 @@ class MM3Generate(io.ComfyNode):
                 steps: int, lm_cfg: float, dit_cfg: float, variations: int, min_duration: float = 0.0,
                 shift: float = AUTO_SHIFT, options: SamplingOptions | None = None) -> io.NodeOutput:
         o = options or SamplingOptions()
+        lm_seed = logic.linked_seed(lm_seed, LM_SEED_MAX, "lm_seed")
+        seed = logic.linked_seed(seed, DIT_SEED_MAX, "seed")
         settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=o.lm_top_k,
                                 shaping=shaping_of(o, min_duration))
         synth = SynthSettings(seed, steps, dit_cfg, variations, shift)

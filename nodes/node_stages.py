@@ -148,6 +148,7 @@ class MM3ARPlan(io.ComfyNode):
                 require_ending: bool = False, min_duration: float = 0.0, options: SamplingOptions | None = None,
                 prior_codes=None) -> io.NodeOutput:
         o = options or SamplingOptions()
+        lm_seed = logic.linked_seed(lm_seed, LM_SEED_MAX, "lm_seed")
         frames = min(int(duration * FRAME_RATE), MAX_AUDIO_FRAMES)
         settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=o.lm_top_k, songs=songs,
                                 shaping=shaping_of(o, min_duration))
@@ -204,6 +205,7 @@ class MM3FlowSampler(io.ComfyNode):
     @classmethod
     def execute(cls, dit, condition, seed: int, steps: int, dit_cfg: float, variations: int,
                 shift: float = AUTO_SHIFT) -> io.NodeOutput:
+        seed = logic.linked_seed(seed, DIT_SEED_MAX, "seed")
         with interruptible():
             model, run = _loaded_dit(dit, condition)
             out = stages.sample(model, dit.file(), condition, SynthSettings(seed, steps, dit_cfg, variations, shift), **run)
@@ -278,6 +280,7 @@ class MM3Repaint(io.ComfyNode):
                 dit_cfg: float, variations: int, shift: float = AUTO_SHIFT) -> io.NodeOutput:
         if not start < end:
             raise ValueError(f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)")
+        seed = logic.linked_seed(seed, DIT_SEED_MAX, "seed")
         with interruptible():
             model, run = _loaded_dit(dit, condition)
             out = stages.repaint(model, dit.file(), condition, source, RepaintSettings(start, end, fade),

@@ -260,3 +260,19 @@ def test_lyric_timestamps_of_a_planned_song(pack, tiny, tmp_path):
     assert [p.name for p in paths] == ["s.wav", "s.json", "s.lrc"] and paths[2].read_text() == text
     assert logic.heads_problem("12:3,19:*") is None and logic.heads_problem(None) is None
     assert "lyric head '12' is not LAYER:HEAD" in logic.heads_problem("12")
+
+
+def test_a_linked_seed_past_the_range_wraps_into_it(pack):
+    """A seed node with a wider range than ours (ComfyUI checks a widget's range, not a link's):
+    in range it is used as it is, past it wrapped (still distinct per worker), negative refused."""
+    logic = pack("nodes.logic")
+    from mm3.constants import MAX_SONGS, SEED_MAX
+
+    top = SEED_MAX - (MAX_SONGS - 1)  # AR Plan's lm_seed range
+    assert logic.linked_seed(0, top, "lm_seed") == 0 and logic.linked_seed(top, top, "lm_seed") == top
+    distributed = 1125899906842623  # a Distributed Seed near the top of its 2^50 range
+    seeds = [logic.linked_seed(distributed + i, top, "lm_seed") for i in range(3)]
+    assert all(0 <= s <= top for s in seeds) and len(set(seeds)) == 3
+    assert seeds[0] == distributed % (top + 1)
+    with pytest.raises(Exception, match=r"lm_seed must be 0\.\.\d+, got -3"):
+        logic.linked_seed(-3, top, "lm_seed")
