@@ -33,6 +33,7 @@ WIDE_NOTE_SIZE = [3 * COLUMN - (COLUMN - WIDTH), 150]  # above it
 # MM3 Generate as the editor draws it: its widgets, two text boxes, the live player with lyric lines
 # (web/mm3.js) and the node's text; short enough that its workflow's Note clears the queue panel.
 GENERATE_HEIGHT = 930
+PLAYER_ROOM = 84  # the live player a Vocoder Decode grows by once its windows come (web/mm3_player.js)
 TALLEST = 700  # a column of stacked nodes taller than this is split in two side by side
 
 NOTES = {
@@ -125,9 +126,10 @@ def _depths(api: dict) -> dict[str, int]:
 
 def node_height(class_type: str, widgets: int, sockets: int) -> int:
     """Room for the editor's own layout of a node: its slots and widget rows (MM3 Prompt: two text
-    boxes; MM3 Audio Codes From Text: one; MM3 Generate: its player too)."""
+    boxes; MM3 Audio Codes From Text: one; MM3 Generate and Vocoder Decode: their players too)."""
     tall = {"MM3PromptAssemble": 480, "MM3AudioCodesFromText": 320, "MM3Generate": GENERATE_HEIGHT}
-    return tall.get(class_type, 60 + 28 * widgets + 24 * sockets)
+    player = PLAYER_ROOM if class_type == "MM3VocoderDecode" else 0
+    return tall.get(class_type, 60 + 28 * widgets + 24 * sockets + player)
 
 
 def layout(columns: list[list[tuple[str, int]]]) -> tuple[dict[str, list[int]], tuple[list[int], list[int]]]:
