@@ -118,8 +118,8 @@ class LowRank:
 
 class WithLowRank:
     """`base(x, bias) + (x A^T) B^T`: attached adapters beside the product that serves the weight.
-    `down_t` A^T [in, R] and each block's B^T [r, n] are held contiguous (the row-major products
-    of a few rows by them run 2-3x faster on the CPU than by A and B as stored); `blocks` ((first,
+    `down_t` A^T [in, R] and each block's B^T [r, n] are held contiguous (a few rows multiply
+    them row-major, faster on the CPU than A and B as stored); `blocks` ((first,
     last output column, first, last rank, B^T), ...): each up factor adds into its own columns of
     the output (a `Fused` layer's parts, over its stacked output), in place."""
 
