@@ -16,7 +16,6 @@ import argparse
 import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -24,6 +23,7 @@ import gguf
 import numpy as np
 import torch
 
+from ..cpu_choice import processor
 from ..gguf.quants import SCALE_OFFSETS, SUPPORTED_TYPES, dequantize
 
 QT = gguf.GGMLQuantizationType
@@ -86,17 +86,6 @@ def _version(package: str) -> str:
         return "?"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mm3.bench.dequant", description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=float, default=64, help="float32 output size per type in MiB (default 64)")
@@ -113,7 +102,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     rng = np.random.default_rng(0)
     env = {
-        "device": str(device), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+        "device": str(device), "cpu": processor(), "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "numpy": np.__version__,
         "gguf": _version("gguf"),
         "date": time.strftime("%Y-%m-%d"), "mib": args.mib, "repeat": args.repeat,

@@ -8,17 +8,13 @@ import time
 
 import torch
 
+from ..cpu_choice import processor
+
 MIB = 1 << 20
 
 
 def machine(device: torch.device) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": str(device),
+    info = {"cpu": processor(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": str(device),
             "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
