@@ -158,7 +158,10 @@ def _unpack(b: torch.Tensor, width: int) -> torch.Tensor:
     return (b.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
 
 
-def to_planes(blocks: torch.Tensor, qtype: QT, k: int, *, rows_per_pass: int = 4096) -> torch.Tensor:
+PASS_ROWS = 4096  # weight rows converted per pass: bounds the unpacked temporaries, whatever the weight's size
+
+
+def to_planes(blocks: torch.Tensor, qtype: QT, k: int, *, rows_per_pass: int = PASS_ROWS) -> torch.Tensor:
     """GGUF block rows [n, k / block * type_size] uint8 -> the layout [n, row_bytes] uint8, on the
     blocks' device (in passes of `rows_per_pass` rows, bounding the temporaries)."""
     lay = layout_of(qtype, k)
