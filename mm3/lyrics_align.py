@@ -1,6 +1,6 @@
 """Lyric timestamps from the LM's own attention: each lyric line's start time, and LRC text.
 
-While the replay teacher-forces a song's codes (`mm3.ar.replay`), chosen heads of the LM show
+While the replay teacher-forces a song's codes (`mm3.replay.replay`), chosen heads of the LM show
 how much each frame's query attends to each lyric token (`LyricAttention`, a read-only
 `mm3.models.lm.AttentionTap`). Each head's weights over the lyric tokens, normalised to sum 1
 per frame (as HOT-Step does), are averaged over the heads; a line's share is the sum over its tokens. A dynamic programme then

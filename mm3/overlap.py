@@ -1,7 +1,7 @@
 """Planning and synthesis overlapped: each window is rendered as soon as the AR has planned its frames.
 
 `plan_and_render` plans the songs (`mm3.ar.plan`) and, after every frame, feeds each song's codes
-to its teacher-forced replay (`mm3.ar.Replayer`) and renders the windows that became settled
+to its teacher-forced replay (`mm3.replay.Replayer`) and renders the windows that became settled
 (`mm3.flow.settled_windows`): condition, DiT (`mm3.flow.WindowSampler`, the noise drawn per window
 from the seed) and vocoder, each window's audio handed on at once. One thread, one fixed order,
 the same shapes: the results are those of the stages run one after another (`mm3.stages`) bit for
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .ar import PlanSettings, Replayer, max_frames_for, plan
+from .ar import PlanSettings, max_frames_for, plan
 from .audio import decode_windows, stitch_piece
 from .components import check_compatible
 from .cpu_choice import at_threads
@@ -27,6 +27,7 @@ from .flow import WindowSampler, encode_window, settled_windows, window_bounds
 from .lyrics_align import LyricHeads
 from .numerics import FAST, Numerics
 from .progress import Progress
+from .replay import Replayer
 from .sampling import resolve_seed
 from .stages import (STORE, Audio, Conditions, Latents, ModelFile, PromptText, Song, Windows, _check_hiddens,
                      _stored, stitch_windows)
@@ -164,7 +165,7 @@ def plan_and_render(models: Models, prompt: PromptText, settings: PlanSettings, 
     and replay requests are those of `mm3.stages.plan_songs` then encode, sample and decode.
     `weight_budget` / `weight_cache`: bytes of dequantized AR / DiT weight copies (None: their rules);
     `vae_device`: where the vocoder runs (None: `device`); `lyric_heads`: each song's codes also carry
-    their lyric attention, as `mm3.ar.replay` gives it."""
+    their lyric attention, as `mm3.replay.replay` gives it."""
     if numerics.reference:
         raise ValueError("the reference numerics render stage by stage (their RNG draws the DiT noise after the AR)")
     if not takes.is_plain:

@@ -362,7 +362,7 @@ class Pipeline:
                lyric_heads: LyricHeads | None = None, hiddens: bool = True, tap=None) -> Song:
         """Frame hiddens of known codes by teacher forcing (no sampling): `codes` [F + 1, 8], or
         the request's `audio_codes` text. `lyric_heads`, `tap`, `hiddens` False: the lyric
-        attention, another attention tap, the attention alone (`mm3.ar.replay`)."""
+        attention, another attention tap, the attention alone (`mm3.replay.replay`)."""
         prompt = self.prompt_text(request)
         progress = self._track(progress)
         with self._stage("replay"):

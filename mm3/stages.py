@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .ar import PlanSettings, plan, replay
+from .ar import PlanSettings, plan
 from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, encode_audio, stitch, stitch_piece
 from .codes import AudioCodes
 from .components import MODEL_FIELDS, check_compatible
@@ -25,6 +25,7 @@ from .lora.use import lora_mismatch
 from .numerics import FAST, Numerics
 from .progress import Progress
 from .prompt import Prompt
+from .replay import replay
 from .request import MM3Request, model_mismatch, plan_fields
 from .settings import RepaintSettings, SynthSettings
 from .takes import Candidate, Takes, plan_and_replay_takes
@@ -292,7 +293,7 @@ def replay_song(lm_model, depth_model, prompt: PromptText, depth: ModelFile, cod
                 lyric_heads: LyricHeads | None = None, hiddens: bool = True, tap=None) -> Song:
     """The song of known codes [F + 1, ncb]: its frame hiddens by teacher forcing (no sampling);
     `lm` as in `plan_songs`. `lyric_heads`, `tap`, `hiddens` False: the lyric attention, another
-    attention tap, the attention alone (`mm3.ar.replay`)."""
+    attention tap, the attention alone (`mm3.replay.replay`)."""
     if model_check is not None and model_check not in MODEL_CHECKS:
         raise ValueError(f"model_check must be one of {', '.join(MODEL_CHECKS)}, got {model_check!r}")
     prompt = prompt if lm is None else replace(prompt, lm=lm)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .ar import plan, plan_and_replay, replay
+from .ar import plan, plan_and_replay
+from .replay import replay
 from .codes import AudioCodes
 from .constants import MAX_SONGS
 from .errors import RunError

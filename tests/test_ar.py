@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from mm3.ar import PlanSettings, ZeroFramesError, max_frames_for, plan, replay
+from mm3.ar import PlanSettings, ZeroFramesError, max_frames_for, plan
+from mm3.replay import replay
 from mm3.constants import MAX_AUDIO_FRAMES
 from mm3.codes import AudioCodes, AudioCodesError, parse_audio_codes
 from mm3.opener import open_component
@@ -81,9 +82,9 @@ def test_plan_fast_path_matches_reference(ours, ref, one_thread, song):
 
 
 def test_replay_matches_sampled_hiddens(ours, ref, one_thread, monkeypatch):
-    import mm3.ar
+    import mm3.replay
 
-    monkeypatch.setattr(mm3.ar, "REPLAY_CHUNK", 64)  # several passes over this song's frames
+    monkeypatch.setattr(mm3.replay, "REPLAY_CHUNK", 64)  # several passes over this song's frames
     rr = ref.runs["long"]
     rp = replay(ours.lm, ours.depth, ours.prompt, rr.codes)
     assert rp.frames == rr.frame_hiddens.shape[0] and torch.equal(rp.codes, rr.codes)

@@ -65,7 +65,7 @@ def test_ctrl_c_in_each_stage(tiny, tmp_path, capsys, monkeypatch, spy, stage, f
     """SIGINT after the first unit of `stage`: no further unit of anything runs, exit 130, nothing
     written, no model left loaded; the next command in the same process works."""
     if stage == "replay":
-        monkeypatch.setattr("mm3.ar.REPLAY_CHUNK", 16)
+        monkeypatch.setattr("mm3.replay.REPLAY_CHUNK", 16)
     events = []
     real = jobs_cli.Console.on_progress
 

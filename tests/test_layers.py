@@ -10,8 +10,9 @@ dialects  other tools' file layouts, mapped onto the engine's tensor names
 opener    which components a file holds, opening it, the tokenizer read from the LM file
 models    the five networks, adapters set on them and their health check
 files     models folders, the model inventory, the loaded-model store
-stages    prompt, lyric timestamps, codes, the CPU product choice, the AR plan, flow matching, decoding,
-          takes, captions, audio output, the numerics choice, the settings of the synthesis and the output
+stages    prompt, lyric timestamps, codes, the CPU product choice, teacher forcing, the AR plan, flow
+          matching, decoding, takes, captions, audio output, the numerics choice, the settings of the
+          synthesis and the output
 front     the request, the typed stage results, planning and synthesis overlapped, the pipeline, the codec
 tools     the command line and its tools (align, convert, quantize, download, info, tiny, demo, playback)
 bench     the benchmark
@@ -35,7 +36,7 @@ LAYERS = (
     ("opener", ("mm3.opener", "mm3.tokenizer")),
     ("models", ("mm3.models", "mm3.lora.attach", "mm3.lora.health")),
     ("files", ("mm3.registry", "mm3.inventory", "mm3.store")),
-    ("stages", ("mm3.prompt", "mm3.lyrics_align", "mm3.codes", "mm3.cpu_choice", "mm3.frame_graphs", "mm3.ar", "mm3.flow",
+    ("stages", ("mm3.prompt", "mm3.lyrics_align", "mm3.codes", "mm3.cpu_choice", "mm3.frame_graphs", "mm3.replay", "mm3.ar", "mm3.flow",
                 "mm3.audio", "mm3.takes", "mm3.captions",
                 "mm3.output", "mm3.numerics", "mm3.settings")),
     ("front", ("mm3.request", "mm3.stages", "mm3.overlap", "mm3.pipeline", "mm3.codec")),

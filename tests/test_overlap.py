@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mm3 import overlap
-from mm3.ar import REPLAY_CHUNK, Replayer, replay
+from mm3.replay import REPLAY_CHUNK, Replayer, replay
 from mm3.flow import WINDOW_FRAMES, WINDOW_HOP, settled_windows, window_bounds
 from mm3.pipeline import Pipeline
 from mm3.progress import Progress

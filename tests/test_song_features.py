@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from mm3.ar import PlanSettings, plan, replay
+from mm3.ar import PlanSettings, plan
+from mm3.replay import replay
 from mm3.cli import main as cli_main
 from mm3.opener import open_component
 from mm3.flow import (AUTO_SHIFT, Keep, encode_conditions, flow_sigmas, repaint_keep, sample_latents,
