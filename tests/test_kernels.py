@@ -226,7 +226,7 @@ from mm3.gguf import kernels, triton_gguf
 arch = int(sys.argv[1])
 base = {"b_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "x_stride": "i32",
         "y_stride": "i32", "w_stride": "i32"}
-for qtype, code in kernels._CODES.items():
+for qtype, code in kernels.CODES.items():
     floats = qtype.name in ("F32", "F16", "BF16")
     if floats and qtype.name != "BF16":
         continue

@@ -23,6 +23,7 @@ is a multiple of 16 words (which Triton specialises on). Bits per weight (`bits_
 of whole chunks) are the file's for every type.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,7 @@ class Layout:
         return buffer[:, a:a + self.nbytes[name]].view(torch.int32)
 
 
+@functools.cache  # pure in (qtype, k); asked at every layout product
 def layout_of(qtype: QT, k: int) -> Layout:
     """The layout of rows of `k` values of `qtype` (ValueError for a type without one or a row
     that is not whole blocks)."""
@@ -158,12 +160,15 @@ def _unpack(b: torch.Tensor, width: int) -> torch.Tensor:
     return (b.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
 
 
-PASS_ROWS = 4096  # weight rows converted per pass: bounds the unpacked temporaries, whatever the weight's size
+PASS_VALUES = 1 << 24  # weight values converted per pass: the unpacked temporaries (a few bytes a value)
+#                       stay near 100 MB on the weight's device, whatever its shape
 
 
-def to_planes(blocks: torch.Tensor, qtype: QT, k: int, *, rows_per_pass: int = PASS_ROWS) -> torch.Tensor:
+def to_planes(blocks: torch.Tensor, qtype: QT, k: int, *, rows_per_pass: int | None = None) -> torch.Tensor:
     """GGUF block rows [n, k / block * type_size] uint8 -> the layout [n, row_bytes] uint8, on the
-    blocks' device (in passes of `rows_per_pass` rows, bounding the temporaries)."""
+    blocks' device (in passes of `rows_per_pass` rows, default PASS_VALUES // k, bounding the
+    temporaries)."""
+    rows_per_pass = rows_per_pass or max(1, PASS_VALUES // k)
     lay = layout_of(qtype, k)
     block, size = GGML_QUANT_SIZES[qtype]
     n = blocks.shape[0]
@@ -266,8 +271,3 @@ def dequantize(planes: torch.Tensor, qtype: QT, k: int, dtype: torch.dtype = tor
 
     blocks = to_blocks(planes, qtype, k)
     return dequantize_blocks(blocks, qtype, (planes.shape[0], k), dtype)
-
-
-def layout_nbytes(qtype: QT, n: int, k: int) -> int:
-    """Bytes of the layout of an [n, k] weight."""
-    return n * layout_of(qtype, k).row_bytes

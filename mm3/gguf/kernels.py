@@ -26,9 +26,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 # Kernel type codes (constexpr in the kernel) for the types it reads.
-_CODES = {QT.F32: 0, QT.F16: 0, QT.BF16: 0, QT.Q8_0: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q5_0: 4, QT.Q5_1: 5,
+CODES = {QT.F32: 0, QT.F16: 0, QT.BF16: 0, QT.Q8_0: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q5_0: 4, QT.Q5_1: 5,
           QT.Q4_K: 6, QT.Q5_K: 7, QT.Q6_K: 8}
-KERNEL_TYPES: frozenset[QT] = frozenset(_CODES)
+KERNEL_TYPES: frozenset[QT] = frozenset(CODES)
 _FLOATS = {QT.F32, QT.F16, QT.BF16}
 FLOAT_DTYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 
@@ -176,7 +176,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.T
         bm, bn, bk = _tiles(m)
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         fused_linear_kernel[grid](x2, weight, bias if bias is not None else y, y, m, n, k, x2.stride(0),
-                                   y.stride(0), w_stride, QTYPE=_CODES[qtype], HAS_BIAS=bias is not None,
+                                   y.stride(0), w_stride, QTYPE=CODES[qtype], HAS_BIAS=bias is not None,
                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y.view(*x.shape[:-1], n)
 
@@ -192,7 +192,7 @@ def report_specs(decode: list, prefill: list) -> list:
     from .triton_gguf import fused_linear_kernel
 
     specs = []
-    for qtype, code in _CODES.items():
+    for qtype, code in CODES.items():
         if qtype == QT.F32:
             continue
         x_type = "fp32" if qtype == QT.BF16 else "bf16"

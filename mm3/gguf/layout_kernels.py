@@ -19,10 +19,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from . import device_layout as dl
+from .kernels import CODES, FLOAT_DTYPES as FLOATS  # the kernels' type codes, shared
 
-CODES = {QT.F32: 0, QT.F16: 0, QT.BF16: 0, QT.Q8_0: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q5_0: 4, QT.Q5_1: 5,
-         QT.Q4_K: 6, QT.Q5_K: 7, QT.Q6_K: 8}
-FLOATS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 GEMV_MAX_ROWS = 16  # beyond: the tiled GEMM
 TARGET_WAVES = 4  # decode programs per multiprocessor the K split aims for
 REFERENCE_SMS = 132  # the grid's target when the device cannot say (an H100 / H200)

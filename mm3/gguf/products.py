@@ -243,9 +243,11 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
 
     qtype = parts[0].qtype("weight")
     same = all(p.qtype("weight") == qtype for p in parts)
-    if all(layout_reads(p, dtype, device) for p in parts):  # a mix of types: each part its own product
-        return split(LayoutProduct(fused.stacked_stored_source(device), qtype, fused.in_features)) \
-            if same else Separate(parts)
+    held = [layout_reads(p, dtype, device) for p in parts]
+    if all(held) and same:
+        return split(LayoutProduct(fused.stacked_stored_source(device), qtype, fused.in_features))
+    if any(p.form("weight") is not None for p in parts):  # a part in the layout among others (another type,
+        return Separate(parts)  # another kernel family): each its own product, never a stack dequantized per call
     if kernels.available(device.type) and same and all(kernel_reads(p, dtype, device) for p in parts):
         return split(KernelProduct(fused.stacked_stored_source(device), qtype))
     int4 = [int4_takes(p, dtype, device) for p in parts]
