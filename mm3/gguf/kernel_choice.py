@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import torch
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ..cache_dir import cache_dir
 from . import device_layout, kernels, layout_kernels
+from .quants import random_blocks
 
 FAMILIES = ("layout", "triton")
 CHOICES_FILE = "choices.json"
@@ -69,7 +69,7 @@ def measure(qtype: QT, n: int, k: int, device: torch.device, names=FAMILIES, rep
     """Milliseconds per decode product (TIMED_ROWS input rows) of each family that computes right
     on `device` (`works`), on a random [n, k] weight of `qtype`."""
     dtype = compute_dtype(device)
-    blocks = random_blocks(qtype, n, k, device)
+    blocks = random_blocks(qtype, n, k, device=device)
     x = torch.randn(TIMED_ROWS, k, device=device, dtype=dtype)
     runs = {}
     if "layout" in names and layout_kernels.works(qtype, dtype, device):
@@ -78,17 +78,6 @@ def measure(qtype: QT, n: int, k: int, device: torch.device, names=FAMILIES, rep
     if "triton" in names and kernels.works(qtype, dtype, device):
         runs["triton"] = lambda: kernels.fused_linear(x, blocks, qtype)
     return {name: _time(fn, device, repeat) for name, fn in runs.items()}
-
-
-def random_blocks(qtype: QT, n: int, k: int, device: torch.device) -> torch.Tensor:
-    """GGUF block rows [n, row bytes] of random quants with small finite scales, made on `device`."""
-    from .quants import SCALE_OFFSETS
-
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = torch.randint(0, 256, (n * (k // block), size), dtype=torch.uint8, device=device)
-    for offset in SCALE_OFFSETS[qtype]:
-        raw[:, offset:offset + 2] = torch.full((1,), 0.01, dtype=torch.float16, device=device).view(torch.uint8)
-    return raw.reshape(n, -1)
 
 
 def _time(fn, device: torch.device, repeat: int) -> float:

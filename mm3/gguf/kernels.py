@@ -109,7 +109,7 @@ def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _check(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
-    from .quants import SCALE_OFFSETS, dequantize
+    from .quants import dequantize, random_blocks
 
     g = torch.Generator().manual_seed(0)
     n, k = 48, 512
@@ -117,11 +117,7 @@ def _check(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
         weight = torch.randn(n, k, generator=g).to(FLOAT_DTYPES[qtype])
         values = weight.float()
     else:
-        block, size = GGML_QUANT_SIZES[qtype]
-        weight = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=g)
-        for offset in SCALE_OFFSETS[qtype]:
-            weight[:, offset:offset + 2] = torch.full((weight.shape[0],), 0.01).half().view(torch.uint8).view(-1, 2)
-        weight = weight.reshape(n, -1)
+        weight = random_blocks(qtype, n, k, generator=g)
         values = dequantize(weight, qtype, (n, k))
     x = torch.randn(3, k, generator=g)
     want = x.to(dtype).double() @ values.to(dtype).double().T

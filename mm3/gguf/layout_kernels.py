@@ -182,7 +182,7 @@ def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _check(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
-    from .quants import SCALE_OFFSETS, dequantize
+    from .quants import dequantize, random_blocks
 
     g = torch.Generator().manual_seed(0)
     n, k = 40, 512
@@ -190,13 +190,7 @@ def _check(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
         weight = torch.randn(n, k, generator=g).to(FLOATS[qtype])
         values = weight.float()
     else:
-        from gguf import GGML_QUANT_SIZES
-
-        block, size = GGML_QUANT_SIZES[qtype]
-        raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=g)
-        for offset in SCALE_OFFSETS[qtype]:
-            raw[:, offset:offset + 2] = torch.full((raw.shape[0],), 0.01).half().view(torch.uint8).view(-1, 2)
-        raw = raw.reshape(n, -1)
+        raw = random_blocks(qtype, n, k, generator=g)
         values = dequantize(raw, qtype, (n, k))
         weight = dl.to_planes(raw, qtype, k)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2

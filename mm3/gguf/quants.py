@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from ..errors import InputError
 
 __all__ = [
-    "SCALE_OFFSETS", "SUPPORTED_TYPES", "UnsupportedQuantType", "as_qtype", "dequantize", "dequantize_rows",
+    "SCALE_OFFSETS", "SUPPORTED_TYPES", "random_blocks", "UnsupportedQuantType", "as_qtype", "dequantize", "dequantize_rows",
     "row_nbytes",
 ]
 
@@ -211,6 +211,18 @@ SCALE_OFFSETS: dict[QT, tuple[int, ...]] = {
     QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),
     QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
 }
+
+
+def random_blocks(qtype: QT, n: int, k: int, *, generator: torch.Generator | None = None,
+                  device="cpu") -> torch.Tensor:
+    """GGUF block rows [n, row bytes] of random quants whose scales are all 0.01: a weight whose
+    products stay finite, for checking and timing the kernels."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = torch.randint(0, 256, (n * (k // block), size), dtype=torch.uint8, generator=generator, device=device)
+    scale = torch.full((1,), 0.01, dtype=torch.float16, device=device).view(torch.uint8)
+    for offset in SCALE_OFFSETS[qtype]:
+        raw[:, offset:offset + 2] = scale
+    return raw.reshape(n, -1)
 
 
 # ---------------------------------------------------------------------------------------------
