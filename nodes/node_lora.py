@@ -9,18 +9,18 @@ above the healthy range.
 from __future__ import annotations
 
 import logging
-import os
 
 from comfy_api.latest import io
 
 from mm3.lora.adapter import read_adapter
-from mm3.lora.attach import Applied, layer_terms
-from mm3.lora.health import WARN_ABOVE, base_shapes, group_changes, warnings_of
+from mm3.lora.attach import Applied
+from mm3.lora.health import WARN_ABOVE, group_changes, warnings_of
 from mm3.lora.keys import GROUPS, NAMES
 from mm3.lora.use import LoraUse
 
 from .comfy_models import lora_files, lora_path
 from .common import CATEGORY, DIT, LM
+from .handles import file_fingerprint
 from .lora_handles import AdaptedHandle, adapters_of, base_of
 
 log = logging.getLogger("mm3")
@@ -76,8 +76,7 @@ class MM3LoadLoRA(io.ComfyNode):
         use = LoraUse(lora_name, adapter.fingerprint, kind, float(strength), groups)
         applied = adapters_of(model) + (Applied(adapter, use),)
         component = base.component()
-        layer_terms(applied, base_shapes(component))  # refuses a LoRA made for another model size
-        changes = group_changes(applied, component)
+        changes = group_changes(applied, component)  # refuses a LoRA made for another model size (layer_terms)
         what = lora_name if len(applied) == 1 else f"the {len(applied)} LoRAs together"
         warnings = warnings_of(changes, what)
         for w in warnings:
@@ -90,9 +89,8 @@ class MM3LoadLoRA(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, lora_name: str, **values):
         try:
-            st = os.stat(lora_path(lora_name))
-            stamp = (lora_name, st.st_size, st.st_mtime_ns)
-        except (OSError, FileNotFoundError):
+            stamp = file_fingerprint(lora_path(lora_name))
+        except OSError:
             stamp = (lora_name,)  # execution reports the missing file
         return stamp, tuple(sorted((k, v) for k, v in values.items() if isinstance(v, (int, float))))
 

@@ -92,9 +92,3 @@ def attach(model: nn.Module, applied=(), *, merge: bool = False) -> int:
             layer.set_low_rank(None)
     model._mm3_adapters, model._mm3_adapted_layers = key, len(terms)
     return len(terms)
-
-
-def attached(model: nn.Module) -> tuple:
-    """The `LoraUse`s of the adapters set on `model` now."""
-    uses = getattr(model, "_mm3_adapters", ((), False))[0]
-    return tuple(u for _, u in uses)
