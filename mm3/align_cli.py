@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from .codes import count_code_frames
+from .constants import FRAME_RATE
 from .jobs_cli import Console, _check_targets, _match_models, _pipeline, _request_from_args, add_lrc_flags
 from .lyrics_align import HeadStats, head_scores, rank_heads, song_lrc
 from .output import FileBatch
@@ -67,7 +68,7 @@ def cmd_align(args) -> int:
         batch.add(out, text.encode("utf-8"))
         batch.commit()
     if not args.quiet:
-        print(f"wrote {out}: {timed} lines timed over {song.frames / 25:.2f} s (heads {heads}, "
+        print(f"wrote {out}: {timed} lines timed over {song.frames / FRAME_RATE:.2f} s (heads {heads}, "
               f"{time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return 0
 

@@ -226,6 +226,7 @@ def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool,
     start = time.perf_counter()
     lines = []
     written = replace(req.output_settings(), format=fmt)
+    lrcs = {}  # a song's variations share its codes, hence its LRC
     with FileBatch(overwrite) as batch:
         for n, track in enumerate(tracks):
             path = numbered(out, len(tracks), n)
@@ -234,7 +235,9 @@ def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool,
             replay_req = replace(track.request, output_format=fmt)
             batch.add(path.with_suffix(".json"), (replay_req.to_json() + "\n").encode())
             if lrc:
-                batch.add(_lrc_path(path), song_lrc(track.codes, lead=req.lrc_lead).encode("utf-8"))
+                if track.song not in lrcs:
+                    lrcs[track.song] = song_lrc(track.codes, lead=req.lrc_lead).encode("utf-8")
+                batch.add(_lrc_path(path), lrcs[track.song])
             seconds = track.audio.shape[-1] / track.sample_rate
             lines.append(f"wrote {path} ({seconds:.1f} s of audio, song {track.song + 1} variation "
                          f"{track.variation + 1}, lm_seed {replay_req.lm_seed}, seed {replay_req.seed})")

@@ -126,8 +126,9 @@ class LyricAttention(_FrameTap):
         first, shares = self.frame_rows(position, weights)
         self.total[first:first + shares.shape[1]] += shares.sum(0)
 
-    def attention(self) -> torch.Tensor:
-        return self.total / max(self.count, 1)
+    def attention(self, frames: int | None = None) -> torch.Tensor:
+        """[frames (default all it holds), lyric tokens]."""
+        return self.total[:frames] / max(self.count, 1)
 
 
 # -- alignment ------------------------------------------------------------------------------------

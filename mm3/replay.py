@@ -100,7 +100,7 @@ class Replayer:
 
     def lyric_attention(self) -> torch.Tensor | None:
         """[replayed frames, lyric tokens] (`mm3.lyrics_align.LyricAttention`), None without lyric heads."""
-        return None if self.lyrics is None else self.lyrics.attention()[:self.replayed]
+        return None if self.lyrics is None else self.lyrics.attention(self.replayed)
 
     def feed(self, codes: torch.Tensor, final: bool = False) -> int:
         """Replay the whole passes that `codes` [F + 1, ncb] (the song so far) now allow, and with
@@ -112,7 +112,8 @@ class Replayer:
         if end <= self.replayed:
             return self.replayed
         cs, ncb, lm, depth, dtype = self.prompt.codes, self.depth.num_codebooks, self.lm, self.depth, self.dtype
-        codes_d = codes[:end + 1].to(self.device)
+        first = self.replayed  # only the frames this call replays (and the next one) go to the device
+        codes_d = codes[first:end + 1].to(self.device)
         try:
             with onednn_matmul(self.device):  # chunks of frames: GEMMs, where oneDNN beats MKL (mm3.matmul)
                 if self.cache is None:
@@ -122,11 +123,11 @@ class Replayer:
                     if self.progress.should_stop():
                         raise Cancelled(f"replay cancelled at frame {a} of {self.total}")
                     b = min(a + REPLAY_CHUNK, end)
-                    fed = frame_feedback(lm, depth, codes_d[a:b], cs.code_offset, dtype)  # frames a .. b-1: [m, 1, H]
+                    fed = frame_feedback(lm, depth, codes_d[a - first:b - first], cs.code_offset, dtype)  # [m, 1, H]
                     with lm.tapped(*self.taps):  # read-only: no number changes
                         hid = lm(fed.transpose(0, 1), self.cache, stop_after=self.last_layer)[0]  # [m, H]
                     if self.out is not None:  # the hidden after frame k predicted frame k + 1
-                        nxt = codes_d[a + 1:b + 1]
+                        nxt = codes_d[a + 1 - first:b + 1 - first]
                         seq = [depth.projection(hid)[:, None],
                                depth.projection(lm.embed(nxt[:, 0] + cs.code_offset, dtype))[:, None]]
                         seq += [depth.projection(depth.code_embedding(nxt[:, j], j, dtype))[:, None]
