@@ -480,17 +480,3 @@ def _pruned(candidates: list[Candidate], models: dict) -> list[Candidate]:
     if len(mixed) == len(models) and all(c.forms != mixed or c.threads != lead.threads for c in candidates):
         kept.append(Candidate(mixed, lead.threads))
     return kept
-
-
-def machine_bandwidth(gib: float = 1.0, repeat: int = 3) -> float:
-    """GB/s of a copy of a `gib` GiB float32 tensor (bytes read plus bytes written), best of `repeat`."""
-    n = int(gib * 2**30) // 4
-    src = torch.ones(n)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # pages touched before the timing
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n * 4 / best / 1e9

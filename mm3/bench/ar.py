@@ -20,7 +20,7 @@ from .. import cpu_choice
 from ..ar import PlanSettings, ScratchFrames, plan
 from ..constants import FRAME_RATE
 from ..progress import Progress
-from .measure import PeakMemory, ratio, sync
+from .measure import PeakMemory, host_copy_bandwidth, ratio, sync
 from .reference import run_ar
 
 WARMUP_FRAMES = 4
@@ -116,7 +116,7 @@ def measure(ctx, frames: int) -> dict:
     out["weights_per_frame_mib"] = round(stored / 2**20, 1)
     out["ours_weight_gb_per_s"] = round(stored / (out["ours_ms_per_frame"] * 1e-3) / 1e9, 2)
     if ctx.device.type == "cpu":
-        copy = cpu_choice.machine_bandwidth()
+        copy = host_copy_bandwidth()
         out["machine_copy_gb_per_s"] = round(copy, 2)
         out["weight_bandwidth_share"] = round(out["ours_weight_gb_per_s"] / copy, 3)
     if products is not None:

@@ -107,11 +107,20 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    nbytes = min(nbytes, free // 4)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return _copy_gb_per_s(device, min(nbytes, free // 4))
+
+
+def host_copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """GB/s a copy in the machine's memory moves (bytes read + written), best of 5: what the AR's
+    weight reads on the CPU are held against."""
+    return _copy_gb_per_s(torch.device("cpu"), nbytes)
+
+
+def _copy_gb_per_s(device: torch.device, nbytes: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)  # pages touched before the timing
     dst = torch.empty_like(src)
     best = float("inf")
-    for _ in range(6):
+    for _ in range(6):  # the first copy also touches dst's pages
         sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
