@@ -300,6 +300,7 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     cache.host_counting = not static
     if compile or graphs:  # the step only calls products chosen now
         choose_products([sampler.lm, sampler.depth], sampler.dtype, device)
+        sampler.depth.ready(sampler.dtype, device)
     if compile:
         step = torch.compile(sampler.step, mode="reduce-overhead" if device.type == "cuda" else None, dynamic=False)
     elif graphs:
@@ -445,7 +446,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
             if n_songs > 1:
                 cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
             sampler = FrameSampler(lm, depth, cs, cache, settings, dtype, device, max_frames, prefix)
-            sampler.last = last
+            sampler.last = last.contiguous()  # the layout of every later frame's (a compiled step guards on it)
             draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab)
             results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
                                      compile=compile, graphs=graphs, emit_first=prefix is not None,

@@ -188,8 +188,9 @@ def _rel(a, b):
 
 def test_the_fast_forms_agree_within_rounding(q8, monkeypatch):
     """Dequantization per product and kept copies multiply the same floats (the same bits);
-    weight-major sums in another order, int4 rounds inputs and scales to bfloat16: the codes of the
-    tiny model stay the same and the hiddens within that rounding."""
+    weight-major sums in another order: the same codes, hiddens within float rounding. int4 rounds
+    inputs and scales to bfloat16, so a near tie may draw another code: up to the first frame that
+    differs (not before half the song) its codes and hiddens agree within that rounding."""
     songs = {}
     for form in cpu_forms.FORMS:
         monkeypatch.setenv("MM3_CPU_PRODUCT", form)
@@ -197,8 +198,14 @@ def test_the_fast_forms_agree_within_rounding(q8, monkeypatch):
     base = songs["dequant-linear"]
     assert torch.equal(songs["copy-linear"].frame_hiddens, base.frame_hiddens)
     for form, song in songs.items():
-        assert torch.equal(song.codes, base.codes), form
-        assert _rel(song.frame_hiddens, base.frame_hiddens) < (2e-2 if form == "int4" else 1e-5), form
+        frames = len(base.codes)  # code rows; the hiddens are one fewer, row i made with code row i + 1
+        if form == "int4":
+            differing = (song.codes != base.codes).any(1).nonzero().flatten().tolist()
+            frames = differing[0] if differing else frames
+            assert frames >= len(base.codes) // 2, differing
+        assert torch.equal(song.codes[:frames], base.codes[:frames]), form
+        rel = _rel(song.frame_hiddens[:frames - 1], base.frame_hiddens[:frames - 1])
+        assert rel < (1e-2 if form == "int4" else 1e-5), (form, rel)
 
 
 def test_a_thread_count_the_user_set_is_kept(monkeypatch):
@@ -353,3 +360,30 @@ def test_a_mixed_candidate_reads_copies_only_where_its_form_does(q8):
     assert isinstance(product.decode, products.Int4Product) or not cpu_int4.available()
     cpu_choice._use(models, {"lm": "int4", "depth": "copy-linear"}, copies, None)
     assert dequantized_nbytes(lm) == 0 and dequantized_nbytes(depth) > 0
+
+
+@pytest.mark.skipif(not cpu_int4.available(), reason="this torch has no CPU int4 product")
+def test_the_int4_frame_step_compiles_whole_and_once(q8, monkeypatch):
+    """The frame step over int4 products traces as one graph (no break: a product reads only its
+    packing's tensors) and a second song reuses it (no guard on state a plan changes)."""
+    monkeypatch.setenv("MM3_CPU_PRODUCT", "int4")
+    graphs = []
+
+    def backend(gm, example_inputs):  # dynamo's graph, run as traced: counts compilations
+        graphs.append(gm)
+        return gm.forward
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=backend, fullgraph=True, dynamic=False))
+    torch._dynamo.reset()
+    try:
+        lm, depth = _models(q8)
+        eager = _plan(q8, lm, depth)
+        songs = [plan(lm, depth, q8.prompt, PlanSettings(duration=SECONDS, lm_seed=3), dtype=torch.float32,
+                      compile=True)[0] for _ in range(2)]
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1  # one KV bucket covers the tiny song: one graph, for both songs
+    for song in songs:
+        assert torch.equal(song.codes, eager.codes)
+        torch.testing.assert_close(song.frame_hiddens, eager.frame_hiddens, rtol=1e-4, atol=1e-4)

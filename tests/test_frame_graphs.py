@@ -84,7 +84,12 @@ def test_fullgraph_compile_through_the_layout_kernels(models, monkeypatch):
     assert len(compiled) == 1 and torch.equal(got, want)
     ops = {t for t in targets if t.startswith("mm3.")}
     assert ops == {"mm3.layout_linear", "mm3.dequantize"}, ops
-    assert targets.count("mm3.layout_linear") >= 7 * 4 * 3  # 7 depth steps x 4 layers x 3+ products
+    # One graph (a second would mean a recompile) holding every product of a frame: per depth step
+    # its layers' 4 products (q/k/v, out, gate/up, down), its head and the projection of its
+    # input; the LM's layers' 4 and its head.
+    steps = depth.num_codebooks - 1
+    per_frame = steps * (4 * len(depth.layers) + 2) + 4 * len(lm.model.layers) + 1
+    assert targets.count("mm3.layout_linear") == per_frame
     layouts = [m for m in list(lm.modules()) + list(depth.modules()) if getattr(m, "form", None) and m.form("weight")]
     assert not layouts  # settled back to the blocks after the test
 

@@ -9,12 +9,13 @@ weight plus two bfloat16 per 32, about the bytes of the blocks).
 
 Two planes: any type whose values have at most 8 bits (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) is split into
 a high and a low nibble, v = 16 h + l. Each sub-block (one scale) becomes a run of its high
-nibbles, multiplied by 16 x, and a run of its low ones, multiplied by x, both with the sub-block's
-scale: two groups of the kernel for 32 values, one for Q6_K's 16. The high nibbles are stored as
-h + 8 (h + 7 for Q5_0, h + 6 for Q6_K, which takes their constant out of the scale); what remains
-of the formula's constant is spread over the groups' offsets (it multiplies the sum of the
-sub-block's inputs 17 times: 16 from the high run, 1 from the low). The packing takes 10 bits a
-weight and the product reads twice the row length.
+nibbles and a run of its low ones, each multiplied by the sub-block's inputs x: two groups of the
+kernel for 32 values, the high one with 16 times the scale (exact in bfloat16), so the input is x
+twice over, one copy. Q6_K's 16-value sub-blocks share a group between the runs, so there the
+high run's input is 16 x instead. The high nibbles are stored as h + 8 (h + 7 for Q5_0, h + 6 for
+Q6_K, which takes their constant out of the scale); what remains of the formula's constant is
+spread over the groups' offsets. The packing takes 10 bits a weight and the product reads twice
+the row length.
 
 Inputs, scales and offsets are rounded to bfloat16, so products differ from the float32 product of
 the dequantized weight by about 0.3 % (less than the quantization's own error); used for
@@ -171,13 +172,14 @@ def _repack_rows(raw: torch.Tensor, qtype: QT, in_features: int) -> Packing:
     sub = TWO_PLANES[qtype]
     high, low, s, c = _two_planes(b, qtype)
     # w = S (16 (H - 8) + (L - 8)) + (8 S + c): the kernel's (q - 8) scale for both planes, and the
-    # constant 8 S + c as the offsets, 17 parts of it per sub-block (16 x from the high group's inputs)
+    # constant 8 S + c in the offsets, which multiply the sums of the groups' inputs
     subs = k // sub
     q = torch.stack((high.reshape(n, subs, sub), low.reshape(n, subs, sub)), dim=2).reshape(n, 2 * k)
-    s, offset = s.reshape(n, subs), (8 * s + c).reshape(n, subs) / 17
-    if sub == GROUP:  # each sub-block is two groups
-        s, offset = s.repeat_interleave(2, dim=1), offset.repeat_interleave(2, dim=1)
-    return pack(q.to(torch.int32), s, offset, sub)
+    s, constant = s.reshape(n, subs), (8 * s + c).reshape(n, subs)
+    if sub == GROUP:  # each sub-block is two groups, both fed x: the high one scaled by 16, half the constant each
+        scales = torch.stack((16 * s, s), dim=2).reshape(n, 2 * subs)
+        return pack(q.to(torch.int32), scales, (constant / 2).repeat_interleave(2, dim=1), sub)
+    return pack(q.to(torch.int32), s, constant / 17, sub)  # one group fed 16 x then x: 17 parts of the constant
 
 
 MADV_DONTNEED = 4
@@ -229,8 +231,13 @@ def _in_mapped_file(first: int, last: int) -> bool:
 
 
 def _planes_input(x2: torch.Tensor, sub: int) -> torch.Tensor:
-    """x [rows, K] -> [rows, 2K]: per sub-block, 16 x (for the high nibbles) then x (the low ones)."""
+    """x [rows, K] -> [rows, 2K] bfloat16: per sub-block, x for the high nibbles then x for the low
+    ones (one copy); for 16-value sub-blocks (Q6_K) 16 x then x."""
     rows, k = x2.shape
+    if sub == GROUP:
+        out = torch.empty(rows, 2 * k, dtype=torch.bfloat16, device=x2.device)
+        out.view(rows, k // sub, 2, sub).copy_(x2.view(rows, k // sub, 1, sub).expand(rows, k // sub, 2, sub))
+        return out
     xb = x2.to(torch.bfloat16).view(rows, k // sub, 1, sub)
     return torch.cat((xb * 16, xb), dim=2).view(rows, 2 * k)
 
@@ -238,9 +245,11 @@ def _planes_input(x2: torch.Tensor, sub: int) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (float32) @ W.T (+ bias) -> [..., N] float32, W in the kernel's packing."""
     x2 = x.reshape(-1, x.shape[-1])
-    if packed.sub:
-        x2 = _planes_input(x2, packed.sub)
-    y = _product(x2, packed)[:, :out_features].to(x.dtype)
+    x2 = _planes_input(x2, packed.sub) if packed.sub else x2.to(torch.bfloat16)
+    y = torch._weight_int4pack_mm_for_cpu(x2, packed.weight, GROUP, packed.pairs)
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
+    y = y.to(x.dtype)
     if bias is not None:
         y = y + bias
-    return y.view(*x.shape[:-1], out_features)
+    return y.reshape(*x.shape[:-1], out_features)

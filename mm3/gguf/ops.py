@@ -122,8 +122,9 @@ class WeightSlots(nn.Module):
         self._changed()
 
     def drop_copies(self) -> None:
-        self._dequantized.clear()
-        self._changed()
+        if self._dequantized:  # nothing dropped, nothing changed: the chosen products stay
+            self._dequantized.clear()
+            self._changed()
 
     def keeps_copy(self, dtype: torch.dtype, device: torch.device, name: str = "weight") -> bool:
         """Whether a float copy of the slot in `dtype` is kept on `device` (it then serves)."""
@@ -222,8 +223,10 @@ class _Setting:
         return self if layer is None else layer.__dict__[self.key]
 
     def __set__(self, layer, value) -> None:
-        layer.__dict__[self.key] = self.convert(value)
-        layer._changed()
+        value = self.convert(value)
+        if self.key not in layer.__dict__ or layer.__dict__[self.key] != value:
+            layer.__dict__[self.key] = value
+            layer._changed()
 
 
 class Linear(WeightSlots):
@@ -481,8 +484,9 @@ class Fused:
 
 def choose_products(modules, dtype: torch.dtype, device: torch.device) -> None:
     """Choose now the product of every `Linear` and fused group under `modules` for inputs of
-    `dtype` on `device`, as their first uses would: a step about to be compiled or captured as a
-    CUDA graph then only calls them."""
+    `dtype` on `device`, and ready every `Vector` in `dtype` there, as their first uses would: a
+    step about to be compiled or captured as a CUDA graph then only calls them (and a compiled
+    step's guards see the same state at every later call)."""
     device = torch.device(device)
     for fused in fused_layers(modules):
         if fused.fuse:
@@ -491,6 +495,8 @@ def choose_products(modules, dtype: torch.dtype, device: torch.device) -> None:
         for sub in m.modules():
             if isinstance(sub, Linear) and sub.qtype("weight") is not None:
                 sub.choose(dtype, device)
+            elif isinstance(sub, Vector) and sub.qtype("weight") is not None:
+                sub(dtype, device)  # its weight in `dtype` made ready, as the step will read it
 
 
 def fused_layers(modules) -> list[Fused]:

@@ -71,13 +71,14 @@ class LayoutProduct:
 
 
 class Int4Product:
-    """torch's CPU int4 product over the weight's `cpu_int4` packing (made on first use)."""
+    """torch's CPU int4 product over the weight's `cpu_int4` packing, made (or taken) when the
+    product is chosen: a call reads no state but its tensors, so a compiled step traces it whole."""
 
     def __init__(self, packing: Callable[[], cpu_int4.Packing], out_features: int):
-        self.packing, self.out_features = packing, out_features
+        self.packing, self.out_features = packing(), out_features
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return cpu_int4.linear(x, self.packing(), self.out_features, bias)
+        return cpu_int4.linear(x, self.packing, self.out_features, bias)
 
 
 class ByRows:

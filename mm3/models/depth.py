@@ -133,6 +133,11 @@ class RVQDepthDecoder(nn.Module):
         """Embedding of acoustic codes of codebook `codebook` (1 .. num_codebooks - 1)."""
         return self.audio_embeddings.lookup(codes + (codebook - 1) * self.audio_vocab, dtype, codes.device)
 
+    def ready(self, dtype: torch.dtype, device) -> None:
+        """Expand the position table for `dtype` on `device` now, as the first step would (a step
+        about to be compiled then finds it made, at every call)."""
+        self._positions(0, 1, dtype, device)
+
     def _positions(self, start: int, s: int, dtype, device) -> torch.Tensor:
         """Position embeddings [1, s, H] of positions start .. start + s - 1 (the table is small:
         it is expanded once per dtype and device, then sliced)."""
