@@ -377,7 +377,7 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     return out
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings, *,
          device: torch.device | None = None, dtype: torch.dtype = torch.float32,
          generators: list[torch.Generator] | torch.Generator | None = None, progress: Progress | None = None,

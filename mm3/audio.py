@@ -51,7 +51,7 @@ def stitched_length(latent_lengths: list[int], hop: int) -> int:
     return hop * sum(keep)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_windows(vocoder, windows: list[torch.Tensor], *, hop: int | None = None, max_rows: int = 2,
                    device=None, dtype: torch.dtype | None = None, progress: Progress | None = None,
                    exact: bool = False) -> list[torch.Tensor]:
@@ -96,7 +96,7 @@ def timeline_windows(total: int, window: int = TIMELINE_WINDOW_LATENTS) -> list[
     return [window] * full + [total - full * (window - overlap)]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_timeline(vocoder, latents: torch.Tensor, *, window: int = TIMELINE_WINDOW_LATENTS, device=None,
                     progress: Progress | None = None) -> torch.Tensor:
     """Latents on one timeline [B, C, T] (`encode_audio`'s) -> audio [B, 2, hop * T] float32 in
@@ -107,7 +107,7 @@ def decode_timeline(vocoder, latents: torch.Tensor, *, window: int = TIMELINE_WI
     return stitch(decode_windows(vocoder, windows, device=device, progress=progress), vocoder.hop)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def encode_audio(vocoder, audio: torch.Tensor, sample_rate: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Stereo audio [2, T] or [B, 2, T] at any rate -> posterior-mean latents [B, C, ceil(T' / hop)].
 

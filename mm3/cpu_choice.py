@@ -360,7 +360,7 @@ def candidate_forms(models: dict, dtype: torch.dtype, budget: int) -> list[str]:
     return out
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: int, threads: list[int],
             forms: list[str] | None = None, rounds: int = ROUNDS, turn_frames: int = TURN_FRAMES,
             progress: Progress | None = None) -> Choice:

@@ -208,7 +208,7 @@ def _check_args(steps, dit_cfg, seed, generator, variations):
     return gens
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def encode_conditions(cond_encoder, frame_hiddens: torch.Tensor, *, device=None, dtype: torch.dtype = torch.float32,
                       progress: Progress | None = None) -> list[torch.Tensor]:
     """The DiT condition of every window: [1, L_k, D] in `dtype` on `device` (default: where the
@@ -259,7 +259,7 @@ class _Run:
         return self.sigmas.shape[0] - 1
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_STEPS,
                    dit_cfg: float = DEFAULT_DIT_CFG, seed: int | None = None, generator=None,
                    variations: int = 1, variation_batch: int = 1, cfg_batch: bool = True, device=None,

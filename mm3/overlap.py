@@ -151,7 +151,7 @@ class _Job:
         return None if self.first_seed is None else self.first_seed + song
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def plan_and_render(models: Models, prompt: PromptText, settings: PlanSettings, synth: SynthSettings,
                     takes: Takes = Takes(), *, device, dtype: torch.dtype, numerics: Numerics = FAST,
                     progress: Progress | None = None,

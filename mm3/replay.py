@@ -142,7 +142,7 @@ class Replayer:
         return self.replayed
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def replay(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, codes: torch.Tensor, *,
            device: torch.device | None = None, dtype: torch.dtype = torch.float32,
            progress: Progress | None = None, lm_seed: int | None = None, ended: bool = False,

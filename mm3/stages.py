@@ -255,7 +255,7 @@ def _stored(song: AudioCodes) -> AudioCodes:
 
 
 # -- the stages -----------------------------------------------------------------------------------
-@torch.no_grad()
+@torch.inference_mode()
 def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, settings: PlanSettings,
                takes: Takes = Takes(), *, device, dtype: torch.dtype, progress=None, weight_budget: int | None = None,
                prefix: torch.Tensor | None = None, generators: list[torch.Generator] | None = None,
@@ -286,7 +286,7 @@ def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, sett
         candidates
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def replay_song(lm_model, depth_model, prompt: PromptText, depth: ModelFile, codes: torch.Tensor, *, lm_seed: int,
                 device, dtype: torch.dtype, progress=None, origin: MM3Request | None = None,
                 model_check: str | None = None, lm: ModelFile | None = None,
@@ -304,7 +304,7 @@ def replay_song(lm_model, depth_model, prompt: PromptText, depth: ModelFile, cod
     return Song(_stored(song), prompt, depth, origin=origin, model_check=model_check)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def encode(cond_model, cond: ModelFile, song: Song, *, device, dtype: torch.dtype, progress=None) -> Conditions:
     """The DiT condition of every window of `song` (`mm3.flow.encode_conditions`)."""
     if song.codes.frame_hiddens is None:
@@ -315,7 +315,7 @@ def encode(cond_model, cond: ModelFile, song: Song, *, device, dtype: torch.dtyp
     return Conditions(song, [c.to(STORE) for c in conds], int(cond.hparams["output_hop_length"]), cond, warnings)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample(dit_model, dit: ModelFile, conditions: Conditions, synth: SynthSettings, *, device, dtype: torch.dtype,
            numerics: Numerics = FAST, generator: torch.Generator | None = None, progress=None,
            weight_cache: int | None = None, on_window=None) -> Latents:
@@ -332,7 +332,7 @@ def sample(dit_model, dit: ModelFile, conditions: Conditions, synth: SynthSettin
                    rng="reference" if generator is not None else "independent", warnings=warnings)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def repaint(dit_model, dit: ModelFile, conditions: Conditions, source: Latents, settings: RepaintSettings,
             synth: SynthSettings, *, device, dtype: torch.dtype, numerics: Numerics = FAST, progress=None,
             weight_cache: int | None = None, on_window=None) -> Latents:
@@ -354,7 +354,7 @@ def repaint(dit_model, dit: ModelFile, conditions: Conditions, source: Latents, 
     return Latents(conditions, [x.to(STORE) for x in latents], synth, dit, settings, source, warnings=warnings)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def encode_recording(vae_model, vae: ModelFile, wave: torch.Tensor, sample_rate: int, conditions: Conditions, *,
                      device) -> Latents:
     """A recording [2, T] -> latents laid out as the windows of `conditions`' song, for a repaint
@@ -369,7 +369,7 @@ def encode_recording(vae_model, vae: ModelFile, wave: torch.Tensor, sample_rate:
     return Latents(conditions, [w.to(STORE) for w in windows], None, vae=vae, covered=covered)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode(vae_model, vae: ModelFile, latents: Latents, *, device, numerics: Numerics = FAST,
            progress=None) -> Windows:
     """`mm3.audio.decode_windows`: each window decoded whole."""
