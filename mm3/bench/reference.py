@@ -39,7 +39,7 @@ def _stage(block, components: dict):
     return pipe
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def run_ar(language_model, rvq_depth_decoder, text_ids: torch.Tensor, duration: float, generator: torch.Generator,
            on_frame: Callable | None = None) -> torch.Tensor:
     """The reference's AR block once: frame hiddens [1, F, ncb * H]. `on_frame(last_hidden [2, H],
@@ -64,7 +64,7 @@ def run_ar(language_model, rvq_depth_decoder, text_ids: torch.Tensor, duration: 
         enc._generate_depth_codes = original
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def run_song(components: dict, text_ids: torch.Tensor, seconds: float, steps: int, generator: torch.Generator,
              on_stage: Callable[[str, Callable], object] | None = None) -> torch.Tensor:
     """The reference's AR, denoise and decode blocks as its pipeline chains them, one generator

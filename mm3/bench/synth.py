@@ -34,7 +34,7 @@ def _window_inputs(ctx: Context):
     return x, t, cond
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def measure_dit(ctx: Context) -> dict:
     """ms per DiT step of one full window (the CFG pair). "ours" is what mm3.flow.sample_latents
     runs by default (weights kept dequantized within the budget, oneDNN products on the CPU, the
@@ -148,7 +148,7 @@ def _dit_roofline(ctx: Context, dit, latents: int, out: dict) -> dict:
     return roof
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def measure_vocoder(ctx: Context) -> dict:
     """Seconds per minute of audio decoding one full window (both sides)."""
     from ..models.cond import latent_length
