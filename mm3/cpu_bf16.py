@@ -1,12 +1,16 @@
-"""Whether the DiT computes in bfloat16 on this CPU, where float32 is the CPU's default dtype.
+"""Whether the DiT, and the AR stage's many-row products, compute in bfloat16 on this CPU, where
+float32 is the CPU's default dtype.
 
 A DiT step is almost all large matrix products, and processors with native bfloat16 dot products
 (AVX512-BF16, AMX) run them in bfloat16 much faster than in float32; elsewhere bfloat16 is emulated
-and slower. The choice follows what torch reports of the processor, not a timing, because a timing
-flips between runs on a loaded machine and the same seeds would then give different audio.
-The price is bfloat16's precision, the GPUs' default (only the DiT's forward; latents and Euler
-steps stay float32). The reference RNG mode stays float32; `MM3_CPU_BF16` or a dtype named by the
-user (`--dtype float32`) decides instead. Figures: the README's Speed section.
+and slower. The same holds for the LM's and depth decoder's products over many rows (the prompt's
+prefill, the replay of a song's codes): those are matrix products too, not the few-row products
+of a frame (`mm3.cpu_choice` measures those). The choice follows what torch reports of the
+processor, not a timing, because a timing flips between runs on a loaded machine and the same
+seeds would then give different audio. The price is bfloat16's precision, the GPUs' default (only
+the products; latents, Euler steps and the LM's activations stay float32). The reference numerics
+and RNG mode stay float32; `MM3_CPU_BF16` or a dtype named by the user (`--dtype float32`)
+decides instead. Figures: the README's Speed section.
 """
 
 from __future__ import annotations
@@ -44,3 +48,13 @@ def dit_dtype(device, dtype: torch.dtype) -> torch.dtype:
     if named in ("on", "off"):
         return torch.bfloat16 if named == "on" else dtype
     return torch.bfloat16 if native() else dtype
+
+
+
+def many_rows_bf16(device, dtype: torch.dtype, dit_compute: torch.dtype | None = None) -> bool:
+    """Whether the LM's and depth decoder's products over many rows (a prefill, a replay) multiply
+    in bfloat16: float32 inputs on a CPU where the DiT's forward computes in bfloat16
+    (`dit_compute`, the caller's pin of it; None: `dit_dtype`'s rule)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    return (dit_dtype(device, dtype) if dit_compute is None else dit_compute) == torch.bfloat16

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .constants import RNG_MODES
+from .cpu_bf16 import many_rows_bf16
 from .flow import AUTO_SHIFT, schedule_shift
 
 MODES = ("fast", "reference")
@@ -56,6 +57,11 @@ class Numerics:
     def exact(self) -> bool:
         """The vocoder's convolutions in the reference's layout (`Vocoder.decode_sides`)."""
         return self.reference
+
+    def many_rows_bf16(self, device, dtype: torch.dtype) -> bool:
+        """Whether the AR stage's products over many rows (prefill, replay) multiply in bfloat16:
+        in the fast numerics, where the DiT's forward does (`mm3.cpu_bf16.many_rows_bf16`)."""
+        return not self.reference and many_rows_bf16(device, dtype, self.compute_dtype)
 
     def shift(self, steps: int, dit_shift: float = AUTO_SHIFT) -> float:
         """The flow schedule's shift for `dit_shift` (AUTO_SHIFT: `mm3.flow.schedule_shift`'s rule;

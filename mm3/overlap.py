@@ -24,6 +24,7 @@ from .components import check_compatible
 from .cpu_choice import at_threads
 from .device import free_bytes
 from .flow import WindowSampler, encode_window, settled_windows, window_bounds
+from .gguf.ops import set_many_rows_bf16
 from .lyrics_align import LyricHeads
 from .numerics import FAST, Numerics
 from .progress import Progress
@@ -182,6 +183,7 @@ def plan_and_render(models: Models, prompt: PromptText, settings: PlanSettings, 
                capacity,
                0 if prefix is None else prefix.shape[0] - 1, hop, int(files["vae"].hparams["sampling_rate"]),
                len(window_bounds(capacity)), settings.lm_seed, lyric_heads, torch.get_num_threads())
+    set_many_rows_bf16([models.lm, models.depth], numerics.many_rows_bf16(device, dtype))
     start = time.perf_counter()
     with ExitStack() as stack:
         renders = []

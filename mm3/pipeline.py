@@ -353,7 +353,7 @@ class Pipeline:
             songs, self.candidates = stages.plan_songs(
                 lm, depth, prompt, self.model_file("depth", request), settings, takes, device=self.device,
                 dtype=self.dtype, progress=progress, prefix=prefix, generators=gens, origin=request,
-                lyric_heads=lyric_heads)
+                lyric_heads=lyric_heads, numerics=self.numerics(rng))
         self.timings.add("plan", time.perf_counter() - start)
         return songs, gens
 
@@ -380,7 +380,8 @@ class Pipeline:
             song = stages.replay_song(lm, depth, prompt, self.model_file("depth", request), codes,
                                       lm_seed=request.lm_seed if lm_seed is None else lm_seed, device=self.device,
                                       dtype=self.dtype, progress=progress, origin=request,
-                                      lyric_heads=lyric_heads, hiddens=hiddens, tap=tap)
+                                      lyric_heads=lyric_heads, hiddens=hiddens, tap=tap,
+                                      numerics=self.numerics(request.rng))
         self.timings.add("replay", time.perf_counter() - start)
         return song
 

@@ -18,6 +18,7 @@ from .ar import PlanSettings, plan
 from .audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, encode_audio, stitch, stitch_piece
 from .codes import AudioCodes
 from .components import MODEL_FIELDS, check_compatible
+from .gguf.ops import set_many_rows_bf16
 from .flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents, windows_from_timeline
 from .lyrics_align import LyricHeads
 from .lora.keys import KINDS as LORA_KINDS
@@ -260,16 +261,18 @@ def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, sett
                takes: Takes = Takes(), *, device, dtype: torch.dtype, progress=None, weight_budget: int | None = None,
                prefix: torch.Tensor | None = None, generators: list[torch.Generator] | None = None,
                origin: MM3Request | None = None, lm: ModelFile | None = None,
-               lyric_heads: LyricHeads | None = None) -> tuple[list[Song], list[Candidate]]:
+               lyric_heads: LyricHeads | None = None, numerics: Numerics = FAST) -> tuple[list[Song], list[Candidate]]:
     """The songs of `settings` (song i from lm_seed + i), each with the hiddens its codes replay
     to, so its replay request renders the same audio; `prefix`: codes to continue. With
     `generators` (the reference RNG) each song is sampled from its generator with the reference's
     op shapes, and the generators are left where the DiT noise continues. `lm`: the LM file as it
     ran (with its adapters), when not the one that built the prompt. `lyric_heads`: each song also
     carries its lyric attention (`mm3.lyrics_align`), from the replay, or without one (the
-    reference RNG) from a replay of the LM alone. Returns the songs and every take planned."""
+    reference RNG) from a replay of the LM alone. `numerics`: whether the many-row products (prefill,
+    replay) multiply in bfloat16 (`Numerics.many_rows_bf16`). Returns the songs and every take planned."""
     prompt = prompt if lm is None else replace(prompt, lm=lm)
     check_compatible({"lm": prompt.lm, "depth": depth})
+    set_many_rows_bf16([lm_model, depth_model], numerics.many_rows_bf16(device, dtype))
     kw = dict(device=device, dtype=dtype, progress=progress)
     if generators is not None:
         codes, candidates = plan(lm_model, depth_model, prompt.prompt, settings, generators=generators, **kw), []
@@ -290,14 +293,16 @@ def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, sett
 def replay_song(lm_model, depth_model, prompt: PromptText, depth: ModelFile, codes: torch.Tensor, *, lm_seed: int,
                 device, dtype: torch.dtype, progress=None, origin: MM3Request | None = None,
                 model_check: str | None = None, lm: ModelFile | None = None,
-                lyric_heads: LyricHeads | None = None, hiddens: bool = True, tap=None) -> Song:
+                lyric_heads: LyricHeads | None = None, hiddens: bool = True, tap=None,
+                numerics: Numerics = FAST) -> Song:
     """The song of known codes [F + 1, ncb]: its frame hiddens by teacher forcing (no sampling);
-    `lm` as in `plan_songs`. `lyric_heads`, `tap`, `hiddens` False: the lyric attention, another
-    attention tap, the attention alone (`mm3.replay.replay`)."""
+    `lm` and `numerics` as in `plan_songs`. `lyric_heads`, `tap`, `hiddens` False: the lyric
+    attention, another attention tap, the attention alone (`mm3.replay.replay`)."""
     if model_check is not None and model_check not in MODEL_CHECKS:
         raise ValueError(f"model_check must be one of {', '.join(MODEL_CHECKS)}, got {model_check!r}")
     prompt = prompt if lm is None else replace(prompt, lm=lm)
     check_compatible({"lm": prompt.lm, "depth": depth})
+    set_many_rows_bf16([lm_model, depth_model], numerics.many_rows_bf16(device, dtype))
     song = replay(lm_model, depth_model, prompt.prompt, codes, device=device, dtype=dtype, progress=progress,
                   lm_seed=lm_seed, lyric_heads=lyric_heads, hiddens=hiddens, tap=tap)
     _check_hiddens(song, "replaying codes")

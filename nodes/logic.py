@@ -21,6 +21,7 @@ from mm3.components import check_compatible
 from mm3.constants import MAX_PROMPT_TOKENS
 from mm3.errors import InputError
 from mm3.lyrics_align import LyricHeads, song_lrc
+from mm3.numerics import FAST, Numerics
 from mm3.output import atomic_write, write_audio
 from mm3.progress import Progress
 from mm3.lora.use import lora_mismatch
@@ -64,7 +65,7 @@ def prompt_summary(prompt: PromptText, limit: int) -> str:
 def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandle, prompt: PromptText,
                settings: PlanSettings, *, device, dtype: torch.dtype, progress: Progress | None = None,
                weight_budget: int | None = None, takes: Takes = Takes(),
-               prior: Song | None = None) -> tuple[list[Song], list]:
+               prior: Song | None = None, numerics: Numerics = FAST) -> tuple[list[Song], list]:
     """`mm3.stages.plan_songs` after the request's checks of these settings (a song to continue
     must be shorter than the duration, ...); `prior`: the song to continue."""
     request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, **plan_fields(settings, takes),
@@ -75,7 +76,7 @@ def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandl
         raise ValueError(str(e)) from None
     return stages.plan_songs(lm_model, depth_model, prompt, depth.file(), settings, takes, device=device, dtype=dtype,
                              progress=progress, weight_budget=weight_budget,
-                             prefix=None if prior is None else prior.codes.codes, lm=lm.file())
+                             prefix=None if prior is None else prior.codes.codes, lm=lm.file(), numerics=numerics)
 
 
 def read_codes_request(text: str, source: str, lm: ComponentHandle, depth: ComponentHandle):
@@ -114,12 +115,13 @@ def codes_file_problems(request: MM3Request, lm: ComponentHandle, depth: Compone
 
 def replay_codes(lm_model, depth_model, depth: ComponentHandle, request: MM3Request, prompt: PromptText,
                  codes: torch.Tensor, *, device, dtype: torch.dtype, progress: Progress | None = None,
-                 model_check: str = "warn") -> Song:
+                 model_check: str = "warn", numerics: Numerics = FAST) -> Song:
     """The song of a replay file (`mm3.stages.replay_song`). The file's request travels on as the
     song's origin, so later stages check their files against those it records (`model_check`)."""
     return stages.replay_song(lm_model, depth_model, prompt, depth.file(), codes, lm_seed=request.lm_seed,
                               device=device, dtype=dtype, progress=progress,
-                              origin=replace(request, synth_batch_size=1), model_check=model_check)
+                              origin=replace(request, synth_batch_size=1), model_check=model_check,
+                              numerics=numerics)
 
 
 def heads_problem(heads) -> str | None:

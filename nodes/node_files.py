@@ -11,10 +11,11 @@ from comfy_api.latest import io, ui
 
 from mm3.constants import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
 from mm3.filecache import FileCache
+from mm3.numerics import Numerics
 from mm3.output import atomic_write
 from mm3.stages import MODEL_CHECKS, request_of
 from . import logic
-from .comfy_models import compute_dtype, load, patcher
+from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress
 from .handles import file_fingerprint
 
@@ -129,8 +130,10 @@ def replay_codes_text(lm, depth, text: str, source: str, model_check: str) -> io
     with interruptible():
         device = patcher(lm).load_device
         lm_model, depth_model = load([lm, depth])
-        song = logic.replay_codes(lm_model, depth_model, depth, request, prompt, codes, device=device,
-                                  dtype=compute_dtype(device), progress=node_progress(), model_check=model_check)
+        dtype = compute_dtype(device)
+        song = logic.replay_codes(lm_model, depth_model, depth, request, prompt, codes, device=device, dtype=dtype,
+                                  progress=node_progress(), model_check=model_check,
+                                  numerics=Numerics(compute_dtype=dit_compute_dtype(dtype)))
     text = f"{song.frames} frames, lm_seed {request.lm_seed}; file settings: seed {request.seed}, steps " \
            f"{request.steps}, dit_cfg {request.dit_cfg:g}"
     text += "".join(f"\nwarning: {p}" for p in problems)

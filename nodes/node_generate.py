@@ -150,7 +150,7 @@ def _render(handles, prompt, settings: PlanSettings, takes: Takes, synth: SynthS
         return rendered.audio[0]
     lm_model, depth_model = load([lm, depth], memory_required=need_ar)
     (song,), _ = logic.plan_songs(lm_model, depth_model, lm, depth, prompt, settings, takes=takes,
-                                  weight_budget=spare_bytes([lm, depth], need_ar), **run)
+                                  weight_budget=spare_bytes([lm, depth], need_ar), numerics=numerics, **run)
     cond_model, dit_model, vae_model = load([cond, dit, vae], memory_required=need_dit + need_vae)
     conditions = stages.encode(cond_model, cond.file(), song, **run)
     stream = stages.WindowStream(vae_model, vae.file(), conditions, preview or (lambda *piece: None),

@@ -161,7 +161,8 @@ class MM3ARPlan(io.ComfyNode):
             planned, candidates = logic.plan_songs(lm_model, depth_model, lm, depth, prompt, settings, device=device,
                                                    dtype=dtype, progress=node_progress(),
                                                    weight_budget=spare_bytes([lm, depth], need), takes=rounds,
-                                                   prior=prior_codes)
+                                                   prior=prior_codes,
+                                                   numerics=Numerics(compute_dtype=dit_compute_dtype(dtype)))
         lines = [s.summary(FRAME_RATE) for s in planned] + [c.describe(FRAME_RATE) for c in candidates]
         return io.NodeOutput(planned, ui={"text": ["\n".join(lines)]})
 

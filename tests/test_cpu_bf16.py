@@ -1,5 +1,6 @@
 """The DiT in bfloat16 on the CPU (mm3.cpu_bf16): when it is chosen, and that it is as close to the
-float32 reference as the reference's own bfloat16 forward is.
+float32 reference as the reference's own bfloat16 forward is; the AR stage's many-row products
+(prefill, replay) in bfloat16 on the same processors.
 
 conftest pins MM3_CPU_BF16=off for the float32 parity tests; these tests set it themselves.
 """
@@ -126,6 +127,70 @@ def test_forward_as_close_as_the_references_bf16(models, tiny):
     assert rel(ours32, want) < 1e-5
     # Same math in the same dtype: here the two bfloat16 forwards agree exactly (0.89 % off float32).
     assert 0 < rel(ours16, want) <= 1.25 * ref_err, (rel(ours16, want), ref_err)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_many_rows_of_an_ar_layer_multiply_in_bfloat16_when_set(qtype):
+    """A prefill's or replay's rows through an LM layer (fast numerics) set to bfloat16: within
+    that rounding of float32; a frame's few rows keep their measured form; the reference numerics
+    stay float32."""
+    from gguf import GGMLQuantizationType as Q
+    from mm3.gguf import ops as gguf_ops, products
+    from tests.test_cpu_int4 import _layer
+
+    layer, values = _layer(Q[qtype], 64, 256, 1)
+    parts = [_layer(Q[qtype], n, 256, 2 + n)[0] for n in (32, 48)]
+    fused = gguf_ops.Fused(parts)
+    holder = torch.nn.ModuleList([layer, *parts])
+    wide, few = torch.randn(40, 256), torch.randn(2, 256)
+
+    def run(on):
+        gguf_ops.set_many_rows_bf16(holder, on)
+        return layer(wide), layer(few), torch.cat(fused(wide), dim=-1), torch.cat(fused(few), dim=-1)
+
+    off, on = run(False), run(True)
+    assert isinstance(layer._product[2].wide, products.Bf16Product)
+    torch.testing.assert_close(off[0], torch.nn.functional.linear(wide, values), rtol=1e-5, atol=1e-5)
+    for a, b in ((on[0], off[0]), (on[2], off[2])):
+        assert 1e-4 < rel(a, b) < 1e-2  # bfloat16's rounding of the rows and weights, no more
+    assert torch.equal(on[1], off[1]) and torch.equal(on[3], off[3])
+    layer.decode_products = False  # the reference numerics: float32 whatever the setting
+    assert torch.equal(layer(wide), torch.nn.functional.linear(wide, values))
+
+
+def test_the_ar_stage_multiplies_many_rows_as_the_dit_computes(monkeypatch, processor):
+    """bfloat16 where the DiT's forward is (the processor's rule, or a caller's pin of it), in
+    the fast numerics of a float32 stage on the CPU only."""
+    from mm3.numerics import FAST, Numerics
+
+    monkeypatch.setenv("MM3_CPU_BF16", "auto")
+    processor(True)
+    assert FAST.many_rows_bf16("cpu", torch.float32)
+    assert not Numerics(compute_dtype=torch.float32).many_rows_bf16("cpu", torch.float32)  # --force-fp32
+    assert not Numerics("reference", torch.float32).many_rows_bf16("cpu", torch.float32)
+    assert not FAST.many_rows_bf16("cpu", torch.bfloat16) and not FAST.many_rows_bf16("cuda", torch.float32)
+    processor(False)
+    assert not FAST.many_rows_bf16("cpu", torch.float32)
+    assert Numerics(compute_dtype=torch.bfloat16).many_rows_bf16("cpu", torch.float32)
+
+
+def test_pipeline_sets_the_ar_models_as_its_dit(tiny, monkeypatch, processor):
+    """`generate` sets the LM's and depth decoder's many-row products as its DiT computes: in
+    bfloat16 by the processor's rule, in float32 where the user named float32."""
+    from mm3.gguf.ops import Linear
+
+    monkeypatch.setenv("MM3_CPU_BF16", "auto")
+    processor(True)
+    from mm3.request import MM3Request
+
+    for named, want in ((None, True), ("float32", False)):
+        pipe = Pipeline(tiny.gguf, device="cpu", dtype=named, keep_loaded=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe.plan(MM3Request(caption="warm synth pop", lyrics="[verse]\nhello", duration=0.4, lm_seed=1))
+        flags = {m.many_rows_bf16 for kind in ("lm", "depth") for m in pipe.store.model(kind).modules()
+                 if isinstance(m, Linear)}
+        assert flags == {want}, named
 
 
 def test_sampler_keeps_float32_latents(models, conditions):

@@ -237,16 +237,19 @@ class Linear(WeightSlots):
     `fused_kernels`: where `mm3.gguf.kernels` runs, products read the GGUF blocks directly (off:
     dequantize, then multiply, as the reference's op shapes).
     `cpu_form`: how few-row products read the weight on the CPU (a `cpu_forms.Serving`; None:
-    `cpu_forms.DEFAULT`)."""
+    `cpu_forms.DEFAULT`).
+    `many_rows_bf16`: with `decode_products`, float32 products over many rows on the CPU (a
+    prefill, a replay) multiply in bfloat16 (`mm3.cpu_bf16.many_rows_bf16` decides; off: float32)."""
 
     decode_products = _Setting()
     fused_kernels = _Setting()
     cpu_form = _Setting(lambda serving: serving)
+    many_rows_bf16 = _Setting()
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.decode_products, self.fused_kernels, self.cpu_form = False, True, None
+        self.decode_products, self.fused_kernels, self.cpu_form, self.many_rows_bf16 = False, True, None, False
         self._product: tuple | None = None  # (input dtype, device, product)
         self._packing: cpu_int4.Packing | None = None  # the int4 planes of the weight, once made
         self._pages: list = []  # the weight's file pages, once looked up
@@ -309,6 +312,7 @@ class Linear(WeightSlots):
         """A Linear of weight rows [start, stop): views of this layer's tensors, nothing copied."""
         out = type(self)(self.in_features, stop - start, bias=self.has_bias)
         out.decode_products, out.fused_kernels, out.cpu_form = self.decode_products, self.fused_kernels, self.cpu_form
+        out.many_rows_bf16 = self.many_rows_bf16
         for name in ("weight", "bias") if self.has_bias else ("weight",):
             out.set_stored(name, self._slot_types[name], self.stored(name)[start:stop])
             if name in self._forms:  # a layout's rows are the rows of its planes
@@ -497,6 +501,15 @@ def choose_products(modules, dtype: torch.dtype, device: torch.device) -> None:
                 sub.choose(dtype, device)
             elif isinstance(sub, Vector) and sub.qtype("weight") is not None:
                 sub(dtype, device)  # its weight in `dtype` made ready, as the step will read it
+
+
+def set_many_rows_bf16(modules, on: bool) -> None:
+    """Set `Linear.many_rows_bf16` of every layer under `modules` (a layer set to what it has keeps
+    its product)."""
+    for m in [modules] if isinstance(modules, nn.Module) else list(modules):
+        for sub in m.modules():
+            if isinstance(sub, Linear):
+                sub.many_rows_bf16 = on
 
 
 def fused_layers(modules) -> list[Fused]:

@@ -50,6 +50,21 @@ class FloatWeight:
         return y
 
 
+class Bf16Product:
+    """torch's product in bfloat16 over a weight given in bfloat16, for inputs of another float
+    dtype (their rows cast, the output cast back, a bias added in the inputs' dtype): the
+    many-row products of a layer set to (`Linear.many_rows_bf16`). `after` as `FloatWeight`'s."""
+
+    def __init__(self, weight: Weight, after: Callable[[], None] | None = None):
+        self.weight, self.after = weight, after
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight()).to(x.dtype)
+        if self.after is not None:
+            self.after()
+        return y if bias is None else y + bias
+
+
 class KernelProduct:
     """The fused Triton kernel over the stored weight (GGUF blocks, or floats of another dtype)."""
 
@@ -192,6 +207,12 @@ def layout_reads(layer, dtype: torch.dtype, device: torch.device) -> bool:
     return layer.stored("weight").device == device and layout_kernels.works(layer.qtype("weight"), dtype, device)
 
 
+def many_rows_bf16(layer, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this `Linear`'s products over many rows multiply in bfloat16: it is set to
+    (`Linear.many_rows_bf16`, in the fast numerics) and its float32 inputs are on the CPU."""
+    return (layer.many_rows_bf16 and layer.decode_products and dtype == torch.float32 and device.type == "cpu")
+
+
 def int4_takes(layer, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this `Linear`'s decode-shaped products on `device` go to the CPU int4 product
     (its form, `cpu_forms.reads_int4`, with no kept float copy and the weight on the CPU)."""
@@ -223,9 +244,12 @@ def _base_for_linear(layer, dtype: torch.dtype, device: torch.device):
     if at_hand is not None:
         return cpu_forms.timed(layer, FloatWeight(lambda: at_hand, major))
     per_use = FloatWeight(lambda: layer.get("weight", dtype, device, scratch=True), major, after=layer.blocks_read)
+    wide = per_use
+    if many_rows_bf16(layer, dtype, device):
+        wide = Bf16Product(lambda: layer.get("weight", torch.bfloat16, device, scratch=True), after=layer.blocks_read)
     if int4_takes(layer, dtype, device):
-        return cpu_forms.timed(layer, ByRows(Int4Product(layer.packing, layer.out_features), per_use))
-    return cpu_forms.timed(layer, per_use)
+        return cpu_forms.timed(layer, ByRows(Int4Product(layer.packing, layer.out_features), wide))
+    return cpu_forms.timed(layer, per_use if wide is per_use else ByRows(per_use, wide))
 
 
 def for_fused(fused, dtype: torch.dtype, device: torch.device):
@@ -252,13 +276,16 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
     if kernels.available(device.type) and same and all(kernel_reads(p, dtype, device) for p in parts):
         return split(KernelProduct(fused.stacked_stored_source(device), qtype))
     int4 = [int4_takes(p, dtype, device) for p in parts]
-    wide = split(FloatWeight(fused.stacked_weight_source(dtype, device), cpu_forms.weight_major(parts[0], device),
-                             after=fused.blocks_read))
+    floats = split(FloatWeight(fused.stacked_weight_source(dtype, device), cpu_forms.weight_major(parts[0], device),
+                               after=fused.blocks_read))
+    wide = floats
+    if all(many_rows_bf16(p, dtype, device) for p in parts):
+        wide = split(Bf16Product(fused.stacked_weight_source(torch.bfloat16, device), after=fused.blocks_read))
     if all(int4) and same:
         return cpu_forms.timed(parts[0], ByRows(split(Int4Product(fused.packing, sum(fused.sizes))), wide))
     if any(int4):  # a mix raised some parts to another type (v_proj in Q6_K): each part its own way
         return ByRows(Separate(parts), cpu_forms.timed(parts[0], wide))
-    return cpu_forms.timed(parts[0], wide)
+    return cpu_forms.timed(parts[0], floats if wide is floats else ByRows(floats, wide))
 
 
 def _resident(stored: torch.Tensor, device: torch.device) -> Weight | None:
