@@ -355,3 +355,16 @@ def test_guidance_one_runs_one_row_per_song(tiny_ar, monkeypatch):
     for a, b in zip(one, two):
         assert torch.equal(a.codes, b.codes)
         assert rel(a.frame_hiddens, b.frame_hiddens) < 1e-5
+
+
+def test_rms_norm_is_the_references_arithmetic_bit_for_bit():
+    """On the CPU in float32 `rms_norm` is torch's fused call; it must give the reference's
+    composite (variance in float32, rsqrt, scale) to the last bit, or the reference numerics drift."""
+    from mm3.models.lm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((2, 1, 1024), (2, 1, 8, 128), (2, 173, 8, 128), (3, 7, 64)):
+        for scale in (1e-3, 1.0, 30.0):
+            x, w = torch.randn(*shape, generator=g) * scale, torch.randn(shape[-1], generator=g)
+            want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+            assert torch.equal(rms_norm(x, w, 1e-6), want), (shape, scale)
