@@ -47,7 +47,8 @@ class Scratch(threading.local):
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape)
         buf = self.buffers.get(dtype)
-        if buf is None or buf.numel() < n:
+        if buf is None or buf.numel() < n or (buf.is_inference() and not torch.is_inference_mode_enabled()):
+            # (a buffer made inside inference mode cannot be written outside it)
             buf = self.buffers[dtype] = torch.empty(n, dtype=dtype)
         return buf[:n].view(shape)
 

@@ -136,12 +136,12 @@ def heads_problem(heads) -> str | None:
 
 
 def lyric_timestamps(lm_model, depth_model, depth: ComponentHandle, song: Song, heads: LyricHeads, lead: float, *,
-                     device, dtype: torch.dtype, progress: Progress | None = None) -> str:
+                     device, dtype: torch.dtype, progress: Progress | None = None, numerics: Numerics = FAST) -> str:
     """The LRC of a planned song: its codes replayed through the LM alone with the lyric heads
     (`mm3.stages.replay_song`, no frame hiddens), then timed (`mm3.lyrics_align`)."""
     timed = stages.replay_song(lm_model, depth_model, song.prompt, depth.file(), song.codes.codes,
                                lm_seed=song.codes.lm_seed, device=device, dtype=dtype, progress=progress,
-                               lyric_heads=heads, hiddens=False)
+                               lyric_heads=heads, hiddens=False, numerics=numerics)
     return song_lrc(timed.codes, lead=lead)
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from mm3.lyrics_align import LEAD_SECONDS, MAX_LEAD, LyricHeads
+from mm3.numerics import Numerics
 from . import logic
-from .comfy_models import compute_dtype, load, patcher
+from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress
 from .validation import verdict
 
@@ -54,8 +55,10 @@ class MM3LyricTimestamps(io.ComfyNode):
         with interruptible():
             device = patcher(lm).load_device
             lm_model, depth_model = load([lm, depth])
+            dtype = compute_dtype(device)
             text = logic.lyric_timestamps(lm_model, depth_model, depth, codes, chosen, lead, device=device,
-                                          dtype=compute_dtype(device), progress=node_progress())
+                                          dtype=dtype, progress=node_progress(),
+                                          numerics=Numerics(compute_dtype=dit_compute_dtype(dtype)))
         ui = {"text": [text or "(no lyric line was reached)"]}
         if text:
             ui["lyrics_lrc"] = [text]  # the live players of this prompt show the lines (web/mm3.js)

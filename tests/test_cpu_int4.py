@@ -167,3 +167,16 @@ def test_repacked_blocks_give_back_their_file_pages_only(tmp_path):
     assert cpu_int4.file_pages(anonymous) is None and not cpu_int4.release_pages(cpu_int4.file_pages(anonymous))
     assert torch.equal(anonymous, raw)
     del blocks, layer
+
+
+def test_the_packing_waits_for_a_few_row_product_and_goes_with_drop_packing():
+    """A replay multiplies many rows only: it packs nothing. The first frame packs; dropping the
+    packing (another form serves) lets go of the product that held it too."""
+    layer, values = _layer(Q.Q8_0, 32, 256, 21)
+    wide = torch.randn(40, 256)
+    torch.testing.assert_close(layer(wide), F.linear(wide, values), rtol=1e-5, atol=1e-5)
+    assert layer._packing is None
+    layer(torch.randn(2, 256))
+    assert layer._packing is not None and layer._product[2].decode.packed is layer._packing
+    layer.drop_packing()
+    assert layer._packing is None and layer._product is None

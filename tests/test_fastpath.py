@@ -368,3 +368,17 @@ def test_rms_norm_is_the_references_arithmetic_bit_for_bit():
             x, w = torch.randn(*shape, generator=g) * scale, torch.randn(shape[-1], generator=g)
             want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
             assert torch.equal(rms_norm(x, w, 1e-6), want), (shape, scale)
+
+
+def test_scratch_made_in_inference_mode_is_replaced_outside_it():
+    """The stages run in inference mode; a dequantization into the scratch buffer after them,
+    outside it, must get a buffer it can write."""
+    from mm3.matmul import Scratch
+
+    scratch = Scratch()
+    with torch.inference_mode():
+        scratch.take((4, 8), torch.float32).fill_(1.0)
+    with torch.no_grad():
+        scratch.take((4, 8), torch.float32).fill_(2.0)  # would raise on the inference tensor
+    with torch.inference_mode():
+        assert scratch.take((2, 8), torch.float32).sum().item() == 32.0  # its buffer kept inside

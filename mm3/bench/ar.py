@@ -19,6 +19,8 @@ import torch
 from .. import cpu_choice
 from ..ar import PlanSettings, ScratchFrames, plan
 from ..constants import FRAME_RATE
+from ..gguf.ops import set_many_rows_bf16
+from ..numerics import Numerics
 from ..progress import Progress
 from .measure import PeakMemory, host_copy_bandwidth, ratio, sync
 from .reference import run_ar
@@ -35,7 +37,9 @@ def _ours(ctx, frames: int, numerics: str = "fast", **kwargs):
         stamps.append(time.perf_counter())
 
     settings = PlanSettings(duration=frames / FRAME_RATE, lm_seed=ctx.seed)
-    (song,) = plan(ctx.ours("lm", numerics), ctx.ours("depth", numerics), ctx.prompt(), settings, device=ctx.device,
+    lm, depth = ctx.ours("lm", numerics), ctx.ours("depth", numerics)
+    set_many_rows_bf16([lm, depth], Numerics(numerics).many_rows_bf16(ctx.device, ctx.dtype))  # as the stages set it
+    (song,) = plan(lm, depth, ctx.prompt(), settings, device=ctx.device,
                    dtype=ctx.dtype, progress=Progress(on_progress=tick), **kwargs)
     return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1), song.codes
 

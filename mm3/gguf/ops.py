@@ -238,8 +238,9 @@ class Linear(WeightSlots):
     dequantize, then multiply, as the reference's op shapes).
     `cpu_form`: how few-row products read the weight on the CPU (a `cpu_forms.Serving`; None:
     `cpu_forms.DEFAULT`).
-    `many_rows_bf16`: with `decode_products`, float32 products over many rows on the CPU (a
-    prefill, a replay) multiply in bfloat16 (`mm3.cpu_bf16.many_rows_bf16` decides; off: float32)."""
+    `many_rows_bf16`: with `decode_products`, float32 products over more rows than a frame's
+    (`mm3.matmul.DECODE_MAX_ROWS`: a prefill, a replay) on the CPU multiply in bfloat16 where the
+    weight has no float copy at hand (`mm3.cpu_bf16.many_rows_bf16` decides; off: float32)."""
 
     decode_products = _Setting()
     fused_kernels = _Setting()
@@ -298,8 +299,9 @@ class Linear(WeightSlots):
             self.give_back_pages()
 
     def drop_packing(self) -> None:
-        """Free the int4 packing (another form serves); it is made again if the int4 product returns."""
-        self._packing = None
+        """Free the int4 packing (another form serves), with the product that holds it; both are
+        made again if the int4 product returns."""
+        self._packing = self._product = None
 
     def give_back_pages(self) -> None:
         """Unmap the weight's file pages once they are packed for the int4 product
@@ -404,8 +406,8 @@ class Fused:
                 p.give_back_pages()
 
     def drop_packing(self) -> None:
-        """Free the parts' stacked int4 packing (another form serves)."""
-        self._packing = None
+        """Free the parts' stacked int4 packing (another form serves), with the product that holds it."""
+        self._packing = self._product = None
 
     def stacked_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[sum(out), in] in `dtype` on `device`."""
@@ -488,17 +490,18 @@ class Fused:
 
 def choose_products(modules, dtype: torch.dtype, device: torch.device) -> None:
     """Choose now the product of every `Linear` and fused group under `modules` for inputs of
-    `dtype` on `device`, and ready every `Vector` in `dtype` there, as their first uses would: a
-    step about to be compiled or captured as a CUDA graph then only calls them (and a compiled
-    step's guards see the same state at every later call)."""
+    `dtype` on `device`, make what the products make at their first call (`products.ready`) and
+    look up every `Vector` in `dtype` there, as their first uses would: a step about to be compiled
+    or captured as a CUDA graph then only calls them (and a compiled step's guards see the same
+    state at every later call)."""
     device = torch.device(device)
     for fused in fused_layers(modules):
         if fused.fuse:
-            fused.choose(dtype, device)
+            products.ready(fused.choose(dtype, device)[3])
     for m in [modules] if isinstance(modules, nn.Module) else list(modules):
         for sub in m.modules():
             if isinstance(sub, Linear) and sub.qtype("weight") is not None:
-                sub.choose(dtype, device)
+                products.ready(sub.choose(dtype, device)[2])
             elif isinstance(sub, Vector) and sub.qtype("weight") is not None:
                 sub(dtype, device)  # its weight in `dtype` made ready, as the step will read it
 

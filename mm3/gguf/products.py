@@ -6,12 +6,13 @@ picks it from what the layer holds at that moment: a float weight at hand (`Floa
 copy or a stored float of that dtype), the Triton kernels over the device layout the weight was
 placed in (`LayoutProduct`, `mm3.gguf.placement`), the Triton kernel reading the GGUF blocks
 (`KernelProduct`), the CPU int4 planes for decode-shaped inputs (`Int4Product` within `ByRows`),
-or a dequantization per use (`FloatWeight` over a fresh weight each time). On the CPU the layer's
+or a dequantization per use (`FloatWeight` over a fresh weight each time; in bfloat16,
+`Bf16Product`, for the inputs of many rows of a layer set to, `Linear.many_rows_bf16`). On the CPU the layer's
 form (`cpu_forms`, measured on the machine by `mm3.cpu_choice`) says which of those serves its
 few-row products and whether a float one is weight-major. The layer keeps the choice until its
 weights are filled or moved, float copies are kept or dropped, adapters are attached, or its
 numerics or form change (`Linear.decode_products`, `Linear.fused_kernels`, `Linear.cpu_form`,
-`Fused.fuse`); forward only calls it.
+`Linear.many_rows_bf16`, `Fused.fuse`); forward only calls it.
 
 Adapters (LoRA) attached to a layer (`Linear.low_rank`, a `LowRank`) are a side product beside
 whichever of these serves the weight (`WithLowRank`; a `Fused` layer's over its stacked output),
@@ -86,14 +87,22 @@ class LayoutProduct:
 
 
 class Int4Product:
-    """torch's CPU int4 product over the weight's `cpu_int4` packing, made (or taken) when the
-    product is chosen: a call reads no state but its tensors, so a compiled step traces it whole."""
+    """torch's CPU int4 product over the weight's `cpu_int4` packing, made at the first call (a
+    replay that only multiplies many rows never packs) or by `ready`, then held: a call then reads
+    nothing but its tensors, so a compiled step traces it whole."""
 
     def __init__(self, packing: Callable[[], cpu_int4.Packing], out_features: int):
-        self.packing, self.out_features = packing(), out_features
+        self.packing, self.out_features = packing, out_features
+        self.packed: cpu_int4.Packing | None = None
+
+    def ready(self) -> None:
+        if self.packed is None:
+            self.packed = self.packing()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return cpu_int4.linear(x, self.packing, self.out_features, bias)
+        if self.packed is None:
+            self.ready()
+        return cpu_int4.linear(x, self.packed, self.out_features, bias)
 
 
 class ByRows:
@@ -149,6 +158,16 @@ class WithLowRank:
         for c0, c1, r0, r1, up_t in self.blocks:
             y2[:, c0:c1].addmm_(t[:, r0:r1], up_t)
         return y2.view(y.shape)
+
+
+def ready(product) -> None:
+    """Make now what `product` (any product of this module, wrapped or not) would make at its
+    first call: a step about to be compiled then only calls it."""
+    if isinstance(product, Int4Product):
+        product.ready()
+    for inner in (getattr(product, name, None) for name in ("decode", "wide", "product", "base")):
+        if inner is not None:
+            ready(inner)
 
 
 def side_product(base, low_ranks: list[LowRank | None], sizes: list[int], dtype: torch.dtype,
@@ -279,7 +298,7 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
     floats = split(FloatWeight(fused.stacked_weight_source(dtype, device), cpu_forms.weight_major(parts[0], device),
                                after=fused.blocks_read))
     wide = floats
-    if all(many_rows_bf16(p, dtype, device) for p in parts):
+    if all(many_rows_bf16(p, dtype, device) and p.float_at_hand(dtype, device) is None for p in parts):
         wide = split(Bf16Product(fused.stacked_weight_source(torch.bfloat16, device), after=fused.blocks_read))
     if all(int4) and same:
         return cpu_forms.timed(parts[0], ByRows(split(Int4Product(fused.packing, sum(fused.sizes))), wide))
