@@ -180,3 +180,13 @@ def test_the_packing_waits_for_a_few_row_product_and_goes_with_drop_packing():
     assert layer._packing is not None and layer._product[2].decode.packed is layer._packing
     layer.drop_packing()
     assert layer._packing is None and layer._product is None
+
+
+@pytest.mark.parametrize("rows", [16, 64, 80, 192, 1040])
+def test_the_packing_laid_out_from_bytes_is_torchs(rows):
+    """Whole 64-row blocks are laid out here, the rest by torch's op: the same bytes as torch's
+    op over the whole weight."""
+    q = torch.randint(0, 16, (rows, 128), generator=torch.Generator().manual_seed(rows))
+    assert cpu_int4._direct_agrees()
+    assert torch.equal(cpu_int4._nibbles(q.to(torch.uint8)),
+                       torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))

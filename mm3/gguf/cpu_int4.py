@@ -86,14 +86,45 @@ def serves(layer, qtype: QT | None, device: torch.device) -> bool:
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, sub: int = 0) -> Packing:
-    """q [N, K] int32 in 0..15, scale and offset [N, K/32] -> the kernel's packing."""
+    """q [N, K] integers in 0..15, scale and offset [N, K/32] -> the kernel's packing."""
     pad = -q.shape[0] % ROWS_MULTIPLE
     if pad:
         q = torch.cat((q, q.new_full((pad, q.shape[1]), 8)))
         scale, offset = (torch.cat((t, t.new_zeros(pad, t.shape[1]))) for t in (scale, offset))
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     pairs = torch.stack((scale, offset), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/32, N, 2]
-    return Packing(packed, pairs, sub)
+    return Packing(_nibbles(q), pairs, sub)
+
+
+BLOCK_ROWS = 64  # rows torch's CPU packing lays out together
+_DIRECT: list[bool] = []
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] integers in 0..15 -> torch's CPU int4 layout ([N, K/2] uint8). Whole 64-row blocks
+    are laid out here from bytes, as torch lays them out (byte (k, j) of a block: rows j and j + 32
+    of column k, low nibble first; `_direct_agrees` checks it once against this torch); the rows
+    after them through torch's op, which takes int32 (four times the bytes, and slower)."""
+    n = q.shape[0]
+    whole = n // BLOCK_ROWS * BLOCK_ROWS
+    if not whole or not _direct_agrees():
+        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    qb = q[:whole].to(torch.uint8).view(whole // BLOCK_ROWS, 2, BLOCK_ROWS // 2, q.shape[1])
+    body = (qb[:, 0] | (qb[:, 1] << 4)).transpose(1, 2).contiguous().view(whole, q.shape[1] // 2)
+    if whole == n:
+        return body
+    tail = torch._convert_weight_to_int4pack_for_cpu(q[whole:].to(torch.int32).contiguous(), 1)
+    return torch.cat((body, tail))
+
+
+def _direct_agrees() -> bool:
+    """Whether laying out whole blocks here gives torch's own packing (probed once)."""
+    if not _DIRECT:
+        q = torch.randint(0, 16, (2 * BLOCK_ROWS, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        want = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        qb = q.to(torch.uint8).view(2, 2, BLOCK_ROWS // 2, 96)
+        got = (qb[:, 0] | (qb[:, 1] << 4)).transpose(1, 2).contiguous().view(2 * BLOCK_ROWS, 48)
+        _DIRECT.append(want.shape == got.shape and bool(torch.equal(want, got)))
+    return _DIRECT[0]
 
 
 def _product(x2: torch.Tensor, packed: Packing) -> torch.Tensor:
@@ -168,7 +199,7 @@ def _repack_rows(raw: torch.Tensor, qtype: QT, in_features: int) -> Packing:
     if qtype in ONE_PLANE:
         q, scale, offset = _one_plane(b, qtype)
         groups = k // GROUP
-        return pack(q.to(torch.int32).reshape(n, k), scale.reshape(n, groups), offset.reshape(n, groups))
+        return pack(q.reshape(n, k), scale.reshape(n, groups), offset.reshape(n, groups))
     sub = TWO_PLANES[qtype]
     high, low, s, c = _two_planes(b, qtype)
     # w = S (16 (H - 8) + (L - 8)) + (8 S + c): the kernel's (q - 8) scale for both planes, and the
@@ -178,8 +209,8 @@ def _repack_rows(raw: torch.Tensor, qtype: QT, in_features: int) -> Packing:
     s, constant = s.reshape(n, subs), (8 * s + c).reshape(n, subs)
     if sub == GROUP:  # each sub-block is two groups, both fed x: the high one scaled by 16, half the constant each
         scales = torch.stack((16 * s, s), dim=2).reshape(n, 2 * subs)
-        return pack(q.to(torch.int32), scales, (constant / 2).repeat_interleave(2, dim=1), sub)
-    return pack(q.to(torch.int32), s, constant / 17, sub)  # one group fed 16 x then x: 17 parts of the constant
+        return pack(q, scales, (constant / 2).repeat_interleave(2, dim=1), sub)
+    return pack(q, s, constant / 17, sub)  # one group fed 16 x then x: 17 parts of the constant
 
 
 MADV_DONTNEED = 4
