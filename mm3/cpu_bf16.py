@@ -50,7 +50,6 @@ def dit_dtype(device, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if native() else dtype
 
 
-
 def many_rows_bf16(device, dtype: torch.dtype, dit_compute: torch.dtype | None = None) -> bool:
     """Whether the LM's and depth decoder's products over many rows (a prefill, a replay) multiply
     in bfloat16: float32 inputs on a CPU where the DiT's forward computes in bfloat16

@@ -24,14 +24,13 @@ from .components import check_compatible
 from .cpu_choice import at_threads
 from .device import free_bytes
 from .flow import WindowSampler, encode_window, settled_windows, window_bounds
-from .gguf.ops import set_many_rows_bf16
 from .lyrics_align import LyricHeads
 from .numerics import FAST, Numerics
 from .progress import Progress
 from .replay import Replayer
 from .sampling import resolve_seed
 from .stages import (STORE, Audio, Conditions, Latents, ModelFile, PromptText, Song, Windows, _check_hiddens,
-                     _stored, stitch_windows)
+                     _stored, set_ar_numerics, stitch_windows)
 from .codes import AudioCodes
 from .settings import SynthSettings
 from .takes import Takes
@@ -183,7 +182,7 @@ def plan_and_render(models: Models, prompt: PromptText, settings: PlanSettings, 
                capacity,
                0 if prefix is None else prefix.shape[0] - 1, hop, int(files["vae"].hparams["sampling_rate"]),
                len(window_bounds(capacity)), settings.lm_seed, lyric_heads, torch.get_num_threads())
-    set_many_rows_bf16([models.lm, models.depth], numerics.many_rows_bf16(device, dtype))
+    set_ar_numerics(models.lm, models.depth, numerics, device=device, dtype=dtype)
     start = time.perf_counter()
     with ExitStack() as stack:
         renders = []

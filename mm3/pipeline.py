@@ -26,7 +26,6 @@ from .cpu_bf16 import dit_dtype
 from .device import empty_cache, pick_device, pick_dtype, total_bytes
 from .errors import RunError
 from .fingerprint import file_fingerprint
-from .gguf.ops import set_many_rows_bf16
 from .lyrics_align import LyricHeads
 from .lora.adapter import read_adapter
 from .lora.attach import Applied, attach, layer_terms
@@ -401,7 +400,7 @@ class Pipeline:
                 raise RequestError(f"the range {start:g}..{end:g} s holds no frame of this {n / FRAME_RATE:.2f} s song")
             settings = replace(request.plan_settings(), duration=(b + 0.5) / FRAME_RATE, lm_seed=lm_seed, songs=1,
                                shaping=replace(request.shaping(), min_frames=b))
-            set_many_rows_bf16([lm, depth], self.numerics(request.rng).many_rows_bf16(self.device, self.dtype))
+            stages.set_ar_numerics(lm, depth, self.numerics(request.rng), device=self.device, dtype=self.dtype)
             (song,) = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
                            progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)
         return AudioCodes(torch.cat([song.codes, codes[b + 1:]]), None, prompt).to_request_codes()

@@ -255,6 +255,13 @@ def _stored(song: AudioCodes) -> AudioCodes:
     return replace(song, frame_hiddens=None if song.frame_hiddens is None else song.frame_hiddens.to(STORE))
 
 
+def set_ar_numerics(lm_model, depth_model, numerics: Numerics, *, device, dtype: torch.dtype) -> None:
+    """Set the LM's and depth decoder's many-row products (prefill, replay) to the dtype
+    `numerics` gives them for `dtype` inputs on `device` (`Numerics.many_rows_bf16`); every
+    caller of the AR stage sets it, so one run's setting never carries into the next."""
+    set_many_rows_bf16([lm_model, depth_model], numerics.many_rows_bf16(device, dtype))
+
+
 # -- the stages -----------------------------------------------------------------------------------
 @torch.inference_mode()
 def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, settings: PlanSettings,
@@ -272,7 +279,7 @@ def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, sett
     replay) multiply in bfloat16 (`Numerics.many_rows_bf16`). Returns the songs and every take planned."""
     prompt = prompt if lm is None else replace(prompt, lm=lm)
     check_compatible({"lm": prompt.lm, "depth": depth})
-    set_many_rows_bf16([lm_model, depth_model], numerics.many_rows_bf16(device, dtype))
+    set_ar_numerics(lm_model, depth_model, numerics, device=device, dtype=dtype)
     kw = dict(device=device, dtype=dtype, progress=progress)
     if generators is not None:
         codes, candidates = plan(lm_model, depth_model, prompt.prompt, settings, generators=generators, **kw), []
@@ -302,7 +309,7 @@ def replay_song(lm_model, depth_model, prompt: PromptText, depth: ModelFile, cod
         raise ValueError(f"model_check must be one of {', '.join(MODEL_CHECKS)}, got {model_check!r}")
     prompt = prompt if lm is None else replace(prompt, lm=lm)
     check_compatible({"lm": prompt.lm, "depth": depth})
-    set_many_rows_bf16([lm_model, depth_model], numerics.many_rows_bf16(device, dtype))
+    set_ar_numerics(lm_model, depth_model, numerics, device=device, dtype=dtype)
     song = replay(lm_model, depth_model, prompt.prompt, codes, device=device, dtype=dtype, progress=progress,
                   lm_seed=lm_seed, lyric_heads=lyric_heads, hiddens=hiddens, tap=tap)
     _check_hiddens(song, "replaying codes")

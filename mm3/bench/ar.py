@@ -19,9 +19,9 @@ import torch
 from .. import cpu_choice
 from ..ar import PlanSettings, ScratchFrames, plan
 from ..constants import FRAME_RATE
-from ..gguf.ops import set_many_rows_bf16
 from ..numerics import Numerics
 from ..progress import Progress
+from ..stages import set_ar_numerics
 from .measure import PeakMemory, host_copy_bandwidth, ratio, sync
 from .reference import run_ar
 
@@ -38,7 +38,7 @@ def _ours(ctx, frames: int, numerics: str = "fast", **kwargs):
 
     settings = PlanSettings(duration=frames / FRAME_RATE, lm_seed=ctx.seed)
     lm, depth = ctx.ours("lm", numerics), ctx.ours("depth", numerics)
-    set_many_rows_bf16([lm, depth], Numerics(numerics).many_rows_bf16(ctx.device, ctx.dtype))  # as the stages set it
+    set_ar_numerics(lm, depth, Numerics(numerics), device=ctx.device, dtype=ctx.dtype)  # as the stages do
     (song,) = plan(lm, depth, ctx.prompt(), settings, device=ctx.device,
                    dtype=ctx.dtype, progress=Progress(on_progress=tick), **kwargs)
     return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1), song.codes

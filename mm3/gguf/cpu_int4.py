@@ -108,21 +108,25 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
     whole = n // BLOCK_ROWS * BLOCK_ROWS
     if not whole or not _direct_agrees():
         return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-    qb = q[:whole].to(torch.uint8).view(whole // BLOCK_ROWS, 2, BLOCK_ROWS // 2, q.shape[1])
-    body = (qb[:, 0] | (qb[:, 1] << 4)).transpose(1, 2).contiguous().view(whole, q.shape[1] // 2)
+    body = _blocks(q[:whole])
     if whole == n:
         return body
     tail = torch._convert_weight_to_int4pack_for_cpu(q[whole:].to(torch.int32).contiguous(), 1)
     return torch.cat((body, tail))
 
 
+def _blocks(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in whole 64-row blocks -> their packed bytes [N, K/2] (see `_nibbles`)."""
+    n, k = q.shape
+    qb = q.to(torch.uint8).view(n // BLOCK_ROWS, 2, BLOCK_ROWS // 2, k)
+    return (qb[:, 0] | (qb[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
+
+
 def _direct_agrees() -> bool:
-    """Whether laying out whole blocks here gives torch's own packing (probed once)."""
+    """Whether `_blocks` gives torch's own packing (probed once)."""
     if not _DIRECT:
         q = torch.randint(0, 16, (2 * BLOCK_ROWS, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-        want = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        qb = q.to(torch.uint8).view(2, 2, BLOCK_ROWS // 2, 96)
-        got = (qb[:, 0] | (qb[:, 1] << 4)).transpose(1, 2).contiguous().view(2 * BLOCK_ROWS, 48)
+        want, got = torch._convert_weight_to_int4pack_for_cpu(q, 1), _blocks(q)
         _DIRECT.append(want.shape == got.shape and bool(torch.equal(want, got)))
     return _DIRECT[0]
 
