@@ -1,6 +1,7 @@
 """The AR stage's CPU product forms and thread count, measured on the machine that runs them.
 
-Which way of reading quantized weights is fastest (`mm3.gguf.cpu_forms`: the int4 planes, a
+Which way of reading quantized weights is fastest (`mm3.gguf.cpu_forms`: the int4 planes, the
+Q8_0 kernel built on the machine, a
 dequantization per product, kept float copies; `F.linear` or weight-major) and how many threads
 pay differ between processors and with what else the machine runs, and a product timed alone
 with its weight hot in cache says little about a frame that reads every weight in turn. So at
@@ -33,8 +34,8 @@ from typing import Callable, Protocol
 import torch
 
 from .cache_dir import cache_dir
-from .gguf import cpu_int4
-from .gguf.cpu_forms import DEFAULT, FORMS, Clock, Serving, TooSlow
+from .gguf import cpu_int4, cpu_native
+from .gguf.cpu_forms import DEFAULT, FORMS, PACKED, Clock, Serving, TooSlow, packed_kernel
 from .gguf.ops import FLOAT_TYPES, Linear, fused_layers
 from .gguf.weight_copies import cache_dequantized, put_back, set_aside
 from .progress import Cancelled, Progress
@@ -176,13 +177,16 @@ def weight_types(model) -> list[str]:
 
 def key(models: dict, dtype: torch.dtype, threads: int | None = None) -> str:
     """The cache key of a choice: processor, usable cores, torch, dtype, the thread setting
-    (`user_threads`) and per component its weight types and millions of weight values."""
+    (`user_threads`), per component its weight types and millions of weight values, and for
+    Q8_0 weights the native kernel's build (a compiler installed or removed times again)."""
     parts = [f"cpu={processor()}", f"cores={usable_cores()}", f"torch={torch.__version__}",
              f"dtype={str(dtype).removeprefix('torch.')}", f"threads={'auto' if threads is None else threads}"]
     for name in COMPONENTS:
         if name in models:
             values = sum(m.in_features * m.out_features for m in _linears(models[name]))
             parts.append(f"{name}={','.join(weight_types(models[name]))}:{values / 1e6:.1f}M")
+    if any(m.qtype("weight") in cpu_native.TYPES for model in models.values() for m in _linears(model)):
+        parts.append(f"native={cpu_native.vector_bits()}")  # the Q8_0 kernel, as built here (-1: none)
     return "; ".join(parts)
 
 
@@ -249,18 +253,20 @@ def named_form() -> str | None:
 
 def apply(forms: dict[str, str], models: dict, clock: Clock | None = None, free: bool = True) -> None:
     """Give every product layer of each model its component's form (and `clock`, while timing).
-    With `free`, the int4 packings of layers that no longer read them are freed."""
+    With `free`, the packings (`cpu_forms.PACKED`) that layers no longer read are freed."""
+    cpu = torch.device("cpu")
     for name, model in models.items():
         form = FORMS[forms.get(name, DEFAULT.name)]
         for layer in _linears(model):
             now = layer.cpu_form
             if now is None or now.form != form or now.component != name or now.clock is not clock:
                 layer.cpu_form = Serving(form, name, clock)
-            if free and form.holds != "int4":
-                layer.drop_packing()
-        if free and form.holds != "int4":
+            if free:
+                layer.drop_packing(keep=packed_kernel(layer, layer.qtype("weight"), cpu))
+        if free:
             for fused in fused_layers(model):
-                fused.drop_packing()
+                first = fused.parts[0]
+                fused.drop_packing(keep=packed_kernel(first, first.qtype("weight"), cpu))
 
 
 def threads(choice: Choice | None):
@@ -347,13 +353,16 @@ class Candidate:
 
 
 def candidate_forms(models: dict, dtype: torch.dtype, budget: int) -> list[str]:
-    """The forms that differ for these models: int4 where a weight type has it, copies where a
-    weight needs converting and memory allows, dequantization (or the floats as they are) always."""
+    """The forms that differ for these models: int4 and the native kernel where a weight type has
+    them, copies where a weight needs converting and memory allows, dequantization (or the
+    floats as they are) always."""
     layers = [layer for m in models.values() for layer in _linears(m)]
-    int4 = any(cpu_int4.serves(layer, layer.qtype("weight"), torch.device("cpu")) for layer in layers)
+    cpu = torch.device("cpu")
+    int4 = any(cpu_int4.serves(layer, layer.qtype("weight"), cpu) for layer in layers)
+    native = any(cpu_native.serves(layer, layer.qtype("weight"), cpu) for layer in layers)  # builds it at most once
     converts = any(not (layer.qtype("weight") in FLOAT_TYPES and FLOAT_TYPES[layer.qtype("weight")] == dtype)
                    for layer in layers)
-    out = ["int4"] if int4 else []
+    out = (["int4"] if int4 else []) + (["native"] if native else [])
     out += ["dequant-linear", "dequant-weight-major"]
     if converts and budget > 0:
         out += ["copy-linear", "copy-weight-major"]
@@ -377,7 +386,7 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
     before = torch.get_num_threads()
     outside = set_aside(modules)  # copies someone else keeps: back after the timing
     copies: dict[str, list] = {}  # per component, the copies its `copy` forms read
-    done, total = 0, sum(FORMS[f].holds == "int4" for f in forms) + rounds * len(candidates) * turn_frames
+    done, total = 0, sum(FORMS[f].holds in PACKED for f in forms) + rounds * len(candidates) * turn_frames
 
     def tick(n: int):
         nonlocal done
@@ -393,7 +402,7 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
             copies = {name: set_aside([model]) for name, model in models.items()}
         torch.set_num_threads(max(threads))
         for f in forms:
-            if FORMS[f].holds == "int4":  # its first use packs the weights: not timed
+            if FORMS[f].holds in PACKED:  # its first use packs the weights: not timed
                 _use(models, {name: f for name in models}, copies, None)
                 frames.run(1)
                 tick(1)
@@ -449,7 +458,7 @@ def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: dict, turn_fr
 
 
 def _use(models: dict, forms: dict[str, str], copies: dict, clock: Clock | None) -> None:
-    """The models in `forms` (their int4 packings kept for later turns), each component's copies
+    """The models in `forms` (their packings kept for later turns), each component's copies
     in use where its form reads them."""
     if copies:
         set_aside(list(models.values()))

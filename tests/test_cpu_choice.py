@@ -17,7 +17,7 @@ import torch
 
 from mm3 import cpu_choice
 from mm3.ar import PlanSettings, plan
-from mm3.gguf import cpu_forms, cpu_int4, products
+from mm3.gguf import cpu_forms, cpu_int4, cpu_native, products
 from mm3.gguf.ops import Linear
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.lm import Qwen3LM
@@ -103,6 +103,19 @@ def test_the_cached_choice_is_reused_and_another_processor_times_again(q8, timin
     assert len(keys) == 2 and any("cpu=Another Processor 9000" in k for k in keys)
 
 
+def test_a_native_kernel_built_or_gone_times_again(q8, timing, monkeypatch):
+    """The Q8_0 models' key names the native kernel's build: a compiler installed or removed
+    makes a new timing, as another processor does."""
+    _plan(q8, *_models(q8))
+    (key,) = json.loads(cpu_choice.cache_file().read_text())["choices"]
+    bits = cpu_native.vector_bits()
+    assert f"native={bits}" in key
+    monkeypatch.setattr(cpu_native, "vector_bits", lambda: 256 if bits == -1 else -1)
+    cpu_choice.forget()
+    _plan(q8, *_models(q8))
+    assert len(timing) == 2 and len(json.loads(cpu_choice.cache_file().read_text())["choices"]) == 2
+
+
 def test_other_weight_types_are_timed_apart(q8, tiny, timing):
     """The F32 models have no int4 or copy candidates, and their own cache entry."""
     _plan(q8, *_models(q8))
@@ -127,8 +140,9 @@ def test_the_named_form_serves_without_timing(q8, form, timing, monkeypatch):
     assert _forms(lm) == _forms(depth) == {form}
     layer = depth.layers[0].down_proj
     product = products.for_linear(layer, torch.float32, torch.device("cpu"))
-    if form == "int4":
-        assert isinstance(product, products.ByRows) and isinstance(product.decode, products.Int4Product)
+    if form in ("int4", "native"):  # Q8_0 weights: the native kernel where it builds, else the int4 planes
+        assert isinstance(product, products.ByRows) and isinstance(product.decode, products.PackedProduct)
+        assert product.decode.kernel == ("native" if form == "native" and cpu_native.available() else "int4")
     else:
         assert isinstance(product, products.FloatWeight) and product.major == form.endswith("weight-major")
 
@@ -137,7 +151,7 @@ def test_an_unknown_name_is_warned_about_and_the_forms_timed(q8, timing, monkeyp
     monkeypatch.setenv("MM3_CPU_PRODUCT", "fastest please")
     with caplog.at_level(logging.WARNING, logger="mm3.cpu_choice"):
         _plan(q8, *_models(q8))
-    assert "MM3_CPU_PRODUCT='fastest please' is not one of auto, int4, dequant-linear" in caplog.text
+    assert "MM3_CPU_PRODUCT='fastest please' is not one of auto, int4, native, dequant-linear" in caplog.text
     assert len(timing) == 1
 
 
@@ -190,7 +204,9 @@ def test_the_fast_forms_agree_within_rounding(q8, monkeypatch):
     """Dequantization per product and kept copies multiply the same floats (the same bits);
     weight-major sums in another order: the same codes, hiddens within float rounding. int4 rounds
     inputs and scales to bfloat16, so a near tie may draw another code: up to the first frame that
-    differs (not before half the song) its codes and hiddens agree within that rounding."""
+    differs (not before half the song) its codes and hiddens agree within that rounding. The native
+    Q8_0 kernel rounds inputs to int16 per 32 values (about 1e-5): the same codes, hiddens within
+    1e-4."""
     songs = {}
     for form in cpu_forms.FORMS:
         monkeypatch.setenv("MM3_CPU_PRODUCT", form)
@@ -205,7 +221,7 @@ def test_the_fast_forms_agree_within_rounding(q8, monkeypatch):
             assert frames >= len(base.codes) // 2, differing
         assert torch.equal(song.codes[:frames], base.codes[:frames]), form
         rel = _rel(song.frame_hiddens[:frames - 1], base.frame_hiddens[:frames - 1])
-        assert rel < (1e-2 if form == "int4" else 1e-5), (form, rel)
+        assert rel < {"int4": 1e-2, "native": 1e-4}.get(form, 1e-5), (form, rel)
 
 
 def test_a_thread_count_the_user_set_is_kept(monkeypatch):
@@ -311,10 +327,11 @@ def test_the_cache_folder_is_named_or_the_users(monkeypatch, tmp_path):
         assert cpu_choice.cache_file() == tmp_path / "xdg" / "mm3" / "cpu-products.json"
 
 
-def test_int4_is_a_candidate_only_where_a_weight_type_has_it(q8):
+def test_int4_and_native_are_candidates_only_where_a_weight_type_has_them(q8):
     lm, depth = _models(q8)
     forms = cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 1 << 30)
     assert forms[0] == ("int4" if cpu_int4.available() else "dequant-linear")
+    assert ("native" in forms) == cpu_native.available()  # the Q8_0 file's weights
     assert "copy-linear" in forms
     assert "copy-linear" not in cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 0)
 
@@ -357,16 +374,20 @@ def test_a_mixed_candidate_reads_copies_only_where_its_form_does(q8):
     cpu_choice._use(models, {"lm": "copy-linear", "depth": "int4"}, copies, None)
     assert dequantized_nbytes(lm) > 0 and dequantized_nbytes(depth) == 0
     product = products.for_linear(depth.layers[0].down_proj, torch.float32, torch.device("cpu"))
-    assert isinstance(product.decode, products.Int4Product) or not cpu_int4.available()
+    assert isinstance(product.decode, products.PackedProduct) or not cpu_int4.available()
     cpu_choice._use(models, {"lm": "int4", "depth": "copy-linear"}, copies, None)
     assert dequantized_nbytes(lm) == 0 and dequantized_nbytes(depth) > 0
 
 
 @pytest.mark.skipif(not cpu_int4.available(), reason="this torch has no CPU int4 product")
-def test_the_int4_frame_step_compiles_whole_and_once(q8, monkeypatch):
-    """The frame step over int4 products traces as one graph (no break: a product reads only its
-    packing's tensors) and a second song reuses it (no guard on state a plan changes)."""
-    monkeypatch.setenv("MM3_CPU_PRODUCT", "int4")
+@pytest.mark.parametrize("form", ["int4", "native"])
+def test_the_packed_frame_step_compiles_whole_and_once(q8, form, monkeypatch):
+    """The frame step over int4 or native products traces as one graph (no break: a product reads
+    only its packing's tensors; the native kernel is a custom op) and a second song reuses it (no
+    guard on state a plan changes)."""
+    if form == "native" and not cpu_native.available():
+        pytest.skip("the native Q8_0 kernel cannot be built here (no C compiler, or not x86-64)")
+    monkeypatch.setenv("MM3_CPU_PRODUCT", form)
     graphs = []
 
     def backend(gm, example_inputs):  # dynamo's graph, run as traced: counts compilations
@@ -386,4 +407,7 @@ def test_the_int4_frame_step_compiles_whole_and_once(q8, monkeypatch):
     assert len(graphs) == 1  # one KV bucket covers the tiny song: one graph, for both songs
     for song in songs:
         assert torch.equal(song.codes, eager.codes)
-        torch.testing.assert_close(song.frame_hiddens, eager.frame_hiddens, rtol=1e-4, atol=1e-4)
+        if form == "native":  # the inputs' int16 rounding follows float rounding of the traced ops
+            assert _rel(song.frame_hiddens, eager.frame_hiddens) < 1e-4
+        else:
+            torch.testing.assert_close(song.frame_hiddens, eager.frame_hiddens, rtol=1e-4, atol=1e-4)

@@ -4,6 +4,8 @@ A decode step multiplies a few rows by large weights, so its speed is the speed 
 and which way of holding and reading a quantized weight is fastest depends on the processor:
 
   int4                  torch's int4 product over the weight repacked once (`cpu_int4`)
+  native                this package's Q8_0 kernel built on the machine (`cpu_native`) for Q8_0
+                        weights, the int4 product for the others
   dequant-linear        the blocks dequantized at every product, then `F.linear`
   dequant-weight-major  the same, multiplied as `w @ x.T` (`mm3.matmul.weight_major_linear`)
   copy-linear           a float copy kept (within the memory budget), then `F.linear`
@@ -24,27 +26,29 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_int4
+from . import cpu_int4, cpu_native
 
-HOLDERS = ("int4", "dequant", "copy")
+HOLDERS = ("int4", "native", "dequant", "copy")
+PACKED = ("int4", "native")  # holders that repack the weight once for a kernel of their own
 
 
 @dataclass(frozen=True)
 class Form:
-    """How a few-row product reads its weight: `holds` ("int4", "dequant", "copy") and whether a
-    float product is weight-major."""
+    """How a few-row product reads its weight: `holds` (one of `HOLDERS`) and whether a float
+    product is weight-major."""
 
     holds: str
     weight_major: bool = False
 
     @property
     def name(self) -> str:
-        if self.holds == "int4":
-            return "int4"
+        if self.holds in PACKED:
+            return self.holds
         return f"{self.holds}-{'weight-major' if self.weight_major else 'linear'}"
 
 
-FORMS = {f.name: f for f in (Form("int4"), Form("dequant"), Form("dequant", True), Form("copy"), Form("copy", True))}
+FORMS = {f.name: f for f in (Form("int4"), Form("native"), Form("dequant"), Form("dequant", True), Form("copy"),
+                              Form("copy", True))}
 DEFAULT = FORMS["int4"]  # before a choice is applied (the form the engine had before it measured)
 
 
@@ -93,22 +97,27 @@ def weight_major(layer, device: torch.device) -> bool:
     return form is not None and form.weight_major
 
 
-def reads_int4(layer, qtype, device: torch.device) -> bool:
-    """Whether `layer`'s few-row products on `device` go to the int4 product: its form says so and
-    the product reads the type (`cpu_int4.serves`)."""
+def packed_kernel(layer, qtype, device: torch.device) -> str | None:
+    """The kernel of its own (`PACKED`: "native", "int4") that `layer`'s few-row products on
+    `device` go to, or None: the form's, where that kernel reads the type; under `native`, the
+    int4 product for the types the native kernel does not read."""
     form = form_of(layer, device)
-    return form is not None and form.holds == "int4" and cpu_int4.serves(layer, qtype, device)
+    if form is None or form.holds not in PACKED:
+        return None
+    if form.holds == "native" and cpu_native.serves(layer, qtype, device):
+        return "native"
+    return "int4" if cpu_int4.serves(layer, qtype, device) else None
 
 
 def wants_copy(layer, qtype, device: torch.device) -> bool:
     """Whether a float copy of `layer`'s weight serves it: always without a CPU form (an
-    accelerator, the reference numerics, the DiT), never for the int4 product or per-product
-    dequantization, and for `copy` forms and the types int4 cannot read."""
+    accelerator, the reference numerics, the DiT), never for a packed kernel or per-product
+    dequantization, and for `copy` forms and the types no packed kernel of the form reads."""
     form = form_of(layer, device)
     if form is None:
         return True
-    if form.holds == "int4":
-        return not cpu_int4.serves(layer, qtype, device)
+    if form.holds in PACKED:
+        return packed_kernel(layer, qtype, device) is None
     return form.holds == "copy"
 
 

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from ..matmul import CPU_SCRATCH
-from . import cpu_int4, custom_ops, placement, products
+from . import cpu_int4, cpu_native, custom_ops, placement, products
 from .errors import ComponentError
 from .reader import CompressedTensor
+
+_REPACK = {"int4": cpu_int4.repack, "native": cpu_native.repack}  # a CPU kernel -> how a weight is packed for it
 
 FLOAT_TYPES = {
     GGMLQuantizationType.F32: torch.float32,
@@ -252,7 +254,7 @@ class Linear(WeightSlots):
         self.in_features, self.out_features = in_features, out_features
         self.decode_products, self.fused_kernels, self.cpu_form, self.many_rows_bf16 = False, True, None, False
         self._product: tuple | None = None  # (input dtype, device, product)
-        self._packing: cpu_int4.Packing | None = None  # the int4 planes of the weight, once made
+        self._packing: dict = {}  # kernel ("int4", "native") -> the weight packed for it, once made
         self._pages: list = []  # the weight's file pages, once looked up
         self.low_rank: products.LowRank | None = None  # attached adapters (`set_low_rank`)
         self.declare("weight", out_features, in_features)
@@ -264,7 +266,7 @@ class Linear(WeightSlots):
         super()._changed(weights)
         self._product = None
         if weights:
-            self._packing, self._pages = None, []
+            self._packing, self._pages = {}, []
 
     def set_low_rank(self, low_rank: "products.LowRank | None") -> None:
         """Attach adapters' low-rank terms beside the weight (None: none); the product is chosen again."""
@@ -285,23 +287,26 @@ class Linear(WeightSlots):
         self._product = (dtype, device, products.for_linear(self, dtype, device))
         return self._product
 
-    def packing(self) -> cpu_int4.Packing:
-        """The weight's `cpu_int4` packing, made on first use (its file pages then given back)."""
-        if self._packing is None:
-            self._packing = cpu_int4.repack(self.stored("weight"), self.qtype("weight"), self.out_features,
-                                            self.in_features)
+    def packing(self, kernel: str = "int4"):
+        """The weight packed for `kernel` (`cpu_int4` or `cpu_native`), made on first use (its
+        file pages then given back)."""
+        if kernel not in self._packing:
+            self._packing[kernel] = _REPACK[kernel](self.stored("weight"), self.qtype("weight"), self.out_features,
+                                                    self.in_features)
             self.give_back_pages()
-        return self._packing
+        return self._packing[kernel]
 
     def blocks_read(self) -> None:
-        """After a product that read the blocks again (a prefill): the int4 products will not."""
-        if self._packing is not None:
+        """After a product that read the blocks again (a prefill): the packed products will not."""
+        if self._packing:
             self.give_back_pages()
 
-    def drop_packing(self) -> None:
-        """Free the int4 packing (another form serves), with the product that holds it; both are
-        made again if the int4 product returns."""
-        self._packing = self._product = None
+    def drop_packing(self, keep: str | None = None) -> None:
+        """Free the packings but `keep`'s (another form serves), with the product that holds them;
+        both are made again if that kernel returns."""
+        if set(self._packing) - {keep}:
+            self._packing = {k: v for k, v in self._packing.items() if k == keep}
+            self._product = None
 
     def give_back_pages(self) -> None:
         """Unmap the weight's file pages once they are packed for the int4 product
@@ -361,7 +366,7 @@ class Fused:
         self.sizes = [p.out_features for p in parts]
         self.in_features = parts[0].in_features
         self._product: tuple | None = None  # (input dtype, device, parts' versions, product)
-        self._packing: tuple | None = None  # (where the parts' blocks lie, their cpu_int4 packing)
+        self._packing: dict = {}  # kernel -> (where the parts' blocks lie, their packing for it)
         self.fuse = fuse
 
     @property
@@ -388,26 +393,32 @@ class Fused:
         self._product = (dtype, device, tuple(p.version for p in self.parts), product)
         return self._product
 
-    def packing(self) -> cpu_int4.Packing:
-        """The parts' blocks as one `cpu_int4` packing, made once while the parts keep their weights."""
+    def packing(self, kernel: str = "int4"):
+        """The parts' blocks as one packing for `kernel` (`cpu_int4`, `cpu_native`), made once while
+        the parts keep their weights."""
         stored = [p.stored("weight") for p in self.parts]
         key = tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in stored)
-        if self._packing is None or self._packing[0] != key:
+        held = self._packing.get(kernel)
+        if held is None or held[0] != key:
             qtype = self.parts[0].qtype("weight")
-            self._packing = (key, cpu_int4.repack(torch.cat(stored), qtype, sum(self.sizes), self.in_features))
+            self._packing[kernel] = held = (key, _REPACK[kernel](torch.cat(stored), qtype, sum(self.sizes),
+                                                                 self.in_features))
             for p in self.parts:
                 p.give_back_pages()
-        return self._packing[1]
+        return held[1]
 
     def blocks_read(self) -> None:
         """After a stacked product that read the blocks of packed parts again (a prefill)."""
-        if self._packing is not None:
+        if self._packing:
             for p in self.parts:
                 p.give_back_pages()
 
-    def drop_packing(self) -> None:
-        """Free the parts' stacked int4 packing (another form serves), with the product that holds it."""
-        self._packing = self._product = None
+    def drop_packing(self, keep: str | None = None) -> None:
+        """Free the parts' stacked packings but `keep`'s (another form serves), with the product
+        that holds them."""
+        if set(self._packing) - {keep}:
+            self._packing = {k: v for k, v in self._packing.items() if k == keep}
+            self._product = None
 
     def stacked_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[sum(out), in] in `dtype` on `device`."""

@@ -5,7 +5,8 @@ A product is a callable `product(x [..., K], bias [N] | None) -> [..., N]` (a li
 picks it from what the layer holds at that moment: a float weight at hand (`FloatWeight`: a kept
 copy or a stored float of that dtype), the Triton kernels over the device layout the weight was
 placed in (`LayoutProduct`, `mm3.gguf.placement`), the Triton kernel reading the GGUF blocks
-(`KernelProduct`), the CPU int4 planes for decode-shaped inputs (`Int4Product` within `ByRows`),
+(`KernelProduct`), a CPU kernel over the weight packed for it for decode-shaped inputs (the int4
+planes or the native Q8_0 kernel: `PackedProduct` within `ByRows`),
 or a dequantization per use (`FloatWeight` over a fresh weight each time; in bfloat16,
 `Bf16Product`, for the inputs of many rows of a layer set to, `Linear.many_rows_bf16`). On the CPU the layer's
 form (`cpu_forms`, measured on the machine by `mm3.cpu_choice`) says which of those serves its
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..matmul import DECODE_MAX_ROWS, weight_major_linear
-from . import cpu_forms, cpu_int4, custom_ops, kernels, layout_kernels
+from . import cpu_forms, cpu_int4, cpu_native, custom_ops, kernels, layout_kernels
 
 Weight = Callable[[], torch.Tensor]  # the weight a product reads, on the input's device
 
@@ -86,23 +87,27 @@ class LayoutProduct:
         return custom_ops.layout_linear(x, self.weight(), self.qtype, self.in_features, bias)
 
 
-class Int4Product:
-    """torch's CPU int4 product over the weight's `cpu_int4` packing, made at the first call (a
-    replay that only multiplies many rows never packs) or by `ready`, then held: a call then reads
-    nothing but its tensors, so a compiled step traces it whole."""
+KERNELS = {"int4": cpu_int4, "native": cpu_native}  # a CPU kernel (`cpu_forms.PACKED`) -> its module
 
-    def __init__(self, packing: Callable[[], cpu_int4.Packing], out_features: int):
-        self.packing, self.out_features = packing, out_features
-        self.packed: cpu_int4.Packing | None = None
+
+class PackedProduct:
+    """A CPU kernel's product (`kernel`: "int4", torch's int4 product over the `cpu_int4` planes;
+    "native", the `cpu_native` Q8_0 kernel) over the weight packed for it, made at the first call
+    (a replay that only multiplies many rows never packs) or by `ready`, then held: a call then
+    reads nothing but its tensors, so a compiled step traces it whole."""
+
+    def __init__(self, kernel: str, packing: Callable[[str], object], out_features: int):
+        self.kernel, self.packing, self.out_features = kernel, packing, out_features
+        self.packed = None
 
     def ready(self) -> None:
         if self.packed is None:
-            self.packed = self.packing()
+            self.packed = self.packing(self.kernel)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
             self.ready()
-        return cpu_int4.linear(x, self.packed, self.out_features, bias)
+        return KERNELS[self.kernel].linear(x, self.packed, self.out_features, bias)
 
 
 class ByRows:
@@ -163,7 +168,7 @@ class WithLowRank:
 def ready(product) -> None:
     """Make now what `product` (any product of this module, wrapped or not) would make at its
     first call: a step about to be compiled then only calls it."""
-    if isinstance(product, Int4Product):
+    if isinstance(product, PackedProduct):
         product.ready()
     for inner in (getattr(product, name, None) for name in ("decode", "wide", "product", "base")):
         if inner is not None:
@@ -232,12 +237,16 @@ def many_rows_bf16(layer, dtype: torch.dtype, device: torch.device) -> bool:
     return (layer.many_rows_bf16 and layer.decode_products and dtype == torch.float32 and device.type == "cpu")
 
 
-def int4_takes(layer, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this `Linear`'s decode-shaped products on `device` go to the CPU int4 product
-    (its form, `cpu_forms.reads_int4`, with no kept float copy and the weight on the CPU)."""
-    if layer.form("weight") is not None or not cpu_forms.reads_int4(layer, layer.qtype("weight"), device):
-        return False
-    return not layer.keeps_copy(dtype, device) and layer.stored("weight").device.type == "cpu"
+def packed_takes(layer, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The CPU kernel over a packing ("int4", "native") that this `Linear`'s decode-shaped products
+    on `device` go to (its form, `cpu_forms.packed_kernel`, with no kept float copy and the weight
+    on the CPU), or None."""
+    if layer.form("weight") is not None:
+        return None
+    kernel = cpu_forms.packed_kernel(layer, layer.qtype("weight"), device)
+    if kernel is None or layer.keeps_copy(dtype, device) or layer.stored("weight").device.type != "cpu":
+        return None
+    return kernel
 
 
 def for_linear(layer, dtype: torch.dtype, device: torch.device):
@@ -266,8 +275,9 @@ def _base_for_linear(layer, dtype: torch.dtype, device: torch.device):
     wide = per_use
     if many_rows_bf16(layer, dtype, device):
         wide = Bf16Product(lambda: layer.get("weight", torch.bfloat16, device, scratch=True), after=layer.blocks_read)
-    if int4_takes(layer, dtype, device):
-        return cpu_forms.timed(layer, ByRows(Int4Product(layer.packing, layer.out_features), wide))
+    kernel = packed_takes(layer, dtype, device)
+    if kernel is not None:
+        return cpu_forms.timed(layer, ByRows(PackedProduct(kernel, layer.packing, layer.out_features), wide))
     return cpu_forms.timed(layer, per_use if wide is per_use else ByRows(per_use, wide))
 
 
@@ -294,15 +304,15 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
         return Separate(parts)  # another kernel family): each its own product, never a stack dequantized per call
     if kernels.available(device.type) and same and all(kernel_reads(p, dtype, device) for p in parts):
         return split(KernelProduct(fused.stacked_stored_source(device), qtype))
-    int4 = [int4_takes(p, dtype, device) for p in parts]
+    packed = [packed_takes(p, dtype, device) for p in parts]
     floats = split(FloatWeight(fused.stacked_weight_source(dtype, device), cpu_forms.weight_major(parts[0], device),
                                after=fused.blocks_read))
     wide = floats
     if all(many_rows_bf16(p, dtype, device) and p.float_at_hand(dtype, device) is None for p in parts):
         wide = split(Bf16Product(fused.stacked_weight_source(torch.bfloat16, device), after=fused.blocks_read))
-    if all(int4) and same:
-        return cpu_forms.timed(parts[0], ByRows(split(Int4Product(fused.packing, sum(fused.sizes))), wide))
-    if any(int4):  # a mix raised some parts to another type (v_proj in Q6_K): each part its own way
+    if packed[0] is not None and same and len(set(packed)) == 1:
+        return cpu_forms.timed(parts[0], ByRows(split(PackedProduct(packed[0], fused.packing, sum(fused.sizes))), wide))
+    if any(packed):  # a mix raised some parts to another type (v_proj in Q6_K): each part its own way
         return ByRows(Separate(parts), cpu_forms.timed(parts[0], wide))
     return cpu_forms.timed(parts[0], floats if wide is floats else ByRows(floats, wide))
 

@@ -1,0 +1,249 @@
+"""Q8_0 weights multiplied on the CPU by a kernel of this package, built on the machine that runs it.
+
+torch's CPU products read a Q8_0 weight either as two int4 planes (`cpu_int4`: twice the values,
+and its kernel is bound by its arithmetic on few cores) or dequantized. `native/q8_0_product.c`
+multiplies the int8 values as they are, with integer multiply-adds over 16 rows at a time, the
+input rounded per 32 columns to int16 (about 1e-5 relative, far below the int4 product's
+bfloat16 rounding); so its products are float32 products up to that rounding, and on a machine
+whose processor multiplies int16 fast it reads the weight about as fast as memory delivers it.
+
+The C file is compiled once per machine with the system's C compiler (`CC`, else `cc`, `gcc` or
+`clang`; `-O3 -march=native`, with OpenMP where the compiler has it) into the cache folder
+(`mm3.cache_dir`), keyed by the source, the compiler and the processor, and loaded with ctypes.
+Where there is no compiler, the build fails or its product is wrong on a probe, `available()` is
+False and the other forms serve. It is one candidate form (`native`) that `mm3.cpu_choice`
+times in whole frames beside the others; `MM3_CPU_NATIVE=off` keeps it from being built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+
+from ..cache_dir import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "q8_0_product.c"
+ENV_SWITCH = "MM3_CPU_NATIVE"
+TYPES = frozenset({QT.Q8_0})
+TILE = 16  # rows the kernel multiplies together: a weight gets zero rows up to a multiple, cut off after
+REPACK_ROWS = 1024  # rows repacked at a time (a multiple of TILE): bounds the temporaries
+BUILD_SECONDS = 120
+_LIBRARY: list = []  # [ctypes library or None], once per process
+
+
+class Packing(NamedTuple):
+    """A weight in the kernel's layout: `weight` [rows / 16, 16 * K + 64 * K / 32] int8 (each
+    tile's values, then its float32 scales), `in_features` K."""
+
+    weight: torch.Tensor
+    in_features: int
+
+    def nbytes(self) -> int:
+        return self.weight.numel()
+
+
+def _machine() -> str:
+    """What the compiled code depends on besides its source: the processor and its features."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def _compiler() -> str | None:
+    named = os.environ.get("CC", "").strip()
+    if named:
+        return shutil.which(named) or named
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_SECONDS)
+
+
+def build() -> Path | None:
+    """The compiled library in the cache folder, built now if it is not there; None where it cannot
+    be (no compiler, a platform without x86-64 vector code, a failed build), with one log line."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or os.name != "posix":
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler found (set CC to name one): the CPU products use torch's kernels alone")
+        return None
+    try:
+        version = _run([cc, "--version"]).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        log.info("the C compiler %s does not run (%s): the CPU products use torch's kernels alone", cc, e)
+        return None
+    source = SOURCE.read_bytes()
+    base = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+    digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(base).encode(),
+                                         _machine().encode()])).hexdigest()[:20]
+    out = cache_dir() / "native" / f"q8_0_product-{digest}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    why = ""
+    for extra in (["-fopenmp"], []):  # without OpenMP the kernel runs on one thread
+        try:
+            done = _run([cc, *base, *extra, str(SOURCE), "-o", str(tmp), "-lm"])
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+            continue
+        if done.returncode == 0:
+            os.replace(tmp, out)
+            log.info("built the CPU Q8_0 kernel with %s%s", Path(cc).name, "" if extra else " (one thread: no OpenMP)")
+            return out
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    tmp.unlink(missing_ok=True)
+    log.info("cannot build the CPU Q8_0 kernel with %s (%s): the CPU products use torch's kernels alone", cc, why)
+    return None
+
+
+def library():
+    """The loaded kernel library, or None (built, loaded and probed once per process)."""
+    if not _LIBRARY:
+        lib = None
+        if os.environ.get(ENV_SWITCH, "").strip().lower() not in ("off", "0", "no", "false"):
+            try:
+                path = build()
+                if path is not None:
+                    lib = ctypes.CDLL(str(path))
+                    lib.mm3_q8_0_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+                    lib.mm3_q8_0_product.restype = ctypes.c_int
+                    lib.mm3_q8_0_vector_bits.restype = ctypes.c_int
+            except OSError as e:
+                log.info("cannot load the CPU Q8_0 kernel (%s): the CPU products use torch's kernels alone", e)
+                lib = None
+        _LIBRARY.append(lib)
+        if lib is not None and not _probe():
+            log.warning("the CPU Q8_0 kernel built here computes wrong products: it is not used")
+            _LIBRARY[0] = None
+    return _LIBRARY[0]
+
+
+def available() -> bool:
+    """Whether the kernel is built, loaded and computes what it should here."""
+    return library() is not None
+
+
+def vector_bits() -> int:
+    """The vector width the kernel was built for (512, 256; 0: plain C; -1: not available)."""
+    lib = library()
+    return -1 if lib is None else int(lib.mm3_q8_0_vector_bits())
+
+
+def _probe() -> bool:
+    g = torch.Generator().manual_seed(0)
+    n, k = 40, 96  # rows that are not whole tiles; three blocks a row
+    d = (torch.rand(n, k // 32, generator=g) + 0.5).half()
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    raw = blocks(q, d)
+    x = torch.randn(3, k, generator=g)
+    want = x.double() @ (q.double().view(n, -1, 32) * d.double()[..., None]).view(n, k).T
+    with torch.inference_mode():
+        got = linear(x, repack(raw, QT.Q8_0, n, k), n)
+    return bool(((got.double() - want).norm() / want.norm()) < 1e-4)
+
+
+def blocks(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks [N, K / 32 * 34] (uint8) of values q [N, K] (int8) and scales d [N, K / 32] (float16)."""
+    n, k = q.shape
+    return torch.cat((d.contiguous().view(torch.uint8).view(n, k // 32, 2),
+                      q.view(torch.uint8).view(n, k // 32, 32)), dim=2).view(n, -1)
+
+
+def serves(layer, qtype: QT | None, device: torch.device) -> bool:
+    """Whether a decode-shaped product of this layer (`mm3.gguf.ops.Linear`) on `device` can come
+    here: a weight of one of `TYPES` in the LM or depth decoder in the fast numerics, on the CPU."""
+    return (device.type == "cpu" and qtype in TYPES and layer.decode_products and layer.fused_kernels
+            and available())
+
+
+def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> Packing:
+    """GGUF Q8_0 block rows [N, row_bytes] -> the kernel's tiles (see `Packing`)."""
+    if qtype not in TYPES:
+        raise ValueError(f"the CPU Q8_0 kernel reads {', '.join(t.name for t in TYPES)}, not {qtype.name}")
+    rows = raw.reshape(out_features, -1)
+    parts = [_tiles(rows[i:i + REPACK_ROWS], in_features) for i in range(0, out_features, REPACK_ROWS)]
+    return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features)
+
+
+def _tiles(raw: torch.Tensor, k: int) -> torch.Tensor:
+    block_bytes = GGML_QUANT_SIZES[QT.Q8_0][1]
+    groups = k // 32
+    b = raw.reshape(-1, groups, block_bytes)
+    n = b.shape[0]
+    d = b[..., :2].contiguous().view(torch.float16).view(n, groups).float()
+    q = b[..., 2:].contiguous().view(torch.int8).view(n, k)
+    pad = -n % TILE
+    if pad:
+        q = torch.cat((q, q.new_zeros(pad, k)))
+        d = torch.cat((d, d.new_zeros(pad, groups)))
+    t = (n + pad) // TILE
+    values = q.view(t, TILE, k // 2, 2).permute(0, 2, 1, 3).reshape(t, TILE * k)
+    scales = d.view(t, TILE, groups).transpose(1, 2).contiguous().view(torch.int8).view(t, 4 * TILE * groups)
+    return torch.cat((values, scales), dim=1)
+
+
+def product(x2: torch.Tensor, packed: Packing) -> torch.Tensor:
+    """x2 [M, K] float32 (contiguous) times the packed weight -> [M, rows padded to whole tiles]."""
+    m, k = x2.shape
+    n = packed.weight.shape[0] * TILE
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m and n:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the CPU Q8_0 kernel is not available")
+        if lib.mm3_q8_0_product(x2.data_ptr(), packed.weight.data_ptr(), y.data_ptr(), m, n, k,
+                                torch.get_num_threads()):
+            raise MemoryError(f"the CPU Q8_0 kernel could not allocate the rounded rows of a [{m}, {k}] input")
+    return y
+
+
+@torch.library.custom_op("mm3::native_q8_0", mutates_args=())
+def _traced(x2: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    return product(x2, Packing(weight, k))
+
+
+@_traced.register_fake
+def _(x2, weight, k):
+    return x2.new_empty((x2.shape[0], weight.shape[0] * TILE))
+
+
+def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype, W in the kernel's packing (a custom op
+    while torch.compile traces, `torch.ops.mm3.native_q8_0`: a call into a C library is opaque to it)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    if torch.compiler.is_compiling():
+        y = torch.ops.mm3.native_q8_0(x2, packed.weight, packed.in_features)
+    else:
+        y = product(x2, packed)
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], out_features)

@@ -1,0 +1,209 @@
+"""The Q8_0 kernel built on the machine (`mm3.gguf.cpu_native`): its products against gguf-py's
+dequantization, its packing, the layers and forms that use it, its build cache, and what happens
+where it cannot be built (no compiler, switched off, a wrong product): torch's kernels serve."""
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mm3.bench.random_models import random_tensor
+from mm3.gguf import cpu_forms, cpu_int4, cpu_native, products
+from mm3.gguf import ops as gguf_ops
+from mm3.gguf.cpu_forms import FORMS, Serving
+
+Q = gguf.GGMLQuantizationType
+needs_kernel = pytest.mark.skipif(not cpu_native.available(),
+                                  reason="the native Q8_0 kernel cannot be built here (no C compiler, or not x86-64)")
+
+
+def _raw(n, k, seed):
+    """Random Q8_0 blocks [n, k / 32 * 34] and their values by gguf-py's own dequantization."""
+    raw = random_tensor("w", (n, k), Q.Q8_0, torch.Generator().manual_seed(seed))
+    values = gguf.quants.dequantize(np.asarray(raw), Q.Q8_0).reshape(n, k)
+    return torch.from_numpy(raw), torch.from_numpy(values.astype(np.float64))
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture
+def rebuilt(monkeypatch):
+    """The kernel library looked up afresh in this test (and again after it)."""
+    monkeypatch.setattr(cpu_native, "_LIBRARY", [])
+    yield
+    cpu_native._LIBRARY.clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (100, 1024), (1040, 256)])
+def test_products_match_the_dequantized_weight(n, k, rows):
+    """float32 products up to the int16 rounding of the inputs (about 1e-5), whole tiles or not."""
+    raw, values = _raw(n, k, n + k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    bias = torch.randn(n)
+    y = cpu_native.linear(x, cpu_native.repack(raw, Q.Q8_0, n, k), n, bias)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    assert _rel(y, x.double() @ values.T + bias.double()) < 5e-5
+
+
+@needs_kernel
+def test_zero_and_huge_inputs_round_without_overflow():
+    raw, values = _raw(32, 256, 1)
+    packed = cpu_native.repack(raw, Q.Q8_0, 32, 256)
+    assert torch.equal(cpu_native.linear(torch.zeros(2, 256), packed, 32), torch.zeros(2, 32))
+    x = torch.full((1, 256), 3e4)
+    x[0, ::2] = -3e4
+    assert _rel(cpu_native.linear(x, packed, 32), x.double() @ values.T) < 5e-5
+
+
+@needs_kernel
+def test_a_nan_or_infinite_input_gives_nan_outputs_in_its_row():
+    """As a float product's would be: a diverging run is caught downstream, not rounded away."""
+    raw, values = _raw(32, 256, 1)
+    packed = cpu_native.repack(raw, Q.Q8_0, 32, 256)
+    x = torch.randn(3, 256)
+    x[0, 5], x[2, 200] = float("nan"), float("-inf")
+    y = cpu_native.linear(x, packed, 32)
+    assert y[0].isnan().all() and y[2].isnan().all()
+    assert _rel(y[1], x[1].double() @ values.T) < 5e-5
+
+
+@needs_kernel
+def test_other_dtypes_and_shapes_come_back_as_given():
+    raw, values = _raw(48, 128, 2)
+    packed = cpu_native.repack(raw, Q.Q8_0, 48, 128)
+    x = torch.randn(2, 1, 128, dtype=torch.bfloat16)
+    y = cpu_native.linear(x, packed, 48)
+    assert y.shape == (2, 1, 48) and y.dtype == torch.bfloat16
+    assert _rel(y, x.double() @ values.T) < 1e-2
+
+
+def test_repacking_in_row_chunks_is_the_whole_packing(monkeypatch):
+    raw, _ = _raw(200, 256, 3)
+    whole = cpu_native.repack(raw, Q.Q8_0, 200, 256)
+    assert whole.weight.shape == (13, 16 * 256 + 64 * 8) and whole.nbytes() == whole.weight.numel()
+    monkeypatch.setattr(cpu_native, "REPACK_ROWS", 48)
+    assert torch.equal(cpu_native.repack(raw, Q.Q8_0, 200, 256).weight, whole.weight)
+
+
+def test_other_types_are_refused():
+    with pytest.raises(ValueError, match="reads Q8_0, not Q4_K"):
+        cpu_native.repack(torch.zeros(16, 144, dtype=torch.uint8), Q.Q4_K, 16, 256)
+
+
+def _layer(qtype, n, k, seed):
+    layer = gguf_ops.Linear(k, n, bias=False)
+    raw = torch.from_numpy(random_tensor("w", (n, k), qtype, torch.Generator().manual_seed(seed)))
+    layer.set_stored("weight", qtype, raw)
+    layer.decode_products = layer.fused_kernels = True
+    layer.cpu_form = Serving(FORMS["native"], "depth")
+    return layer
+
+
+@needs_kernel
+def test_a_native_layer_packs_once_for_few_rows_and_dequantizes_for_many(monkeypatch):
+    calls = []
+    real = cpu_native.linear
+    monkeypatch.setattr(cpu_native, "linear", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    layer = _layer(Q.Q8_0, 48, 256, 4)
+    values = layer.get("weight", torch.float32, torch.device("cpu"))
+    wide = torch.randn(40, 256)
+    torch.testing.assert_close(layer(wide), F.linear(wide, values), rtol=1e-5, atol=1e-5)
+    assert not layer._packing and calls == []  # many rows: nothing packed
+    x = torch.randn(2, 256)
+    assert _rel(layer(x), F.linear(x.double(), values.double())) < 5e-5
+    first = layer._packing["native"]
+    layer(x)
+    assert layer._packing["native"] is first and list(layer._packing) == ["native"] and calls == [48, 48]
+
+
+@needs_kernel
+def test_a_fused_layer_stacks_its_parts_for_the_kernel():
+    parts = [_layer(Q.Q8_0, n, 256, 5 + n) for n in (64, 32, 32)]
+    fused = gguf_ops.Fused(parts)
+    x = torch.randn(2, 256)
+    product = products.for_fused(fused, torch.float32, torch.device("cpu"))
+    assert product.decode.product.kernel == "native"
+    for y, p in zip(fused(x), parts):
+        assert _rel(y, F.linear(x.double(), p.get("weight", torch.float64, torch.device("cpu")))) < 5e-5
+    assert fused._packing["native"][1].weight.shape[0] == 8
+
+
+def test_under_the_native_form_other_types_take_int4_or_copies():
+    cpu = torch.device("cpu")
+    q4 = _layer(Q.Q4_K, 32, 256, 6)
+    assert cpu_forms.packed_kernel(q4, Q.Q4_K, cpu) == ("int4" if cpu_int4.available() else None)
+    f16 = _layer(Q.F16, 32, 256, 7)
+    assert cpu_forms.packed_kernel(f16, Q.F16, cpu) is None and cpu_forms.wants_copy(f16, Q.F16, cpu)
+    q8 = _layer(Q.Q8_0, 32, 256, 8)
+    want = "native" if cpu_native.available() else ("int4" if cpu_int4.available() else None)
+    assert cpu_forms.packed_kernel(q8, Q.Q8_0, cpu) == want
+
+
+@needs_kernel
+def test_dropping_packings_keeps_the_one_that_serves():
+    layer = _layer(Q.Q8_0, 32, 256, 9)
+    layer.packing("int4")
+    layer.packing("native")
+    layer.drop_packing(keep="native")
+    assert list(layer._packing) == ["native"]
+    layer.drop_packing()
+    assert not layer._packing
+
+
+@needs_kernel
+def test_a_compiled_function_traces_the_kernel_as_one_op():
+    layer = _layer(Q.Q8_0, 48, 256, 10)
+    x = torch.randn(2, 256)
+    eager = layer(x)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda t: layer(t) * 2, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(x), eager * 2, rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+
+
+@needs_kernel
+def test_the_build_is_cached_per_source_compiler_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
+    runs = []
+    real = cpu_native._run
+    monkeypatch.setattr(cpu_native, "_run", lambda cmd: runs.append(cmd) or real(cmd))
+    first = cpu_native.build()
+    assert first is not None and first.parent == tmp_path / "native" and len(runs) == 2  # --version, the build
+    assert cpu_native.build() == first and len(runs) == 3  # found: only --version
+    monkeypatch.setattr(cpu_native, "_machine", lambda: "Another Processor 9000")
+    other = cpu_native.build()
+    assert other != first and other.is_file() and len(runs) == 5
+
+
+def test_without_a_compiler_torchs_kernels_serve(monkeypatch, tmp_path, rebuilt, caplog):
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with caplog.at_level(logging.INFO, logger="mm3.gguf.cpu_native"):
+        assert not cpu_native.available() and cpu_native.vector_bits() == -1
+    assert "torch's kernels alone" in caplog.text
+    q8 = _layer(Q.Q8_0, 32, 256, 11)
+    assert cpu_forms.packed_kernel(q8, Q.Q8_0, torch.device("cpu")) == ("int4" if cpu_int4.available() else None)
+    assert not list((tmp_path / "native").glob("*.so")) if (tmp_path / "native").exists() else True
+
+
+def test_the_switch_keeps_it_from_being_built(monkeypatch, rebuilt):
+    monkeypatch.setenv("MM3_CPU_NATIVE", "off")
+    monkeypatch.setattr(cpu_native, "build", lambda: pytest.fail("built although switched off"))
+    assert not cpu_native.available()
+
+
+@needs_kernel
+def test_a_kernel_that_multiplies_wrong_is_not_used(monkeypatch, rebuilt, caplog):
+    monkeypatch.setattr(cpu_native, "product", lambda x2, packed: torch.zeros(x2.shape[0], packed.weight.shape[0] * 16))
+    with caplog.at_level(logging.WARNING, logger="mm3.gguf.cpu_native"):
+        assert not cpu_native.available()
+    assert "computes wrong products" in caplog.text
