@@ -84,6 +84,42 @@ def test_other_dtypes_and_shapes_come_back_as_given():
     assert _rel(y, x.double() @ values.T) < 1e-2
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+VARIANTS = [  # (-march and more, what the processor must have, the vector bits the build reports)
+    (("-march=x86-64-v4",), {"avx512bw"}, 512),  # AVX-512 without VNNI: multiply-add, then add
+    (("-march=x86-64-v4", "-mavx512vnni"), {"avx512bw", "avx512_vnni"}, 512),
+    (("-march=x86-64-v3",), {"avx2", "fma", "f16c"}, 256),
+    (("-march=x86-64-v3", "-mavxvnni"), {"avx2", "fma", "f16c", "avx_vnni"}, 256),
+    (("-march=x86-64",), set(), 0),  # plain C
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("march,needs,bits", VARIANTS, ids=lambda v: " ".join(v) if isinstance(v, tuple) else None)
+def test_every_code_path_of_the_source_multiplies_right(march, needs, bits, monkeypatch, tmp_path):
+    """Each vector width the C file has (whichever `-march=native` picks on another processor),
+    built on its own and run here where the processor can."""
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this processor lacks {', '.join(sorted(needs - _cpu_flags()))}")
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
+    path = cpu_native.build(("-O3", *march, "-shared", "-fPIC", "-std=c11"))
+    assert path is not None
+    lib = cpu_native.load(path)
+    assert lib.mm3_q8_0_vector_bits() == bits
+    for n, k, rows in ((40, 96, 3), (272, 512, 2), (16, 32, 1)):
+        raw, values = _raw(n, k, n + rows)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).contiguous()
+        y = cpu_native.product(x, cpu_native.repack(raw, Q.Q8_0, n, k), lib)[:, :n]
+        assert _rel(y, x.double() @ values.T) < 5e-5
+
+
 def test_repacking_in_row_chunks_is_the_whole_packing(monkeypatch):
     raw, _ = _raw(200, 256, 3)
     whole = cpu_native.repack(raw, Q.Q8_0, 200, 256)

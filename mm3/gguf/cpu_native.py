@@ -80,9 +80,12 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_SECONDS)
 
 
-def build() -> Path | None:
-    """The compiled library in the cache folder, built now if it is not there; None where it cannot
-    be (no compiler, a platform without x86-64 vector code, a failed build), with one log line."""
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
+
+
+def build(flags: tuple[str, ...] = FLAGS) -> Path | None:
+    """The compiled library in the cache folder, built now with `flags` if it is not there; None
+    where it cannot be (no compiler, not x86-64, a failed build), with one log line."""
     if platform.machine().lower() not in ("x86_64", "amd64") or os.name != "posix":
         return None
     cc = _compiler()
@@ -95,8 +98,7 @@ def build() -> Path | None:
         log.info("the C compiler %s does not run (%s): the CPU products use torch's kernels alone", cc, e)
         return None
     source = SOURCE.read_bytes()
-    base = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
-    digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(base).encode(),
+    digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                          _machine().encode()])).hexdigest()[:20]
     out = cache_dir() / "native" / f"q8_0_product-{digest}.so"
     if out.is_file():
@@ -106,7 +108,7 @@ def build() -> Path | None:
     why = ""
     for extra in (["-fopenmp"], []):  # without OpenMP the kernel runs on one thread
         try:
-            done = _run([cc, *base, *extra, str(SOURCE), "-o", str(tmp), "-lm"])
+            done = _run([cc, *flags, *extra, str(SOURCE), "-o", str(tmp), "-lm"])
         except (OSError, subprocess.SubprocessError) as e:
             why = str(e)
             continue
@@ -120,6 +122,15 @@ def build() -> Path | None:
     return None
 
 
+def load(path: Path):
+    """The library at `path` with its functions' signatures set (ctypes; OSError if it cannot load)."""
+    lib = ctypes.CDLL(str(path))
+    lib.mm3_q8_0_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.mm3_q8_0_product.restype = ctypes.c_int
+    lib.mm3_q8_0_vector_bits.restype = ctypes.c_int
+    return lib
+
+
 def library():
     """The loaded kernel library, or None (built, loaded and probed once per process)."""
     if not _LIBRARY:
@@ -127,11 +138,7 @@ def library():
         if os.environ.get(ENV_SWITCH, "").strip().lower() not in ("off", "0", "no", "false"):
             try:
                 path = build()
-                if path is not None:
-                    lib = ctypes.CDLL(str(path))
-                    lib.mm3_q8_0_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-                    lib.mm3_q8_0_product.restype = ctypes.c_int
-                    lib.mm3_q8_0_vector_bits.restype = ctypes.c_int
+                lib = None if path is None else load(path)
             except OSError as e:
                 log.info("cannot load the CPU Q8_0 kernel (%s): the CPU products use torch's kernels alone", e)
                 lib = None
@@ -206,13 +213,14 @@ def _tiles(raw: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat((values, scales), dim=1)
 
 
-def product(x2: torch.Tensor, packed: Packing) -> torch.Tensor:
-    """x2 [M, K] float32 (contiguous) times the packed weight -> [M, rows padded to whole tiles]."""
+def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
+    """x2 [M, K] float32 (contiguous) times the packed weight -> [M, rows padded to whole tiles]
+    (`lib`: another build of the kernel, `load`; default this process's)."""
     m, k = x2.shape
     n = packed.weight.shape[0] * TILE
     y = torch.empty(m, n, dtype=torch.float32)
     if m and n:
-        lib = library()
+        lib = lib or library()
         if lib is None:
             raise RuntimeError("the CPU Q8_0 kernel is not available")
         if lib.mm3_q8_0_product(x2.data_ptr(), packed.weight.data_ptr(), y.data_ptr(), m, n, k,

@@ -7,8 +7,8 @@
    per 32 columns to int16 with a float32 scale (the largest value maps to 32767: a relative error
    of about 1e-5, far below bfloat16's), so a block's dot products are exact integer sums (at most
    32 * 32767 * 128 < 2^31) and each block adds its sum times both scales to a float32 total.
-   The integer multiply-adds take 16 rows at a time (AVX-512; AVX2 in two halves); elsewhere the
-   same arithmetic in plain C. */
+   The integer multiply-adds take 16 rows at a time (AVX-512; AVX2 in two halves; fused where the
+   processor has VNNI); elsewhere the same arithmetic in plain C. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -93,8 +93,13 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, float *y,
                 const int8_t *q = w + (t0 + t) * bytes + (g * 16 + p) * 32;
                 for (int h = 0; h < 2; h++) {
                     __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
+#if defined(__AVXVNNI__)
+                    s0[t][h] = _mm256_dpwssd_avx_epi32(s0[t][h], v, a);
+                    s1[t][h] = _mm256_dpwssd_avx_epi32(s1[t][h], v, b);
+#else
                     s0[t][h] = _mm256_add_epi32(s0[t][h], _mm256_madd_epi16(v, a));
                     s1[t][h] = _mm256_add_epi32(s1[t][h], _mm256_madd_epi16(v, b));
+#endif
                 }
             }
         }
