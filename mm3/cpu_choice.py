@@ -1,9 +1,8 @@
 """The AR stage's CPU product forms and thread count, measured on the machine that runs them.
 
 Which way of reading quantized weights is fastest (`mm3.gguf.cpu_forms`: the int4 planes, the
-Q8_0 kernel built on the machine, a
-dequantization per product, kept float copies; `F.linear` or weight-major) and how many threads
-pay differ between processors and with what else the machine runs, and a product timed alone
+int8 kernel built on the machine, a dequantization per product, kept float copies; `F.linear` or
+weight-major) and how many threads pay differ between processors and with what else the machine runs, and a product timed alone
 with its weight hot in cache says little about a frame that reads every weight in turn. So at
 the first plan on a machine every candidate (a form, a thread count) runs whole AR frames on
 scratch state (its own KV cache and draws: the song is untouched), in turns of a few frames,
@@ -177,8 +176,9 @@ def weight_types(model) -> list[str]:
 
 def key(models: dict, dtype: torch.dtype, threads: int | None = None) -> str:
     """The cache key of a choice: processor, usable cores, torch, dtype, the thread setting
-    (`user_threads`), per component its weight types and millions of weight values, and for
-    Q8_0 weights the native kernel's build (a compiler installed or removed times again)."""
+    (`user_threads`), per component its weight types and millions of weight values, and where a
+    weight has a type the native kernel reads, that kernel's build (a compiler installed or
+    removed times again)."""
     parts = [f"cpu={processor()}", f"cores={usable_cores()}", f"torch={torch.__version__}",
              f"dtype={str(dtype).removeprefix('torch.')}", f"threads={'auto' if threads is None else threads}"]
     for name in COMPONENTS:
@@ -186,7 +186,7 @@ def key(models: dict, dtype: torch.dtype, threads: int | None = None) -> str:
             values = sum(m.in_features * m.out_features for m in _linears(models[name]))
             parts.append(f"{name}={','.join(weight_types(models[name]))}:{values / 1e6:.1f}M")
     if any(m.qtype("weight") in cpu_native.TYPES for model in models.values() for m in _linears(model)):
-        parts.append(f"native={cpu_native.vector_bits()}")  # the Q8_0 kernel, as built here (-1: none)
+        parts.append(f"native={cpu_native.vector_bits()}")  # the int8 kernel, as built here (-1: none)
     return "; ".join(parts)
 
 

@@ -1,5 +1,5 @@
-"""The Q8_0 kernel built on the machine (`mm3.gguf.cpu_native`): its products against gguf-py's
-dequantization, its packing, the layers and forms that use it, its build cache, and what happens
+"""The int8 kernel built on the machine (`mm3.gguf.cpu_native`): its products for Q8_0, Q5_0 and Q6_K
+weights against gguf-py's dequantization, its packing, the layers and forms that use it, its build cache, and what happens
 where it cannot be built (no compiler, switched off, a wrong product): torch's kernels serve."""
 
 import logging
@@ -17,13 +17,13 @@ from mm3.gguf.cpu_forms import FORMS, Serving
 
 Q = gguf.GGMLQuantizationType
 needs_kernel = pytest.mark.skipif(not cpu_native.available(),
-                                  reason="the native Q8_0 kernel cannot be built here (no C compiler, or not x86-64)")
+                                  reason="the native int8 kernel cannot be built here (no C compiler, or not x86-64)")
 
 
-def _raw(n, k, seed):
-    """Random Q8_0 blocks [n, k / 32 * 34] and their values by gguf-py's own dequantization."""
-    raw = random_tensor("w", (n, k), Q.Q8_0, torch.Generator().manual_seed(seed))
-    values = gguf.quants.dequantize(np.asarray(raw), Q.Q8_0).reshape(n, k)
+def _raw(n, k, seed, qtype=Q.Q8_0):
+    """Random blocks of `qtype` [n, row bytes] and their values by gguf-py's own dequantization."""
+    raw = random_tensor("w", (n, k), qtype, torch.Generator().manual_seed(seed))
+    values = gguf.quants.dequantize(np.asarray(raw), qtype).reshape(n, k)
     return torch.from_numpy(raw), torch.from_numpy(values.astype(np.float64))
 
 
@@ -41,13 +41,16 @@ def rebuilt(monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
-@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (100, 1024), (1040, 256)])
-def test_products_match_the_dequantized_weight(n, k, rows):
+@pytest.mark.parametrize("n,k", [(16, 256), (40, 512), (100, 1024), (1040, 256)])
+@pytest.mark.parametrize("qtype", list(cpu_native.TYPES), ids=lambda t: t.name)
+def test_products_match_the_dequantized_weight(qtype, n, k, rows):
     """float32 products up to the int16 rounding of the inputs (about 1e-5), whole tiles or not."""
-    raw, values = _raw(n, k, n + k + rows)
+    raw, values = _raw(n, k, n + k + rows, qtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     bias = torch.randn(n)
-    y = cpu_native.linear(x, cpu_native.repack(raw, Q.Q8_0, n, k), n, bias)
+    packed = cpu_native.repack(raw, qtype, n, k)
+    assert packed.group == cpu_native.TYPES[qtype]
+    y = cpu_native.linear(x, packed, n, bias)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     assert _rel(y, x.double() @ values.T + bias.double()) < 5e-5
 
@@ -112,24 +115,26 @@ def test_every_code_path_of_the_source_multiplies_right(march, needs, bits, monk
     path = cpu_native.build(("-O3", *march, "-shared", "-fPIC", "-std=c11"))
     assert path is not None
     lib = cpu_native.load(path)
-    assert lib.mm3_q8_0_vector_bits() == bits
-    for n, k, rows in ((40, 96, 3), (272, 512, 2), (16, 32, 1)):
-        raw, values = _raw(n, k, n + rows)
+    assert lib.mm3_int8_vector_bits() == bits
+    for qtype, n, k, rows in ((Q.Q8_0, 40, 96, 3), (Q.Q6_K, 272, 512, 2), (Q.Q8_0, 16, 32, 1)):
+        raw, values = _raw(n, k, n + rows, qtype)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).contiguous()
-        y = cpu_native.product(x, cpu_native.repack(raw, Q.Q8_0, n, k), lib)[:, :n]
+        y = cpu_native.product(x, cpu_native.repack(raw, qtype, n, k), lib)[:, :n]
         assert _rel(y, x.double() @ values.T) < 5e-5
 
 
-def test_repacking_in_row_chunks_is_the_whole_packing(monkeypatch):
-    raw, _ = _raw(200, 256, 3)
-    whole = cpu_native.repack(raw, Q.Q8_0, 200, 256)
-    assert whole.weight.shape == (13, 16 * 256 + 64 * 8) and whole.nbytes() == whole.weight.numel()
+@pytest.mark.parametrize("qtype", list(cpu_native.TYPES), ids=lambda t: t.name)
+def test_repacking_in_row_chunks_is_the_whole_packing(qtype, monkeypatch):
+    raw, _ = _raw(200, 256, 3, qtype)
+    whole = cpu_native.repack(raw, qtype, 200, 256)
+    groups = 256 // cpu_native.TYPES[qtype]
+    assert whole.weight.shape == (13, 16 * 256 + 64 * groups) and whole.nbytes() == whole.weight.numel()
     monkeypatch.setattr(cpu_native, "REPACK_ROWS", 48)
-    assert torch.equal(cpu_native.repack(raw, Q.Q8_0, 200, 256).weight, whole.weight)
+    assert torch.equal(cpu_native.repack(raw, qtype, 200, 256).weight, whole.weight)
 
 
 def test_other_types_are_refused():
-    with pytest.raises(ValueError, match="reads Q8_0, not Q4_K"):
+    with pytest.raises(ValueError, match="reads Q8_0, Q5_0, Q6_K, not Q4_K"):
         cpu_native.repack(torch.zeros(16, 144, dtype=torch.uint8), Q.Q4_K, 16, 256)
 
 

@@ -151,7 +151,7 @@ def _one_plane(b: torch.Tensor, qtype: QT) -> tuple[torch.Tensor, torch.Tensor, 
     return q, scale, torch.zeros_like(scale) if qtype == QT.Q4_0 else 8 * scale + _halves(b, 2)
 
 
-def _two_planes(b: torch.Tensor, qtype: QT):
+def two_planes(b: torch.Tensor, qtype: QT):
     """Blocks of an up-to-8-bit type -> (H, L) [n, block] uint8 and the sub-block scale S and constant
     c [n, block / sub] with w = S (16 (H - 8) + L) + c. The high nibble is stored off-centre where
     that takes the constant out of the scale (a smaller offset rounds less)."""
@@ -205,7 +205,7 @@ def _repack_rows(raw: torch.Tensor, qtype: QT, in_features: int) -> Packing:
         groups = k // GROUP
         return pack(q.reshape(n, k), scale.reshape(n, groups), offset.reshape(n, groups))
     sub = TWO_PLANES[qtype]
-    high, low, s, c = _two_planes(b, qtype)
+    high, low, s, c = two_planes(b, qtype)
     # w = S (16 (H - 8) + (L - 8)) + (8 S + c): the kernel's (q - 8) scale for both planes, and the
     # constant 8 S + c in the offsets, which multiply the sums of the groups' inputs
     subs = k // sub

@@ -1,9 +1,10 @@
-"""Q8_0 weights multiplied on the CPU by a kernel of this package, built on the machine that runs it.
+"""8-bit weights multiplied on the CPU by a kernel of this package, built on the machine that runs it.
 
-torch's CPU products read a Q8_0 weight either as two int4 planes (`cpu_int4`: twice the values,
-and its kernel is bound by its arithmetic on few cores) or dequantized. `native/q8_0_product.c`
-multiplies the int8 values as they are, with integer multiply-adds over 16 rows at a time, the
-input rounded per 32 columns to int16 (about 1e-5 relative, far below the int4 product's
+torch's CPU products read a weight of up to 8 bits a value either as two int4 planes (`cpu_int4`:
+twice the values, and its kernel is bound by its arithmetic on few cores) or dequantized.
+`native/int8_product.c` multiplies int8 values with a scale per 16 or 32 of them (`TYPES`: Q8_0,
+Q5_0 and Q6_K values as they are, exactly) with integer multiply-adds over 16 rows at a time,
+the input rounded per group to int16 (about 1e-5 relative, far below the int4 product's
 bfloat16 rounding); so its products are float32 products up to that rounding, and on a machine
 whose processor multiplies int16 fast it reads the weight about as fast as memory delivers it.
 
@@ -32,12 +33,13 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ..cache_dir import cache_dir
+from . import cpu_int4
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "q8_0_product.c"
+SOURCE = Path(__file__).with_name("native") / "int8_product.c"
 ENV_SWITCH = "MM3_CPU_NATIVE"
-TYPES = frozenset({QT.Q8_0})
+TYPES = {QT.Q8_0: 32, QT.Q5_0: 32, QT.Q6_K: 16}  # the types it reads -> values a scale (their sub-blocks)
 TILE = 16  # rows the kernel multiplies together: a weight gets zero rows up to a multiple, cut off after
 REPACK_ROWS = 1024  # rows repacked at a time (a multiple of TILE): bounds the temporaries
 BUILD_SECONDS = 120
@@ -45,11 +47,12 @@ _LIBRARY: list = []  # [ctypes library or None], once per process
 
 
 class Packing(NamedTuple):
-    """A weight in the kernel's layout: `weight` [rows / 16, 16 * K + 64 * K / 32] int8 (each
-    tile's values, then its float32 scales), `in_features` K."""
+    """A weight in the kernel's layout: `weight` [rows / 16, 16 * K + 64 * K / group] int8 (each
+    tile's values, then its float32 scales), `in_features` K, `group` values a scale (16, 32)."""
 
     weight: torch.Tensor
     in_features: int
+    group: int = 32
 
     def nbytes(self) -> int:
         return self.weight.numel()
@@ -100,7 +103,7 @@ def build(flags: tuple[str, ...] = FLAGS) -> Path | None:
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                          _machine().encode()])).hexdigest()[:20]
-    out = cache_dir() / "native" / f"q8_0_product-{digest}.so"
+    out = cache_dir() / "native" / f"int8_product-{digest}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,20 +117,20 @@ def build(flags: tuple[str, ...] = FLAGS) -> Path | None:
             continue
         if done.returncode == 0:
             os.replace(tmp, out)
-            log.info("built the CPU Q8_0 kernel with %s%s", Path(cc).name, "" if extra else " (one thread: no OpenMP)")
+            log.info("built the CPU int8 kernel with %s%s", Path(cc).name, "" if extra else " (one thread: no OpenMP)")
             return out
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
     tmp.unlink(missing_ok=True)
-    log.info("cannot build the CPU Q8_0 kernel with %s (%s): the CPU products use torch's kernels alone", cc, why)
+    log.info("cannot build the CPU int8 kernel with %s (%s): the CPU products use torch's kernels alone", cc, why)
     return None
 
 
 def load(path: Path):
     """The library at `path` with its functions' signatures set (ctypes; OSError if it cannot load)."""
     lib = ctypes.CDLL(str(path))
-    lib.mm3_q8_0_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.mm3_q8_0_product.restype = ctypes.c_int
-    lib.mm3_q8_0_vector_bits.restype = ctypes.c_int
+    lib.mm3_int8_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    lib.mm3_int8_product.restype = ctypes.c_int
+    lib.mm3_int8_vector_bits.restype = ctypes.c_int
     return lib
 
 
@@ -140,11 +143,11 @@ def library():
                 path = build()
                 lib = None if path is None else load(path)
             except OSError as e:
-                log.info("cannot load the CPU Q8_0 kernel (%s): the CPU products use torch's kernels alone", e)
+                log.info("cannot load the CPU int8 kernel (%s): the CPU products use torch's kernels alone", e)
                 lib = None
         _LIBRARY.append(lib)
         if lib is not None and not _probe():
-            log.warning("the CPU Q8_0 kernel built here computes wrong products: it is not used")
+            log.warning("the CPU int8 kernel built here computes wrong products: it is not used")
             _LIBRARY[0] = None
     return _LIBRARY[0]
 
@@ -157,27 +160,22 @@ def available() -> bool:
 def vector_bits() -> int:
     """The vector width the kernel was built for (512, 256; 0: plain C; -1: not available)."""
     lib = library()
-    return -1 if lib is None else int(lib.mm3_q8_0_vector_bits())
+    return -1 if lib is None else int(lib.mm3_int8_vector_bits())
 
 
 def _probe() -> bool:
     g = torch.Generator().manual_seed(0)
-    n, k = 40, 96  # rows that are not whole tiles; three blocks a row
-    d = (torch.rand(n, k // 32, generator=g) + 0.5).half()
-    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-    raw = blocks(q, d)
+    n, k = 40, 96  # rows that are not whole tiles, in both group sizes
     x = torch.randn(3, k, generator=g)
-    want = x.double() @ (q.double().view(n, -1, 32) * d.double()[..., None]).view(n, k).T
-    with torch.inference_mode():
-        got = linear(x, repack(raw, QT.Q8_0, n, k), n)
-    return bool(((got.double() - want).norm() / want.norm()) < 1e-4)
-
-
-def blocks(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """Q8_0 blocks [N, K / 32 * 34] (uint8) of values q [N, K] (int8) and scales d [N, K / 32] (float16)."""
-    n, k = q.shape
-    return torch.cat((d.contiguous().view(torch.uint8).view(n, k // 32, 2),
-                      q.view(torch.uint8).view(n, k // 32, 32)), dim=2).view(n, -1)
+    for group in (32, 16):
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        s = torch.rand(n, k // group, generator=g) + 0.5
+        want = x.double() @ (q.double().view(n, -1, group) * s.double()[..., None]).view(n, k).T
+        with torch.inference_mode():
+            got = linear(x, Packing(_tile(q, s), k, group), n)
+        if not ((got.double() - want).norm() / want.norm()) < 1e-4:
+            return False
+    return True
 
 
 def serves(layer, qtype: QT | None, device: torch.device) -> bool:
@@ -188,28 +186,42 @@ def serves(layer, qtype: QT | None, device: torch.device) -> bool:
 
 
 def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> Packing:
-    """GGUF Q8_0 block rows [N, row_bytes] -> the kernel's tiles (see `Packing`)."""
+    """GGUF block rows [N, row_bytes] of one of `TYPES` -> the kernel's tiles (see `Packing`)."""
     if qtype not in TYPES:
-        raise ValueError(f"the CPU Q8_0 kernel reads {', '.join(t.name for t in TYPES)}, not {qtype.name}")
+        raise ValueError(f"the CPU int8 kernel reads {', '.join(t.name for t in TYPES)}, not {qtype.name}")
     rows = raw.reshape(out_features, -1)
-    parts = [_tiles(rows[i:i + REPACK_ROWS], in_features) for i in range(0, out_features, REPACK_ROWS)]
-    return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features)
+    parts = [_tile(*_values(rows[i:i + REPACK_ROWS], qtype, in_features))
+             for i in range(0, out_features, REPACK_ROWS)]
+    return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features, TYPES[qtype])
 
 
-def _tiles(raw: torch.Tensor, k: int) -> torch.Tensor:
-    block_bytes = GGML_QUANT_SIZES[QT.Q8_0][1]
-    groups = k // 32
-    b = raw.reshape(-1, groups, block_bytes)
-    n = b.shape[0]
-    d = b[..., :2].contiguous().view(torch.float16).view(n, groups).float()
-    q = b[..., 2:].contiguous().view(torch.int8).view(n, k)
+def _values(raw: torch.Tensor, qtype: QT, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block rows -> the int8 values [n, k] and float32 scales [n, k / group] whose products are
+    the weights: Q8_0's bytes as they are; Q5_0 (v - 16) and Q6_K (v - 32) from the planes of
+    `cpu_int4` (w = S (16 (H - 8) + L) with no constant for these types)."""
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    b = raw.reshape(-1, block_bytes)
+    n = raw.shape[0]
+    if qtype == QT.Q8_0:
+        b = b.view(n, -1, block_bytes)
+        return b[..., 2:].contiguous().view(torch.int8).view(n, k), \
+            b[..., :2].contiguous().view(torch.float16).view(n, -1).float()
+    high, low, scale, _ = cpu_int4.two_planes(b.contiguous(), qtype)  # the constant is zero for these types
+    values = (high.to(torch.int16) - 8) * 16 + low.to(torch.int16)
+    return values.to(torch.int8).view(n, k), scale.float().reshape(n, -1)
+
+
+def _tile(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Values q [n, k] (int8) and scales s [n, k / group] -> tiles [n / 16 (up), bytes]."""
+    n, k = q.shape
+    groups = s.shape[1]
     pad = -n % TILE
     if pad:
         q = torch.cat((q, q.new_zeros(pad, k)))
-        d = torch.cat((d, d.new_zeros(pad, groups)))
+        s = torch.cat((s, s.new_zeros(pad, groups)))
     t = (n + pad) // TILE
     values = q.view(t, TILE, k // 2, 2).permute(0, 2, 1, 3).reshape(t, TILE * k)
-    scales = d.view(t, TILE, groups).transpose(1, 2).contiguous().view(torch.int8).view(t, 4 * TILE * groups)
+    scales = s.float().view(t, TILE, groups).transpose(1, 2).contiguous().view(torch.int8).view(t, 4 * TILE * groups)
     return torch.cat((values, scales), dim=1)
 
 
@@ -222,31 +234,34 @@ def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
     if m and n:
         lib = lib or library()
         if lib is None:
-            raise RuntimeError("the CPU Q8_0 kernel is not available")
-        if lib.mm3_q8_0_product(x2.data_ptr(), packed.weight.data_ptr(), y.data_ptr(), m, n, k,
-                                torch.get_num_threads()):
-            raise MemoryError(f"the CPU Q8_0 kernel could not allocate the rounded rows of a [{m}, {k}] input")
+            raise RuntimeError("the CPU int8 kernel is not available")
+        status = lib.mm3_int8_product(x2.data_ptr(), packed.weight.data_ptr(), y.data_ptr(), m, n, k, packed.group,
+                                      torch.get_num_threads())
+        if status == -1:
+            raise MemoryError(f"the CPU int8 kernel could not allocate the rounded rows of a [{m}, {k}] input")
+        if status:
+            raise ValueError(f"the CPU int8 kernel takes 16 or 32 values a scale, not {packed.group}")
     return y
 
 
-@torch.library.custom_op("mm3::native_q8_0", mutates_args=())
-def _traced(x2: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
-    return product(x2, Packing(weight, k))
+@torch.library.custom_op("mm3::native_int8", mutates_args=())
+def _traced(x2: torch.Tensor, weight: torch.Tensor, k: int, group: int) -> torch.Tensor:
+    return product(x2, Packing(weight, k, group))
 
 
 @_traced.register_fake
-def _(x2, weight, k):
+def _(x2, weight, k, group):
     return x2.new_empty((x2.shape[0], weight.shape[0] * TILE))
 
 
 def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype, W in the kernel's packing (a custom op
-    while torch.compile traces, `torch.ops.mm3.native_q8_0`: a call into a C library is opaque to it)."""
+    while torch.compile traces, `torch.ops.mm3.native_int8`: a call into a C library is opaque to it)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.to(torch.float32).contiguous()
     if torch.compiler.is_compiling():
-        y = torch.ops.mm3.native_q8_0(x2, packed.weight, packed.in_features)
+        y = torch.ops.mm3.native_int8(x2, packed.weight, packed.in_features, packed.group)
     else:
         y = product(x2, packed)
     if y.shape[1] != out_features:
