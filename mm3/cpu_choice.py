@@ -1,7 +1,7 @@
 """The AR stage's CPU product forms and thread count, measured on the machine that runs them.
 
 Which way of reading quantized weights is fastest (`mm3.gguf.cpu_forms`: the int4 planes, the
-int8 kernel built on the machine, a dequantization per product, kept float copies; `F.linear` or
+integer kernel built on the machine, a dequantization per product, kept float copies; `F.linear` or
 weight-major) and how many threads pay differ between processors and with what else the machine runs, and a product timed alone
 with its weight hot in cache says little about a frame that reads every weight in turn. So at
 the first plan on a machine every candidate (a form, a thread count) runs whole AR frames on
@@ -186,7 +186,7 @@ def key(models: dict, dtype: torch.dtype, threads: int | None = None) -> str:
             values = sum(m.in_features * m.out_features for m in _linears(models[name]))
             parts.append(f"{name}={','.join(weight_types(models[name]))}:{values / 1e6:.1f}M")
     if any(m.qtype("weight") in cpu_native.TYPES for model in models.values() for m in _linears(model)):
-        parts.append(f"native={cpu_native.vector_bits()}")  # the int8 kernel, as built here (-1: none)
+        parts.append(f"native={cpu_native.vector_bits()}")  # the integer kernel, as built here (-1: none)
     return "; ".join(parts)
 
 

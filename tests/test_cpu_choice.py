@@ -205,7 +205,7 @@ def test_the_fast_forms_agree_within_rounding(q8, monkeypatch):
     weight-major sums in another order: the same codes, hiddens within float rounding. int4 rounds
     inputs and scales to bfloat16, so a near tie may draw another code: up to the first frame that
     differs (not before half the song) its codes and hiddens agree within that rounding. The native
-    int8 kernel rounds inputs to int16 per 32 values (about 1e-5): the same codes, hiddens within
+    integer kernel rounds inputs to int16 per 16 or 32 values (about 1e-5): the same codes, hiddens within
     1e-4."""
     songs = {}
     for form in cpu_forms.FORMS:
@@ -386,7 +386,7 @@ def test_the_packed_frame_step_compiles_whole_and_once(q8, form, monkeypatch):
     only its packing's tensors; the native kernel is a custom op) and a second song reuses it (no
     guard on state a plan changes)."""
     if form == "native" and not cpu_native.available():
-        pytest.skip("the native int8 kernel cannot be built here (no C compiler, or not x86-64)")
+        pytest.skip("the native integer kernel cannot be built here (no C compiler, or not x86-64)")
     monkeypatch.setenv("MM3_CPU_PRODUCT", form)
     graphs = []
 

@@ -1,5 +1,5 @@
-"""The int8 kernel built on the machine (`mm3.gguf.cpu_native`): its products for Q8_0, Q5_0 and Q6_K
-weights against gguf-py's dequantization, its packing, the layers and forms that use it, its build cache, and what happens
+"""The integer kernel built on the machine (`mm3.gguf.cpu_native`): its products for every type it
+reads (8-bit values, 4-bit values, with and without offsets) against gguf-py's dequantization, its packing, the layers and forms that use it, its build cache, and what happens
 where it cannot be built (no compiler, switched off, a wrong product): torch's kernels serve."""
 
 import logging
@@ -17,7 +17,7 @@ from mm3.gguf.cpu_forms import FORMS, Serving
 
 Q = gguf.GGMLQuantizationType
 needs_kernel = pytest.mark.skipif(not cpu_native.available(),
-                                  reason="the native int8 kernel cannot be built here (no C compiler, or not x86-64)")
+                                  reason="the native integer kernel cannot be built here (no C compiler, or not x86-64)")
 
 
 def _raw(n, k, seed, qtype=Q.Q8_0):
@@ -49,7 +49,7 @@ def test_products_match_the_dequantized_weight(qtype, n, k, rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     bias = torch.randn(n)
     packed = cpu_native.repack(raw, qtype, n, k)
-    assert packed.group == cpu_native.TYPES[qtype]
+    assert packed.layout == cpu_native.TYPES[qtype]
     y = cpu_native.linear(x, packed, n, bias)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     assert _rel(y, x.double() @ values.T + bias.double()) < 5e-5
@@ -115,8 +115,9 @@ def test_every_code_path_of_the_source_multiplies_right(march, needs, bits, monk
     path = cpu_native.build(("-O3", *march, "-shared", "-fPIC", "-std=c11"))
     assert path is not None
     lib = cpu_native.load(path)
-    assert lib.mm3_int8_vector_bits() == bits
-    for qtype, n, k, rows in ((Q.Q8_0, 40, 96, 3), (Q.Q6_K, 272, 512, 2), (Q.Q8_0, 16, 32, 1)):
+    assert lib.mm3_integer_vector_bits() == bits
+    for qtype, n, k, rows in ((Q.Q8_0, 40, 96, 3), (Q.Q6_K, 272, 512, 2), (Q.Q8_0, 16, 32, 1), (Q.Q4_K, 48, 256, 3),
+                              (Q.Q5_K, 32, 512, 2), (Q.Q4_0, 16, 64, 1)):
         raw, values = _raw(n, k, n + rows, qtype)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).contiguous()
         y = cpu_native.product(x, cpu_native.repack(raw, qtype, n, k), lib)[:, :n]
@@ -127,15 +128,16 @@ def test_every_code_path_of_the_source_multiplies_right(march, needs, bits, monk
 def test_repacking_in_row_chunks_is_the_whole_packing(qtype, monkeypatch):
     raw, _ = _raw(200, 256, 3, qtype)
     whole = cpu_native.repack(raw, qtype, 200, 256)
-    groups = 256 // cpu_native.TYPES[qtype]
-    assert whole.weight.shape == (13, 16 * 256 + 64 * groups) and whole.nbytes() == whole.weight.numel()
+    group, bits, offsets = cpu_native.TYPES[qtype]
+    assert whole.weight.shape == (13, 16 * 256 * bits // 8 + 64 * (256 // group) * (2 if offsets else 1))
+    assert whole.nbytes() == whole.weight.numel()
     monkeypatch.setattr(cpu_native, "REPACK_ROWS", 48)
     assert torch.equal(cpu_native.repack(raw, qtype, 200, 256).weight, whole.weight)
 
 
 def test_other_types_are_refused():
-    with pytest.raises(ValueError, match="reads Q8_0, Q5_0, Q6_K, not Q4_K"):
-        cpu_native.repack(torch.zeros(16, 144, dtype=torch.uint8), Q.Q4_K, 16, 256)
+    with pytest.raises(ValueError, match="reads Q8_0, .*Q4_K, not Q2_K"):
+        cpu_native.repack(torch.zeros(16, 84, dtype=torch.uint8), Q.Q2_K, 16, 256)
 
 
 def _layer(qtype, n, k, seed):
@@ -176,15 +178,16 @@ def test_a_fused_layer_stacks_its_parts_for_the_kernel():
     assert fused._packing["native"][1].weight.shape[0] == 8
 
 
-def test_under_the_native_form_other_types_take_int4_or_copies():
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q3_K, Q.F16], ids=lambda t: t.name)
+def test_under_the_native_form_each_type_takes_what_reads_it(qtype):
+    """The native kernel where it reads the type, else the int4 planes where they do (where the
+    kernel cannot be built), else a float copy."""
     cpu = torch.device("cpu")
-    q4 = _layer(Q.Q4_K, 32, 256, 6)
-    assert cpu_forms.packed_kernel(q4, Q.Q4_K, cpu) == ("int4" if cpu_int4.available() else None)
-    f16 = _layer(Q.F16, 32, 256, 7)
-    assert cpu_forms.packed_kernel(f16, Q.F16, cpu) is None and cpu_forms.wants_copy(f16, Q.F16, cpu)
-    q8 = _layer(Q.Q8_0, 32, 256, 8)
-    want = "native" if cpu_native.available() else ("int4" if cpu_int4.available() else None)
-    assert cpu_forms.packed_kernel(q8, Q.Q8_0, cpu) == want
+    layer = _layer(qtype, 32, 256, 6)
+    want = "native" if qtype in cpu_native.TYPES and cpu_native.available() else \
+        "int4" if qtype in cpu_int4.TYPES and cpu_int4.available() else None
+    assert cpu_forms.packed_kernel(layer, qtype, cpu) == want
+    assert cpu_forms.wants_copy(layer, qtype, cpu) == (want is None)
 
 
 @needs_kernel

@@ -4,8 +4,8 @@ A decode step multiplies a few rows by large weights, so its speed is the speed 
 and which way of holding and reading a quantized weight is fastest depends on the processor:
 
   int4                  torch's int4 product over the weight repacked once (`cpu_int4`)
-  native                this package's int8 kernel built on the machine (`cpu_native`) for Q8_0,
-                        Q5_0 and Q6_K weights, the int4 product for the others
+  native                this package's integer kernel built on the machine (`cpu_native`) for
+                        the types it reads, the int4 product for the others
   dequant-linear        the blocks dequantized at every product, then `F.linear`
   dequant-weight-major  the same, multiplied as `w @ x.T` (`mm3.matmul.weight_major_linear`)
   copy-linear           a float copy kept (within the memory budget), then `F.linear`

@@ -135,20 +135,20 @@ def _product(x2: torch.Tensor, packed: Packing) -> torch.Tensor:
     return torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), packed.weight, GROUP, packed.pairs).float()
 
 
-def _one_plane(b: torch.Tensor, qtype: QT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks of a 4-bit type -> q [n, block] (0..15), scale and offset [n, block / 32]."""
+def one_plane(b: torch.Tensor, qtype: QT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks of a 4-bit type -> q [n, block] (0..15), scale and minimum [n, block / 32] with
+    w = scale q - minimum (both exact in float32)."""
     n_blocks = b.shape[0]
     if qtype == QT.Q4_K:  # d, dmin, scales[12], qs[128]; byte k of chunk c: values 64c + k, 64c + 32 + k
         q = _unpack(b[:, 16:].reshape(n_blocks, 4, 32), _NIBBLES, 0x0F).reshape(n_blocks, 256)
         dm = _halves(b, 0, 2)
         sm = _k4_scale_min(b[:, 4:16]).float()  # [n, 2, 8]
-        scale = dm[:, :1] * sm[:, 0]  # [n, 8]
-        return q, scale, 8 * scale - dm[:, 1:] * sm[:, 1]
+        return q, dm[:, :1] * sm[:, 0], dm[:, 1:] * sm[:, 1]
     # Q4_0: d, qs[16]; Q4_1: d, m, qs[16] (value j low nibble of byte j, 16 + j high)
     start = 2 if qtype == QT.Q4_0 else 4
     q = _unpack(b[:, start:start + 16], _NIBBLES, 0x0F).reshape(n_blocks, 32)
     scale = _halves(b, 0)
-    return q, scale, torch.zeros_like(scale) if qtype == QT.Q4_0 else 8 * scale + _halves(b, 2)
+    return q, scale, 8 * scale if qtype == QT.Q4_0 else -_halves(b, 2)
 
 
 def two_planes(b: torch.Tensor, qtype: QT):
@@ -201,9 +201,9 @@ def _repack_rows(raw: torch.Tensor, qtype: QT, in_features: int) -> Packing:
     b = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1]).contiguous()
     n, k = raw.shape[0], in_features
     if qtype in ONE_PLANE:
-        q, scale, offset = _one_plane(b, qtype)
+        q, scale, minimum = one_plane(b, qtype)
         groups = k // GROUP
-        return pack(q.reshape(n, k), scale.reshape(n, groups), offset.reshape(n, groups))
+        return pack(q.reshape(n, k), scale.reshape(n, groups), (8 * scale - minimum).reshape(n, groups))
     sub = TWO_PLANES[qtype]
     high, low, s, c = two_planes(b, qtype)
     # w = S (16 (H - 8) + (L - 8)) + (8 S + c): the kernel's (q - 8) scale for both planes, and the

@@ -1,12 +1,13 @@
-"""8-bit weights multiplied on the CPU by a kernel of this package, built on the machine that runs it.
+"""Quantized weights multiplied on the CPU by a kernel of this package, built on the machine that runs it.
 
-torch's CPU products read a weight of up to 8 bits a value either as two int4 planes (`cpu_int4`:
-twice the values, and its kernel is bound by its arithmetic on few cores) or dequantized.
-`native/int8_product.c` multiplies int8 values with a scale per 16 or 32 of them (`TYPES`: Q8_0,
-Q5_0 and Q6_K values as they are, exactly) with integer multiply-adds over 16 rows at a time,
-the input rounded per group to int16 (about 1e-5 relative, far below the int4 product's
-bfloat16 rounding); so its products are float32 products up to that rounding, and on a machine
-whose processor multiplies int16 fast it reads the weight about as fast as memory delivers it.
+torch's CPU int4 product reads a weight of up to 8 bits a value as two int4 planes (`cpu_int4`:
+twice the values) and is bound by its arithmetic on few cores. `native/integer_product.c`
+multiplies the values as stored, as integers: int8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) or 4-bit
+(Q4_0, Q4_1, Q4_K), with a scale per 16 or 32 of them and an offset where the type has one
+(`TYPES`), by integer multiply-adds over 16 rows at a time, the input rounded per group to int16
+(about 1e-5 relative, far below the int4 product's bfloat16 rounding). So its products are
+float32 products up to that rounding, and on a processor that multiplies int16 fast it reads a
+weight about as fast as memory delivers it.
 
 The C file is compiled once per machine with the system's C compiler (`CC`, else `cc`, `gcc` or
 `clang`; `-O3 -march=native`, with OpenMP where the compiler has it) into the cache folder
@@ -37,9 +38,22 @@ from . import cpu_int4
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "int8_product.c"
+SOURCE = Path(__file__).with_name("native") / "integer_product.c"
 ENV_SWITCH = "MM3_CPU_NATIVE"
-TYPES = {QT.Q8_0: 32, QT.Q5_0: 32, QT.Q6_K: 16}  # the types it reads -> values a scale (their sub-blocks)
+
+
+class Layout(NamedTuple):
+    """How the kernel holds a type: values a scale (its sub-block), bits a value, whether an
+    offset per group is taken away (w = scale q - offset)."""
+
+    group: int
+    bits: int
+    offsets: bool
+
+
+TYPES = {QT.Q8_0: Layout(32, 8, False), QT.Q5_0: Layout(32, 8, False), QT.Q6_K: Layout(16, 8, False),
+         QT.Q5_1: Layout(32, 8, True), QT.Q5_K: Layout(32, 8, True),
+         QT.Q4_0: Layout(32, 4, True), QT.Q4_1: Layout(32, 4, True), QT.Q4_K: Layout(32, 4, True)}
 TILE = 16  # rows the kernel multiplies together: a weight gets zero rows up to a multiple, cut off after
 REPACK_ROWS = 1024  # rows repacked at a time (a multiple of TILE): bounds the temporaries
 BUILD_SECONDS = 120
@@ -47,12 +61,12 @@ _LIBRARY: list = []  # [ctypes library or None], once per process
 
 
 class Packing(NamedTuple):
-    """A weight in the kernel's layout: `weight` [rows / 16, 16 * K + 64 * K / group] int8 (each
-    tile's values, then its float32 scales), `in_features` K, `group` values a scale (16, 32)."""
+    """A weight in the kernel's layout: `weight` [rows / 16, bytes a tile] int8 (each tile's values,
+    then its float32 scales and offsets), `in_features` K, and the type's `Layout`."""
 
     weight: torch.Tensor
     in_features: int
-    group: int = 32
+    layout: Layout
 
     def nbytes(self) -> int:
         return self.weight.numel()
@@ -103,7 +117,7 @@ def build(flags: tuple[str, ...] = FLAGS) -> Path | None:
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                          _machine().encode()])).hexdigest()[:20]
-    out = cache_dir() / "native" / f"int8_product-{digest}.so"
+    out = cache_dir() / "native" / f"integer_product-{digest}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -117,20 +131,20 @@ def build(flags: tuple[str, ...] = FLAGS) -> Path | None:
             continue
         if done.returncode == 0:
             os.replace(tmp, out)
-            log.info("built the CPU int8 kernel with %s%s", Path(cc).name, "" if extra else " (one thread: no OpenMP)")
+            log.info("built the CPU integer kernel with %s%s", Path(cc).name, "" if extra else " (one thread: no OpenMP)")
             return out
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
     tmp.unlink(missing_ok=True)
-    log.info("cannot build the CPU int8 kernel with %s (%s): the CPU products use torch's kernels alone", cc, why)
+    log.info("cannot build the CPU integer kernel with %s (%s): the CPU products use torch's kernels alone", cc, why)
     return None
 
 
 def load(path: Path):
     """The library at `path` with its functions' signatures set (ctypes; OSError if it cannot load)."""
     lib = ctypes.CDLL(str(path))
-    lib.mm3_int8_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    lib.mm3_int8_product.restype = ctypes.c_int
-    lib.mm3_int8_vector_bits.restype = ctypes.c_int
+    lib.mm3_integer_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 4
+    lib.mm3_integer_product.restype = ctypes.c_int
+    lib.mm3_integer_vector_bits.restype = ctypes.c_int
     return lib
 
 
@@ -143,11 +157,11 @@ def library():
                 path = build()
                 lib = None if path is None else load(path)
             except OSError as e:
-                log.info("cannot load the CPU int8 kernel (%s): the CPU products use torch's kernels alone", e)
+                log.info("cannot load the CPU integer kernel (%s): the CPU products use torch's kernels alone", e)
                 lib = None
         _LIBRARY.append(lib)
         if lib is not None and not _probe():
-            log.warning("the CPU int8 kernel built here computes wrong products: it is not used")
+            log.warning("the CPU integer kernel built here computes wrong products: it is not used")
             _LIBRARY[0] = None
     return _LIBRARY[0]
 
@@ -160,19 +174,24 @@ def available() -> bool:
 def vector_bits() -> int:
     """The vector width the kernel was built for (512, 256; 0: plain C; -1: not available)."""
     lib = library()
-    return -1 if lib is None else int(lib.mm3_int8_vector_bits())
+    return -1 if lib is None else int(lib.mm3_integer_vector_bits())
 
 
 def _probe() -> bool:
     g = torch.Generator().manual_seed(0)
-    n, k = 40, 96  # rows that are not whole tiles, in both group sizes
+    n, k = 40, 96  # rows that are not whole tiles
     x = torch.randn(3, k, generator=g)
-    for group in (32, 16):
-        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-        s = torch.rand(n, k // group, generator=g) + 0.5
-        want = x.double() @ (q.double().view(n, -1, group) * s.double()[..., None]).view(n, k).T
+    for layout in (Layout(32, 8, False), Layout(16, 8, True), Layout(32, 4, True)):
+        low, high = (-128, 128) if layout.bits == 8 else (0, 16)
+        q = torch.randint(low, high, (n, k), dtype=torch.int8, generator=g)
+        s = torch.rand(n, k // layout.group, generator=g) + 0.5
+        o = torch.randn(n, k // layout.group, generator=g) if layout.offsets else None
+        w = q.double().view(n, -1, layout.group) * s.double()[..., None]
+        if o is not None:
+            w = w - o.double()[..., None]
+        want = x.double() @ w.view(n, k).T
         with torch.inference_mode():
-            got = linear(x, Packing(_tile(q, s), k, group), n)
+            got = linear(x, Packing(_tile(q, s, o, layout.bits), k, layout), n)
         if not ((got.double() - want).norm() / want.norm()) < 1e-4:
             return False
     return True
@@ -188,41 +207,52 @@ def serves(layer, qtype: QT | None, device: torch.device) -> bool:
 def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> Packing:
     """GGUF block rows [N, row_bytes] of one of `TYPES` -> the kernel's tiles (see `Packing`)."""
     if qtype not in TYPES:
-        raise ValueError(f"the CPU int8 kernel reads {', '.join(t.name for t in TYPES)}, not {qtype.name}")
+        raise ValueError(f"the CPU integer kernel reads {', '.join(t.name for t in TYPES)}, not {qtype.name}")
+    layout = TYPES[qtype]
     rows = raw.reshape(out_features, -1)
-    parts = [_tile(*_values(rows[i:i + REPACK_ROWS], qtype, in_features))
+    parts = [_tile(*_values(rows[i:i + REPACK_ROWS], qtype, in_features), layout.bits)
              for i in range(0, out_features, REPACK_ROWS)]
-    return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features, TYPES[qtype])
+    return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features, layout)
 
 
-def _values(raw: torch.Tensor, qtype: QT, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block rows -> the int8 values [n, k] and float32 scales [n, k / group] whose products are
-    the weights: Q8_0's bytes as they are; Q5_0 (v - 16) and Q6_K (v - 32) from the planes of
-    `cpu_int4` (w = S (16 (H - 8) + L) with no constant for these types)."""
+def _values(raw: torch.Tensor, qtype: QT, k: int):
+    """Block rows -> the values q [n, k] (int8; 0..15 for 4-bit types), float32 scales s and
+    offsets o (None for types without) [n, k / group], w = s q - o, each exact: Q8_0's bytes as
+    they are, the others from the planes `cpu_int4` reads them into."""
     block_bytes = GGML_QUANT_SIZES[qtype][1]
-    b = raw.reshape(-1, block_bytes)
     n = raw.shape[0]
+    b = raw.reshape(-1, block_bytes).contiguous()
     if qtype == QT.Q8_0:
         b = b.view(n, -1, block_bytes)
         return b[..., 2:].contiguous().view(torch.int8).view(n, k), \
-            b[..., :2].contiguous().view(torch.float16).view(n, -1).float()
-    high, low, scale, _ = cpu_int4.two_planes(b.contiguous(), qtype)  # the constant is zero for these types
-    values = (high.to(torch.int16) - 8) * 16 + low.to(torch.int16)
-    return values.to(torch.int8).view(n, k), scale.float().reshape(n, -1)
+            b[..., :2].contiguous().view(torch.float16).view(n, -1).float(), None
+    if TYPES[qtype].bits == 4:
+        q, scale, minimum = cpu_int4.one_plane(b, qtype)
+        return q.to(torch.int8).view(n, k), scale.reshape(n, -1), minimum.reshape(n, -1)
+    high, low, scale, constant = cpu_int4.two_planes(b, qtype)  # w = S (16 (H - 8) + L) + c
+    q = ((high.to(torch.int16) - 8) * 16 + low.to(torch.int16)).to(torch.int8).view(n, k)
+    return q, scale.float().reshape(n, -1), (-constant.float().reshape(n, -1) if TYPES[qtype].offsets else None)
 
 
-def _tile(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Values q [n, k] (int8) and scales s [n, k / group] -> tiles [n / 16 (up), bytes]."""
+def _tile(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Values q [n, k] (int8, or 0..15 for `bits` 4), scales s and offsets o (or None) [n, groups]
+    -> tiles [n / 16 (up), bytes] (the layout of `native/integer_product.c`)."""
     n, k = q.shape
     groups = s.shape[1]
     pad = -n % TILE
     if pad:
         q = torch.cat((q, q.new_zeros(pad, k)))
-        s = torch.cat((s, s.new_zeros(pad, groups)))
+        s, o = (None if t is None else torch.cat((t, t.new_zeros(pad, groups))) for t in (s, o))
     t = (n + pad) // TILE
-    values = q.view(t, TILE, k // 2, 2).permute(0, 2, 1, 3).reshape(t, TILE * k)
-    scales = s.float().view(t, TILE, groups).transpose(1, 2).contiguous().view(torch.int8).view(t, 4 * TILE * groups)
-    return torch.cat((values, scales), dim=1)
+    lanes = q.view(t, TILE, k // 2, 2).permute(0, 2, 1, 3).reshape(t, k // 2, 2 * TILE)  # per column pair
+    if bits == 4:  # two pairs a byte: the first in the low nibble
+        lanes = lanes[:, 0::2] | (lanes[:, 1::2] << 4)
+    parts = [lanes.reshape(t, -1)]
+    for per_group in (s, o):
+        if per_group is not None:
+            parts.append(per_group.float().view(t, TILE, groups).transpose(1, 2).contiguous()
+                         .view(torch.int8).view(t, 4 * TILE * groups))
+    return torch.cat(parts, dim=1)
 
 
 def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
@@ -234,34 +264,35 @@ def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
     if m and n:
         lib = lib or library()
         if lib is None:
-            raise RuntimeError("the CPU int8 kernel is not available")
-        status = lib.mm3_int8_product(x2.data_ptr(), packed.weight.data_ptr(), y.data_ptr(), m, n, k, packed.group,
-                                      torch.get_num_threads())
+            raise RuntimeError("the CPU integer kernel is not available")
+        group, bits, offsets = packed.layout
+        status = lib.mm3_integer_product(x2.data_ptr(), packed.weight.data_ptr(), y.data_ptr(), m, n, k, group, bits,
+                                         int(offsets), torch.get_num_threads())
         if status == -1:
-            raise MemoryError(f"the CPU int8 kernel could not allocate the rounded rows of a [{m}, {k}] input")
+            raise MemoryError(f"the CPU integer kernel could not allocate the rounded rows of a [{m}, {k}] input")
         if status:
-            raise ValueError(f"the CPU int8 kernel takes 16 or 32 values a scale, not {packed.group}")
+            raise ValueError(f"the CPU integer kernel takes 16 or 32 values a scale of 8 or 4 bits, not {packed.layout}")
     return y
 
 
-@torch.library.custom_op("mm3::native_int8", mutates_args=())
-def _traced(x2: torch.Tensor, weight: torch.Tensor, k: int, group: int) -> torch.Tensor:
-    return product(x2, Packing(weight, k, group))
+@torch.library.custom_op("mm3::native_integer", mutates_args=())
+def _traced(x2: torch.Tensor, weight: torch.Tensor, k: int, group: int, bits: int, offsets: bool) -> torch.Tensor:
+    return product(x2, Packing(weight, k, Layout(group, bits, offsets)))
 
 
 @_traced.register_fake
-def _(x2, weight, k, group):
+def _(x2, weight, k, group, bits, offsets):
     return x2.new_empty((x2.shape[0], weight.shape[0] * TILE))
 
 
 def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype, W in the kernel's packing (a custom op
-    while torch.compile traces, `torch.ops.mm3.native_int8`: a call into a C library is opaque to it)."""
+    while torch.compile traces, `torch.ops.mm3.native_integer`: a call into a C library is opaque to it)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.to(torch.float32).contiguous()
     if torch.compiler.is_compiling():
-        y = torch.ops.mm3.native_int8(x2, packed.weight, packed.in_features, packed.group)
+        y = torch.ops.mm3.native_integer(x2, packed.weight, packed.in_features, *packed.layout)
     else:
         y = product(x2, packed)
     if y.shape[1] != out_features:

@@ -6,7 +6,7 @@ picks it from what the layer holds at that moment: a float weight at hand (`Floa
 copy or a stored float of that dtype), the Triton kernels over the device layout the weight was
 placed in (`LayoutProduct`, `mm3.gguf.placement`), the Triton kernel reading the GGUF blocks
 (`KernelProduct`), a CPU kernel over the weight packed for it for decode-shaped inputs (the int4
-planes or the native int8 kernel: `PackedProduct` within `ByRows`),
+planes or the native integer kernel: `PackedProduct` within `ByRows`),
 or a dequantization per use (`FloatWeight` over a fresh weight each time; in bfloat16,
 `Bf16Product`, for the inputs of many rows of a layer set to, `Linear.many_rows_bf16`). On the CPU the layer's
 form (`cpu_forms`, measured on the machine by `mm3.cpu_choice`) says which of those serves its
@@ -92,7 +92,7 @@ KERNELS = {"int4": cpu_int4, "native": cpu_native}  # a CPU kernel (`cpu_forms.P
 
 class PackedProduct:
     """A CPU kernel's product (`kernel`: "int4", torch's int4 product over the `cpu_int4` planes;
-    "native", the `cpu_native` int8 kernel) over the weight packed for it, made at the first call
+    "native", the `cpu_native` integer kernel) over the weight packed for it, made at the first call
     (a replay that only multiplies many rows never packs) or by `ready`, then held: a call then
     reads nothing but its tensors, so a compiled step traces it whole."""
 

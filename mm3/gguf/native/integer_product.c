@@ -1,0 +1,261 @@
+/* Few-row products with 8- and 4-bit weights on the CPU, for mm3.gguf.cpu_native.
+
+   y[i, n] = sum_k x[i, k] w[n, k], w[n, k] = s[n, k / G] q[n, k] - o[n, k / G]: q int8 (Q8_0,
+   Q5_0, Q5_1, Q5_K and Q6_K values) or 0..15 (Q4_0, Q4_1, Q4_K), a float32 scale s per G = 16 or
+   32 columns and, for the types with one, a float32 offset o per group.
+
+   Weights come in tiles of 16 rows. Per tile the values: int8 as [K / 2][16][2] (the 32 int16
+   lanes of column pair p: row r's columns 2p and 2p + 1 side by side); 4-bit as [K / 4][32] bytes,
+   byte j holding lane j of pair 2p in its low nibble and of pair 2p + 1 in its high one. Then the
+   scales, float32 [K / G][16], then the offsets likewise where there are some. Each input row is
+   rounded per group to int16 with a float32 scale (the largest value maps to 32767: a relative
+   error of about 1e-5, far below bfloat16's), so a group's dot products are exact integer sums (at
+   most 32 * 32767 * 128 < 2^31); each group adds its sum times both scales to a float32 total and
+   takes away its offset times the group's sum of (rounded) inputs. The integer multiply-adds take 16 rows
+   at a time (AVX-512; AVX2 in two halves; fused where the processor has VNNI); elsewhere the same
+   arithmetic in plain C. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX512BW__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define TILE 16
+#define FLIGHT 4 /* tiles multiplied together: independent chains of multiply-adds */
+
+typedef struct {
+    int64_t k, groups, bytes, value_bytes; /* columns, groups a row, bytes a tile, of its values */
+    int group, bits, offsets;
+} shape;
+
+static shape shape_of(int64_t k, int group, int bits, int offsets) {
+    shape s = {k, k / group, 0, bits == 8 ? TILE * k : TILE * k / 2, group, bits, offsets};
+    s.bytes = s.value_bytes + TILE * s.groups * 4 * (offsets ? 2 : 1);
+    return s;
+}
+
+/* A block holding a NaN or an infinity gets a NaN scale: its rows' outputs are NaN, as a float
+   product's would be, so a diverging run is caught downstream. */
+static void round_rows(const float *x, int64_t m, shape s, int16_t *xq, float *dx, float *sums) {
+    for (int64_t b = 0; b < m * s.groups; b++) {
+        const float *v = x + b * s.group;
+        float top = 0.f;
+        int finite = 1;
+        for (int j = 0; j < s.group; j++) {
+            finite &= isfinite(v[j]) != 0;
+            top = fmaxf(top, fabsf(v[j]));
+        }
+        if (!finite) {
+            dx[b] = sums[b] = NAN;
+            for (int j = 0; j < s.group; j++) xq[b * s.group + j] = 0;
+            continue;
+        }
+        float inv = top > 0.f ? 32767.f / top : 0.f;
+        int32_t sum = 0;
+        dx[b] = top / 32767.f;
+        for (int j = 0; j < s.group; j++) {
+            xq[b * s.group + j] = (int16_t)lrintf(v[j] * inv);
+            sum += xq[b * s.group + j];
+        }
+        sums[b] = (float)sum * dx[b]; /* the rounded inputs' sum: the product is exact for them */
+    }
+}
+
+/* The value lane j (0..31) of column pair p in a tile's values (plain C). */
+static inline int32_t lane(const int8_t *values, shape s, int64_t p, int j) {
+    if (s.bits == 8) return values[p * 32 + j];
+    uint8_t byte = (uint8_t)values[(p / 2) * 32 + j];
+    return (p & 1) ? byte >> 4 : byte & 15;
+}
+
+/* Rows i0 and i1 of the input (the same row twice when one is left) times tiles t0 .. t0 + nt - 1. */
+static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const float *sums, float *y, int64_t n,
+                  shape s, int64_t t0, int nt, int64_t i0, int64_t i1) {
+    const int pairs = s.group / 2;
+    const int32_t *x0 = (const int32_t *)(xq + i0 * s.k), *x1 = (const int32_t *)(xq + i1 * s.k);
+#if defined(__AVX512BW__)
+    __m512 acc0[FLIGHT], acc1[FLIGHT];
+    for (int t = 0; t < FLIGHT; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t g = 0; g < s.groups; g++) {
+        __m512i s0[FLIGHT], s1[FLIGHT];
+        for (int t = 0; t < FLIGHT; t++) s0[t] = s1[t] = _mm512_setzero_si512();
+#if defined(__AVX512VNNI__)
+#define DOT512(acc, v, x) _mm512_dpwssd_epi32(acc, v, x)
+#else
+#define DOT512(acc, v, x) _mm512_add_epi32(acc, _mm512_madd_epi16(v, x))
+#endif
+        if (s.bits == 8) {
+            for (int p = 0; p < pairs; p++) {
+                __m512i a = _mm512_set1_epi32(x0[g * pairs + p]), b = _mm512_set1_epi32(x1[g * pairs + p]);
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) * 32;
+                    __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
+                    s0[t] = DOT512(s0[t], v, a);
+                    s1[t] = DOT512(s1[t], v, b);
+                }
+            }
+        } else {
+            for (int p = 0; p < pairs; p += 2) {
+                __m512i a = _mm512_set1_epi32(x0[g * pairs + p]), b = _mm512_set1_epi32(x1[g * pairs + p]);
+                __m512i c = _mm512_set1_epi32(x0[g * pairs + p + 1]), d = _mm512_set1_epi32(x1[g * pairs + p + 1]);
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) / 2 * 32;
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)q);
+                    __m512i v = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, low));
+                    __m512i u = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+                    s0[t] = DOT512(DOT512(s0[t], v, a), u, c);
+                    s1[t] = DOT512(DOT512(s1[t], v, b), u, d);
+                }
+            }
+        }
+        __m512 d0 = _mm512_set1_ps(dx[i0 * s.groups + g]), d1 = _mm512_set1_ps(dx[i1 * s.groups + g]);
+        for (int t = 0; t < nt; t++) {
+            const float *scales = (const float *)(w + (t0 + t) * s.bytes + s.value_bytes);
+            __m512 scale = _mm512_loadu_ps(scales + g * TILE);
+            acc0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[t]), _mm512_mul_ps(scale, d0), acc0[t]);
+            acc1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[t]), _mm512_mul_ps(scale, d1), acc1[t]);
+            if (s.offsets) {
+                __m512 offset = _mm512_loadu_ps(scales + (s.groups + g) * TILE);
+                acc0[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(sums[i0 * s.groups + g]), acc0[t]);
+                acc1[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(sums[i1 * s.groups + g]), acc1[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        _mm512_storeu_ps(y + i0 * n + (t0 + t) * TILE, acc0[t]);
+        _mm512_storeu_ps(y + i1 * n + (t0 + t) * TILE, acc1[t]);
+    }
+#elif defined(__AVX2__)
+    __m256 acc0[FLIGHT][2], acc1[FLIGHT][2];
+    for (int t = 0; t < FLIGHT; t++)
+        for (int h = 0; h < 2; h++) acc0[t][h] = acc1[t][h] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(15);
+#if defined(__AVXVNNI__)
+#define DOT256(acc, v, x) _mm256_dpwssd_avx_epi32(acc, v, x)
+#else
+#define DOT256(acc, v, x) _mm256_add_epi32(acc, _mm256_madd_epi16(v, x))
+#endif
+    for (int64_t g = 0; g < s.groups; g++) {
+        __m256i s0[FLIGHT][2], s1[FLIGHT][2];
+        for (int t = 0; t < FLIGHT; t++)
+            for (int h = 0; h < 2; h++) s0[t][h] = s1[t][h] = _mm256_setzero_si256();
+        if (s.bits == 8) {
+            for (int p = 0; p < pairs; p++) {
+                __m256i a = _mm256_set1_epi32(x0[g * pairs + p]), b = _mm256_set1_epi32(x1[g * pairs + p]);
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) * 32;
+                    for (int h = 0; h < 2; h++) {
+                        __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
+                        s0[t][h] = DOT256(s0[t][h], v, a);
+                        s1[t][h] = DOT256(s1[t][h], v, b);
+                    }
+                }
+            }
+        } else {
+            for (int p = 0; p < pairs; p += 2) {
+                __m256i a = _mm256_set1_epi32(x0[g * pairs + p]), b = _mm256_set1_epi32(x1[g * pairs + p]);
+                __m256i c = _mm256_set1_epi32(x0[g * pairs + p + 1]), d = _mm256_set1_epi32(x1[g * pairs + p + 1]);
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) / 2 * 32;
+                    for (int h = 0; h < 2; h++) {
+                        __m128i raw = _mm_loadu_si128((const __m128i *)(q + 16 * h));
+                        __m256i v = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+                        __m256i u = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+                        s0[t][h] = DOT256(DOT256(s0[t][h], v, a), u, c);
+                        s1[t][h] = DOT256(DOT256(s1[t][h], v, b), u, d);
+                    }
+                }
+            }
+        }
+        __m256 d0 = _mm256_set1_ps(dx[i0 * s.groups + g]), d1 = _mm256_set1_ps(dx[i1 * s.groups + g]);
+        for (int t = 0; t < nt; t++) {
+            const float *scales = (const float *)(w + (t0 + t) * s.bytes + s.value_bytes);
+            for (int h = 0; h < 2; h++) {
+                __m256 scale = _mm256_loadu_ps(scales + g * TILE + 8 * h);
+                acc0[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[t][h]), _mm256_mul_ps(scale, d0), acc0[t][h]);
+                acc1[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[t][h]), _mm256_mul_ps(scale, d1), acc1[t][h]);
+                if (s.offsets) {
+                    __m256 offset = _mm256_loadu_ps(scales + (s.groups + g) * TILE + 8 * h);
+                    acc0[t][h] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sums[i0 * s.groups + g]), acc0[t][h]);
+                    acc1[t][h] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sums[i1 * s.groups + g]), acc1[t][h]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int h = 0; h < 2; h++) {
+            _mm256_storeu_ps(y + i0 * n + (t0 + t) * TILE + 8 * h, acc0[t][h]);
+            _mm256_storeu_ps(y + i1 * n + (t0 + t) * TILE + 8 * h, acc1[t][h]);
+        }
+#else
+    (void)x0;
+    (void)x1;
+    for (int t = 0; t < nt; t++) {
+        const int8_t *values = w + (t0 + t) * s.bytes;
+        const float *scales = (const float *)(values + s.value_bytes);
+        for (int r = 0; r < TILE; r++) {
+            float acc0 = 0.f, acc1 = 0.f;
+            for (int64_t g = 0; g < s.groups; g++) {
+                int32_t s0 = 0, s1 = 0;
+                for (int j = 0; j < s.group; j++) {
+                    int64_t col = g * s.group + j;
+                    int32_t v = lane(values, s, col / 2, r * 2 + (int)(col & 1));
+                    s0 += v * xq[i0 * s.k + col];
+                    s1 += v * xq[i1 * s.k + col];
+                }
+                acc0 += (float)s0 * (scales[g * TILE + r] * dx[i0 * s.groups + g]);
+                acc1 += (float)s1 * (scales[g * TILE + r] * dx[i1 * s.groups + g]);
+                if (s.offsets) {
+                    acc0 -= scales[(s.groups + g) * TILE + r] * sums[i0 * s.groups + g];
+                    acc1 -= scales[(s.groups + g) * TILE + r] * sums[i1 * s.groups + g];
+                }
+            }
+            y[i0 * n + (t0 + t) * TILE + r] = acc0;
+            y[i1 * n + (t0 + t) * TILE + r] = acc1;
+        }
+    }
+#endif
+}
+
+/* x [m, k] float32, w: n / 16 tiles (n a multiple of 16, k of the group: 16 or 32 values a scale),
+   bits 8 or 4, offsets 0 or 1, y [m, n] float32. Returns 0, -1 when the scratch rows cannot be
+   allocated, -2 for a group, bits or k it does not take. */
+int mm3_integer_product(const float *x, const int8_t *w, float *y, int64_t m, int64_t n, int64_t k, int group,
+                     int bits, int offsets, int threads) {
+    if ((group != 16 && group != 32) || (bits != 8 && bits != 4) || k % group) return -2;
+    const shape s = shape_of(k, group, bits, offsets);
+    int16_t *xq = malloc(sizeof(int16_t) * m * k);
+    float *dx = malloc(sizeof(float) * m * s.groups), *sums = malloc(sizeof(float) * m * s.groups);
+    if (!xq || !dx || !sums) {
+        free(xq);
+        free(dx);
+        free(sums);
+        return -1;
+    }
+    round_rows(x, m, s, xq, dx, sums);
+    const int64_t count = n / TILE, runs = (count + FLIGHT - 1) / FLIGHT;
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < runs; r++) {
+        int64_t t0 = r * FLIGHT;
+        int nt = count - t0 < FLIGHT ? (int)(count - t0) : FLIGHT;
+        for (int64_t i = 0; i < m; i += 2)
+            tiles(w, xq, dx, sums, y, n, s, t0, nt, i, i + 1 < m ? i + 1 : i);
+    }
+    free(xq);
+    free(dx);
+    free(sums);
+    return 0;
+}
+
+/* What this build multiplies with: 512 (AVX-512), 256 (AVX2) or 0 (plain C). */
+int mm3_integer_vector_bits(void) {
+#if defined(__AVX512BW__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 0;
+#endif
+}
