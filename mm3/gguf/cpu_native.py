@@ -62,11 +62,13 @@ _LIBRARY: list = []  # [ctypes library or None], once per process
 
 class Packing(NamedTuple):
     """A weight in the kernel's layout: `weight` [rows / 16, bytes a tile] int8 (each tile's values,
-    then its float32 scales and offsets), `in_features` K, and the type's `Layout`."""
+    then its float32 scales and offsets), `in_features` K, the type's `Layout`, and for 4-bit
+    values whether they lie in quads of columns (the layout of a build with VNNI) or pairs."""
 
     weight: torch.Tensor
     in_features: int
     layout: Layout
+    quads: bool = False
 
     def nbytes(self) -> int:
         return self.weight.numel()
@@ -145,6 +147,7 @@ def load(path: Path):
     lib.mm3_integer_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 4
     lib.mm3_integer_product.restype = ctypes.c_int
     lib.mm3_integer_vector_bits.restype = ctypes.c_int
+    lib.mm3_integer_nibble_quads.restype = ctypes.c_int
     return lib
 
 
@@ -190,8 +193,9 @@ def _probe() -> bool:
         if o is not None:
             w = w - o.double()[..., None]
         want = x.double() @ w.view(n, k).T
+        quads = layout.bits == 4 and nibble_quads()
         with torch.inference_mode():
-            got = linear(x, Packing(_tile(q, s, o, layout.bits), k, layout), n)
+            got = linear(x, Packing(_tile(q, s, o, layout.bits, quads), k, layout, quads), n)
         if not ((got.double() - want).norm() / want.norm()) < 1e-4:
             return False
     return True
@@ -204,15 +208,23 @@ def serves(layer, qtype: QT | None, device: torch.device) -> bool:
             and available())
 
 
-def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> Packing:
-    """GGUF block rows [N, row_bytes] of one of `TYPES` -> the kernel's tiles (see `Packing`)."""
+def nibble_quads(lib=None) -> bool:
+    """Whether the kernel (`lib`, default this process's) holds 4-bit values in quads of columns."""
+    lib = lib or library()
+    return lib is not None and bool(lib.mm3_integer_nibble_quads())
+
+
+def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int, quads: bool | None = None) -> Packing:
+    """GGUF block rows [N, row_bytes] of one of `TYPES` -> the kernel's tiles (see `Packing`;
+    `quads`: the 4-bit layout, default the one this process's kernel reads)."""
     if qtype not in TYPES:
         raise ValueError(f"the CPU integer kernel reads {', '.join(t.name for t in TYPES)}, not {qtype.name}")
     layout = TYPES[qtype]
+    quads = layout.bits == 4 and (nibble_quads() if quads is None else quads)
     rows = raw.reshape(out_features, -1)
-    parts = [_tile(*_values(rows[i:i + REPACK_ROWS], qtype, in_features), layout.bits)
+    parts = [_tile(*_values(rows[i:i + REPACK_ROWS], qtype, in_features), layout.bits, quads)
              for i in range(0, out_features, REPACK_ROWS)]
-    return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features, layout)
+    return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features, layout, quads)
 
 
 def _values(raw: torch.Tensor, qtype: QT, k: int):
@@ -234,9 +246,9 @@ def _values(raw: torch.Tensor, qtype: QT, k: int):
     return q, scale.float().reshape(n, -1), (-constant.float().reshape(n, -1) if TYPES[qtype].offsets else None)
 
 
-def _tile(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None, bits: int) -> torch.Tensor:
+def _tile(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None, bits: int, quads: bool = False) -> torch.Tensor:
     """Values q [n, k] (int8, or 0..15 for `bits` 4), scales s and offsets o (or None) [n, groups]
-    -> tiles [n / 16 (up), bytes] (the layout of `native/integer_product.c`)."""
+    -> tiles [n / 16 (up), bytes] (the layouts of `native/integer_product.c`)."""
     n, k = q.shape
     groups = s.shape[1]
     pad = -n % TILE
@@ -244,8 +256,9 @@ def _tile(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None, bits: int) -
         q = torch.cat((q, q.new_zeros(pad, k)))
         s, o = (None if t is None else torch.cat((t, t.new_zeros(pad, groups))) for t in (s, o))
     t = (n + pad) // TILE
-    lanes = q.view(t, TILE, k // 2, 2).permute(0, 2, 1, 3).reshape(t, k // 2, 2 * TILE)  # per column pair
-    if bits == 4:  # two pairs a byte: the first in the low nibble
+    width = 4 if quads else 2  # columns a lane: a row's values side by side
+    lanes = q.view(t, TILE, k // width, width).permute(0, 2, 1, 3).reshape(t, k // width, width * TILE)
+    if bits == 4:  # two pairs (quads) a byte: the first in the low nibble
         lanes = lanes[:, 0::2] | (lanes[:, 1::2] << 4)
     parts = [lanes.reshape(t, -1)]
     for per_group in (s, o):
@@ -266,6 +279,8 @@ def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
         if lib is None:
             raise RuntimeError("the CPU integer kernel is not available")
         group, bits, offsets = packed.layout
+        if bits == 4 and packed.quads != bool(lib.mm3_integer_nibble_quads()):
+            raise ValueError("4-bit values packed for another build of the CPU integer kernel")
         status = lib.mm3_integer_product(x2.data_ptr(), packed.weight.data_ptr(), y.data_ptr(), m, n, k, group, bits,
                                          int(offsets), torch.get_num_threads())
         if status == -1:
@@ -276,12 +291,13 @@ def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
 
 
 @torch.library.custom_op("mm3::native_integer", mutates_args=())
-def _traced(x2: torch.Tensor, weight: torch.Tensor, k: int, group: int, bits: int, offsets: bool) -> torch.Tensor:
-    return product(x2, Packing(weight, k, Layout(group, bits, offsets)))
+def _traced(x2: torch.Tensor, weight: torch.Tensor, k: int, group: int, bits: int, offsets: bool,
+            quads: bool) -> torch.Tensor:
+    return product(x2, Packing(weight, k, Layout(group, bits, offsets), quads))
 
 
 @_traced.register_fake
-def _(x2, weight, k, group, bits, offsets):
+def _(x2, weight, k, group, bits, offsets, quads):
     return x2.new_empty((x2.shape[0], weight.shape[0] * TILE))
 
 
@@ -292,7 +308,7 @@ def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tens
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.to(torch.float32).contiguous()
     if torch.compiler.is_compiling():
-        y = torch.ops.mm3.native_integer(x2, packed.weight, packed.in_features, *packed.layout)
+        y = torch.ops.mm3.native_integer(x2, packed.weight, packed.in_features, *packed.layout, packed.quads)
     else:
         y = product(x2, packed)
     if y.shape[1] != out_features:

@@ -13,7 +13,7 @@
    most 32 * 32767 * 128 < 2^31); each group adds its sum times both scales to a float32 total and
    takes away its offset times the group's sum of (rounded) inputs. The integer multiply-adds take 16 rows
    at a time (AVX-512; AVX2 in two halves; fused where the processor has VNNI); elsewhere the same
-   arithmetic in plain C. */
+   arithmetic in plain C. The 4-bit values take another layout with VNNI (QUADS, below). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +23,18 @@
 
 #define TILE 16
 #define FLIGHT 4 /* tiles multiplied together: independent chains of multiply-adds */
+
+/* With VNNI the 4-bit values are multiplied as bytes, four columns a lane (u8 times s8 multiply-
+   adds, no widening): a tile holds them as [K / 8][64] bytes, byte j holding row j / 4's column
+   j % 4 of a quad of columns in its low nibble and of the next quad in its high one; the input is
+   rounded to 15 bits and split into a signed high byte and a low 7 bits, x = 128 h + l. */
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QUADS 1
+#elif defined(__AVX2__) && !defined(__AVX512BW__) && defined(__AVXVNNI__)
+#define QUADS 1
+#else
+#define QUADS 0
+#endif
 
 typedef struct {
     int64_t k, groups, bytes, value_bytes; /* columns, groups a row, bytes a tile, of its values */
@@ -38,6 +50,7 @@ static shape shape_of(int64_t k, int group, int bits, int offsets) {
 /* A block holding a NaN or an infinity gets a NaN scale: its rows' outputs are NaN, as a float
    product's would be, so a diverging run is caught downstream. */
 static void round_rows(const float *x, int64_t m, shape s, int16_t *xq, float *dx, float *sums) {
+    const float limit = QUADS && s.bits == 4 ? 16383.f : 32767.f;
     for (int64_t b = 0; b < m * s.groups; b++) {
         const float *v = x + b * s.group;
         float top = 0.f;
@@ -51,9 +64,9 @@ static void round_rows(const float *x, int64_t m, shape s, int16_t *xq, float *d
             for (int j = 0; j < s.group; j++) xq[b * s.group + j] = 0;
             continue;
         }
-        float inv = top > 0.f ? 32767.f / top : 0.f;
+        float inv = top > 0.f ? limit / top : 0.f;
         int32_t sum = 0;
-        dx[b] = top / 32767.f;
+        dx[b] = top / limit;
         for (int j = 0; j < s.group; j++) {
             xq[b * s.group + j] = (int16_t)lrintf(v[j] * inv);
             sum += xq[b * s.group + j];
@@ -68,6 +81,116 @@ static inline int32_t lane(const int8_t *values, shape s, int64_t p, int j) {
     uint8_t byte = (uint8_t)values[(p / 2) * 32 + j];
     return (p & 1) ? byte >> 4 : byte & 15;
 }
+
+#if QUADS
+/* The 4-bit tiles with VNNI: rows i0 and i1 (their high and low bytes `hi`, `lo`, four columns an
+   int32) times tiles t0 .. t0 + nt - 1. */
+static void quad_tiles(const int8_t *w, const int32_t *hi, const int32_t *lo, const float *dx, const float *sums,
+                       float *y, int64_t n, shape s, int64_t t0, int nt, int64_t i0, int64_t i1) {
+    const int quads = s.group / 4;
+    const int32_t *h0 = hi + i0 * (s.k / 4), *h1 = hi + i1 * (s.k / 4);
+    const int32_t *l0 = lo + i0 * (s.k / 4), *l1 = lo + i1 * (s.k / 4);
+#if defined(__AVX512BW__)
+#define QV __m512i
+#define QF __m512
+#define QZERO _mm512_setzero_si512()
+#define QSET1 _mm512_set1_epi32
+#define QLOAD(p) _mm512_loadu_si512((const void *)(p))
+#define QAND _mm512_and_si512
+#define QSRL _mm512_srli_epi16
+#define QDOT _mm512_dpbusd_epi32
+#define QCOMBINE(h, l) _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l))
+#define QLOADF _mm512_loadu_ps
+#define QSET1F _mm512_set1_ps
+#define QFMA _mm512_fmadd_ps
+#define QFNMA _mm512_fnmadd_ps
+#define QMUL _mm512_mul_ps
+#define QZEROF _mm512_setzero_ps()
+#define QSTORE _mm512_storeu_ps
+#define HALVES 1
+#define LANES 16
+#else
+#define QV __m256i
+#define QF __m256
+#define QZERO _mm256_setzero_si256()
+#define QSET1 _mm256_set1_epi32
+#define QLOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define QAND _mm256_and_si256
+#define QSRL _mm256_srli_epi16
+#define QDOT _mm256_dpbusd_avx_epi32
+#define QCOMBINE(h, l) _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(h, 7), l))
+#define QLOADF _mm256_loadu_ps
+#define QSET1F _mm256_set1_ps
+#define QFMA _mm256_fmadd_ps
+#define QFNMA _mm256_fnmadd_ps
+#define QMUL _mm256_mul_ps
+#define QZEROF _mm256_setzero_ps()
+#define QSTORE _mm256_storeu_ps
+#define HALVES 2
+#define LANES 8
+#endif
+    const QV low = QSET1(0x0F0F0F0F);
+    QF acc0[FLIGHT][HALVES], acc1[FLIGHT][HALVES];
+    for (int t = 0; t < FLIGHT; t++)
+        for (int v = 0; v < HALVES; v++) acc0[t][v] = acc1[t][v] = QZEROF;
+    for (int64_t g = 0; g < s.groups; g++) {
+        QV a0[FLIGHT][HALVES], b0[FLIGHT][HALVES], a1[FLIGHT][HALVES], b1[FLIGHT][HALVES]; /* high, low sums */
+        for (int t = 0; t < FLIGHT; t++)
+            for (int v = 0; v < HALVES; v++) a0[t][v] = b0[t][v] = a1[t][v] = b1[t][v] = QZERO;
+        for (int c = 0; c < quads; c += 2) {
+            const int64_t at = g * quads + c;
+            QV hx0 = QSET1(h0[at]), hy0 = QSET1(h0[at + 1]), lx0 = QSET1(l0[at]), ly0 = QSET1(l0[at + 1]);
+            QV hx1 = QSET1(h1[at]), hy1 = QSET1(h1[at + 1]), lx1 = QSET1(l1[at]), ly1 = QSET1(l1[at + 1]);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *q = w + (t0 + t) * s.bytes + at / 2 * 64;
+                for (int v = 0; v < HALVES; v++) {
+                    QV raw = QLOAD(q + v * (64 / HALVES));
+                    QV first = QAND(raw, low), second = QAND(QSRL(raw, 4), low);
+                    a0[t][v] = QDOT(QDOT(a0[t][v], first, hx0), second, hy0);
+                    b0[t][v] = QDOT(QDOT(b0[t][v], first, lx0), second, ly0);
+                    a1[t][v] = QDOT(QDOT(a1[t][v], first, hx1), second, hy1);
+                    b1[t][v] = QDOT(QDOT(b1[t][v], first, lx1), second, ly1);
+                }
+            }
+        }
+        QF d0 = QSET1F(dx[i0 * s.groups + g]), d1 = QSET1F(dx[i1 * s.groups + g]);
+        QF m0 = QSET1F(sums[i0 * s.groups + g]), m1 = QSET1F(sums[i1 * s.groups + g]);
+        for (int t = 0; t < nt; t++) {
+            const float *scales = (const float *)(w + (t0 + t) * s.bytes + s.value_bytes);
+            for (int v = 0; v < HALVES; v++) {
+                QF scale = QLOADF(scales + g * TILE + v * LANES);
+                acc0[t][v] = QFMA(QCOMBINE(a0[t][v], b0[t][v]), QMUL(scale, d0), acc0[t][v]);
+                acc1[t][v] = QFMA(QCOMBINE(a1[t][v], b1[t][v]), QMUL(scale, d1), acc1[t][v]);
+                if (s.offsets) {
+                    QF offset = QLOADF(scales + (s.groups + g) * TILE + v * LANES);
+                    acc0[t][v] = QFNMA(offset, m0, acc0[t][v]);
+                    acc1[t][v] = QFNMA(offset, m1, acc1[t][v]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int v = 0; v < HALVES; v++) {
+            QSTORE(y + i0 * n + (t0 + t) * TILE + v * LANES, acc0[t][v]);
+            QSTORE(y + i1 * n + (t0 + t) * TILE + v * LANES, acc1[t][v]);
+        }
+}
+
+/* Each row's rounded inputs as bytes, four columns an int32: the high ones (x >> 7, signed) and
+   the low 7 bits. */
+static void split_rows(const int16_t *xq, int64_t count, int32_t *hi, int32_t *lo) {
+    for (int64_t c = 0; c < count; c++) {
+        uint32_t h = 0, l = 0;
+        for (int j = 0; j < 4; j++) {
+            int32_t v = xq[4 * c + j];
+            h |= (uint32_t)(uint8_t)(int8_t)(v >> 7) << (8 * j);
+            l |= (uint32_t)(v & 127) << (8 * j);
+        }
+        hi[c] = (int32_t)h;
+        lo[c] = (int32_t)l;
+    }
+}
+#endif
 
 /* Rows i0 and i1 of the input (the same row twice when one is left) times tiles t0 .. t0 + nt - 1. */
 static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const float *sums, float *y, int64_t n,
@@ -192,6 +315,7 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
 #else
     (void)x0;
     (void)x1;
+    (void)pairs;
     for (int t = 0; t < nt; t++) {
         const int8_t *values = w + (t0 + t) * s.bytes;
         const float *scales = (const float *)(values + s.value_bytes);
@@ -235,19 +359,48 @@ int mm3_integer_product(const float *x, const int8_t *w, float *y, int64_t m, in
         return -1;
     }
     round_rows(x, m, s, xq, dx, sums);
+    int32_t *hi = NULL, *lo = NULL;
+#if QUADS
+    if (s.bits == 4) {
+        hi = malloc(sizeof(int32_t) * m * (k / 4));
+        lo = malloc(sizeof(int32_t) * m * (k / 4));
+        if (!hi || !lo) {
+            free(hi);
+            free(lo);
+            free(xq);
+            free(dx);
+            free(sums);
+            return -1;
+        }
+        split_rows(xq, m * (k / 4), hi, lo);
+    }
+#endif
     const int64_t count = n / TILE, runs = (count + FLIGHT - 1) / FLIGHT;
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
     for (int64_t r = 0; r < runs; r++) {
         int64_t t0 = r * FLIGHT;
         int nt = count - t0 < FLIGHT ? (int)(count - t0) : FLIGHT;
-        for (int64_t i = 0; i < m; i += 2)
-            tiles(w, xq, dx, sums, y, n, s, t0, nt, i, i + 1 < m ? i + 1 : i);
+        for (int64_t i = 0; i < m; i += 2) {
+            int64_t i1 = i + 1 < m ? i + 1 : i;
+#if QUADS
+            if (s.bits == 4) {
+                quad_tiles(w, hi, lo, dx, sums, y, n, s, t0, nt, i, i1);
+                continue;
+            }
+#endif
+            tiles(w, xq, dx, sums, y, n, s, t0, nt, i, i1);
+        }
     }
+    free(hi);
+    free(lo);
     free(xq);
     free(dx);
     free(sums);
     return 0;
 }
+
+/* Whether this build holds 4-bit values in quads of columns (VNNI) rather than pairs. */
+int mm3_integer_nibble_quads(void) { return QUADS; }
 
 /* What this build multiplies with: 512 (AVX-512), 256 (AVX2) or 0 (plain C). */
 int mm3_integer_vector_bits(void) {
