@@ -27,6 +27,17 @@ import torch.nn.functional as F
 DECODE_MAX_ROWS = 16  # beyond this the weight-major form stops paying on the CPU
 
 
+def rows_out(y: torch.Tensor, x: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A CPU kernel's output for x's rows ([rows, N padded to its tile]) as x's [..., N] in x's
+    dtype, `bias` added."""
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], out_features)
+
+
 def weight_major_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w [N, K].T (+ b) -> [..., N], as `w @ x.T` for a few rows on the CPU (else `F.linear`)."""
     rows = x.numel() // x.shape[-1]

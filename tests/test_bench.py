@@ -74,6 +74,11 @@ def test_quantized_weights_are_compared_on_the_same_values(work, monkeypatch):
     assert products["source"] == "measured" and products["threads"] == 1  # --threads 1 is the user's
     assert {"int4 x1", "dequant-linear x1", "copy-linear x1"} <= set(products["candidates_ms_per_frame"])
     assert products["chosen"] in products["candidates_ms_per_frame"]
+    from mm3.gguf import cpu_native
+
+    native = cpu_native.available()
+    assert ("native x1" in products["candidates_ms_per_frame"]) == native
+    assert products["native_vector_bits"] == (cpu_native.vector_bits() if native else None)
     assert 0 < r["ar"]["weight_bandwidth_share"] < 1 and r["ar"]["machine_copy_gb_per_s"] > 0
     assert r["dit"]["rel_diff_vs_diffusers"] < 1e-5 and r["dit"]["kept_dequantized_mib"] > 0
 

@@ -19,6 +19,7 @@ import torch
 from .. import cpu_choice
 from ..ar import PlanSettings, ScratchFrames, plan
 from ..constants import FRAME_RATE
+from ..gguf.cpu_forms import FORMS
 from ..numerics import Numerics
 from ..progress import Progress
 from ..stages import set_ar_numerics
@@ -63,7 +64,8 @@ def _reference(ctx, frames: int):
 
 def cpu_products(ctx) -> dict | None:
     """The CPU product forms timed afresh on the bench's models (`mm3.cpu_choice.serve`), kept for
-    this process: each candidate's ms per frame and the chosen one; None off the CPU."""
+    this process: each candidate's ms per frame and the chosen one, and the vector width the
+    native kernel was built for where it was a candidate; None off the CPU."""
     from ..device import ar_weight_budget
 
     lm, depth = ctx.ours("lm"), ctx.ours("depth")
@@ -73,8 +75,16 @@ def cpu_products(ctx) -> dict | None:
                               budget=ar_weight_budget(ctx.device), fresh=True)
     if choice is None:
         return None
+    from ..gguf import cpu_native
+
     return {"chosen": choice.label, "forms": choice.forms, "threads": choice.threads, "source": choice.source,
-            "candidates_ms_per_frame": choice.ms_per_frame, "candidates_cut_short": choice.stopped}
+            "candidates_ms_per_frame": choice.ms_per_frame, "candidates_cut_short": choice.stopped,
+            "native_vector_bits": cpu_native.vector_bits() if "native" in _timed_forms(choice) else None}
+
+
+def _timed_forms(choice) -> set[str]:
+    """The forms among a choice's candidates (labels "form xN" or "lm form + depth form xN")."""
+    return {word for label in choice.ms_per_frame for word in label.split() if word in FORMS}
 
 
 def measure(ctx, frames: int) -> dict:

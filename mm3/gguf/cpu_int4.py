@@ -33,6 +33,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
+from ..matmul import rows_out
 from .quants import _BITS, _CRUMBS, _NIBBLES, _halves, _k4_scale_min, _q5_high, _unpack
 
 GROUP = 32
@@ -282,9 +283,4 @@ def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tens
     x2 = x.reshape(-1, x.shape[-1])
     x2 = _planes_input(x2, packed.sub) if packed.sub else x2.to(torch.bfloat16)
     y = torch._weight_int4pack_mm_for_cpu(x2, packed.weight, GROUP, packed.pairs)
-    if y.shape[1] != out_features:
-        y = y[:, :out_features]
-    y = y.to(x.dtype)
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], out_features)
+    return rows_out(y, x, out_features, bias)

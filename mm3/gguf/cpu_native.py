@@ -34,6 +34,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ..cache_dir import cache_dir
+from ..matmul import rows_out
 from . import cpu_int4
 
 log = logging.getLogger(__name__)
@@ -311,9 +312,4 @@ def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tens
         y = torch.ops.mm3.native_integer(x2, packed.weight, packed.in_features, *packed.layout, packed.quads)
     else:
         y = product(x2, packed)
-    if y.shape[1] != out_features:
-        y = y[:, :out_features]
-    y = y.to(x.dtype)
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], out_features)
+    return rows_out(y, x, out_features, bias)
