@@ -51,6 +51,7 @@ TURN_FRAMES = 3  # frames per turn; the first settles the switch and is not coun
 KEEP_WITHIN = 1.25  # after PRUNE_AFTER rounds, candidates slower than this times the fastest leave
 SLOW_LIMIT = 3.0  # a turn slower than this times the fastest is cut short
 FEWER_THREADS = 1.1  # fewer threads win when within this factor of the fastest (they stall less when the load rises)
+PACKED_BYTES_PER_VALUE = 1.25  # the most a packing for int4 or the native kernel takes (two int4 planes and their pairs)
 
 STAGE = "cpu"  # the timing's progress stage (`mm3.progress.STAGES`)
 
@@ -354,12 +355,17 @@ class Candidate:
 
 def candidate_forms(models: dict, dtype: torch.dtype, budget: int) -> list[str]:
     """The forms that differ for these models: int4 and the native kernel where a weight type has
-    them, copies where a weight needs converting and memory allows, dequantization (or the
-    floats as they are) always."""
+    them (both only when a second packing, held while they are timed, fits in `budget`; else the
+    native kernel's alone), copies where a weight needs converting and memory allows,
+    dequantization (or the floats as they are) always."""
     layers = [layer for m in models.values() for layer in _linears(m)]
     cpu = torch.device("cpu")
     int4 = any(cpu_int4.serves(layer, layer.qtype("weight"), cpu) for layer in layers)
     native = any(cpu_native.serves(layer, layer.qtype("weight"), cpu) for layer in layers)  # builds it at most once
+    if int4 and native and PACKED_BYTES_PER_VALUE * sum(
+            layer.in_features * layer.out_features for layer in layers
+            if cpu_native.serves(layer, layer.qtype("weight"), cpu)) > budget:
+        int4 = False
     converts = any(not (layer.qtype("weight") in FLOAT_TYPES and FLOAT_TYPES[layer.qtype("weight")] == dtype)
                    for layer in layers)
     out = (["int4"] if int4 else []) + (["native"] if native else [])

@@ -332,6 +332,9 @@ def test_int4_and_native_are_candidates_only_where_a_weight_type_has_them(q8):
     forms = cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 1 << 30)
     assert forms[0] == ("int4" if cpu_int4.available() else "dequant-linear")
     assert ("native" in forms) == cpu_native.available()  # the Q8_0 file's weights
+    if cpu_native.available():  # no room for both packings at once: the native kernel's alone
+        tight = cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 1000)
+        assert "native" in tight and "int4" not in tight and "copy-linear" in tight
     assert "copy-linear" in forms
     assert "copy-linear" not in cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 0)
 
