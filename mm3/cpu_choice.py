@@ -53,6 +53,19 @@ SLOW_LIMIT = 3.0  # a turn slower than this times the fastest is cut short
 FEWER_THREADS = 1.1  # fewer threads win when within this factor of the fastest (they stall less when the load rises)
 PACKED_BYTES_PER_VALUE = 1.25  # the most a packing for int4 or the native kernel takes (two int4 planes and their pairs)
 
+
+def _one_packing_at_a_time(models: dict, forms: list[str], room: int) -> bool:
+    """Whether the timing must hold one packing at a time: both packed forms are timed and a
+    second packing of the weights the native kernel reads would not fit in `room` bytes (the
+    weight budget less the copies kept for the `copy` forms). Each switch then packs again, in
+    the turn's first frame, which is not counted."""
+    if not {"int4", "native"} <= set(forms):
+        return False
+    cpu = torch.device("cpu")
+    values = sum(layer.in_features * layer.out_features for m in models.values() for layer in _linears(m)
+                 if cpu_native.serves(layer, layer.qtype("weight"), cpu))
+    return PACKED_BYTES_PER_VALUE * values > room
+
 STAGE = "cpu"  # the timing's progress stage (`mm3.progress.STAGES`)
 
 
@@ -255,19 +268,24 @@ def named_form() -> str | None:
 def apply(forms: dict[str, str], models: dict, clock: Clock | None = None, free: bool = True) -> None:
     """Give every product layer of each model its component's form (and `clock`, while timing).
     With `free`, the packings (`cpu_forms.PACKED`) that layers no longer read are freed."""
-    cpu = torch.device("cpu")
     for name, model in models.items():
         form = FORMS[forms.get(name, DEFAULT.name)]
         for layer in _linears(model):
             now = layer.cpu_form
             if now is None or now.form != form or now.component != name or now.clock is not clock:
                 layer.cpu_form = Serving(form, name, clock)
-            if free:
-                layer.drop_packing(keep=packed_kernel(layer, layer.qtype("weight"), cpu))
         if free:
-            for fused in fused_layers(model):
-                first = fused.parts[0]
-                fused.drop_packing(keep=packed_kernel(first, first.qtype("weight"), cpu))
+            _free_packings(model)
+
+
+def _free_packings(model) -> None:
+    """Free the packings the model's layers (and fused layers) do not read in their forms."""
+    cpu = torch.device("cpu")
+    for layer in _linears(model):
+        layer.drop_packing(keep=packed_kernel(layer, layer.qtype("weight"), cpu))
+    for fused in fused_layers(model):
+        first = fused.parts[0]
+        fused.drop_packing(keep=packed_kernel(first, first.qtype("weight"), cpu))
 
 
 def threads(choice: Choice | None):
@@ -355,17 +373,12 @@ class Candidate:
 
 def candidate_forms(models: dict, dtype: torch.dtype, budget: int) -> list[str]:
     """The forms that differ for these models: int4 and the native kernel where a weight type has
-    them (both only when a second packing, held while they are timed, fits in `budget`; else the
-    native kernel's alone), copies where a weight needs converting and memory allows,
-    dequantization (or the floats as they are) always."""
+    them, copies where a weight needs converting and memory allows, dequantization (or the
+    floats as they are) always."""
     layers = [layer for m in models.values() for layer in _linears(m)]
     cpu = torch.device("cpu")
     int4 = any(cpu_int4.serves(layer, layer.qtype("weight"), cpu) for layer in layers)
     native = any(cpu_native.serves(layer, layer.qtype("weight"), cpu) for layer in layers)  # builds it at most once
-    if int4 and native and PACKED_BYTES_PER_VALUE * sum(
-            layer.in_features * layer.out_features for layer in layers
-            if cpu_native.serves(layer, layer.qtype("weight"), cpu)) > budget:
-        int4 = False
     converts = any(not (layer.qtype("weight") in FLOAT_TYPES and FLOAT_TYPES[layer.qtype("weight")] == dtype)
                    for layer in layers)
     out = (["int4"] if int4 else []) + (["native"] if native else [])
@@ -402,20 +415,22 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
         progress.on_progress(STAGE, min(done, total), total, {})
 
     try:
+        kept = 0
         if any(FORMS[f].holds == "copy" for f in forms):
             apply({name: "copy-linear" for name in models}, models, free=False)
-            cache_dequantized(modules, dtype, budget)
+            kept = cache_dequantized(modules, dtype, budget)
             copies = {name: set_aside([model]) for name, model in models.items()}
+        single = _one_packing_at_a_time(models, forms, budget - kept)
         torch.set_num_threads(max(threads))
         for f in forms:
             if FORMS[f].holds in PACKED:  # its first use packs the weights: not timed
-                _use(models, {name: f for name in models}, copies, None)
+                _use(models, {name: f for name in models}, copies, None, single)
                 frames.run(1)
                 tick(1)
         for r in range(rounds):
             shift = r % len(candidates)
             for c in candidates[shift:] + candidates[:shift]:
-                _turn(c, models, frames, copies, turn_frames, min(x.best for x in everyone))
+                _turn(c, models, frames, copies, turn_frames, min(x.best for x in everyone), single)
                 tick(turn_frames)
             if r == PRUNE_AFTER - 1:
                 candidates = _pruned(candidates, models)
@@ -440,11 +455,12 @@ def _fastest(candidates: list[Candidate]) -> Candidate:
     return min(near, key=lambda c: (c.threads, c.best))
 
 
-def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: dict, turn_frames: int, fastest: float) -> None:
+def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: dict, turn_frames: int, fastest: float,
+          single: bool = False) -> None:
     """One turn of `c`: a frame that settles the switch, then `turn_frames - 1` timed ones, cut
-    short past SLOW_LIMIT times the `fastest` seconds per frame so far."""
+    short past SLOW_LIMIT times the `fastest` seconds per frame so far (`single`: see `_use`)."""
     clock = Clock()
-    _use(models, c.forms, copies, clock)
+    _use(models, c.forms, copies, clock, single)
     torch.set_num_threads(c.threads)
     start = time.perf_counter()
     if fastest < float("inf"):
@@ -463,15 +479,20 @@ def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: dict, turn_fr
     c.cut.append(False)
 
 
-def _use(models: dict, forms: dict[str, str], copies: dict, clock: Clock | None) -> None:
-    """The models in `forms` (their packings kept for later turns), each component's copies
-    in use where its form reads them."""
+def _use(models: dict, forms: dict[str, str], copies: dict, clock: Clock | None, single: bool = False) -> None:
+    """The models in `forms` (their packings kept for later turns; with `single`, a component
+    whose form reads a packing keeps that one alone), each component's copies in use where its
+    form reads them."""
     if copies:
         set_aside(list(models.values()))
         for name, kept in copies.items():
             if FORMS[forms[name]].holds == "copy":
                 put_back(kept)
     apply(forms, models, clock, free=False)
+    if single:
+        for name, model in models.items():
+            if FORMS[forms[name]].holds in PACKED:
+                _free_packings(model)
 
 
 def _stop_clocks(models: dict) -> None:

@@ -318,6 +318,33 @@ def test_a_candidate_far_slower_than_the_best_is_cut_short(q8, monkeypatch):
     assert "dequant-weight-major x1 >" in choice.line()
 
 
+@pytest.mark.parametrize("budget,most", [(1 << 30, 2), (0, 1)])
+def test_two_packings_are_held_together_only_where_they_fit(q8, budget, most):
+    """Timing int4 against the native kernel holds both packings where a second one fits in the
+    weight budget (less the copies); otherwise one at a time, packed again at each switch."""
+    if not (cpu_native.available() and cpu_int4.available()):
+        pytest.skip("needs both the int4 product and the native kernel")
+    lm, depth = _models(q8)
+    layer = depth.layers[0].down_proj
+    x = torch.randn(2, layer.in_features)
+    held = []
+
+    class Frames:
+        def run(self, n):
+            out = []
+            for _ in range(n):
+                start = time.perf_counter()
+                layer(x)
+                held.append(len(layer._packing))
+                out.append(time.perf_counter() - start)
+            return out
+
+    choice = cpu_choice.measure({"lm": lm, "depth": depth}, Frames(), torch.float32, budget=budget, threads=[1],
+                                forms=["int4", "native"])
+    assert max(held) == most and set(choice.forms.values()) <= {"int4", "native"}
+    assert list(layer._packing) == [choice.forms["depth"]]  # the loser's packing is gone
+
+
 def test_the_cache_folder_is_named_or_the_users(monkeypatch, tmp_path):
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / "here"))
     assert cpu_choice.cache_file() == tmp_path / "here" / "cpu-products.json"
@@ -332,9 +359,7 @@ def test_int4_and_native_are_candidates_only_where_a_weight_type_has_them(q8):
     forms = cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 1 << 30)
     assert forms[0] == ("int4" if cpu_int4.available() else "dequant-linear")
     assert ("native" in forms) == cpu_native.available()  # the Q8_0 file's weights
-    if cpu_native.available():  # no room for both packings at once: the native kernel's alone
-        tight = cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 1000)
-        assert "native" in tight and "int4" not in tight and "copy-linear" in tight
+
     assert "copy-linear" in forms
     assert "copy-linear" not in cpu_choice.candidate_forms({"lm": lm, "depth": depth}, torch.float32, 0)
 

@@ -79,6 +79,36 @@ def test_a_nan_or_infinite_input_gives_nan_outputs_in_its_row():
 
 
 @needs_kernel
+def test_a_group_too_small_for_its_scale_counts_as_zero():
+    raw, values = _raw(32, 256, 1)
+    x = torch.randn(1, 256)
+    x[0, 32:64] = 1e-36  # its scale would be subnormal: the group is taken as zero, nothing undefined
+    y = cpu_native.linear(x, cpu_native.repack(raw, Q.Q8_0, 32, 256), 32)
+    assert y.isfinite().all() and _rel(y, x.double() @ values.T) < 5e-5
+
+
+@needs_kernel
+def test_an_input_that_does_not_fit_the_packing_is_refused_before_the_kernel_reads_it():
+    raw, _ = _raw(32, 256, 1)
+    packed = cpu_native.repack(raw, Q.Q8_0, 32, 256)
+    with pytest.raises(ValueError, match=r"a \[2, 512\] input does not fit a packing of 256 columns"):
+        cpu_native.product(torch.randn(2, 512), packed)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.product(torch.randn(2, 256), packed._replace(weight=packed.weight[:, :-4]))
+    y = cpu_native.product(torch.randn(256, 2).T, packed)  # not contiguous: copied first
+    assert y.shape == (2, 32)
+
+
+@needs_kernel
+def test_without_openmp_a_one_thread_build_serves(monkeypatch, tmp_path, rebuilt):
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
+    real = cpu_native.build
+    monkeypatch.setattr(cpu_native, "build", lambda openmp=True: None if openmp else real(openmp=False))
+    assert cpu_native.available()
+    assert len(list((tmp_path / "native").glob("*.so"))) == 1
+
+
+@needs_kernel
 def test_other_dtypes_and_shapes_come_back_as_given():
     raw, values = _raw(48, 128, 2)
     packed = cpu_native.repack(raw, Q.Q8_0, 48, 128)
@@ -249,7 +279,8 @@ def test_the_switch_keeps_it_from_being_built(monkeypatch, rebuilt):
 
 @needs_kernel
 def test_a_kernel_that_multiplies_wrong_is_not_used(monkeypatch, rebuilt, caplog):
-    monkeypatch.setattr(cpu_native, "product", lambda x2, packed: torch.zeros(x2.shape[0], packed.weight.shape[0] * 16))
+    monkeypatch.setattr(cpu_native, "product",
+                        lambda x2, packed, lib=None: torch.zeros(x2.shape[0], packed.weight.shape[0] * 16))
     with caplog.at_level(logging.WARNING, logger="mm3.gguf.cpu_native"):
         assert not cpu_native.available()
     assert "computes wrong products" in caplog.text

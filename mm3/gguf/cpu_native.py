@@ -26,6 +26,8 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,6 +61,7 @@ TILE = 16  # rows the kernel multiplies together: a weight gets zero rows up to 
 REPACK_ROWS = 1024  # rows repacked at a time (a multiple of TILE): bounds the temporaries
 BUILD_SECONDS = 120
 _LIBRARY: list = []  # [ctypes library or None], once per process
+_LOCK = threading.Lock()
 
 
 class Packing(NamedTuple):
@@ -103,9 +106,10 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 
 
-def build(flags: tuple[str, ...] = FLAGS) -> Path | None:
-    """The compiled library in the cache folder, built now with `flags` if it is not there; None
-    where it cannot be (no compiler, not x86-64, a failed build), with one log line."""
+def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True) -> Path | None:
+    """The compiled library in the cache folder, built now with `flags` (and OpenMP: without it
+    the kernel runs on one thread) if it is not there; None where it cannot be (no compiler, not
+    x86-64, a failed build), with one log line."""
     if platform.machine().lower() not in ("x86_64", "amd64") or os.name != "posix":
         return None
     cc = _compiler()
@@ -117,28 +121,27 @@ def build(flags: tuple[str, ...] = FLAGS) -> Path | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.info("the C compiler %s does not run (%s): the CPU products use torch's kernels alone", cc, e)
         return None
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+    flags = (*flags, "-fopenmp") if openmp else tuple(flags)
+    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(),
                                          _machine().encode()])).hexdigest()[:20]
     out = cache_dir() / "native" / f"integer_product-{digest}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    why = ""
-    for extra in (["-fopenmp"], []):  # without OpenMP the kernel runs on one thread
-        try:
-            done = _run([cc, *flags, *extra, str(SOURCE), "-o", str(tmp), "-lm"])
-        except (OSError, subprocess.SubprocessError) as e:
-            why = str(e)
-            continue
+    handle, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".tmp", dir=out.parent)
+    os.close(handle)
+    try:
+        done = _run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"])
         if done.returncode == 0:
             os.replace(tmp, out)
-            log.info("built the CPU integer kernel with %s%s", Path(cc).name, "" if extra else " (one thread: no OpenMP)")
+            log.info("built the CPU integer kernel with %s%s", Path(cc).name, "" if openmp else " (one thread)")
             return out
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-    tmp.unlink(missing_ok=True)
-    log.info("cannot build the CPU integer kernel with %s (%s): the CPU products use torch's kernels alone", cc, why)
+    except (OSError, subprocess.SubprocessError) as e:
+        why = str(e)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    log.info("cannot build the CPU integer kernel with %s%s (%s)", cc, "" if openmp else " without OpenMP", why)
     return None
 
 
@@ -153,21 +156,37 @@ def load(path: Path):
 
 
 def library():
-    """The loaded kernel library, or None (built, loaded and probed once per process)."""
-    if not _LIBRARY:
-        lib = None
-        if os.environ.get(ENV_SWITCH, "").strip().lower() not in ("off", "0", "no", "false"):
-            try:
-                path = build()
-                lib = None if path is None else load(path)
-            except OSError as e:
-                log.info("cannot load the CPU integer kernel (%s): the CPU products use torch's kernels alone", e)
-                lib = None
-        _LIBRARY.append(lib)
-        if lib is not None and not _probe():
-            log.warning("the CPU integer kernel built here computes wrong products: it is not used")
-            _LIBRARY[0] = None
+    """The loaded kernel library, or None (built, loaded and probed once per process: with
+    OpenMP, else without; published only once its probe passed)."""
+    with _LOCK:
+        if not _LIBRARY:
+            _LIBRARY.append(_first_that_works())
     return _LIBRARY[0]
+
+
+def _first_that_works():
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("off", "0", "no", "false"):
+        return None
+    for openmp in (True, False):
+        path = build(openmp=openmp)
+        if path is None:
+            continue
+        try:
+            lib = load(path)
+        except OSError as e:
+            log.info("cannot load the CPU integer kernel %s (%s)", path.name, e)
+            continue
+        try:
+            right = _probe(lib)
+        except (RuntimeError, ValueError, MemoryError) as e:
+            log.warning("the CPU integer kernel built here fails its probe (%s): it is not used", e)
+            return None
+        if not right:
+            log.warning("the CPU integer kernel built here computes wrong products: it is not used")
+            return None
+        return lib
+    log.info("the CPU products use torch's kernels alone")
+    return None
 
 
 def available() -> bool:
@@ -181,7 +200,7 @@ def vector_bits() -> int:
     return -1 if lib is None else int(lib.mm3_integer_vector_bits())
 
 
-def _probe() -> bool:
+def _probe(lib) -> bool:
     g = torch.Generator().manual_seed(0)
     n, k = 40, 96  # rows that are not whole tiles
     x = torch.randn(3, k, generator=g)
@@ -194,9 +213,9 @@ def _probe() -> bool:
         if o is not None:
             w = w - o.double()[..., None]
         want = x.double() @ w.view(n, k).T
-        quads = layout.bits == 4 and nibble_quads()
+        quads = layout.bits == 4 and nibble_quads(lib)
         with torch.inference_mode():
-            got = linear(x, Packing(_tile(q, s, o, layout.bits, quads), k, layout, quads), n)
+            got = product(x, Packing(_tile(q, s, o, layout.bits, quads), k, layout, quads), lib)[:, :n]
         if not ((got.double() - want).norm() / want.norm()) < 1e-4:
             return False
     return True
@@ -269,11 +288,24 @@ def _tile(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None, bits: int, q
     return torch.cat(parts, dim=1)
 
 
+def tile_bytes(k: int, layout: Layout) -> int:
+    """Bytes of one tile of 16 rows of K values (`_tile`)."""
+    return TILE * k * layout.bits // 8 + 4 * TILE * (k // layout.group) * (2 if layout.offsets else 1)
+
+
 def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
-    """x2 [M, K] float32 (contiguous) times the packed weight -> [M, rows padded to whole tiles]
-    (`lib`: another build of the kernel, `load`; default this process's)."""
+    """x2 [M, K] times the packed weight -> [M, rows padded to whole tiles] float32 (`lib`: another
+    build of the kernel, `load`; default this process's). What the C code reads is checked first:
+    K against the packing, the packing's bytes, contiguous float32 inputs."""
     m, k = x2.shape
-    n = packed.weight.shape[0] * TILE
+    w = packed.weight
+    if k != packed.in_features or w.dim() != 2 or w.shape[1] != tile_bytes(k, packed.layout) or \
+            w.dtype != torch.int8 or not w.is_contiguous() or w.device.type != "cpu":
+        raise ValueError(f"a [{m}, {k}] input does not fit a packing of {packed.in_features} columns "
+                         f"({tuple(w.shape)} {w.dtype} on {w.device}, {packed.layout})")
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    n = w.shape[0] * TILE
     y = torch.empty(m, n, dtype=torch.float32)
     if m and n:
         lib = lib or library()
@@ -282,7 +314,7 @@ def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
         group, bits, offsets = packed.layout
         if bits == 4 and packed.quads != bool(lib.mm3_integer_nibble_quads()):
             raise ValueError("4-bit values packed for another build of the CPU integer kernel")
-        status = lib.mm3_integer_product(x2.data_ptr(), packed.weight.data_ptr(), y.data_ptr(), m, n, k, group, bits,
+        status = lib.mm3_integer_product(x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, group, bits,
                                          int(offsets), torch.get_num_threads())
         if status == -1:
             raise MemoryError(f"the CPU integer kernel could not allocate the rounded rows of a [{m}, {k}] input")

@@ -8,15 +8,18 @@
    lanes of column pair p: row r's columns 2p and 2p + 1 side by side); 4-bit as [K / 4][32] bytes,
    byte j holding lane j of pair 2p in its low nibble and of pair 2p + 1 in its high one. Then the
    scales, float32 [K / G][16], then the offsets likewise where there are some. Each input row is
-   rounded per group to int16 with a float32 scale (the largest value maps to 32767: a relative
-   error of about 1e-5, far below bfloat16's), so a group's dot products are exact integer sums (at
-   most 32 * 32767 * 128 < 2^31); each group adds its sum times both scales to a float32 total and
-   takes away its offset times the group's sum of (rounded) inputs. The integer multiply-adds take 16 rows
-   at a time (AVX-512; AVX2 in two halves; fused where the processor has VNNI); elsewhere the same
-   arithmetic in plain C. The 4-bit values take another layout with VNNI (QUADS, below). */
+   rounded per group to int16 with a float32 scale (the largest value maps to 32767, 16383 for
+   4-bit values with VNNI: a relative error of about 1e-5 or 3e-5, far below bfloat16's), so a
+   group's dot products are exact integer sums (at most 32 * 32767 * 128 < 2^31); each group adds
+   its sum times both scales to a float32 total and takes away its offset times the group's sum of
+   (rounded) inputs. The integer multiply-adds take 16 rows at a time (AVX-512; AVX2 in two
+   halves; fused where the processor has VNNI); elsewhere the same arithmetic in plain C. The
+   4-bit values take another layout with VNNI (QUADS, below). */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX512BW__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -64,15 +67,23 @@ static void round_rows(const float *x, int64_t m, shape s, int16_t *xq, float *d
             for (int j = 0; j < s.group; j++) xq[b * s.group + j] = 0;
             continue;
         }
-        float inv = top > 0.f ? limit / top : 0.f;
+        /* a group too small for its scale to be a normal float (below about 1e-34) counts as zero */
+        float d = top >= FLT_MIN * limit ? top / limit : 0.f, inv = d > 0.f ? 1.f / d : 0.f;
         int32_t sum = 0;
-        dx[b] = top / limit;
+        dx[b] = d;
         for (int j = 0; j < s.group; j++) {
             xq[b * s.group + j] = (int16_t)lrintf(v[j] * inv);
             sum += xq[b * s.group + j];
         }
         sums[b] = (float)sum * dx[b]; /* the rounded inputs' sum: the product is exact for them */
     }
+}
+
+/* Two int16 inputs side by side as one int32 (a copy: no aliasing of the int16 array). */
+static inline int32_t pair_at(const int16_t *xq, int64_t index) {
+    int32_t v;
+    memcpy(&v, xq + 2 * index, sizeof v);
+    return v;
 }
 
 /* The value lane j (0..31) of column pair p in a tile's values (plain C). */
@@ -196,7 +207,7 @@ static void split_rows(const int16_t *xq, int64_t count, int32_t *hi, int32_t *l
 static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const float *sums, float *y, int64_t n,
                   shape s, int64_t t0, int nt, int64_t i0, int64_t i1) {
     const int pairs = s.group / 2;
-    const int32_t *x0 = (const int32_t *)(xq + i0 * s.k), *x1 = (const int32_t *)(xq + i1 * s.k);
+    const int16_t *x0 = xq + i0 * s.k, *x1 = xq + i1 * s.k;
 #if defined(__AVX512BW__)
     __m512 acc0[FLIGHT], acc1[FLIGHT];
     for (int t = 0; t < FLIGHT; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
@@ -211,7 +222,8 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
 #endif
         if (s.bits == 8) {
             for (int p = 0; p < pairs; p++) {
-                __m512i a = _mm512_set1_epi32(x0[g * pairs + p]), b = _mm512_set1_epi32(x1[g * pairs + p]);
+                const int64_t at = g * pairs + p;
+                __m512i a = _mm512_set1_epi32(pair_at(x0, at)), b = _mm512_set1_epi32(pair_at(x1, at));
                 for (int t = 0; t < nt; t++) {
                     const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) * 32;
                     __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
@@ -221,8 +233,9 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
             }
         } else {
             for (int p = 0; p < pairs; p += 2) {
-                __m512i a = _mm512_set1_epi32(x0[g * pairs + p]), b = _mm512_set1_epi32(x1[g * pairs + p]);
-                __m512i c = _mm512_set1_epi32(x0[g * pairs + p + 1]), d = _mm512_set1_epi32(x1[g * pairs + p + 1]);
+                const int64_t at = g * pairs + p;
+                __m512i a = _mm512_set1_epi32(pair_at(x0, at)), b = _mm512_set1_epi32(pair_at(x1, at));
+                __m512i c = _mm512_set1_epi32(pair_at(x0, at + 1)), d = _mm512_set1_epi32(pair_at(x1, at + 1));
                 for (int t = 0; t < nt; t++) {
                     const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) / 2 * 32;
                     __m256i raw = _mm256_loadu_si256((const __m256i *)q);
@@ -266,7 +279,8 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
             for (int h = 0; h < 2; h++) s0[t][h] = s1[t][h] = _mm256_setzero_si256();
         if (s.bits == 8) {
             for (int p = 0; p < pairs; p++) {
-                __m256i a = _mm256_set1_epi32(x0[g * pairs + p]), b = _mm256_set1_epi32(x1[g * pairs + p]);
+                const int64_t at = g * pairs + p;
+                __m256i a = _mm256_set1_epi32(pair_at(x0, at)), b = _mm256_set1_epi32(pair_at(x1, at));
                 for (int t = 0; t < nt; t++) {
                     const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) * 32;
                     for (int h = 0; h < 2; h++) {
@@ -278,8 +292,9 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
             }
         } else {
             for (int p = 0; p < pairs; p += 2) {
-                __m256i a = _mm256_set1_epi32(x0[g * pairs + p]), b = _mm256_set1_epi32(x1[g * pairs + p]);
-                __m256i c = _mm256_set1_epi32(x0[g * pairs + p + 1]), d = _mm256_set1_epi32(x1[g * pairs + p + 1]);
+                const int64_t at = g * pairs + p;
+                __m256i a = _mm256_set1_epi32(pair_at(x0, at)), b = _mm256_set1_epi32(pair_at(x1, at));
+                __m256i c = _mm256_set1_epi32(pair_at(x0, at + 1)), d = _mm256_set1_epi32(pair_at(x1, at + 1));
                 for (int t = 0; t < nt; t++) {
                     const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) / 2 * 32;
                     for (int h = 0; h < 2; h++) {
