@@ -24,6 +24,7 @@ from .codes import AudioCodes
 from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
 from .device import ar_weight_budget, keeps_ar_copies, model_device
 from .errors import RunError
+from .gguf.kernels import indexed_device
 from .gguf.ops import choose_products
 from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
 from .lyrics_align import LyricHeads
@@ -398,7 +399,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     (timed on scratch frames at the first plan), and the frames run at its thread count.
     """
     check_pair(lm, depth, prompt)
-    device = model_device(lm) if device is None else torch.device(device)
+    device = model_device(lm) if device is None else indexed_device(device)
     progress = progress or Progress()
     n_songs = settings.songs
     if generators is not None:

@@ -9,7 +9,10 @@ import torch
 
 def pick_device(name: str | None = None) -> torch.device:
     """`name` ("cuda", "cuda:1", "xpu", "mps", "cpu") or the best available: CUDA (ROCm builds
-    report as CUDA), XPU, MPS, then CPU."""
+    report as CUDA), XPU, MPS, then CPU; an accelerator with its index ("cuda" is the current
+    one, "cuda:0"), as its tensors report it."""
+    from .gguf.kernels import indexed_device
+
     if name and name != "auto":
         dev = torch.device(name)
         available = {
@@ -21,11 +24,11 @@ def pick_device(name: str | None = None) -> torch.device:
         check = available.get(dev.type)
         if check is None or not check():
             raise ValueError(f"device {name!r} is not available here (auto picks {pick_device().type})")
-        return dev
+        return indexed_device(dev)
     if torch.cuda.is_available():
-        return torch.device("cuda")
+        return indexed_device("cuda")
     if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu")
+        return indexed_device("xpu")
     if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")

@@ -59,6 +59,7 @@ def test_fullgraph_compile_through_the_layout_kernels(models, monkeypatch):
     monkeypatch.setattr(layout_kernels, "linear", _torch_layout_linear)
     monkeypatch.setattr(layout_kernels, "_WORKS", {})
     kernels.configure("layout")
+    monkeypatch.setattr(kernels, "available", lambda device_type: True)  # the CPU models, also beside CUDA
     try:
         assert placement.relayout(lm) > 0 and placement.relayout(depth) > 0  # Q8_0 weights in the layout
         want = _codes(lm, depth, prompt, graphs=False)

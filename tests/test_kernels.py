@@ -143,11 +143,12 @@ def test_kept_copies_and_reference_numerics_bypass_the_kernel(monkeypatch):
     g = torch.Generator().manual_seed(4)
     layer, values = _layer(Q.Q8_0, 64, 16, g)
     x = torch.randn(2, 64, generator=g).to(DEVICE)
+    want = F.linear(x, values.to(DEVICE))  # on the same device: the same library's product
     layer.fused_kernels = False  # reference numerics
-    assert torch.equal(layer(x).cpu(), F.linear(x.cpu(), values))
+    assert torch.equal(layer(x), want)
     layer.fused_kernels = True
     weight_copies.cache_dequantized(layer, torch.float32)
-    assert torch.equal(layer(x).cpu(), F.linear(x.cpu(), values))
+    assert torch.equal(layer(x), want)
 
 
 def test_availability():
@@ -163,7 +164,7 @@ def test_availability():
 def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeypatch):
     """The tiny model with Q8_0 LM and depth: the AR stage on the kernels gives the codes of the torch
     path (dequantize, then multiply: the CPU int4 product, which rounds to bfloat16, is off), hiddens
-    within float rounding, and keeps no dequantized copy."""
+    within float rounding, and keeps no dequantized copy. With CUDA the models run there."""
     from mm3.ar import PlanSettings, plan
     from mm3.gguf import cpu_int4
     from mm3.opener import open_component
@@ -177,18 +178,20 @@ def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeyp
         prompt = build_prompt(MM3Tokenizer.from_component(lm_c), "warm synth pop", "[verse]\nhello")
         settings = PlanSettings(duration=0.2, lm_seed=5)
         kernels.configure("off")
+        lm.to(DEVICE)
+        depth.to(DEVICE)
         monkeypatch.setattr(cpu_int4, "serves", lambda *a: False)
-        want = plan(lm, depth, prompt, settings, weight_budget=0)[0]
+        want = plan(lm, depth, prompt, settings, weight_budget=0, graphs=False)[0]
         kernels.configure("triton")
         for model in (lm, depth):  # the layers choose their products again (mm3.gguf.products)
             set_numerics(model, "fast")
-        assert kernels.works(Q.Q8_0, torch.float32, torch.device("cpu"))
+        assert kernels.works(Q.Q8_0, torch.float32, DEVICE)
         kept = []
         monkeypatch.setattr("mm3.ar.cache_dequantized", lambda *a, **kw: kept.append(a) or 0)
         calls = []
         real = kernels.fused_linear
         monkeypatch.setattr(kernels, "fused_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-        got = plan(lm, depth, prompt, settings)[0]  # default budget: none where the kernels run
+        got = plan(lm, depth, prompt, settings, graphs=False)[0]  # default budget: none where the kernels run
     finally:
         lm_c.close()
         d_c.close()

@@ -2,7 +2,8 @@
 weight (`mm3.gguf.kernel_choice`, `MM3_KERNELS`): one copy of the weight in the form its products
 read, the file's blocks back bit for bit when it leaves, memory counted as held, products routed to
 the layout kernels (fused parts stacked as views), and the measured choice kept on disk per machine.
-The layout runs on CPU tensors here through Triton's interpreter (`MM3_KERNELS=layout`)."""
+The layout runs on CUDA where there is one, else on CPU tensors through Triton's interpreter
+(`MM3_KERNELS=layout`)."""
 
 import json
 import os
@@ -17,6 +18,7 @@ from mm3.gguf import device_layout as dl
 from mm3.gguf import kernel_choice, kernels, layout_kernels, placement, products
 from mm3.gguf import ops as gguf_ops
 from mm3.gguf.weight_copies import compressed_nbytes
+from tests.test_layout_kernels import DEVICE
 from tests.test_layout_kernels import weight as layout_weight
 
 Q = gguf.GGMLQuantizationType
@@ -47,74 +49,79 @@ def _blocks(qtype, n, k, seed):
     return raw, dequantize(raw, qtype, (n, k))
 
 
-def _linear(qtype, n, k, seed):
+def _linear(qtype, n, k, seed, device=torch.device("cpu")):
+    """A layer holding random `qtype` blocks on `device` as the file has them (no layout yet)."""
     layer = gguf_ops.Linear(k, n, bias=False)
     raw, values = _blocks(qtype, n, k, seed)
-    layer.set_stored("weight", qtype, raw)
+    layer.set_stored("weight", qtype, raw.to(device))
     return layer, raw, values
 
 
 def test_the_layout_replaces_the_blocks_and_the_file_view_returns(layout_mode):
     layer, raw, values = _linear(Q.Q4_K, 12, 256, 1)
-    layer.to("cpu")  # a placement: the kernel mode in force asks for the layout here
+    layer.to(DEVICE)  # a placement: the kernel mode in force asks for the layout here
     assert layer.form("weight") == "layout"
     held = layer.stored("weight")
     assert held.shape == (12, dl.layout_of(Q.Q4_K, 256).row_bytes) and held.data_ptr() != raw.data_ptr()
     assert compressed_nbytes(layer) == held.numel()  # what a memory manager counts is what is held
-    assert torch.equal(layer.fetch("weight", None), raw)  # the file's form, for whatever reads it
+    assert torch.equal(layer.fetch("weight", None).cpu(), raw)  # the file's form, for whatever reads it
     x = torch.randn(2, 256)
     want = F.linear(x.double(), values.double())
-    got = layer(x)
+    got = layer(x.to(DEVICE)).cpu()
     assert isinstance(layer._product[2], products.LayoutProduct)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
     kernels.configure("off")
-    layer.to("cpu")  # the layout is not wanted any more: the home view, bit for bit
-    assert layer.form("weight") is None and layer.stored("weight").data_ptr() == raw.data_ptr()
-    assert torch.equal(layer(x), F.linear(x, values))
+    layer.to(DEVICE)  # the layout is not wanted any more: the file's blocks, bit for bit
+    assert layer.form("weight") is None and torch.equal(layer.stored("weight").cpu(), raw)
+    if DEVICE.type == "cpu":  # at home, the file's own view again, and the plain product's numbers
+        assert layer.stored("weight").data_ptr() == raw.data_ptr()
+        assert torch.equal(layer(x), F.linear(x, values))
+    got = layer(x.to(DEVICE)).cpu()
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
 
 
 def test_relayout_and_reference_numerics(layout_mode):
-    layer, raw, values = _linear(Q.Q8_0, 8, 64, 2)
+    layer, raw, values = _linear(Q.Q8_0, 8, 64, 2, DEVICE)
     assert placement.relayout(layer) == 1 and layer.form("weight") == "layout"
     assert placement.relayout(layer) == 0
     layer.fused_kernels = False  # reference numerics: the dequantized weight's F.linear
     x = torch.randn(3, 64)
-    assert torch.equal(layer(x), F.linear(x, values))
+    assert torch.equal(layer(x.to(DEVICE)).cpu(), F.linear(x.to(DEVICE), values.to(DEVICE)).cpu())
     assert placement.relayout(layer) == 1 and layer.form("weight") is None  # the layout is not wanted there
-    assert torch.equal(layer.stored("weight"), raw)
+    assert torch.equal(layer.stored("weight").cpu(), raw)
 
 
 def test_a_fused_product_stacks_the_layouts_as_views(layout_mode, monkeypatch):
-    parts = [_linear(Q.Q6_K, n, 256, 10 + n) for n in (8, 4, 4)]
+    parts = [_linear(Q.Q6_K, n, 256, 10 + n, DEVICE) for n in (8, 4, 4)]
     layers = [p for p, _, _ in parts]
     for layer in layers:
         placement.relayout(layer)
-    assert layout_kernels.works(Q.Q6_K, torch.float32, torch.device("cpu"))  # checked once, before counting
+    assert layout_kernels.works(Q.Q6_K, torch.float32, DEVICE)  # checked once, before counting
     calls = []
     real = layout_kernels.linear
     monkeypatch.setattr(layout_kernels, "linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
     fused = gguf_ops.Fused(layers)
     x = torch.randn(2, 256)
-    for y, (_, _, values) in zip(fused(x), parts):
-        want = F.linear(x.double(), values.double())
+    for y, (_, _, values) in zip(fused(x.to(DEVICE)), parts):
+        y, want = y.cpu(), F.linear(x.double(), values.double())
         assert ((y.double() - want).norm() / want.norm()).item() < 1e-6
     assert calls == [(16, dl.layout_of(Q.Q6_K, 256).row_bytes)]  # one product over the stacked rows
     assert gguf_ops._adjacent([p.stored("weight") for p in layers])
     assert all(p.form("weight") == "layout" for p in layers)
-    mixed = gguf_ops.Fused([_linear(Q.Q4_K, 4, 256, 20)[0], _linear(Q.Q6_K, 4, 256, 21)[0]])
+    mixed = gguf_ops.Fused([_linear(Q.Q4_K, 4, 256, 20, DEVICE)[0], _linear(Q.Q6_K, 4, 256, 21, DEVICE)[0]])
     for p in mixed.parts:
         placement.relayout(p)
-    assert isinstance(products.for_fused(mixed, torch.float32, torch.device("cpu")), products.Separate)
+    assert isinstance(products.for_fused(mixed, torch.float32, DEVICE), products.Separate)
 
 
 def test_rows_of_a_layout_keep_its_form(layout_mode):
-    layer, raw, values = _linear(Q.Q4_0, 10, 64, 3)
+    layer, raw, values = _linear(Q.Q4_0, 10, 64, 3, DEVICE)
     placement.relayout(layer)
     part = layer.rows(2, 7)
     assert part.form("weight") == "layout"
     x = torch.randn(1, 64)
     want = F.linear(x.double(), values[2:7].double())
-    assert ((part(x).double() - want).norm() / want.norm()).item() < 1e-6
+    assert ((part(x.to(DEVICE)).cpu().double() - want).norm() / want.norm()).item() < 1e-6
 
 
 def test_auto_takes_no_layout_on_the_cpu():
@@ -175,6 +182,6 @@ def test_the_layout_kernels_serve_the_placed_weight(layout_mode):
     """The product of a placed layer is the layout kernels' over the held planes."""
     w, values = layout_weight(Q.Q5_K, 6, 256, torch.Generator().manual_seed(9))
     layer = gguf_ops.Linear(256, 6, bias=False)
-    layer.set_stored("weight", Q.Q5_K, dl.to_blocks(w.cpu(), Q.Q5_K, 256))
+    layer.set_stored("weight", Q.Q5_K, dl.to_blocks(w.cpu(), Q.Q5_K, 256).to(DEVICE))
     placement.relayout(layer)
-    assert torch.equal(layer.stored("weight"), w.cpu())
+    assert torch.equal(layer.stored("weight").cpu(), w.cpu())

@@ -97,10 +97,26 @@ def supports(qtype: QT, in_features: int) -> bool:
 _WORKS: dict[tuple, bool] = {}  # (qtype, input dtype, device) -> the kernel compiled and computed right
 
 
+def indexed_device(device: torch.device | str) -> torch.device:
+    """`device` as its tensors report it: an accelerator named without an index ("cuda") becomes
+    the current one ("cuda:0"). Products, kernel checks and tables are kept under this key, so
+    the device a caller names and the one an input reports find the same entry (a step compiled
+    or captured as a CUDA graph must not choose its products again)."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        if device.type == "mps":  # one device, no current_device
+            return torch.device("mps", 0)
+        current = getattr(getattr(torch, device.type, None), "current_device", None)
+        if current is not None:
+            return torch.device(device.type, current())
+    return device
+
+
 def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel for this weight type and input dtype compiles on `device` and agrees with
     the torch dequantization on a small product, checked once per process; otherwise the layers use
     torch's products (with a warning), so a GPU or compiler the kernel fails on still runs."""
+    device = indexed_device(device)
     key = (qtype, dtype, device)
     answer = _WORKS.get(key)
     if answer is None:

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from . import device_layout as dl
 from .kernels import CODES, FLOAT_DTYPES as FLOATS  # the kernels' type codes, shared
+from .kernels import indexed_device
 
 GEMV_MAX_ROWS = 16  # beyond: the tiled GEMM
 TARGET_WAVES = 4  # decode programs per multiprocessor the K split aims for
@@ -175,9 +176,10 @@ def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the layout kernels for this type and input dtype compile on `device` and agree with
     the torch dequantization on a small product (decode and prefill shapes), checked once per
     process; a kernel that fails is left out with a warning."""
-    key = (qtype, dtype, torch.device(device))
+    device = indexed_device(device)
+    key = (qtype, dtype, device)
     if key not in _WORKS:
-        _WORKS[key] = _check(qtype, dtype, torch.device(device))
+        _WORKS[key] = _check(qtype, dtype, device)
     return _WORKS[key]
 
 

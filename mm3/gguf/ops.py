@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType
 from ..matmul import CPU_SCRATCH
 from . import cpu_int4, cpu_native, custom_ops, placement, products
 from .errors import ComponentError
+from .kernels import indexed_device
 from .reader import CompressedTensor
 
 _REPACK = {"int4": cpu_int4.repack, "native": cpu_native.repack}  # a CPU kernel -> how a weight is packed for it
@@ -284,6 +285,7 @@ class Linear(WeightSlots):
         """Choose the product for inputs of `dtype` on `device` (what the first such use does)."""
         if self.qtype("weight") is None:
             raise ComponentError(f"{type(self).__name__}.weight was never loaded")
+        device = indexed_device(device)
         self._product = (dtype, device, products.for_linear(self, dtype, device))
         return self._product
 
@@ -389,6 +391,7 @@ class Fused:
 
     def choose(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """Choose the product for inputs of `dtype` on `device` (what the first such use does)."""
+        device = indexed_device(device)
         product = products.for_fused(self, dtype, device)  # may restack the parts
         self._product = (dtype, device, tuple(p.version for p in self.parts), product)
         return self._product
@@ -505,7 +508,7 @@ def choose_products(modules, dtype: torch.dtype, device: torch.device) -> None:
     look up every `Vector` in `dtype` there, as their first uses would: a step about to be compiled
     or captured as a CUDA graph then only calls them (and a compiled step's guards see the same
     state at every later call)."""
-    device = torch.device(device)
+    device = indexed_device(device)
     for fused in fused_layers(modules):
         if fused.fuse:
             products.ready(fused.choose(dtype, device)[3])
