@@ -285,7 +285,8 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     `static_shapes` (implied by `compile` and graphs): the LM attends over power-of-two lengths of its
     cache with the unfilled positions masked, so the step's shapes change only at those lengths.
     `graphs` (None: `frame_graphs.wanted`, on CUDA by default): the step replayed from CUDA graphs,
-    each checked against an eager step (`mm3.frame_graphs`); `compile` takes precedence.
+    each checked against an eager step (`mm3.frame_graphs`); with `compile`, the compiled step is
+    what they capture (torch's own CUDA graphs are not used: the step's state lives outside it).
     `on_frames(rows, final, read)` after each processed frame: per song the code rows recorded so
     far, whether the song is complete, and `read(i, n)`: song i's first n code rows on the CPU."""
     gens, cache = draws.generators, sampler.cache
@@ -296,15 +297,14 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     step = sampler.step
     if graphs is None:
         graphs = frame_graphs.wanted(device, sampler.shaper is not None)
-    graphs = graphs and not compile
     static = compile or static_shapes or graphs
     cache.host_counting = not static
     if compile or graphs:  # the step only calls products chosen now
         choose_products([sampler.lm, sampler.depth], sampler.dtype, device)
         sampler.depth.ready(sampler.dtype, device)
-    if compile:
-        step = torch.compile(sampler.step, mode="reduce-overhead" if device.type == "cuda" else None, dynamic=False)
-    elif graphs:
+    if compile:  # this run's sampler steps through the compiled step, also where graphs capture it
+        step = sampler.step = torch.compile(sampler.step, dynamic=False)
+    if graphs:
         step = frame_graphs.GraphedStep(sampler, device)
 
     active, ended = [True] * n_songs, [False] * n_songs
@@ -391,7 +391,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     `keep_hiddens` False: codes only, for a caller that replays them. `weight_budget`: bytes of
     dequantized weight copies kept for the call (None: `mm3.device.ar_weight_budget`). `compile`:
     the frame step through torch.compile; `graphs`: from CUDA graphs (None: on CUDA, see
-    `mm3.frame_graphs`). Progress after every frame; cancel before every frame.
+    `mm3.frame_graphs`), of the compiled step with both. Progress after every frame; cancel before every frame.
     `on_frames(frames, final, codes)` after every frame: per song the frames emitted so far (a
     continued song's prefix counted), whether it is complete, and `codes(i)`: song i's code rows so
     far [frames + 1, ncb] on the CPU (prefix included), for a caller that renders as it plans.

@@ -137,6 +137,38 @@ def test_a_graph_is_kept_only_when_its_first_frame_agrees(models, monkeypatch, c
                             "running the AR stage without graphs"]
 
 
+def test_the_graphs_capture_the_compiled_step(models, monkeypatch):
+    """`compile` with graphs: the step is compiled once, without torch's own CUDA graphs (whose
+    outputs a later frame would overwrite: the step's state lives outside it), and the graph
+    runner checks and captures the compiled step; the codes are the eager ones."""
+    lm, depth, prompt = models
+    want = _codes(lm, depth, prompt, graphs=False)
+    modes, calls, captured = [], [], []
+
+    def compile_(fn, **kw):
+        modes.append(kw.get("mode"))
+
+        def compiled(*args):
+            calls.append(1)
+            return fn(*args)
+        return compiled
+
+    def capture(sampler, q_sem, q_dep):
+        captured.append(sampler.step)
+        return lambda a, b: sampler.step(a, b)
+
+    runners = []
+    real = frame_graphs.GraphedStep
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(frame_graphs, "GraphedStep", lambda s, d: runners.append(real(s, d, capture=capture)) or runners[-1])
+    got = _codes(lm, depth, prompt, compile=True, graphs=True)
+    assert torch.equal(got, want)
+    (r,) = runners
+    assert modes == [None] and r.checks and all(agreed for _, agreed, _ in r.checks)
+    assert captured and all(f.__name__ == "compiled" for f in captured)
+    assert len(calls) >= 4  # the 3 frames and the bucket's eager check, all through it
+
+
 def test_different_codes_are_a_disagreement():
     codes = torch.tensor([[1, 2]])
     end = torch.tensor([False])

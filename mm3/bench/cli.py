@@ -285,8 +285,9 @@ def add_arguments(p: argparse.ArgumentParser):
                    "(planning and synthesis overlapped), timing the first audio against the whole song; no reference")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement, interleaved; best kept")
     p.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
-    p.add_argument("--compile", action="store_true", help="run our AR frame step through torch.compile (CUDA "
-                   "graphs on CUDA); compilation happens in the warm-up run")
+    p.add_argument("--compile", action="store_true", help="run our AR frame step through torch.compile "
+                   "(on CUDA then captured by our CUDA graphs, unless --graphs off); compilation happens in the "
+                   "warm-up run")
     p.add_argument("--lora-rank", dest="lora_rank", type=int, default=0,
                    help="give our LM and DiT a random LoRA of this rank on every attention and MLP layer (0: none), "
                         "to measure what an adapter costs")
