@@ -152,6 +152,8 @@ def _run(args) -> dict:
     lm_cfg = {**RELEASED_LM_CONFIG, **c["lm"]}
     if args.direct and args.config != "real":
         raise SystemExit(f"--direct writes the released sizes (config real), not config {args.config}")
+    if args.work:  # a new folder is made, as the help says it is kept and reused
+        Path(args.work).mkdir(parents=True, exist_ok=True)
     _check_room(args.config, {k: {**DIFFUSERS_DEFAULTS[k], **c[k]} for k in COMPONENTS}, lm_cfg, device,
                 Path(args.work or tempfile.gettempdir()), quant, stages, args.direct)
     if args.kernels:  # before any model is placed: the form a weight takes on the device follows it
