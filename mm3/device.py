@@ -7,8 +7,8 @@ import os
 import torch
 
 
-def pick_device(name: str | None = None) -> torch.device:
-    """`name` ("cuda", "cuda:1", "xpu", "mps", "cpu") or the best available: CUDA (ROCm builds
+def pick_device(name: str | torch.device | None = None) -> torch.device:
+    """`name` ("cuda", "cuda:1", "xpu", "mps", "cpu", or a torch.device) or the best available: CUDA (ROCm builds
     report as CUDA), XPU, MPS, then CPU; an accelerator with its index ("cuda" is the current
     one, "cuda:0"), as its tensors report it."""
     from .gguf.kernels import indexed_device
@@ -23,7 +23,7 @@ def pick_device(name: str | None = None) -> torch.device:
         }
         check = available.get(dev.type)
         if check is None or not check():
-            raise ValueError(f"device {name!r} is not available here (auto picks {pick_device().type})")
+            raise ValueError(f"device {str(dev)!r} is not available here (auto picks {pick_device().type})")
         return indexed_device(dev)
     if torch.cuda.is_available():
         return indexed_device("cuda")

@@ -128,7 +128,7 @@ class Pipeline:
                  keep_loaded: bool = False):
         folders = models_dir if isinstance(models_dir, (list, tuple)) else [models_dir]
         self.registry = Registry.scan(*folders)
-        self.device = device if isinstance(device, torch.device) else pick_device(device)
+        self.device = pick_device(device)
         self.registry.memory = total_bytes(self.device)  # "" / "auto" names: the most precise file that fits
         self.dtype = pick_dtype(self.device, dtype)
         # The DiT's forward: a named dtype; automatic, bfloat16 on a CPU that multiplies it natively.

@@ -64,3 +64,10 @@ def test_pick_device_names_the_index(monkeypatch, current_cuda_is_one):
     assert mm3_device.pick_device("cuda") == torch.device("cuda", 1)
     assert mm3_device.pick_device("cuda:0") == torch.device("cuda", 0)
     assert mm3_device.pick_device("cpu") == torch.device("cpu")
+    assert mm3_device.pick_device(torch.device("cuda")) == torch.device("cuda", 1)  # as the pipeline takes one
+
+
+def test_pick_device_refuses_a_missing_one_by_its_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda' is not available here"):
+        mm3_device.pick_device(torch.device("cuda"))
