@@ -167,3 +167,46 @@ def test_random_blocks_have_the_spread_of_the_fan_in(qtype):
     raw = torch.from_numpy(random_tensor("w", (64, 1024), t, torch.Generator().manual_seed(0)))
     values = dequantize(raw.reshape(-1), t, (64, 1024))
     assert 0.7 < float(values.std()) * 1024 ** 0.5 < 1.4 and abs(float(values.mean())) < 0.01
+
+
+def test_the_profile_names_where_a_frame_goes(tmp_path):
+    """`--profile N`: N eager frames of ours under torch's profiler, the most expensive operations
+    first, per frame."""
+    from mm3.bench.checkpoints import build_direct
+    from mm3.bench.context import Context
+    from mm3.bench.profile import lines, profile_frames
+
+    ctx = Context(build_direct("tiny", tmp_path, "Q8_0", seed=3), torch.device("cpu"), torch.float32, False, 1, 3)
+    p = profile_frames(ctx, 3)
+    json.dumps(p)
+    assert p["frames"] == 3 and p["side"] == "cpu" and p["wall_ms_per_frame"] > 0 and p["busy_ms_per_frame"] > 0
+    times = [e["ms_per_frame"] for e in p["top"]]
+    assert 0 < len(times) <= 20 and times == sorted(times, reverse=True)
+    assert sum(times) <= p["busy_ms_per_frame"] + 1e-3
+    names = [e["name"] for e in p["top"]]
+    assert any(n.startswith("aten::") for n in names) and all(e["calls_per_frame"] > 0 for e in p["top"])
+    shown = lines(p, shown=3)
+    assert len(shown) == 4 and "3 eager frames" in shown[0] and names[0][:70] in shown[1]
+
+
+def test_a_device_profile_counts_kernel_time_per_frame():
+    from types import SimpleNamespace
+
+    from mm3.bench.profile import summarize
+
+    events = [SimpleNamespace(key="copy", count=8, self_cpu_time_total=900.0, self_device_time_total=40.0),
+              SimpleNamespace(key="gemv", count=4, self_cpu_time_total=50.0, self_device_time_total=400.0),
+              SimpleNamespace(key="launch", count=4, self_cpu_time_total=80.0, self_device_time_total=0.0)]
+    p = summarize(events, 4, 0.01, "device", top=5)
+    assert [e["name"] for e in p["top"]] == ["gemv", "copy"]  # by device time; none on the device left out
+    assert p["top"][0] == {"name": "gemv", "calls_per_frame": 1.0, "ms_per_frame": 0.1}
+    assert p["busy_ms_per_frame"] == 0.11 and p["wall_ms_per_frame"] == 2.5
+    assert [e["name"] for e in summarize(events, 4, 0.01, "cpu")["top"]] == ["copy", "launch", "gemv"]
+
+
+@pytest.mark.parametrize("extra, message", [(("--profile", "-1"), "--profile takes a number of frames"),
+                                            (("--profile", "2", "--stages", "dit"), "add ar to --stages")])
+def test_a_profile_is_refused_before_building(tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.run(_args(tmp_path / "w", *extra))
+    assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())

@@ -145,10 +145,14 @@ def _run(args) -> dict:
                          f"{', '.join(MIXES)}, got {quant!r}")
     if args.lora_rank < 0:
         raise SystemExit(f"--lora-rank must be 0 (none) or a rank, got {args.lora_rank}")
+    if args.profile < 0:
+        raise SystemExit(f"--profile takes a number of frames (0: none), got {args.profile}")
     stages = [s.strip() for s in args.stages.split(",")]
     unknown = sorted(set(stages) - {"ar", "dit", "vocoder", "e2e"})
     if unknown:
         raise SystemExit(f"unknown stage(s) {', '.join(unknown)}; choose from ar, dit, vocoder, e2e")
+    if args.profile and "ar" not in stages:
+        raise SystemExit(f"--profile profiles AR frames: add ar to --stages (got {args.stages})")
     lm_cfg = {**RELEASED_LM_CONFIG, **c["lm"]}
     if args.direct and args.config != "real":
         raise SystemExit(f"--direct writes the released sizes (config real), not config {args.config}")
@@ -177,7 +181,7 @@ def _run(args) -> dict:
                   **{k: {kk: vv for kk, vv in v.items() if kk != "_class_name"} for k, v in ckpt.cfgs.items()}},
         "settings": {"frames": args.frames or c["frames"], "e2e_seconds": args.seconds or c["seconds"],
                      "steps": args.steps, "repeat": args.repeat, "seed": args.seed, "compile": args.compile,
-                     "stream": args.stream, "lora_rank": args.lora_rank, "graphs": args.graphs,
+                     "stream": args.stream, "lora_rank": args.lora_rank, "graphs": args.graphs, "profile": args.profile,
                      "kernels": _kernel_mode()},
         "build_seconds": round(time.perf_counter() - t0, 1), "notes": [],
     }
@@ -206,6 +210,10 @@ def _run(args) -> dict:
     with _quiet_reference(have_reference):
         if "ar" in stages:
             report["ar"] = ar.measure(ctx, report["settings"]["frames"])
+            if args.profile:
+                from .profile import profile_frames
+
+                report["ar"]["profile"] = profile_frames(ctx, args.profile)
             if ctx.light:  # strict memory: the AR group leaves before the synthesis group loads
                 ctx.release("lm", "depth")
                 if device.type == "cuda":
@@ -249,6 +257,10 @@ def summary(report: dict) -> str:
             timed = ", ".join(f"{k} {'>' if k in short else ''}{v:.1f}"
                               for k, v in sorted(cp["candidates_ms_per_frame"].items(), key=lambda kv: kv[1]))
             lines.append(f"           CPU products: {cp['chosen']} ({cp['source']}; ms/frame: {timed})")
+        if stage == "ar" and r.get("profile"):
+            from .profile import lines as profile_lines
+
+            lines += profile_lines(r["profile"])
         if stage == "ar" and r.get("machine_copy_gb_per_s"):
             lines.append(f"           weights read at {r['ours_weight_gb_per_s']:.2f} GB/s, "
                          f"{100 * r['weight_bandwidth_share']:.1f} % of a 1 GiB copy's {r['machine_copy_gb_per_s']:.1f} GB/s")
@@ -290,6 +302,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--compile", action="store_true", help="run our AR frame step through torch.compile "
                    "(on CUDA then captured by our CUDA graphs, unless --graphs off); compilation happens in the "
                    "warm-up run")
+    p.add_argument("--profile", type=int, default=0, metavar="FRAMES",
+                   help="also profile this many of our AR frames, eagerly (on CUDA without graphs, every kernel "
+                   "timed on the device): the operations or kernels that take the most time, per frame")
     p.add_argument("--lora-rank", dest="lora_rank", type=int, default=0,
                    help="give our LM and DiT a random LoRA of this rank on every attention and MLP layer (0: none), "
                         "to measure what an adapter costs")
