@@ -192,16 +192,21 @@ def test_the_profile_names_where_a_frame_goes(tmp_path):
 def test_a_device_profile_counts_kernel_time_per_frame():
     from types import SimpleNamespace
 
+    from torch.autograd import DeviceType
+
     from mm3.bench.profile import summarize
 
-    events = [SimpleNamespace(key="copy", count=8, self_cpu_time_total=900.0, self_device_time_total=40.0),
-              SimpleNamespace(key="gemv", count=4, self_cpu_time_total=50.0, self_device_time_total=400.0),
-              SimpleNamespace(key="launch", count=4, self_cpu_time_total=80.0, self_device_time_total=0.0)]
+    def event(key, count, cpu_us, device_us, kind=DeviceType.CUDA):
+        return SimpleNamespace(key=key, count=count, self_cpu_time_total=cpu_us, self_device_time_total=device_us,
+                               device_type=kind)
+
+    events = [event("copy", 8, 900.0, 40.0), event("gemv", 4, 50.0, 400.0), event("launch", 4, 80.0, 0.0),
+              event("aten::mm", 4, 120.0, 400.0, DeviceType.CPU)]  # the operation that launched gemv
     p = summarize(events, 4, 0.01, "device", top=5)
-    assert [e["name"] for e in p["top"]] == ["gemv", "copy"]  # by device time; none on the device left out
+    assert [e["name"] for e in p["top"]] == ["gemv", "copy"]  # kernels by device time; none on it left out
     assert p["top"][0] == {"name": "gemv", "calls_per_frame": 1.0, "ms_per_frame": 0.1}
-    assert p["busy_ms_per_frame"] == 0.11 and p["wall_ms_per_frame"] == 2.5
-    assert [e["name"] for e in summarize(events, 4, 0.01, "cpu")["top"]] == ["copy", "launch", "gemv"]
+    assert p["busy_ms_per_frame"] == 0.11 and p["wall_ms_per_frame"] == 2.5  # gemv's time counted once
+    assert [e["name"] for e in summarize(events, 4, 0.01, "cpu")["top"]] == ["copy", "aten::mm", "launch", "gemv"]
 
 
 @pytest.mark.parametrize("extra, message", [(("--profile", "-1"), "--profile takes a number of frames"),

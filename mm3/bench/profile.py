@@ -47,7 +47,13 @@ def profile_frames(ctx, frames: int, top: int = TOP) -> dict:
 
 def summarize(events, frames: int, wall_s: float, side: str, top: int = TOP) -> dict:
     """`events` (a profiler's key averages) per frame on `side` ("cpu": self CPU time of the
-    operations; "device": self device time of the kernels), the `top` first by that time."""
+    operations; "device": self device time of the kernels, not of the operations that launched
+    them, which carry the same time again), the `top` first by that time."""
+    from torch.autograd import DeviceType
+
+    if side != "cpu":
+        events = [e for e in events if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU]
+
     def us(e) -> float:
         if side == "cpu":
             return e.self_cpu_time_total
