@@ -286,7 +286,8 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     cache with the unfilled positions masked, so the step's shapes change only at those lengths.
     `graphs` (None: `frame_graphs.wanted`, on CUDA by default): the step replayed from CUDA graphs,
     each checked against an eager step (`mm3.frame_graphs`); with `compile`, the compiled step is
-    what they capture (torch's own CUDA graphs are not used: the step's state lives outside it).
+    what they capture, each checked against the compiled step run outside the graph (torch's own
+    CUDA graphs are not used: the step's state lives outside it).
     `on_frames(rows, final, read)` after each processed frame: per song the code rows recorded so
     far, whether the song is complete, and `read(i, n)`: song i's first n code rows on the CPU."""
     gens, cache = draws.generators, sampler.cache
@@ -302,7 +303,7 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
     if compile or graphs:  # the step only calls products chosen now
         choose_products([sampler.lm, sampler.depth], sampler.dtype, device)
         sampler.depth.ready(sampler.dtype, device)
-    if compile:  # this run's sampler steps through the compiled step, also where graphs capture it
+    if compile:  # during this run the sampler steps through the compiled step, also where graphs capture it
         step = sampler.step = torch.compile(sampler.step, dynamic=False)
     if graphs:
         step = frame_graphs.GraphedStep(sampler, device)
@@ -368,6 +369,7 @@ def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, dev
                 done += 1
     finally:
         cache.bucket, cache.host_counting = None, True
+        sampler.__dict__.pop("step", None)  # the compiled step holds the sampler: no cycle keeps its caches
     codes_cpu = codes_buf[:max(launched, 1)].cpu()
     out = []
     for i in range(n_songs):

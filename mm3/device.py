@@ -22,6 +22,8 @@ def pick_device(name: str | torch.device | None = None) -> torch.device:
             "cpu": lambda: True,
         }
         check = available.get(dev.type)
+        if check is None and isinstance(name, torch.device):  # a device type this engine does not list
+            return indexed_device(dev)
         if check is None or not check():
             raise ValueError(f"device {str(dev)!r} is not available here (auto picks {pick_device().type})")
         return indexed_device(dev)
@@ -30,7 +32,7 @@ def pick_device(name: str | torch.device | None = None) -> torch.device:
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         return indexed_device("xpu")
     if torch.backends.mps.is_available():
-        return torch.device("mps")
+        return indexed_device("mps")
     return torch.device("cpu")
 
 

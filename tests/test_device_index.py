@@ -71,3 +71,25 @@ def test_pick_device_refuses_a_missing_one_by_its_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="device 'cuda' is not available here"):
         mm3_device.pick_device(torch.device("cuda"))
+
+
+def test_a_device_torch_cannot_reach_is_left_as_named(monkeypatch):
+    def no_cuda():
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    assert indexed_device("cuda") == torch.device("cuda") and indexed_device("cuda").index is None
+
+
+def test_pick_device_takes_a_torch_device_of_a_type_it_does_not_list():
+    assert mm3_device.pick_device(torch.device("hpu")) == torch.device("hpu")  # an API caller's own device
+    with pytest.raises(ValueError, match="device 'hpu' is not available here"):
+        mm3_device.pick_device("hpu")  # a name is checked against the list
+
+
+def test_choose_products_makes_the_biases_ready_where_the_step_reads_them(current_cuda_is_one):
+    layer = gguf_ops.Linear(32, 4, bias=True)
+    layer.set_stored("weight", Q.Q8_0, torch.zeros(4, 34, dtype=torch.uint8))
+    layer.set_float("bias", torch.randn(4))
+    gguf_ops.choose_products([layer], torch.float32, torch.device("cpu"))
+    assert ("bias", torch.float32, torch.device("cpu")) in layer._ready  # no state made at the step's first call

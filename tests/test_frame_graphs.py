@@ -214,3 +214,22 @@ def test_cuda_graphs_give_the_eager_codes(tiny):
     (r,) = runners
     assert r.checks and all(agreed for _, agreed, _ in r.checks), r.checks
     assert torch.equal(got, want)
+
+
+def test_a_compiled_run_leaves_no_cycle_holding_its_caches(models, monkeypatch):
+    """The sampler's compiled step points back at the sampler; it is dropped when the run ends, so
+    the KV caches go when `plan` returns, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    lm, depth, prompt = models
+    samplers = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: samplers.append(weakref.ref(fn.__self__)) or fn)
+    gc.collect()
+    gc.disable()
+    try:
+        _codes(lm, depth, prompt, compile=True, graphs=False)
+        (sampler,) = samplers
+        assert sampler() is None
+    finally:
+        gc.enable()

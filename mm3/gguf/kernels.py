@@ -107,8 +107,10 @@ def indexed_device(device: torch.device | str) -> torch.device:
         if device.type == "mps":  # one device, no current_device
             return torch.device("mps", 0)
         current = getattr(getattr(torch, device.type, None), "current_device", None)
-        if current is not None:
-            return torch.device(device.type, current())
+        try:
+            return torch.device(device.type, current()) if current is not None else device
+        except (AssertionError, RuntimeError):  # a torch built without that device, or no driver
+            return device
     return device
 
 

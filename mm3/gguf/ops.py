@@ -516,6 +516,8 @@ def choose_products(modules, dtype: torch.dtype, device: torch.device) -> None:
         for sub in m.modules():
             if isinstance(sub, Linear) and sub.qtype("weight") is not None:
                 products.ready(sub.choose(dtype, device)[2])
+                if sub.has_bias:  # made ready in `dtype` there, as the step will read it
+                    sub.get("bias", dtype, device)
             elif isinstance(sub, Vector) and sub.qtype("weight") is not None:
                 sub(dtype, device)  # its weight in `dtype` made ready, as the step will read it
 
