@@ -252,7 +252,6 @@ def packed_takes(layer, dtype: torch.dtype, device: torch.device) -> str | None:
 def for_linear(layer, dtype: torch.dtype, device: torch.device):
     """The product of a `mm3.gguf.ops.Linear` for inputs of `dtype` on `device`, with its attached
     adapters (`layer.low_rank`) beside it or merged into a float copy."""
-    device = kernels.indexed_device(device)
     low_rank = layer.low_rank
     if low_rank is not None and low_rank.merge:
         merged = low_rank.merged(layer.get("weight", dtype, device))
@@ -286,7 +285,6 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
     """The product of a `mm3.gguf.ops.Fused` for inputs of `dtype` on `device`; the parts' attached
     adapters beside each stacked product (a part's own product carries its own), or each part its
     own product where one is merged."""
-    device = kernels.indexed_device(device)
     parts = fused.parts
     low_ranks = [p.low_rank for p in parts]
     if not fused.fuse or any(r is not None and r.merge for r in low_ranks):
