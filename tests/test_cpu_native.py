@@ -130,6 +130,7 @@ VARIANTS = [  # (-march and more, what the processor must have, the vector bits 
     (("-march=x86-64-v4",), {"avx512bw"}, 512),  # AVX-512 without VNNI: multiply-add, then add
     (("-march=x86-64-v4", "-mavx512vnni"), {"avx512bw", "avx512_vnni"}, 512),
     (("-march=x86-64-v3",), {"avx2", "fma", "f16c"}, 256),
+    (("-march=x86-64-v3", "-mno-f16c"), {"avx2", "fma"}, 256),  # float16 scales converted one by one
     (("-march=x86-64-v3", "-mavxvnni"), {"avx2", "fma", "f16c", "avx_vnni"}, 256),
     (("-march=x86-64",), set(), 0),  # plain C
 ]
@@ -151,20 +152,55 @@ def test_every_code_path_of_the_source_multiplies_right(march, needs, bits, monk
                               (Q.Q5_K, 32, 512, 2), (Q.Q4_0, 16, 64, 1)):
         raw, values = _raw(n, k, n + rows, qtype)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).contiguous()
-        packed = cpu_native.repack(raw, qtype, n, k, quads=cpu_native.nibble_quads(lib))
-        y = cpu_native.product(x, packed, lib)[:, :n]
-        assert _rel(y, x.double() @ values.T) < 1e-4
+        for scales in ("f32", "super" if qtype in cpu_native.SUPER_TYPES else "f16"):
+            packed = cpu_native.repack(raw, qtype, n, k, quads=cpu_native.nibble_quads(lib), scales=scales)
+            y = cpu_native.product(x, packed, lib)[:, :n]
+            assert _rel(y, x.double() @ values.T) < 1e-4, scales
+
+
+BITS_A_VALUE = {Q.Q8_0: 8.5, Q.Q5_0: 8.5, Q.Q5_1: 9, Q.Q4_0: 5, Q.Q4_1: 5,  # float16 scales (and offsets)
+                Q.Q4_K: 4.625, Q.Q5_K: 8.625, Q.Q6_K: 8.5625}  # a float16 per 256 values, an int8 per group
 
 
 @pytest.mark.parametrize("qtype", list(cpu_native.TYPES), ids=lambda t: t.name)
 def test_repacking_in_row_chunks_is_the_whole_packing(qtype, monkeypatch):
-    raw, _ = _raw(200, 256, 3, qtype)
-    whole = cpu_native.repack(raw, qtype, 200, 256)
-    group, bits, offsets = cpu_native.TYPES[qtype]
-    assert whole.weight.shape == (13, 16 * 256 * bits // 8 + 64 * (256 // group) * (2 if offsets else 1))
+    raw, _ = _raw(200, 512, 3, qtype)
+    whole = cpu_native.repack(raw, qtype, 200, 512)
+    assert whole.scales == ("super" if qtype in cpu_native.SUPER_TYPES else "f16")
+    assert whole.weight.shape == (13, 16 * 512 * BITS_A_VALUE[qtype] / 8)
+    assert whole.weight.shape[1] == cpu_native.tile_bytes(512, whole.layout, whole.scales)
     assert whole.nbytes() == whole.weight.numel()
     monkeypatch.setattr(cpu_native, "REPACK_ROWS", 48)
-    assert torch.equal(cpu_native.repack(raw, qtype, 200, 256).weight, whole.weight)
+    assert torch.equal(cpu_native.repack(raw, qtype, 200, 512).weight, whole.weight)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", list(cpu_native.TYPES), ids=lambda t: t.name)
+def test_every_form_of_the_scales_gives_the_same_products(qtype):
+    """The smaller forms hold the same scales exactly: the products are equal bit for bit."""
+    raw, _ = _raw(72, 512, 7, qtype)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7))
+    wide = cpu_native.product(x, cpu_native.repack(raw, qtype, 72, 512, scales="f32"))
+    small = cpu_native.repack(raw, qtype, 72, 512)
+    assert small.nbytes() < cpu_native.repack(raw, qtype, 72, 512, scales="f32").nbytes()
+    assert torch.equal(cpu_native.product(x, small), wide)
+
+
+@needs_kernel
+def test_scales_that_are_no_float16_are_kept_in_float32():
+    """A Q4_0 block's offset is 8 d: beyond float16 where d is above 8188."""
+    raw, _ = _raw(32, 256, 8, Q.Q4_0)
+    raw = raw.clone()
+    raw.view(32, -1, 18)[5, 2, :2] = torch.tensor([10000.0], dtype=torch.float16).view(torch.uint8)
+    values = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.Q4_0).reshape(32, 256).astype(np.float64))
+    packed = cpu_native.repack(raw, Q.Q4_0, 32, 256)
+    assert packed.scales == "f32"
+    x = torch.randn(2, 256)
+    assert _rel(cpu_native.linear(x, packed, 32), x.double() @ values.T) < 3e-4  # one row of 1e5 dominates
+    with pytest.raises(ValueError, match="not all float16 values"):
+        cpu_native.repack(raw, Q.Q4_0, 32, 256, scales="f16")
+    with pytest.raises(ValueError, match="cannot be held as 'super'"):
+        cpu_native.repack(raw, Q.Q4_0, 32, 256, scales="super")
 
 
 def test_other_types_are_refused():

@@ -4,7 +4,7 @@ torch's CPU int4 product reads a weight of up to 8 bits a value as two int4 plan
 twice the values) and is bound by its arithmetic on few cores. `native/integer_product.c`
 multiplies the values as stored, as integers: int8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) or 4-bit
 (Q4_0, Q4_1, Q4_K), with a scale per 16 or 32 of them and an offset where the type has one
-(`TYPES`), by integer multiply-adds over 16 rows at a time, the input rounded per group to int16
+(`TYPES`; the scales as exact and nearly as small as the file's, `SCALE_FORMS`), by integer multiply-adds over 16 rows at a time, the input rounded per group to int16
 (about 1e-5 relative, far below the int4 product's bfloat16 rounding). So its products are
 float32 products up to that rounding, and on a processor that multiplies int16 fast it reads a
 weight about as fast as memory delivers it.
@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ..cache_dir import cache_dir
 from ..matmul import rows_out
-from . import cpu_int4
+from . import cpu_int4, quants
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,13 @@ class Layout(NamedTuple):
 TYPES = {QT.Q8_0: Layout(32, 8, False), QT.Q5_0: Layout(32, 8, False), QT.Q6_K: Layout(16, 8, False),
          QT.Q5_1: Layout(32, 8, True), QT.Q5_K: Layout(32, 8, True),
          QT.Q4_0: Layout(32, 4, True), QT.Q4_1: Layout(32, 4, True), QT.Q4_K: Layout(32, 4, True)}
+# How a tile holds its scales and offsets (`native/integer_product.c`, FORM_*): float32; float16
+# (the legacy types' own, where every one is a float16 exactly); per super-block of 256 columns a
+# float16 factor times an int8 per group (the K types' own d * scale: 4.6 bits a Q4_K value, 8.6 a
+# Q6_K one, against 6 and 10 in float32).
+SCALE_FORMS = {"f32": 0, "f16": 1, "super": 2}
+SUPER_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
+SUPER_COLUMNS = 256
 TILE = 16  # rows the kernel multiplies together: a weight gets zero rows up to a multiple, cut off after
 REPACK_ROWS = 1024  # rows repacked at a time (a multiple of TILE): bounds the temporaries
 BUILD_SECONDS = 120
@@ -66,13 +73,15 @@ _LOCK = threading.Lock()
 
 class Packing(NamedTuple):
     """A weight in the kernel's layout: `weight` [rows / 16, bytes a tile] int8 (each tile's values,
-    then its float32 scales and offsets), `in_features` K, the type's `Layout`, and for 4-bit
-    values whether they lie in quads of columns (the layout of a build with VNNI) or pairs."""
+    then its scales and offsets in the form `scales`, a key of `SCALE_FORMS`), `in_features` K, the
+    type's `Layout`, and for 4-bit values whether they lie in quads of columns (the layout of a
+    build with VNNI) or pairs."""
 
     weight: torch.Tensor
     in_features: int
     layout: Layout
     quads: bool = False
+    scales: str = "f32"
 
     def nbytes(self) -> int:
         return self.weight.numel()
@@ -148,7 +157,7 @@ def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True) -> Path | None:
 def load(path: Path):
     """The library at `path` with its functions' signatures set (ctypes; OSError if it cannot load)."""
     lib = ctypes.CDLL(str(path))
-    lib.mm3_integer_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 4
+    lib.mm3_integer_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 5
     lib.mm3_integer_product.restype = ctypes.c_int
     lib.mm3_integer_vector_bits.restype = ctypes.c_int
     lib.mm3_integer_nibble_quads.restype = ctypes.c_int
@@ -202,20 +211,33 @@ def vector_bits() -> int:
 
 def _probe(lib) -> bool:
     g = torch.Generator().manual_seed(0)
-    n, k = 40, 96  # rows that are not whole tiles
+    n, k = 40, 512  # rows that are not whole tiles, two super-blocks
     x = torch.randn(3, k, generator=g)
-    for layout in (Layout(32, 8, False), Layout(16, 8, True), Layout(32, 4, True)):
+    for layout, form in ((Layout(32, 8, False), "f16"), (Layout(16, 8, True), "f32"), (Layout(32, 4, True), "super"),
+                         (Layout(16, 8, False), "super")):
         low, high = (-128, 128) if layout.bits == 8 else (0, 16)
         q = torch.randint(low, high, (n, k), dtype=torch.int8, generator=g)
-        s = torch.rand(n, k // layout.group, generator=g) + 0.5
-        o = torch.randn(n, k // layout.group, generator=g) if layout.offsets else None
+        groups = k // layout.group
+        if form == "super":  # per part a float16 factor per 256 columns times an int8 per group
+            parts = 2 if layout.offsets else 1
+            factors = [torch.rand(n, k // SUPER_COLUMNS, generator=g).half() for _ in range(parts)]
+            steps = [torch.randint(-63, 64, (n, groups), dtype=torch.int8, generator=g) for _ in range(parts)]
+            sections = factors + steps
+            s, o = [f.float().repeat_interleave(groups // f.shape[1], dim=1) * m.float() for f, m in zip(factors, steps)] \
+                + [None] * (2 - parts)
+        else:
+            dtype = torch.float16 if form == "f16" else torch.float32
+            s = (torch.rand(n, groups, generator=g) + 0.5).to(dtype)
+            o = torch.randn(n, groups, generator=g).to(dtype) if layout.offsets else None
+            sections = [t for t in (s, o) if t is not None]
+            s, o = (None if t is None else t.float() for t in (s, o))
         w = q.double().view(n, -1, layout.group) * s.double()[..., None]
         if o is not None:
             w = w - o.double()[..., None]
         want = x.double() @ w.view(n, k).T
         quads = layout.bits == 4 and nibble_quads(lib)
         with torch.inference_mode():
-            got = product(x, Packing(_tile(q, s, o, layout.bits, quads), k, layout, quads), lib)[:, :n]
+            got = product(x, Packing(_tile(q, sections, layout.bits, quads), k, layout, quads, form), lib)[:, :n]
         if not ((got.double() - want).norm() / want.norm()) < 1e-4:
             return False
     return True
@@ -234,63 +256,101 @@ def nibble_quads(lib=None) -> bool:
     return lib is not None and bool(lib.mm3_integer_nibble_quads())
 
 
-def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int, quads: bool | None = None) -> Packing:
+def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int, quads: bool | None = None,
+           scales: str | None = None) -> Packing:
     """GGUF block rows [N, row_bytes] of one of `TYPES` -> the kernel's tiles (see `Packing`;
-    `quads`: the 4-bit layout, default the one this process's kernel reads)."""
+    `quads`: the 4-bit layout, default the one this process's kernel reads; `scales`: a key of
+    `SCALE_FORMS`, default the smallest exact one: "super" for the K types, else "f16" where every
+    scale and offset is a float16, else "f32")."""
     if qtype not in TYPES:
         raise ValueError(f"the CPU integer kernel reads {', '.join(t.name for t in TYPES)}, not {qtype.name}")
     layout = TYPES[qtype]
     quads = layout.bits == 4 and (nibble_quads() if quads is None else quads)
+    form = scales or ("super" if qtype in SUPER_TYPES else "f16")
+    if form not in SCALE_FORMS or (form == "super" and qtype not in SUPER_TYPES):
+        raise ValueError(f"{qtype.name} scales cannot be held as {form!r}")
     rows = raw.reshape(out_features, -1)
-    parts = [_tile(*_values(rows[i:i + REPACK_ROWS], qtype, in_features), layout.bits, quads)
-             for i in range(0, out_features, REPACK_ROWS)]
-    return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features, layout, quads)
+    parts = []
+    for i in range(0, out_features, REPACK_ROWS):
+        q, sections = _values(rows[i:i + REPACK_ROWS], qtype, in_features, form)
+        if sections is None:  # a scale that is no float16: every chunk again in float32
+            if scales is not None:
+                raise ValueError(f"{qtype.name} scales are not all float16 values: they cannot be held as 'f16'")
+            return repack(raw, qtype, out_features, in_features, quads, "f32")
+        parts.append(_tile(q, sections, layout.bits, quads))
+    return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features, layout, quads, form)
 
 
-def _values(raw: torch.Tensor, qtype: QT, k: int):
-    """Block rows -> the values q [n, k] (int8; 0..15 for 4-bit types), float32 scales s and
-    offsets o (None for types without) [n, k / group], w = s q - o, each exact: Q8_0's bytes as
-    they are, the others from the planes `cpu_int4` reads them into."""
+def _values(raw: torch.Tensor, qtype: QT, k: int, form: str = "f32"):
+    """Block rows -> the values q [n, k] (int8; 0..15 for 4-bit types) and the scale sections of
+    `form` (`_tile`), w = s q - o with scales s and offsets o per group, each exact: "f32" or "f16"
+    [s, o] (o only for the types with offsets; None for "f16" where a value is no float16),
+    "super" [d, dmin, d's multiples, dmin's] as the K types store them (s = d x, o = dmin y). Q8_0's
+    bytes as they are, the others from the planes `cpu_int4` reads them into."""
     block_bytes = GGML_QUANT_SIZES[qtype][1]
     n = raw.shape[0]
     b = raw.reshape(-1, block_bytes).contiguous()
     if qtype == QT.Q8_0:
         b = b.view(n, -1, block_bytes)
-        return b[..., 2:].contiguous().view(torch.int8).view(n, k), \
-            b[..., :2].contiguous().view(torch.float16).view(n, -1).float(), None
-    if TYPES[qtype].bits == 4:
-        q, scale, minimum = cpu_int4.one_plane(b, qtype)
-        return q.to(torch.int8).view(n, k), scale.reshape(n, -1), minimum.reshape(n, -1)
-    high, low, scale, constant = cpu_int4.two_planes(b, qtype)  # w = S (16 (H - 8) + L) + c
-    q = ((high.to(torch.int16) - 8) * 16 + low.to(torch.int16)).to(torch.int8).view(n, k)
-    return q, scale.float().reshape(n, -1), (-constant.float().reshape(n, -1) if TYPES[qtype].offsets else None)
+        q = b[..., 2:].contiguous().view(torch.int8).view(n, k)
+        s, o = b[..., :2].contiguous().view(torch.float16).view(n, -1).float(), None
+    elif TYPES[qtype].bits == 4:
+        q, s, o = cpu_int4.one_plane(b, qtype)
+        q, s, o = q.to(torch.int8).view(n, k), s.reshape(n, -1), o.reshape(n, -1)
+    else:
+        high, low, scale, constant = cpu_int4.two_planes(b, qtype)  # w = S (16 (H - 8) + L) + c
+        q = ((high.to(torch.int16) - 8) * 16 + low.to(torch.int16)).to(torch.int8).view(n, k)
+        s, o = scale.float().reshape(n, -1), (-constant.float().reshape(n, -1) if TYPES[qtype].offsets else None)
+    if form == "super":
+        return q, _super_sections(b, qtype, n)
+    sections = [t for t in (s, o) if t is not None]
+    if form == "f16":
+        halves = [t.half() for t in sections]
+        if not all(torch.equal(h.float(), t) for h, t in zip(halves, sections)):
+            return q, None
+        sections = halves
+    return q, sections
 
 
-def _tile(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None, bits: int, quads: bool = False) -> torch.Tensor:
-    """Values q [n, k] (int8, or 0..15 for `bits` 4), scales s and offsets o (or None) [n, groups]
-    -> tiles [n / 16 (up), bytes] (the layouts of `native/integer_product.c`)."""
+def _super_sections(b: torch.Tensor, qtype: QT, n: int) -> list[torch.Tensor]:
+    """K-type blocks [n * blocks, bytes] -> [d [n, k / 256] float16, then dmin for Q4_K and Q5_K,
+    the per-group multiples [n, groups] int8 of d, then of dmin]: s = d x, o = dmin y."""
+    if qtype == QT.Q6_K:  # ql[128], qh[64], scales[16] int8, d
+        return [b[:, 208:210].contiguous().view(torch.float16).view(n, -1), b[:, 192:208].view(torch.int8).reshape(n, -1)]
+    d = b[:, :4].contiguous().view(torch.float16)  # [blocks, 2]: d, dmin
+    steps = quants._k4_scale_min(b[:, 4:16]).to(torch.int8)  # [blocks, 2, 8]: 6-bit scales, mins
+    return [d[:, 0].reshape(n, -1), d[:, 1].reshape(n, -1), steps[:, 0].reshape(n, -1), steps[:, 1].reshape(n, -1)]
+
+
+def _tile(q: torch.Tensor, sections: list[torch.Tensor], bits: int, quads: bool = False) -> torch.Tensor:
+    """Values q [n, k] (int8, or 0..15 for `bits` 4) and the scale sections (`_values`: each
+    [n, columns] of any dtype) -> tiles [n / 16 (up), bytes] (the layouts of
+    `native/integer_product.c`: each section [columns][16] after the values)."""
     n, k = q.shape
-    groups = s.shape[1]
     pad = -n % TILE
     if pad:
         q = torch.cat((q, q.new_zeros(pad, k)))
-        s, o = (None if t is None else torch.cat((t, t.new_zeros(pad, groups))) for t in (s, o))
+        sections = [torch.cat((t, t.new_zeros(pad, t.shape[1]))) for t in sections]
     t = (n + pad) // TILE
     width = 4 if quads else 2  # columns a lane: a row's values side by side
     lanes = q.view(t, TILE, k // width, width).permute(0, 2, 1, 3).reshape(t, k // width, width * TILE)
     if bits == 4:  # two pairs (quads) a byte: the first in the low nibble
         lanes = lanes[:, 0::2] | (lanes[:, 1::2] << 4)
     parts = [lanes.reshape(t, -1)]
-    for per_group in (s, o):
-        if per_group is not None:
-            parts.append(per_group.float().view(t, TILE, groups).transpose(1, 2).contiguous()
-                         .view(torch.int8).view(t, 4 * TILE * groups))
+    for section in sections:
+        parts.append(section.contiguous().view(t, TILE, -1).transpose(1, 2).contiguous().view(torch.int8).view(t, -1))
     return torch.cat(parts, dim=1)
 
 
-def tile_bytes(k: int, layout: Layout) -> int:
-    """Bytes of one tile of 16 rows of K values (`_tile`)."""
-    return TILE * k * layout.bits // 8 + 4 * TILE * (k // layout.group) * (2 if layout.offsets else 1)
+def tile_bytes(k: int, layout: Layout, scales: str = "f32") -> int:
+    """Bytes of one tile of 16 rows of K values (`_tile`) with scales in the form `scales`."""
+    parts = 2 if layout.offsets else 1
+    groups = k // layout.group
+    if scales == "super":
+        per_group = 2 * TILE * (k // SUPER_COLUMNS) + TILE * groups
+    else:
+        per_group = (2 if scales == "f16" else 4) * TILE * groups
+    return TILE * k * layout.bits // 8 + per_group * parts
 
 
 def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
@@ -299,7 +359,7 @@ def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
     K against the packing, the packing's bytes, contiguous float32 inputs."""
     m, k = x2.shape
     w = packed.weight
-    if k != packed.in_features or w.dim() != 2 or w.shape[1] != tile_bytes(k, packed.layout) or \
+    if k != packed.in_features or w.dim() != 2 or w.shape[1] != tile_bytes(k, packed.layout, packed.scales) or \
             w.dtype != torch.int8 or not w.is_contiguous() or w.device.type != "cpu":
         raise ValueError(f"a [{m}, {k}] input does not fit a packing of {packed.in_features} columns "
                          f"({tuple(w.shape)} {w.dtype} on {w.device}, {packed.layout})")
@@ -315,22 +375,23 @@ def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
         if bits == 4 and packed.quads != bool(lib.mm3_integer_nibble_quads()):
             raise ValueError("4-bit values packed for another build of the CPU integer kernel")
         status = lib.mm3_integer_product(x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, group, bits,
-                                         int(offsets), torch.get_num_threads())
+                                         int(offsets), SCALE_FORMS[packed.scales], torch.get_num_threads())
         if status == -1:
             raise MemoryError(f"the CPU integer kernel could not allocate the rounded rows of a [{m}, {k}] input")
         if status:
-            raise ValueError(f"the CPU integer kernel takes 16 or 32 values a scale of 8 or 4 bits, not {packed.layout}")
+            raise ValueError(f"the CPU integer kernel takes 16 or 32 values a scale of 8 or 4 bits (scales "
+                             f"{packed.scales} whole super-blocks), not {packed.layout} of {k} columns")
     return y
 
 
 @torch.library.custom_op("mm3::native_integer", mutates_args=())
 def _traced(x2: torch.Tensor, weight: torch.Tensor, k: int, group: int, bits: int, offsets: bool,
-            quads: bool) -> torch.Tensor:
-    return product(x2, Packing(weight, k, Layout(group, bits, offsets), quads))
+            quads: bool, scales: str) -> torch.Tensor:
+    return product(x2, Packing(weight, k, Layout(group, bits, offsets), quads, scales))
 
 
 @_traced.register_fake
-def _(x2, weight, k, group, bits, offsets, quads):
+def _(x2, weight, k, group, bits, offsets, quads, scales):
     return x2.new_empty((x2.shape[0], weight.shape[0] * TILE))
 
 
@@ -341,7 +402,8 @@ def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tens
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.to(torch.float32).contiguous()
     if torch.compiler.is_compiling():
-        y = torch.ops.mm3.native_integer(x2, packed.weight, packed.in_features, *packed.layout, packed.quads)
+        y = torch.ops.mm3.native_integer(x2, packed.weight, packed.in_features, *packed.layout, packed.quads,
+                                         packed.scales)
     else:
         y = product(x2, packed)
     return rows_out(y, x, out_features, bias)

@@ -1,20 +1,25 @@
 /* Few-row products with 8- and 4-bit weights on the CPU, for mm3.gguf.cpu_native.
 
    y[i, n] = sum_k x[i, k] w[n, k], w[n, k] = s[n, k / G] q[n, k] - o[n, k / G]: q int8 (Q8_0,
-   Q5_0, Q5_1, Q5_K and Q6_K values) or 0..15 (Q4_0, Q4_1, Q4_K), a float32 scale s per G = 16 or
-   32 columns and, for the types with one, a float32 offset o per group.
+   Q5_0, Q5_1, Q5_K and Q6_K values) or 0..15 (Q4_0, Q4_1, Q4_K), a scale s per G = 16 or 32
+   columns and, for the types with one, an offset o per group.
 
    Weights come in tiles of 16 rows. Per tile the values: int8 as [K / 2][16][2] (the 32 int16
    lanes of column pair p: row r's columns 2p and 2p + 1 side by side); 4-bit as [K / 4][32] bytes,
    byte j holding lane j of pair 2p in its low nibble and of pair 2p + 1 in its high one. Then the
-   scales, float32 [K / G][16], then the offsets likewise where there are some. Each input row is
-   rounded per group to int16 with a float32 scale (the largest value maps to 32767, 16383 for
-   4-bit values with VNNI: a relative error of about 1e-5 or 3e-5, far below bfloat16's), so a
-   group's dot products are exact integer sums (at most 32 * 32767 * 128 < 2^31); each group adds
-   its sum times both scales to a float32 total and takes away its offset times the group's sum of
-   (rounded) inputs. The integer multiply-adds take 16 rows at a time (AVX-512; AVX2 in two
-   halves; fused where the processor has VNNI); elsewhere the same arithmetic in plain C. The
-   4-bit values take another layout with VNNI (QUADS, below). */
+   scales, [K / G][16], and the offsets likewise where there are some, in one of three forms (as
+   exact as the file's, and as small): float32 (FORM_F32); float16 (FORM_F16: the legacy types,
+   whose scales are float16 in the file); or per super-block of 256 columns a float16 factor
+   [K / 256][16] (then the offsets' factors) and per group an int8 multiple of it [K / G][16] (then
+   the offsets'): FORM_SUPER, the K types' own d * scale, exact in float32.
+
+   Each input row is rounded per group to int16 with a float32 scale (the largest value maps to
+   32767, 16383 for 4-bit values with VNNI: a relative error of about 1e-5 or 3e-5, far below
+   bfloat16's), so a group's dot products are exact integer sums (at most 32 * 32767 * 128 < 2^31);
+   each group adds its sum times both scales to a float32 total and takes away its offset times
+   the group's sum of (rounded) inputs. The integer multiply-adds take 16 rows at a time (AVX-512;
+   AVX2 in two halves; fused where the processor has VNNI); elsewhere the same arithmetic in plain
+   C. The 4-bit values take another layout with VNNI (QUADS, below). */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -26,6 +31,13 @@
 
 #define TILE 16
 #define FLIGHT 4 /* tiles multiplied together: independent chains of multiply-adds */
+/* The kernels below are inlined with the count of tiles a constant (FLIGHT, else 1), so their
+   accumulators stay in registers. */
+#if defined(__GNUC__)
+#define INLINED static inline __attribute__((always_inline))
+#else
+#define INLINED static inline
+#endif
 
 /* With VNNI the 4-bit values are multiplied as bytes, four columns a lane (u8 times s8 multiply-
    adds, no widening): a tile holds them as [K / 8][64] bytes, byte j holding row j / 4's column
@@ -39,16 +51,96 @@
 #define QUADS 0
 #endif
 
+enum { FORM_F32 = 0, FORM_F16 = 1, FORM_SUPER = 2 }; /* how a tile holds its scales and offsets */
+#define SUPER 256                                      /* columns of a super-block (FORM_SUPER) */
+
 typedef struct {
     int64_t k, groups, bytes, value_bytes; /* columns, groups a row, bytes a tile, of its values */
-    int group, bits, offsets;
+    int64_t supers, super_bytes;           /* FORM_SUPER: super-blocks a row, bytes of their factors */
+    int group, bits, offsets, form, per_super;
 } shape;
 
-static shape shape_of(int64_t k, int group, int bits, int offsets) {
-    shape s = {k, k / group, 0, bits == 8 ? TILE * k : TILE * k / 2, group, bits, offsets};
-    s.bytes = s.value_bytes + TILE * s.groups * 4 * (offsets ? 2 : 1);
+static shape shape_of(int64_t k, int group, int bits, int offsets, int form) {
+    const int parts = offsets ? 2 : 1;
+    shape s = {k, k / group, 0, bits == 8 ? TILE * k : TILE * k / 2, 0, 0, group, bits, offsets, form, 0};
+    if (form == FORM_SUPER) {
+        s.supers = k / SUPER;
+        s.per_super = SUPER / group;
+        s.super_bytes = 2 * TILE * s.supers * parts;
+        s.bytes = s.value_bytes + s.super_bytes + TILE * s.groups * parts;
+    } else {
+        s.bytes = s.value_bytes + TILE * s.groups * parts * (form == FORM_F16 ? 2 : 4);
+    }
     return s;
 }
+
+/* An IEEE half as a float (every half, subnormals and NaN included, is a float exactly). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {
+        float v = ldexpf((float)mantissa, -24);
+        return sign ? -v : v;
+    }
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* Row r's scale (part 0) or offset (part 1) of group g in a tile (plain C; the vector loads below
+   compute the same float32 values). A super-block's factor times an int8 is exact in float32. */
+static inline float scale_of(const int8_t *tile, const shape *s, int64_t g, int part, int r) {
+    const int8_t *at = tile + s->value_bytes;
+    uint16_t h;
+    if (s->form == FORM_SUPER) {
+        memcpy(&h, at + ((part * s->supers + g / s->per_super) * TILE + r) * 2, sizeof h);
+        return half_to_float(h) * (float)at[s->super_bytes + (part * s->groups + g) * TILE + r];
+    }
+    if (s->form == FORM_F16) {
+        memcpy(&h, at + ((part * s->groups + g) * TILE + r) * 2, sizeof h);
+        return half_to_float(h);
+    }
+    float v;
+    memcpy(&v, at + ((part * s->groups + g) * TILE + r) * 4, sizeof v);
+    return v;
+}
+
+#if defined(__AVX512BW__)
+/* The 16 rows' scales (part 0) or offsets (part 1) of group g in a tile. */
+static inline __m512 scales16(const int8_t *tile, const shape *s, int64_t g, int part) {
+    const int8_t *at = tile + s->value_bytes;
+    if (s->form == FORM_SUPER) {
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + (part * s->supers + g / s->per_super) * TILE * 2)));
+        __m128i q = _mm_loadu_si128((const __m128i *)(at + s->super_bytes + (part * s->groups + g) * TILE));
+        return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    }
+    if (s->form == FORM_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + (part * s->groups + g) * TILE * 2)));
+    return _mm512_loadu_ps((const float *)(at + (part * s->groups + g) * TILE * 4));
+}
+#elif defined(__AVX2__)
+/* Rows 8 h .. 8 h + 7 of the scales (part 0) or offsets (part 1) of group g in a tile. */
+static inline __m256 scales8(const int8_t *tile, const shape *s, int64_t g, int part, int h) {
+    const int8_t *at = tile + s->value_bytes;
+    if (s->form == FORM_F32) return _mm256_loadu_ps((const float *)(at + ((part * s->groups + g) * TILE + 8 * h) * 4));
+#if defined(__F16C__)
+    if (s->form == FORM_SUPER) {
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + ((part * s->supers + g / s->per_super) * TILE + 8 * h) * 2)));
+        __m128i q = _mm_loadl_epi64((const __m128i *)(at + s->super_bytes + (part * s->groups + g) * TILE + 8 * h));
+        return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + ((part * s->groups + g) * TILE + 8 * h) * 2)));
+#else
+    float v[8];
+    for (int r = 0; r < 8; r++) v[r] = scale_of(tile, s, g, part, 8 * h + r);
+    return _mm256_loadu_ps(v);
+#endif
+}
+#endif
 
 /* A block holding a NaN or an infinity gets a NaN scale: its rows' outputs are NaN, as a float
    product's would be, so a diverging run is caught downstream. */
@@ -96,7 +188,7 @@ static inline int32_t lane(const int8_t *values, shape s, int64_t p, int j) {
 #if QUADS
 /* The 4-bit tiles with VNNI: rows i0 and i1 (their high and low bytes `hi`, `lo`, four columns an
    int32) times tiles t0 .. t0 + nt - 1. */
-static void quad_tiles(const int8_t *w, const int32_t *hi, const int32_t *lo, const float *dx, const float *sums,
+INLINED void quad_tiles(const int8_t *w, const int32_t *hi, const int32_t *lo, const float *dx, const float *sums,
                        float *y, int64_t n, shape s, int64_t t0, int nt, int64_t i0, int64_t i1) {
     const int quads = s.group / 4;
     const int32_t *h0 = hi + i0 * (s.k / 4), *h1 = hi + i1 * (s.k / 4);
@@ -111,7 +203,7 @@ static void quad_tiles(const int8_t *w, const int32_t *hi, const int32_t *lo, co
 #define QSRL _mm512_srli_epi16
 #define QDOT _mm512_dpbusd_epi32
 #define QCOMBINE(h, l) _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l))
-#define QLOADF _mm512_loadu_ps
+#define QSCALES(tile, s, g, part, v) scales16(tile, s, g, part)
 #define QSET1F _mm512_set1_ps
 #define QFMA _mm512_fmadd_ps
 #define QFNMA _mm512_fnmadd_ps
@@ -130,7 +222,7 @@ static void quad_tiles(const int8_t *w, const int32_t *hi, const int32_t *lo, co
 #define QSRL _mm256_srli_epi16
 #define QDOT _mm256_dpbusd_avx_epi32
 #define QCOMBINE(h, l) _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(h, 7), l))
-#define QLOADF _mm256_loadu_ps
+#define QSCALES scales8
 #define QSET1F _mm256_set1_ps
 #define QFMA _mm256_fmadd_ps
 #define QFNMA _mm256_fnmadd_ps
@@ -167,13 +259,13 @@ static void quad_tiles(const int8_t *w, const int32_t *hi, const int32_t *lo, co
         QF d0 = QSET1F(dx[i0 * s.groups + g]), d1 = QSET1F(dx[i1 * s.groups + g]);
         QF m0 = QSET1F(sums[i0 * s.groups + g]), m1 = QSET1F(sums[i1 * s.groups + g]);
         for (int t = 0; t < nt; t++) {
-            const float *scales = (const float *)(w + (t0 + t) * s.bytes + s.value_bytes);
+            const int8_t *tile = w + (t0 + t) * s.bytes;
             for (int v = 0; v < HALVES; v++) {
-                QF scale = QLOADF(scales + g * TILE + v * LANES);
+                QF scale = QSCALES(tile, &s, g, 0, v);
                 acc0[t][v] = QFMA(QCOMBINE(a0[t][v], b0[t][v]), QMUL(scale, d0), acc0[t][v]);
                 acc1[t][v] = QFMA(QCOMBINE(a1[t][v], b1[t][v]), QMUL(scale, d1), acc1[t][v]);
                 if (s.offsets) {
-                    QF offset = QLOADF(scales + (s.groups + g) * TILE + v * LANES);
+                    QF offset = QSCALES(tile, &s, g, 1, v);
                     acc0[t][v] = QFNMA(offset, m0, acc0[t][v]);
                     acc1[t][v] = QFNMA(offset, m1, acc1[t][v]);
                 }
@@ -204,7 +296,7 @@ static void split_rows(const int16_t *xq, int64_t count, int32_t *hi, int32_t *l
 #endif
 
 /* Rows i0 and i1 of the input (the same row twice when one is left) times tiles t0 .. t0 + nt - 1. */
-static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const float *sums, float *y, int64_t n,
+INLINED void tiles(const int8_t *w, const int16_t *xq, const float *dx, const float *sums, float *y, int64_t n,
                   shape s, int64_t t0, int nt, int64_t i0, int64_t i1) {
     const int pairs = s.group / 2;
     const int16_t *x0 = xq + i0 * s.k, *x1 = xq + i1 * s.k;
@@ -248,12 +340,12 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
         }
         __m512 d0 = _mm512_set1_ps(dx[i0 * s.groups + g]), d1 = _mm512_set1_ps(dx[i1 * s.groups + g]);
         for (int t = 0; t < nt; t++) {
-            const float *scales = (const float *)(w + (t0 + t) * s.bytes + s.value_bytes);
-            __m512 scale = _mm512_loadu_ps(scales + g * TILE);
+            const int8_t *tile = w + (t0 + t) * s.bytes;
+            __m512 scale = scales16(tile, &s, g, 0);
             acc0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[t]), _mm512_mul_ps(scale, d0), acc0[t]);
             acc1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[t]), _mm512_mul_ps(scale, d1), acc1[t]);
             if (s.offsets) {
-                __m512 offset = _mm512_loadu_ps(scales + (s.groups + g) * TILE);
+                __m512 offset = scales16(tile, &s, g, 1);
                 acc0[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(sums[i0 * s.groups + g]), acc0[t]);
                 acc1[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(sums[i1 * s.groups + g]), acc1[t]);
             }
@@ -309,13 +401,13 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
         }
         __m256 d0 = _mm256_set1_ps(dx[i0 * s.groups + g]), d1 = _mm256_set1_ps(dx[i1 * s.groups + g]);
         for (int t = 0; t < nt; t++) {
-            const float *scales = (const float *)(w + (t0 + t) * s.bytes + s.value_bytes);
+            const int8_t *tile = w + (t0 + t) * s.bytes;
             for (int h = 0; h < 2; h++) {
-                __m256 scale = _mm256_loadu_ps(scales + g * TILE + 8 * h);
+                __m256 scale = scales8(tile, &s, g, 0, h);
                 acc0[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[t][h]), _mm256_mul_ps(scale, d0), acc0[t][h]);
                 acc1[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[t][h]), _mm256_mul_ps(scale, d1), acc1[t][h]);
                 if (s.offsets) {
-                    __m256 offset = _mm256_loadu_ps(scales + (s.groups + g) * TILE + 8 * h);
+                    __m256 offset = scales8(tile, &s, g, 1, h);
                     acc0[t][h] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sums[i0 * s.groups + g]), acc0[t][h]);
                     acc1[t][h] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sums[i1 * s.groups + g]), acc1[t][h]);
                 }
@@ -333,7 +425,6 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
     (void)pairs;
     for (int t = 0; t < nt; t++) {
         const int8_t *values = w + (t0 + t) * s.bytes;
-        const float *scales = (const float *)(values + s.value_bytes);
         for (int r = 0; r < TILE; r++) {
             float acc0 = 0.f, acc1 = 0.f;
             for (int64_t g = 0; g < s.groups; g++) {
@@ -344,11 +435,13 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
                     s0 += v * xq[i0 * s.k + col];
                     s1 += v * xq[i1 * s.k + col];
                 }
-                acc0 += (float)s0 * (scales[g * TILE + r] * dx[i0 * s.groups + g]);
-                acc1 += (float)s1 * (scales[g * TILE + r] * dx[i1 * s.groups + g]);
+                const float scale = scale_of(values, &s, g, 0, r);
+                acc0 += (float)s0 * (scale * dx[i0 * s.groups + g]);
+                acc1 += (float)s1 * (scale * dx[i1 * s.groups + g]);
                 if (s.offsets) {
-                    acc0 -= scales[(s.groups + g) * TILE + r] * sums[i0 * s.groups + g];
-                    acc1 -= scales[(s.groups + g) * TILE + r] * sums[i1 * s.groups + g];
+                    const float offset = scale_of(values, &s, g, 1, r);
+                    acc0 -= offset * sums[i0 * s.groups + g];
+                    acc1 -= offset * sums[i1 * s.groups + g];
                 }
             }
             y[i0 * n + (t0 + t) * TILE + r] = acc0;
@@ -358,13 +451,15 @@ static void tiles(const int8_t *w, const int16_t *xq, const float *dx, const flo
 #endif
 }
 
-/* x [m, k] float32, w: n / 16 tiles (n a multiple of 16, k of the group: 16 or 32 values a scale),
-   bits 8 or 4, offsets 0 or 1, y [m, n] float32. Returns 0, -1 when the scratch rows cannot be
-   allocated, -2 for a group, bits or k it does not take. */
+/* x [m, k] float32, w: n / 16 tiles (n a multiple of 16, k of the group: 16 or 32 values a scale;
+   of 256 for FORM_SUPER), bits 8 or 4, offsets 0 or 1, form FORM_*, y [m, n] float32. Returns 0, -1
+   when the scratch rows cannot be allocated, -2 for a group, bits, form or k it does not take. */
 int mm3_integer_product(const float *x, const int8_t *w, float *y, int64_t m, int64_t n, int64_t k, int group,
-                     int bits, int offsets, int threads) {
-    if ((group != 16 && group != 32) || (bits != 8 && bits != 4) || k % group) return -2;
-    const shape s = shape_of(k, group, bits, offsets);
+                        int bits, int offsets, int form, int threads) {
+    if ((group != 16 && group != 32) || (bits != 8 && bits != 4) || k % group || form < FORM_F32 ||
+        form > FORM_SUPER || (form == FORM_SUPER && k % SUPER))
+        return -2;
+    const shape s = shape_of(k, group, bits, offsets, form);
     int16_t *xq = malloc(sizeof(int16_t) * m * k);
     float *dx = malloc(sizeof(float) * m * s.groups), *sums = malloc(sizeof(float) * m * s.groups);
     if (!xq || !dx || !sums) {
@@ -399,11 +494,17 @@ int mm3_integer_product(const float *x, const int8_t *w, float *y, int64_t m, in
             int64_t i1 = i + 1 < m ? i + 1 : i;
 #if QUADS
             if (s.bits == 4) {
-                quad_tiles(w, hi, lo, dx, sums, y, n, s, t0, nt, i, i1);
+                if (nt == FLIGHT)
+                    quad_tiles(w, hi, lo, dx, sums, y, n, s, t0, FLIGHT, i, i1);
+                else
+                    for (int t = 0; t < nt; t++) quad_tiles(w, hi, lo, dx, sums, y, n, s, t0 + t, 1, i, i1);
                 continue;
             }
 #endif
-            tiles(w, xq, dx, sums, y, n, s, t0, nt, i, i1);
+            if (nt == FLIGHT)
+                tiles(w, xq, dx, sums, y, n, s, t0, FLIGHT, i, i1);
+            else
+                for (int t = 0; t < nt; t++) tiles(w, xq, dx, sums, y, n, s, t0 + t, 1, i, i1);
         }
     }
     free(hi);
