@@ -382,3 +382,41 @@ def test_scratch_made_in_inference_mode_is_replaced_outside_it():
         scratch.take((4, 8), torch.float32).fill_(2.0)  # would raise on the inference tensor
     with torch.inference_mode():
         assert scratch.take((2, 8), torch.float32).sum().item() == 32.0  # its buffer kept inside
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("keys", [1, 37, 300])
+def test_one_query_attention_is_torchs_attention(heads, kv_heads, keys):
+    """The decode step's attention as two products: torch's fused attention up to float rounding,
+    grouped heads and the bucket mask of a compiled step included."""
+    from mm3.models.lm import one_query_attention
+
+    g = torch.Generator().manual_seed(keys)
+    q = torch.randn(2, heads, 1, 64, generator=g)
+    k, v = torch.randn(2, kv_heads, keys, 64, generator=g) * 3, torch.randn(2, kv_heads, keys, 64, generator=g)
+    mask = (torch.arange(keys) <= keys // 2)[None, None, None]
+    for m in (None, mask):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.125, enable_gqa=heads != kv_heads)
+        got = one_query_attention(q, k, v, m, 0.125)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if keys > 1:  # the masked keys take no part
+        k2 = k.clone()
+        k2[:, :, keys // 2 + 1:] = 1e4
+        torch.testing.assert_close(one_query_attention(q, k2, v, mask, 0.125), one_query_attention(q, k, v, mask, 0.125))
+
+
+def test_the_fast_lm_steps_attend_by_products_on_the_cpu(tiny_ar, monkeypatch):
+    """Fast numerics: a decode step's attention is `one_query_attention`, a prompt's is torch's;
+    the reference numerics keep torch's everywhere."""
+    from mm3.models import lm as lm_module
+
+    calls = []
+    real = lm_module.one_query_attention
+    monkeypatch.setattr(lm_module, "one_query_attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    for model, expected in ((tiny_ar.lm, 1), (tiny_ar.lm_ref, 0)):
+        calls.clear()
+        cache = model.new_cache(2, tiny_ar.prompt.num_tokens + 2, torch.float32, "cpu")
+        model(model.embed(tiny_ar.prompt.ids, torch.float32), cache)
+        assert calls == []
+        model(torch.randn(2, 1, model.hidden_size), cache)
+        assert len(calls) == expected * len(model.model.layers)
