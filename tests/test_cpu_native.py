@@ -320,3 +320,24 @@ def test_a_kernel_that_multiplies_wrong_is_not_used(monkeypatch, rebuilt, caplog
     with caplog.at_level(logging.WARNING, logger="mm3.gguf.cpu_native"):
         assert not cpu_native.available()
     assert "computes wrong products" in caplog.text
+
+
+@needs_kernel
+def test_the_kernels_rms_norm_is_torchs_up_to_rounding():
+    """Rows contiguous or the heads of a wider row (q and k of the fused q/k/v product), one row a
+    position or many; a layout it does not read is left to torch (None)."""
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(3, 5, 1536, generator=g) * 7
+    w = torch.randn(128, generator=g)
+    cases = [torch.randn(2, 1, 1024, generator=g), torch.randn(2, 173, 1000, generator=g),
+             wide[:, :, :1024].view(3, 5, 8, 128), wide[:1, :, 256:512].view(1, 5, 2, 128),
+             wide[:, :1, 1024:].reshape(3, 1, 512)[:, :, :256].view(3, 1, 2, 128)]
+    for x in cases:
+        weight = torch.randn(x.shape[-1], generator=g)
+        want = F.rms_norm(x, (x.shape[-1],), weight, 1e-6)
+        got = cpu_native.rms_norm(x, weight, 1e-6)
+        assert got.shape == x.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert cpu_native.rms_norm(wide.transpose(0, 1)[..., :1024].reshape(5, 3, 8, 128)[:, :, ::2], w, 1e-6) is None
+    assert cpu_native.rms_norm(torch.randn(2, 128, dtype=torch.bfloat16), w, 1e-6) is None
+

@@ -19,6 +19,7 @@ from mm3 import device as budget
 from mm3.ar import PlanSettings, ZeroFramesError, plan
 from mm3.opener import open_component
 from mm3.flow import encode_conditions, sample_latents
+from mm3.gguf import cpu_native
 from mm3.gguf import ops as gguf_ops
 from mm3.gguf import weight_copies
 from mm3.gguf.encode import quantize
@@ -420,3 +421,18 @@ def test_the_fast_lm_steps_attend_by_products_on_the_cpu(tiny_ar, monkeypatch):
         assert calls == []
         model(torch.randn(2, 1, model.hidden_size), cache)
         assert len(calls) == expected * len(model.model.layers)
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="the native kernel library cannot be built here")
+def test_the_fast_models_norm_through_the_kernel_library(tiny_ar, monkeypatch):
+    """Every RMSNorm of the LM and depth decoder in the fast numerics on the CPU is one call of the
+    kernel library; the reference numerics keep torch's."""
+    calls = []
+    real = cpu_native.rms_norm
+    monkeypatch.setattr(cpu_native, "rms_norm", lambda *a: calls.append(a[0].shape) or real(*a))
+    for lm, depth, expected in ((tiny_ar.lm, tiny_ar.depth, True), (tiny_ar.lm_ref, tiny_ar.depth_ref, False)):
+        calls.clear()
+        lm(torch.randn(2, 3, lm.hidden_size), lm.new_cache(2, 8, torch.float32, "cpu"))
+        depth(torch.randn(2, 3, depth.hidden_size))
+        norms = len(lm.model.layers) * 4 + 1 + len(depth.layers) * 2 + 1
+        assert len(calls) == (norms if expected else 0)

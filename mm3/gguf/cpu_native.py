@@ -160,6 +160,8 @@ def load(path: Path):
     lib.mm3_integer_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 5
     lib.mm3_integer_product.restype = ctypes.c_int
     lib.mm3_integer_vector_bits.restype = ctypes.c_int
+    lib.mm3_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float]
+    lib.mm3_rms_norm.restype = None
     lib.mm3_integer_nibble_quads.restype = ctypes.c_int
     return lib
 
@@ -368,7 +370,7 @@ def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
     n = w.shape[0] * TILE
     y = torch.empty(m, n, dtype=torch.float32)
     if m and n:
-        lib = lib or library()
+        lib = lib or (_LIBRARY[0] if _LIBRARY else library())  # no lock once loaded
         if lib is None:
             raise RuntimeError("the CPU integer kernel is not available")
         group, bits, offsets = packed.layout
@@ -393,6 +395,37 @@ def _traced(x2: torch.Tensor, weight: torch.Tensor, k: int, group: int, bits: in
 @_traced.register_fake
 def _(x2, weight, k, group, bits, offsets, quads, scales):
     return x2.new_empty((x2.shape[0], weight.shape[0] * TILE))
+
+
+def _row_groups(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """How `mm3_rms_norm` reads x's rows: (groups, rows a group, floats between groups), for a
+    contiguous x or one whose last two dimensions are (as a head view of a fused product's output:
+    [B, S, heads, D] of a wider row); None for other layouts."""
+    n = x.shape[-1]
+    if x.is_contiguous():
+        return x.numel() // max(n, 1), 1, n
+    if x.dim() != 4 or x.stride(-1) != 1 or x.stride(-2) != n:
+        return None
+    b, s, inner = x.shape[0], x.shape[1], x.shape[2]
+    if s == 1 or b == 1:
+        return b * s, inner, x.stride(0) if s == 1 else x.stride(1)
+    return (b * s, inner, x.stride(1)) if x.stride(0) == s * x.stride(1) else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of x's rows times `weight` in one call of the kernel library (float32 on the CPU;
+    a float32 sum in another order than torch's, so not the reference's bit for bit), or None where
+    it cannot serve: no library, another dtype or device, a row layout it does not read."""
+    lib = _LIBRARY[0] if _LIBRARY else library()  # called a hundred times a frame: no lock once loaded
+    if lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or \
+            not weight.is_contiguous() or weight.numel() != x.shape[-1] or torch.compiler.is_compiling():
+        return None
+    groups = _row_groups(x)
+    if groups is None:
+        return None
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    lib.mm3_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), *groups, x.shape[-1], eps)
+    return y
 
 
 def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..gguf import cpu_native
 from ..gguf import ops as default_ops
 from ..gguf.errors import ComponentError
 from ..gguf.ops import Fused, Linear, fused_layers, load_tensors
@@ -22,9 +23,15 @@ from ..gguf.ops import Fused, Linear, fused_layers, load_tensors
 NUMERICS = ("fast", "reference")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
     """RMSNorm with the variance in float32 (transformers Qwen3RMSNorm / diffusers RMSNorm). On the
-    CPU in float32, torch's `rms_norm`, which computes the same operations in one call, bit for bit."""
+    CPU in float32, torch's `rms_norm`, which computes the same operations in one call, bit for bit;
+    with `native` (the fast numerics) the kernel library's one call where it serves (up to the float
+    rounding of the sum: torch's call is a dozen small operations)."""
+    if native:
+        y = cpu_native.rms_norm(x, weight, eps)
+        if y is not None:
+            return y
     if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
@@ -51,6 +58,8 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
             sub.decode_products = sub.fused_kernels = fast
         elif isinstance(sub, Qwen3Attention):
             sub.one_query_products = fast
+        if hasattr(sub, "native_norms"):
+            sub.native_norms = fast
     model.numerics = numerics
 
 
@@ -181,6 +190,7 @@ class Qwen3Attention(nn.Module):
     taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
     # In the fast numerics on the CPU a decode step attends by `one_query_attention` (`set_numerics`).
     one_query_products = False
+    native_norms = False  # `rms_norm(..., native=True)`: set by `set_numerics`
 
     def __init__(self, cfg: dict, ops):
         super().__init__()
@@ -200,8 +210,9 @@ class Qwen3Attention(nn.Module):
         b, s, _ = x.shape
         dt, dev = x.dtype, x.device
         q, k, v = self.qkv(x)
-        q = rms_norm(q.view(b, s, self.heads, self.head_dim), self.q_norm(dt, dev), self.eps).transpose(1, 2)
-        k = rms_norm(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm(dt, dev), self.eps).transpose(1, 2)
+        native = self.native_norms
+        q = rms_norm(q.view(b, s, self.heads, self.head_dim), self.q_norm(dt, dev), self.eps, native).transpose(1, 2)
+        k = rms_norm(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm(dt, dev), self.eps, native).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, heads, S, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -251,6 +262,8 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
+    native_norms = False  # `rms_norm(..., native=True)`: set by `set_numerics`
+
     def __init__(self, cfg: dict, ops):
         super().__init__()
         self.eps = cfg["rms_norm_eps"]
@@ -261,8 +274,9 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, layer):
         dt, dev = x.dtype, x.device
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm(dt, dev), self.eps), cos, sin, cache, layer)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm(dt, dev), self.eps))
+        native = self.native_norms
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm(dt, dev), self.eps, native), cos, sin, cache, layer)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm(dt, dev), self.eps, native))
 
 
 class Qwen3Model(nn.Module):
@@ -281,6 +295,9 @@ class Qwen3LM(nn.Module):
     ids `head_ids` (start, stop): the whole vocabulary, or after `keep_head_rows` only the rows the
     sampler can draw.
     """
+
+    native_norms = False  # the final norm by `rms_norm(..., native=True)`: set by `set_numerics`
+
 
     def __init__(self, cfg: dict, ops=default_ops):
         super().__init__()
@@ -401,7 +418,7 @@ class Qwen3LM(nn.Module):
         cache.advance(s)
         if stop_after is not None:
             return x
-        return rms_norm(x, self.model.norm(x.dtype, x.device), self.eps)
+        return rms_norm(x, self.model.norm(x.dtype, x.device), self.eps, self.native_norms)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the vocabulary ids `head_ids` for hidden states h [..., H]."""

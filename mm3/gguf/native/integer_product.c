@@ -528,3 +528,24 @@ int mm3_integer_vector_bits(void) {
     return 0;
 #endif
 }
+
+/* y = x / sqrt(mean(x^2) + eps) * w over rows of n floats (the RMSNorm of the fast numerics):
+   `outer` groups of `inner` rows, a group's rows side by side, groups `stride` floats apart; y
+   holds the rows contiguously. The squares are summed in 16 float32 lanes. */
+void mm3_rms_norm(const float *x, const float *w, float *y, int64_t outer, int64_t inner, int64_t stride, int64_t n,
+                  float eps) {
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t r = 0; r < inner; r++) {
+            const float *v = x + o * stride + r * n;
+            float *out = y + (o * inner + r) * n;
+            float lanes[16] = {0.f};
+            int64_t j = 0;
+            for (; j + 16 <= n; j += 16)
+                for (int l = 0; l < 16; l++) lanes[l] += v[j + l] * v[j + l];
+            float sum = 0.f;
+            for (int l = 0; l < 16; l++) sum += lanes[l];
+            for (; j < n; j++) sum += v[j] * v[j];
+            const float scale = 1.f / sqrtf(sum / (float)n + eps);
+            for (j = 0; j < n; j++) out[j] = v[j] * scale * w[j];
+        }
+}
