@@ -341,3 +341,30 @@ def test_the_kernels_rms_norm_is_torchs_up_to_rounding():
     assert cpu_native.rms_norm(wide.transpose(0, 1)[..., :1024].reshape(5, 3, 8, 128)[:, :, ::2], w, 1e-6) is None
     assert cpu_native.rms_norm(torch.randn(2, 128, dtype=torch.bfloat16), w, 1e-6) is None
 
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", cpu_native.ROW_TYPES, ids=lambda t: t.name)
+def test_an_embedding_lookup_is_gguf_pys_dequantization_bit_for_bit(qtype):
+    n, k = 60, 512
+    raw = torch.from_numpy(random_tensor("w", (n, k), qtype, torch.Generator().manual_seed(3))).reshape(n, -1)
+    values = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype).reshape(n, k))
+    ids = torch.tensor([[59, 0, 17], [17, 3, 41]])
+    assert torch.equal(cpu_native.lookup(raw, qtype, ids, k), values[ids.reshape(-1)])
+    layer = gguf_ops.Embedding(n, k)
+    layer.set_stored("weight", qtype, raw)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(layer.lookup(ids, dtype), values[ids].to(dtype))
+    with pytest.raises(IndexError, match="outside the table's 60 rows"):
+        layer.lookup(torch.tensor([60]), torch.float32)
+
+
+def test_an_embedding_of_a_type_the_library_does_not_read_is_dequantized_by_torch():
+    n, k = 20, 256
+    raw = torch.from_numpy(random_tensor("w", (n, k), Q.Q3_K, torch.Generator().manual_seed(4))).reshape(n, -1)
+    assert cpu_native.lookup(raw, Q.Q3_K, torch.tensor([1]), k) is None
+    layer = gguf_ops.Embedding(n, k)
+    layer.set_stored("weight", Q.Q3_K, raw)
+    values = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.Q3_K).reshape(n, k))
+    ids = torch.tensor([[2, 19]])
+    assert torch.equal(layer.lookup(ids, torch.float32), values[ids])

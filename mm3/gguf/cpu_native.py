@@ -14,7 +14,9 @@ The C file is compiled once per machine with the system's C compiler (`CC`, else
 (`mm3.cache_dir`), keyed by the source, the compiler and the processor, and loaded with ctypes.
 Where there is no compiler, the build fails or its product is wrong on a probe, `available()` is
 False and the other forms serve. It is one candidate form (`native`) that `mm3.cpu_choice`
-times in whole frames beside the others; `MM3_CPU_NATIVE=off` keeps it from being built.
+times in whole frames beside the others; `MM3_CPU_NATIVE=off` keeps it from being built. The same
+library serves an AR step's other small operations that torch runs as many: the fast numerics'
+RMSNorm (`rms_norm`) and an embedding lookup's few quantized rows (`lookup`).
 """
 
 from __future__ import annotations
@@ -162,6 +164,10 @@ def load(path: Path):
     lib.mm3_integer_vector_bits.restype = ctypes.c_int
     lib.mm3_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float]
     lib.mm3_rms_norm.restype = None
+    lib.mm3_dequantize_rows.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_void_p,
+                                                                                                ctypes.c_int64,
+                                                                                                ctypes.c_void_p]
+    lib.mm3_dequantize_rows.restype = ctypes.c_int
     lib.mm3_integer_nibble_quads.restype = ctypes.c_int
     return lib
 
@@ -426,6 +432,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.mm3_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), *groups, x.shape[-1], eps)
     return y
+
+
+ROW_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)  # what `lookup` dequantizes
+
+
+def lookup(table: torch.Tensor, qtype: QT, ids: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Rows `ids` of a table of GGUF block rows [rows, row bytes] (uint8, on the CPU) as float32
+    [ids.numel(), k], in one call of the kernel library: bit for bit `mm3.gguf.quants`'
+    dequantization, which takes a hundred microseconds of small operations for the few rows of an
+    AR step's lookup. None where it does not serve (no library, another type or layout, tracing);
+    an id outside the table is an IndexError, as indexing would raise."""
+    if qtype not in ROW_TYPES or table.dtype != torch.uint8 or table.dim() != 2 or table.device.type != "cpu" or \
+            not table.is_contiguous() or torch.compiler.is_compiling():
+        return None
+    lib = _LIBRARY[0] if _LIBRARY else library()
+    if lib is None:
+        return None
+    at = ids.reshape(-1)
+    if at.dtype != torch.int64 or not at.is_contiguous() or at.device.type != "cpu":
+        at = at.to(device="cpu", dtype=torch.int64).contiguous()
+    y = torch.empty(at.numel(), k)
+    status = lib.mm3_dequantize_rows(table.data_ptr(), int(qtype), table.shape[0], table.shape[1], k,
+                                     at.data_ptr(), at.numel(), y.data_ptr())
+    if status == -3:
+        raise IndexError(f"an embedding id is outside the table's {table.shape[0]} rows")
+    return None if status else y
 
 
 def linear(x: torch.Tensor, packed: Packing, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -559,8 +559,12 @@ class Embedding(WeightSlots):
         if qtype in FLOAT_TYPES:
             rows = F.embedding(at, table).to(dtype)
         else:
-            raw = table[at.reshape(-1)]
-            rows = custom_ops.dequantize(raw, qtype, (raw.shape[0], self.embedding_dim), dtype).view(*at.shape, -1)
+            rows = cpu_native.lookup(table, qtype, at, self.embedding_dim)  # few rows in one call
+            if rows is not None:
+                rows = rows.to(dtype).view(*at.shape, -1)
+            else:
+                raw = table[at.reshape(-1)]
+                rows = custom_ops.dequantize(raw, qtype, (raw.shape[0], self.embedding_dim), dtype).view(*at.shape, -1)
         return rows.to(device, non_blocking=True)
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,4 +1,5 @@
-/* Few-row products with 8- and 4-bit weights on the CPU, for mm3.gguf.cpu_native.
+/* Few-row products with 8- and 4-bit weights on the CPU, for mm3.gguf.cpu_native (and, at the end,
+   an RMSNorm and the dequantization of a few embedding rows).
 
    y[i, n] = sum_k x[i, k] w[n, k], w[n, k] = s[n, k / G] q[n, k] - o[n, k / G]: q int8 (Q8_0,
    Q5_0, Q5_1, Q5_K and Q6_K values) or 0..15 (Q4_0, Q4_1, Q4_K), a scale s per G = 16 or 32
@@ -548,4 +549,98 @@ void mm3_rms_norm(const float *x, const float *w, float *y, int64_t outer, int64
             const float scale = 1.f / sqrtf(sum / (float)n + eps);
             for (j = 0; j < n; j++) out[j] = v[j] * scale * w[j];
         }
+}
+
+/* GGUF block types that mm3_dequantize_rows reads (ggml's numbering). */
+enum { TYPE_Q4_0 = 2, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14 };
+
+/* The 6-bit scale and min j (0..7) of a Q4_K / Q5_K block's 12 packed bytes. */
+static void k4_scale_min(const uint8_t *q, int j, float *scale, float *min) {
+    if (j < 4) {
+        *scale = (float)(q[j] & 63);
+        *min = (float)(q[j + 4] & 63);
+    } else {
+        *scale = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *min = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+static float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return half_to_float(h);
+}
+
+/* One block of 32 (Q4_0, Q8_0) or 256 (the K types) values as float32, each with the arithmetic of
+   mm3.gguf.quants (a scale times a factor exact in float32, then one rounding), bit for bit. */
+static void dequantize_block(const uint8_t *b, int type, float *y) {
+    if (type == TYPE_Q8_0) {
+        const float d = half_at(b);
+        for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)b[2 + j] * d;
+    } else if (type == TYPE_Q4_0) {
+        const float d = half_at(b);
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)((b[2 + j] & 0xF) - 8) * d;
+            y[j + 16] = (float)((b[2 + j] >> 4) - 8) * d;
+        }
+    } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) { /* d, dmin, scales[12], (qh[32],) qs[128] */
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *qh = b + 16, *qs = b + (type == TYPE_Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; c++) { /* 64 values: byte k of the chunk's 32 holds values k and 32 + k */
+            float s0, m0, s1, m1;
+            k4_scale_min(b + 4, 2 * c, &s0, &m0);
+            k4_scale_min(b + 4, 2 * c + 1, &s1, &m1);
+            const float f0 = d * s0, o0 = dmin * m0, f1 = d * s1, o1 = dmin * m1;
+            for (int k = 0; k < 32; k++) {
+                int low = qs[32 * c + k] & 0xF, high = qs[32 * c + k] >> 4;
+                if (type == TYPE_Q5_K) {
+                    low |= ((qh[k] >> (2 * c)) & 1) << 4;
+                    high |= ((qh[k] >> (2 * c + 1)) & 1) << 4;
+                }
+                y[64 * c + k] = (float)low * f0 - o0;
+                y[64 * c + 32 + k] = (float)high * f1 - o1;
+            }
+        }
+    } else { /* Q6_K: ql[128], qh[64], scales[16] int8, d */
+        const float d = half_at(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + 192) + 8 * h;
+            for (int k = 0; k < 32; k++) {
+                const int q1 = ((ql[k] & 0xF) | (((qh[k] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[k + 32] & 0xF) | (((qh[k] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[k] >> 4) | (((qh[k] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[k + 32] >> 4) | (((qh[k] >> 6) & 3) << 4)) - 32;
+                const int is = k / 16;
+                float *out = y + 128 * h;
+                out[k] = (float)q1 * (d * (float)sc[is]);
+                out[k + 32] = (float)q2 * (d * (float)sc[is + 2]);
+                out[k + 64] = (float)q3 * (d * (float)sc[is + 4]);
+                out[k + 96] = (float)q4 * (d * (float)sc[is + 6]);
+            }
+        }
+    }
+}
+
+/* Rows `ids` (count of them) of a table of `rows` rows of GGUF blocks, `row_bytes` a row of k
+   values, into y [count, k] float32 (an embedding lookup). Returns 0, -2 for a type it does not
+   read or a k that is no whole number of blocks, -3 for an id outside the table (nothing read). */
+int mm3_dequantize_rows(const uint8_t *table, int type, int64_t rows, int64_t row_bytes, int64_t k,
+                        const int64_t *ids, int64_t count, float *y) {
+    int block, bytes;
+    switch (type) {
+    case TYPE_Q8_0: block = 32, bytes = 34; break;
+    case TYPE_Q4_0: block = 32, bytes = 18; break;
+    case TYPE_Q4_K: block = 256, bytes = 144; break;
+    case TYPE_Q5_K: block = 256, bytes = 176; break;
+    case TYPE_Q6_K: block = 256, bytes = 210; break;
+    default: return -2;
+    }
+    if (k % block || row_bytes != k / block * bytes) return -2;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -3;
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t j = 0; j < k / block; j++)
+            dequantize_block(table + ids[i] * row_bytes + j * bytes, type, y + i * k + j * block);
+    return 0;
 }
