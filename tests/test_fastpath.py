@@ -403,7 +403,8 @@ def test_one_query_attention_is_torchs_attention(heads, kv_heads, keys):
     if keys > 1:  # the masked keys take no part
         k2 = k.clone()
         k2[:, :, keys // 2 + 1:] = 1e4
-        torch.testing.assert_close(one_query_attention(q, k2, v, mask, 0.125), one_query_attention(q, k, v, mask, 0.125))
+        torch.testing.assert_close(one_query_attention(q, k2, v, mask, 0.125),
+                                   one_query_attention(q, k, v, mask, 0.125))
 
 
 def test_the_fast_lm_steps_attend_by_products_on_the_cpu(tiny_ar, monkeypatch):

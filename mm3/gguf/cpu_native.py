@@ -4,8 +4,9 @@ torch's CPU int4 product reads a weight of up to 8 bits a value as two int4 plan
 twice the values) and is bound by its arithmetic on few cores. `native/integer_product.c`
 multiplies the values as stored, as integers: int8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) or 4-bit
 (Q4_0, Q4_1, Q4_K), with a scale per 16 or 32 of them and an offset where the type has one
-(`TYPES`; the scales as exact and nearly as small as the file's, `SCALE_FORMS`), by integer multiply-adds over 16 rows at a time, the input rounded per group to int16
-(about 1e-5 relative, far below the int4 product's bfloat16 rounding). So its products are
+(`TYPES`; the scales as exact as the file's and nearly as small, `SCALE_FORMS`), by integer
+multiply-adds over 16 rows at a time, the input rounded per group to int16 (about 1e-5
+relative, far below the int4 product's bfloat16 rounding). So its products are
 float32 products up to that rounding, and on a processor that multiplies int16 fast it reads a
 weight about as fast as memory delivers it.
 
@@ -231,8 +232,9 @@ def _probe(lib) -> bool:
             factors = [torch.rand(n, k // SUPER_COLUMNS, generator=g).half() for _ in range(parts)]
             steps = [torch.randint(-63, 64, (n, groups), dtype=torch.int8, generator=g) for _ in range(parts)]
             sections = factors + steps
-            s, o = [f.float().repeat_interleave(groups // f.shape[1], dim=1) * m.float() for f, m in zip(factors, steps)] \
-                + [None] * (2 - parts)
+            per_group = [f.float().repeat_interleave(groups // f.shape[1], dim=1) * m.float()
+                         for f, m in zip(factors, steps)]
+            s, o = per_group[0], per_group[1] if layout.offsets else None
         else:
             dtype = torch.float16 if form == "f16" else torch.float32
             s = (torch.rand(n, groups, generator=g) + 0.5).to(dtype)
@@ -324,7 +326,8 @@ def _super_sections(b: torch.Tensor, qtype: QT, n: int) -> list[torch.Tensor]:
     """K-type blocks [n * blocks, bytes] -> [d [n, k / 256] float16, then dmin for Q4_K and Q5_K,
     the per-group multiples [n, groups] int8 of d, then of dmin]: s = d x, o = dmin y."""
     if qtype == QT.Q6_K:  # ql[128], qh[64], scales[16] int8, d
-        return [b[:, 208:210].contiguous().view(torch.float16).view(n, -1), b[:, 192:208].view(torch.int8).reshape(n, -1)]
+        d = b[:, 208:210].contiguous().view(torch.float16).view(n, -1)
+        return [d, b[:, 192:208].view(torch.int8).reshape(n, -1)]
     d = b[:, :4].contiguous().view(torch.float16)  # [blocks, 2]: d, dmin
     steps = quants._k4_scale_min(b[:, 4:16]).to(torch.int8)  # [blocks, 2, 8]: 6-bit scales, mins
     return [d[:, 0].reshape(n, -1), d[:, 1].reshape(n, -1), steps[:, 0].reshape(n, -1), steps[:, 1].reshape(n, -1)]

@@ -115,7 +115,8 @@ static inline float scale_of(const int8_t *tile, const shape *s, int64_t g, int 
 static inline __m512 scales16(const int8_t *tile, const shape *s, int64_t g, int part) {
     const int8_t *at = tile + s->value_bytes;
     if (s->form == FORM_SUPER) {
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + (part * s->supers + g / s->per_super) * TILE * 2)));
+        const int8_t *factor = at + (part * s->supers + g / s->per_super) * TILE * 2;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)factor));
         __m128i q = _mm_loadu_si128((const __m128i *)(at + s->super_bytes + (part * s->groups + g) * TILE));
         return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
     }
@@ -130,7 +131,8 @@ static inline __m256 scales8(const int8_t *tile, const shape *s, int64_t g, int 
     if (s->form == FORM_F32) return _mm256_loadu_ps((const float *)(at + ((part * s->groups + g) * TILE + 8 * h) * 4));
 #if defined(__F16C__)
     if (s->form == FORM_SUPER) {
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + ((part * s->supers + g / s->per_super) * TILE + 8 * h) * 2)));
+        const int8_t *factor = at + ((part * s->supers + g / s->per_super) * TILE + 8 * h) * 2;
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)factor));
         __m128i q = _mm_loadl_epi64((const __m128i *)(at + s->super_bytes + (part * s->groups + g) * TILE + 8 * h));
         return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
