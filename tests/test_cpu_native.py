@@ -368,3 +368,24 @@ def test_an_embedding_of_a_type_the_library_does_not_read_is_dequantized_by_torc
     values = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.Q3_K).reshape(n, k))
     ids = torch.tensor([[2, 19]])
     assert torch.equal(layer.lookup(ids, torch.float32), values[ids])
+
+
+def test_the_library_is_not_loaded_for_what_it_cannot_serve(monkeypatch):
+    """A norm or lookup on another device, or traced by torch.compile, is torch's: the library is
+    neither built nor loaded for it (its lock would break a compiled graph)."""
+    monkeypatch.setattr(cpu_native, "_LIBRARY", [])
+    monkeypatch.setattr(cpu_native, "library", lambda: pytest.fail("the library was looked up"))
+    x, w = torch.empty(2, 1, 64, device="meta"), torch.empty(64, device="meta")
+    assert cpu_native.rms_norm(x, w, 1e-6) is None
+    assert cpu_native.lookup(torch.empty(4, 34, dtype=torch.uint8, device="meta"), Q.Q8_0, torch.tensor([1]), 32) is None
+    assert cpu_native.lookup(torch.zeros(4, 34, dtype=torch.uint8), Q.Q8_0, torch.tensor([1.0]), 32) is None
+
+    from mm3.models.lm import rms_norm
+
+    torch._dynamo.reset()
+    try:
+        cpu = torch.randn(2, 1, 64), torch.randn(64)
+        compiled = torch.compile(lambda a, b: rms_norm(a, b, 1e-6, True), backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(*cpu), F.rms_norm(cpu[0], (64,), cpu[1], 1e-6))
+    finally:
+        torch._dynamo.reset()

@@ -425,12 +425,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """RMSNorm of x's rows times `weight` in one call of the kernel library (float32 on the CPU;
     a float32 sum in another order than torch's, so not the reference's bit for bit), or None where
     it cannot serve: no library, another dtype or device, a row layout it does not read."""
-    lib = _LIBRARY[0] if _LIBRARY else library()  # called a hundred times a frame: no lock once loaded
-    if lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or \
-            not weight.is_contiguous() or weight.numel() != x.shape[-1] or torch.compiler.is_compiling():
-        return None
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or \
+            weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous() or \
+            weight.numel() != x.shape[-1]:
+        return None  # checked first: the library is built or loaded only where it can serve
     groups = _row_groups(x)
-    if groups is None:
+    lib = _LIBRARY[0] if _LIBRARY else library()  # called a hundred times a frame: no lock once loaded
+    if groups is None or lib is None:
         return None
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.mm3_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), *groups, x.shape[-1], eps)
@@ -446,8 +447,8 @@ def lookup(table: torch.Tensor, qtype: QT, ids: torch.Tensor, k: int) -> torch.T
     dequantization, which takes a hundred microseconds of small operations for the few rows of an
     AR step's lookup. None where it does not serve (no library, another type or layout, tracing);
     an id outside the table is an IndexError, as indexing would raise."""
-    if qtype not in ROW_TYPES or table.dtype != torch.uint8 or table.dim() != 2 or table.device.type != "cpu" or \
-            not table.is_contiguous() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or qtype not in ROW_TYPES or table.dtype != torch.uint8 or table.dim() != 2 or \
+            table.device.type != "cpu" or not table.is_contiguous() or ids.is_floating_point() or ids.is_complex():
         return None
     lib = _LIBRARY[0] if _LIBRARY else library()
     if lib is None:
