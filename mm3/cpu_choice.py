@@ -35,7 +35,7 @@ import torch
 from .cache_dir import cache_dir
 from .gguf import cpu_int4, cpu_native
 from .gguf.cpu_forms import DEFAULT, FORMS, PACKED, Clock, Serving, TooSlow, packed_kernel
-from .gguf.ops import FLOAT_TYPES, Linear, fused_layers
+from .gguf.ops import FLOAT_TYPES, Linear, choose_products, fused_layers
 from .gguf.weight_copies import cache_dequantized, put_back, set_aside
 from .progress import Cancelled, Progress
 
@@ -430,7 +430,7 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
         for r in range(rounds):
             shift = r % len(candidates)
             for c in candidates[shift:] + candidates[:shift]:
-                _turn(c, models, frames, copies, turn_frames, min(x.best for x in everyone), single)
+                _turn(c, models, frames, copies, turn_frames, min(x.best for x in everyone), dtype, single)
                 tick(turn_frames)
             if r == PRUNE_AFTER - 1:
                 candidates = _pruned(candidates, models)
@@ -456,12 +456,15 @@ def _fastest(candidates: list[Candidate]) -> Candidate:
 
 
 def _turn(c: Candidate, models: dict, frames: FrameRunner, copies: dict, turn_frames: int, fastest: float,
-          single: bool = False) -> None:
+          dtype: torch.dtype = torch.float32, single: bool = False) -> None:
     """One turn of `c`: a frame that settles the switch, then `turn_frames - 1` timed ones, cut
-    short past SLOW_LIMIT times the `fastest` seconds per frame so far (`single`: see `_use`)."""
+    short past SLOW_LIMIT times the `fastest` seconds per frame so far (`single`: see `_use`). A
+    packing the form reads is made before the turn's clock starts: packed again at every switch
+    (`single`), a released-size model's would take longer than a slow candidate's whole turn."""
     clock = Clock()
     _use(models, c.forms, copies, clock, single)
     torch.set_num_threads(c.threads)
+    choose_products(list(models.values()), dtype, torch.device("cpu"))
     start = time.perf_counter()
     if fastest < float("inf"):
         clock.deadline = start + SLOW_LIMIT * fastest * turn_frames

@@ -18,6 +18,7 @@ import torch
 from mm3 import cpu_choice
 from mm3.ar import PlanSettings, plan
 from mm3.gguf import cpu_forms, cpu_int4, cpu_native, products
+from mm3.gguf import ops as gguf_ops
 from mm3.gguf.ops import Linear
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.lm import Qwen3LM
@@ -343,6 +344,42 @@ def test_two_packings_are_held_together_only_where_they_fit(q8, budget, most):
                                 forms=["int4", "native"])
     assert max(held) == most and set(choice.forms.values()) <= {"int4", "native"}
     assert list(layer._packing) == [choice.forms["depth"]]  # the loser's packing is gone
+
+
+def test_a_form_packed_again_at_each_switch_is_timed_without_its_packing(q8, monkeypatch):
+    """One packing at a time: each switch packs every layer again, which may take longer than a
+    fast form's whole turn; the packing is made before the turn's clock starts, so neither form is
+    cut short (a turn cut while packing left the rest unpacked, and was cut again at every turn)."""
+    if not (cpu_native.available() and cpu_int4.available()):
+        pytest.skip("needs both the int4 product and the native kernel")
+    lm, depth = _models(q8)
+    layers = [block.down_proj for block in depth.layers]
+    assert len(layers) > 1
+    x = torch.randn(2, layers[0].in_features)
+
+    def slowed(real):
+        def repack(raw, qtype, n, k, *args, **kw):
+            if (n, k) == (layers[0].out_features, layers[0].in_features):
+                time.sleep(0.1)
+            return real(raw, qtype, n, k, *args, **kw)
+        return repack
+
+    for kernel in ("int4", "native"):
+        monkeypatch.setitem(gguf_ops._REPACK, kernel, slowed(gguf_ops._REPACK[kernel]))
+
+    class Frames:
+        def run(self, n):
+            out = []
+            for _ in range(n):
+                start = time.perf_counter()
+                for layer in layers:
+                    layer(x)
+                out.append(time.perf_counter() - start)
+            return out
+
+    choice = cpu_choice.measure({"lm": lm, "depth": depth}, Frames(), torch.float32, budget=0, threads=[1],
+                                forms=["int4", "native"])
+    assert choice.stopped == [] and max(choice.ms_per_frame.values()) < 50
 
 
 def test_the_cache_folder_is_named_or_the_users(monkeypatch, tmp_path):
