@@ -405,7 +405,7 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
     before = torch.get_num_threads()
     outside = set_aside(modules)  # copies someone else keeps: back after the timing
     copies: dict[str, list] = {}  # per component, the copies its `copy` forms read
-    done, total = 0, sum(FORMS[f].holds in PACKED for f in forms) + rounds * len(candidates) * turn_frames
+    done, total = 0, rounds * len(candidates) * turn_frames
 
     def tick(n: int):
         nonlocal done
@@ -422,15 +422,20 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
             copies = {name: set_aside([model]) for name, model in models.items()}
         single = _one_packing_at_a_time(models, forms, budget - kept)
         torch.set_num_threads(max(threads))
-        for f in forms:
-            if FORMS[f].holds in PACKED:  # its first use packs the weights: not timed
+        if not single:  # every packing made once, not timed (one at a time: each turn packs its own)
+            packed_forms = [f for f in forms if FORMS[f].holds in PACKED]
+            total += len(packed_forms)
+            for f in packed_forms:
                 _use(models, {name: f for name in models}, copies, None, single)
                 frames.run(1)
                 tick(1)
+        held: tuple = ()
         for r in range(rounds):
             shift = r % len(candidates)
-            for c in candidates[shift:] + candidates[:shift]:
+            order = candidates[shift:] + candidates[:shift]
+            for c in _grouped(order, held) if single else order:
                 _turn(c, models, frames, copies, turn_frames, min(x.best for x in everyone), dtype, single)
+                held = _packings(c) or held
                 tick(turn_frames)
             if r == PRUNE_AFTER - 1:
                 candidates = _pruned(candidates, models)
@@ -446,6 +451,23 @@ def measure(models: dict, frames: FrameRunner, dtype: torch.dtype, *, budget: in
     apply(best.forms, models)
     timed = {c.label: round(c.best * 1e3, 1) for c in everyone if c.turns}
     return Choice(dict(best.forms), best.threads, "measured", timed, [c.label for c in everyone if c.stopped])
+
+
+def _packings(c: Candidate) -> tuple:
+    """The packings `c`'s forms read: (component, kernel) pairs; () for forms that read none."""
+    return tuple(sorted((name, FORMS[f].holds) for name, f in c.forms.items() if FORMS[f].holds in PACKED))
+
+
+def _grouped(order: list[Candidate], held: tuple) -> list[Candidate]:
+    """`order` with the candidates that read the same packings side by side: those that read none
+    first, then those that read the `held` ones, then the rest as they come. One packing at a
+    time, each switch packs every weight again (minutes at the released sizes): a round then
+    switches once per packing instead of at nearly every turn."""
+    groups: dict[tuple, list[Candidate]] = {}
+    for c in order:
+        groups.setdefault(_packings(c), []).append(c)
+    first = [key for key in ((), held) if key in groups]
+    return [c for key in first + [k for k in groups if k not in first] for c in groups[key]]
 
 
 def _fastest(candidates: list[Candidate]) -> Candidate:

@@ -349,7 +349,8 @@ def test_two_packings_are_held_together_only_where_they_fit(q8, budget, most):
 def test_a_form_packed_again_at_each_switch_is_timed_without_its_packing(q8, monkeypatch):
     """One packing at a time: each switch packs every layer again, which may take longer than a
     fast form's whole turn; the packing is made before the turn's clock starts, so neither form is
-    cut short (a turn cut while packing left the rest unpacked, and was cut again at every turn)."""
+    cut short (a turn cut while packing left the rest unpacked, and was cut again at every turn),
+    and the turns are grouped by the packing they read, so a round switches once."""
     if not (cpu_native.available() and cpu_int4.available()):
         pytest.skip("needs both the int4 product and the native kernel")
     lm, depth = _models(q8)
@@ -357,9 +358,12 @@ def test_a_form_packed_again_at_each_switch_is_timed_without_its_packing(q8, mon
     assert len(layers) > 1
     x = torch.randn(2, layers[0].in_features)
 
+    packed = []
+
     def slowed(real):
         def repack(raw, qtype, n, k, *args, **kw):
             if (n, k) == (layers[0].out_features, layers[0].in_features):
+                packed.append(real.__module__)
                 time.sleep(0.1)
             return real(raw, qtype, n, k, *args, **kw)
         return repack
@@ -380,6 +384,8 @@ def test_a_form_packed_again_at_each_switch_is_timed_without_its_packing(q8, mon
     choice = cpu_choice.measure({"lm": lm, "depth": depth}, Frames(), torch.float32, budget=0, threads=[1],
                                 forms=["int4", "native"])
     assert choice.stopped == [] and max(choice.ms_per_frame.values()) < 50
+    # the turns that read the packing held go first: a round switches once (3 rounds, 2 forms)
+    assert len(packed) == len(layers) * (cpu_choice.ROUNDS + 1)
 
 
 def test_the_cache_folder_is_named_or_the_users(monkeypatch, tmp_path):
