@@ -459,14 +459,14 @@ def _packings(c: Candidate) -> tuple:
 
 
 def _grouped(order: list[Candidate], held: tuple) -> list[Candidate]:
-    """`order` with the candidates that read the same packings side by side: those that read none
-    first, then those that read the `held` ones, then the rest as they come. One packing at a
-    time, each switch packs every weight again (minutes at the released sizes): a round then
-    switches once per packing instead of at nearly every turn."""
+    """`order` with the candidates that read the same packings side by side, those that read the
+    `held` ones first, the other groups where their first one came (those that read none switch
+    nothing). One packing at a time, each switch packs every weight again (minutes at the
+    released sizes): a round then switches once per packing instead of at nearly every turn."""
     groups: dict[tuple, list[Candidate]] = {}
     for c in order:
         groups.setdefault(_packings(c), []).append(c)
-    first = [key for key in ((), held) if key in groups]
+    first = [held] if held and held in groups else []
     return [c for key in first + [k for k in groups if k not in first] for c in groups[key]]
 
 
