@@ -175,7 +175,10 @@ def load(path: Path):
 
 def library():
     """The loaded kernel library, or None (built, loaded and probed once per process: with
-    OpenMP, else without; published only once its probe passed)."""
+    OpenMP, else without; published only once its probe passed, so once there it is read without
+    the lock, as a frame's hundreds of calls do)."""
+    if _LIBRARY:
+        return _LIBRARY[0]
     with _LOCK:
         if not _LIBRARY:
             _LIBRARY.append(_first_that_works())
@@ -379,7 +382,7 @@ def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
     n = w.shape[0] * TILE
     y = torch.empty(m, n, dtype=torch.float32)
     if m and n:
-        lib = lib or (_LIBRARY[0] if _LIBRARY else library())  # no lock once loaded
+        lib = lib or library()
         if lib is None:
             raise RuntimeError("the CPU integer kernel is not available")
         group, bits, offsets = packed.layout
@@ -430,7 +433,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
             weight.numel() != x.shape[-1]:
         return None  # checked first: the library is built or loaded only where it can serve
     groups = _row_groups(x)
-    lib = _LIBRARY[0] if _LIBRARY else library()  # called a hundred times a frame: no lock once loaded
+    lib = library()
     if groups is None or lib is None:
         return None
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -450,7 +453,7 @@ def lookup(table: torch.Tensor, qtype: QT, ids: torch.Tensor, k: int) -> torch.T
     if torch.compiler.is_compiling() or qtype not in ROW_TYPES or table.dtype != torch.uint8 or table.dim() != 2 or \
             table.device.type != "cpu" or not table.is_contiguous() or ids.is_floating_point() or ids.is_complex():
         return None
-    lib = _LIBRARY[0] if _LIBRARY else library()
+    lib = library()
     if lib is None:
         return None
     at = ids.reshape(-1)
