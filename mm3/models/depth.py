@@ -54,7 +54,7 @@ class DepthAttention(nn.Module):
 
 
 class DepthBlock(nn.Module):
-    native_norms = False  # `rms_norm(..., native=True)`: set by `set_numerics`
+    fast_numerics = False  # RMSNorm by `rms_norm(..., native=True)`: set by `set_numerics`
 
     def __init__(self, dim: int, heads: int, intermediate: int, ops):
         super().__init__()
@@ -68,7 +68,7 @@ class DepthBlock(nn.Module):
 
     def forward(self, x, cache=None, layer: int = 0):
         dt, dev = x.dtype, x.device
-        native = self.native_norms
+        native = self.fast_numerics
         x = x + self.attn(rms_norm(x, self.input_layernorm(dt, dev), NORM_EPS, native), cache, layer)
         gate, up = self.gate_up(rms_norm(x, self.post_attention_layernorm(dt, dev), NORM_EPS, native))
         return x + self.down_proj(F.silu(gate) * up)
@@ -90,7 +90,7 @@ class RVQDepthDecoder(nn.Module):
     """`forward(inputs_embeds [B, S, H], cache=None) -> normed hidden [B, S, H]` (causal; inputs
     already projected): the whole sequence, or the positions appended to `cache`."""
 
-    native_norms = False  # the final norm by `rms_norm(..., native=True)`: set by `set_numerics`
+    fast_numerics = False  # the final norm by `rms_norm(..., native=True)`: set by `set_numerics`
 
 
     def __init__(self, hp: dict, ops=default_ops):
@@ -163,4 +163,4 @@ class RVQDepthDecoder(nn.Module):
             x = layer(x, cache, i)
         if cache is not None:
             cache.length += s
-        return rms_norm(x, self.norm(x.dtype, x.device), NORM_EPS, self.native_norms)
+        return rms_norm(x, self.norm(x.dtype, x.device), NORM_EPS, self.fast_numerics)

@@ -56,10 +56,8 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
     for sub in model.modules():
         if isinstance(sub, Linear):
             sub.decode_products = sub.fused_kernels = fast
-        elif isinstance(sub, Qwen3Attention):
-            sub.one_query_products = fast
-        if hasattr(sub, "native_norms"):
-            sub.native_norms = fast
+        if hasattr(sub, "fast_numerics"):  # the layers' own fast paths (norms, attention)
+            sub.fast_numerics = fast
     model.numerics = numerics
 
 
@@ -188,9 +186,9 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 class Qwen3Attention(nn.Module):
     taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
-    # In the fast numerics on the CPU a decode step attends by `one_query_attention` (`set_numerics`).
-    one_query_products = False
-    native_norms = False  # `rms_norm(..., native=True)`: set by `set_numerics`
+    # The fast numerics (set by `set_numerics`): on the CPU a decode step attends by
+    # `one_query_attention` and normalizes by `rms_norm(..., native=True)`.
+    fast_numerics = False
 
     def __init__(self, cfg: dict, ops):
         super().__init__()
@@ -210,7 +208,7 @@ class Qwen3Attention(nn.Module):
         b, s, _ = x.shape
         dt, dev = x.dtype, x.device
         q, k, v = self.qkv(x)
-        native = self.native_norms
+        native = self.fast_numerics
         q = rms_norm(q.view(b, s, self.heads, self.head_dim), self.q_norm(dt, dev), self.eps, native).transpose(1, 2)
         k = rms_norm(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm(dt, dev), self.eps, native).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, heads, S, head_dim]
@@ -220,7 +218,7 @@ class Qwen3Attention(nn.Module):
         keys, values, mask, causal = cache.attended(layer, s)
         if self.taps:
             self._show(q, keys, mask, causal, cache.length, layer)
-        if s == 1 and self.one_query_products and q.device.type == "cpu":
+        if s == 1 and self.fast_numerics and q.device.type == "cpu":
             out = one_query_attention(q, keys, values, mask, self.head_dim ** -0.5)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
@@ -262,7 +260,7 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    native_norms = False  # `rms_norm(..., native=True)`: set by `set_numerics`
+    fast_numerics = False  # RMSNorm by `rms_norm(..., native=True)`: set by `set_numerics`
 
     def __init__(self, cfg: dict, ops):
         super().__init__()
@@ -274,7 +272,7 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, layer):
         dt, dev = x.dtype, x.device
-        native = self.native_norms
+        native = self.fast_numerics
         x = x + self.self_attn(rms_norm(x, self.input_layernorm(dt, dev), self.eps, native), cos, sin, cache, layer)
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm(dt, dev), self.eps, native))
 
@@ -296,7 +294,7 @@ class Qwen3LM(nn.Module):
     sampler can draw.
     """
 
-    native_norms = False  # the final norm by `rms_norm(..., native=True)`: set by `set_numerics`
+    fast_numerics = False  # the final norm by `rms_norm(..., native=True)`: set by `set_numerics`
 
 
     def __init__(self, cfg: dict, ops=default_ops):
@@ -418,7 +416,7 @@ class Qwen3LM(nn.Module):
         cache.advance(s)
         if stop_after is not None:
             return x
-        return rms_norm(x, self.model.norm(x.dtype, x.device), self.eps, self.native_norms)
+        return rms_norm(x, self.model.norm(x.dtype, x.device), self.eps, self.fast_numerics)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the vocabulary ids `head_ids` for hidden states h [..., H]."""
