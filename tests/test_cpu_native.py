@@ -379,6 +379,8 @@ def test_the_library_is_not_loaded_for_what_it_cannot_serve(monkeypatch):
     assert cpu_native.rms_norm(x, w, 1e-6) is None
     assert cpu_native.lookup(torch.empty(4, 34, dtype=torch.uint8, device="meta"), Q.Q8_0, torch.tensor([1]), 32) is None
     assert cpu_native.lookup(torch.zeros(4, 34, dtype=torch.uint8), Q.Q8_0, torch.tensor([1.0]), 32) is None
+    assert cpu_native.attend(x, x, x, torch.empty(2, 1, 4, 64, device="meta"), torch.empty(2, 1, 4, 64, device="meta"),
+                             0, 0.125) is None
 
     from mm3.models.lm import rms_norm
 
@@ -389,3 +391,73 @@ def test_the_library_is_not_loaded_for_what_it_cannot_serve(monkeypatch):
         torch.testing.assert_close(compiled(*cpu), F.rms_norm(cpu[0], (64,), cpu[1], 1e-6))
     finally:
         torch._dynamo.reset()
+
+
+def _attention_reference(q, k, v, cache_k, cache_v, at):
+    """torch's: the new keys and values written into copies of the caches, then SDPA with each new
+    position seeing the cached ones and itself (query head h reads key head h // group)."""
+    b, s, width = q.shape
+    kv_heads, d = cache_k.shape[1], cache_k.shape[3]
+    keys, values = cache_k.clone(), cache_v.clone()
+    keys[:, :, at:at + s] = k.reshape(b, s, kv_heads, d).transpose(1, 2)
+    values[:, :, at:at + s] = v.reshape(b, s, kv_heads, d).transpose(1, 2)
+    mask = torch.arange(at + s)[None] <= torch.arange(at, at + s)[:, None]
+    out = F.scaled_dot_product_attention(q.reshape(b, s, -1, d).transpose(1, 2), keys[:, :, :at + s],
+                                         values[:, :, :at + s], attn_mask=mask, enable_gqa=width // d != kv_heads)
+    return out.transpose(1, 2).reshape(b, s, width), keys, values
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,s,heads,kv_heads,d,capacity,at", [(2, 1, 4, 4, 256, 16, 0), (2, 1, 4, 4, 256, 16, 7),
+                                                              (2, 2, 4, 4, 256, 16, 0), (3, 3, 8, 2, 40, 12, 5),
+                                                              (1, 1, 8, 2, 64, 300, 299)])
+def test_the_kernels_attention_is_torchs_up_to_rounding(b, s, heads, kv_heads, d, capacity, at):
+    """The new positions' keys and values land in the caches exactly; each new position attends
+    over the cached ones and itself (the fused q/k/v product's output views, as the depth decoder
+    has them)."""
+    g = torch.Generator().manual_seed(at)
+    fused = torch.randn(b, s, (heads + 2 * kv_heads) * d, generator=g)
+    q, k, v = fused.split_with_sizes([heads * d, kv_heads * d, kv_heads * d], -1)
+    cache_k, cache_v = (torch.randn(b, kv_heads, capacity, d, generator=g) for _ in range(2))
+    want, keys, values = _attention_reference(q, k, v, cache_k, cache_v, at)
+    got = cpu_native.attend(q, k, v, cache_k, cache_v, at, d ** -0.5)
+    assert torch.equal(cache_k, keys) and torch.equal(cache_v, values)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_attention_the_kernel_cannot_take_is_left_to_torch():
+    q = k = v = torch.randn(2, 1, 64)
+    cache = torch.zeros(2, 1, 8, 64)
+    assert cpu_native.attend(q, k, v, cache, cache.clone(), 8, 0.125) is None  # past the cache's end
+    assert cpu_native.attend(q.double(), k.double(), v.double(), cache.double(), cache.double(), 0, 0.125) is None
+    assert cpu_native.attend(q, k, v, cache.transpose(2, 3), cache.clone(), 0, 0.125) is None  # not contiguous
+    assert cpu_native.attend(q, k, v, torch.zeros(3, 1, 8, 64), torch.zeros(3, 1, 8, 64), 0, 0.125) is None  # rows
+    wide = torch.randn(2, 1, 128)
+    assert cpu_native.attend(q, wide[..., :64], wide[..., 64:], cache, cache.clone(), 0, 0.125) is None  # strides
+    assert torch.equal(cache, torch.zeros(2, 1, 8, 64))  # nothing written
+
+
+@needs_kernel
+def test_the_depth_decoders_fast_attention_matches_its_reference_step_by_step(monkeypatch):
+    from mm3.models.depth import DepthAttention, DepthCache
+
+    served = []
+    real = cpu_native.attend
+    monkeypatch.setattr(cpu_native, "attend", lambda *a: served.append(real(*a)) or served[-1])
+    torch.manual_seed(0)
+    ops = gguf_ops
+    attention = DepthAttention(64, 4, ops)
+    for layer in (attention.to_q, attention.to_k, attention.to_v, attention.to_out):
+        layer.set_stored("weight", Q.F32, torch.randn(64, 64) / 8)
+    caches = [DepthCache(2, 2, 4, 8, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for s in (2, 1, 1, 1):
+        x = torch.randn(2, s, 64)
+        outs = []
+        for fast, cache in zip((False, True), caches):
+            attention.fast_numerics = fast
+            outs.append(attention(x, cache, 1))
+            cache.length += s
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert len(served) == 4 and all(out is not None for out in served)  # each fast step was the library's

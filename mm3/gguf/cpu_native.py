@@ -17,7 +17,8 @@ Where there is no compiler, the build fails or its product is wrong on a probe, 
 False and the other forms serve. It is one candidate form (`native`) that `mm3.cpu_choice`
 times in whole frames beside the others; `MM3_CPU_NATIVE=off` keeps it from being built. The same
 library serves an AR step's other small operations that torch runs as many: the fast numerics'
-RMSNorm (`rms_norm`) and an embedding lookup's few quantized rows (`lookup`).
+RMSNorm (`rms_norm`), an embedding lookup's few quantized rows (`lookup`) and the depth decoder's
+attention over its short cache (`attend`).
 """
 
 from __future__ import annotations
@@ -170,6 +171,9 @@ def load(path: Path):
                                                                                                 ctypes.c_void_p]
     lib.mm3_dequantize_rows.restype = ctypes.c_int
     lib.mm3_integer_nibble_quads.restype = ctypes.c_int
+    lib.mm3_attend.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + \
+        [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p]
+    lib.mm3_attend.restype = ctypes.c_int
     return lib
 
 
@@ -439,6 +443,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.mm3_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), *groups, x.shape[-1], eps)
     return y
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+           at: int, scale: float) -> torch.Tensor | None:
+    """Attention of the new positions q, k, v [B, S, heads * D] (views of one buffer: the same
+    strides) over a short cache's positions before them and themselves, in one call of the kernel
+    library: k and v written into `cache_k`, `cache_v` [B, kv_heads, capacity, D] at positions
+    at .. at + S - 1 first -> [B, S, heads * D] float32. A decode step of the depth decoder is a
+    dozen small torch operations for a few thousand multiply-adds. None where it does not serve
+    (no library, another dtype, device or layout, tracing)."""
+    f32 = torch.float32
+    if torch.compiler.is_compiling() or not (q.is_cpu and k.is_cpu and v.is_cpu and cache_k.is_cpu and cache_v.is_cpu) \
+            or not (q.dtype == k.dtype == v.dtype == cache_k.dtype == cache_v.dtype == f32) or q.dim() != 3:
+        return None
+    b, s, width = q.shape
+    strides, rows_k = q.stride(), k.shape
+    if rows_k != v.shape or rows_k[:2] != (b, s) or k.stride() != strides or v.stride() != strides or \
+            strides[2] != 1 or cache_k.dim() != 4 or cache_k.shape != cache_v.shape or \
+            not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        return None
+    rows, kv_heads, capacity, d = cache_k.shape
+    if rows != b or rows_k[2] != kv_heads * d or width % d or (width // d) % kv_heads or not 0 <= at <= capacity - s:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(b, s, width)
+    if lib.mm3_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1], cache_k.data_ptr(),
+                      cache_v.data_ptr(), b, s, width // d, kv_heads, capacity, at, d, scale, out.data_ptr()):
+        raise MemoryError(f"the kernel library could not allocate the scores of {at + s} positions")
+    return out
 
 
 ROW_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)  # what `lookup` dequantizes

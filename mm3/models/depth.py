@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..gguf import cpu_native
 from ..gguf import ops as default_ops
 from ..gguf.ops import Fused, load_tensors
 from .lm import rms_norm, set_numerics
@@ -22,6 +23,8 @@ NORM_EPS = 1e-6  # diffusers RMSNorm(eps=1e-6) in the depth decoder
 
 
 class DepthAttention(nn.Module):
+    fast_numerics = False  # with a cache on the CPU, one call of the kernel library: set by `set_numerics`
+
     def __init__(self, dim: int, heads: int, ops):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
@@ -38,6 +41,10 @@ class DepthAttention(nn.Module):
     def forward(self, x, cache=None, layer: int = 0):
         b, s, _ = x.shape
         q, k, v = self.qkv(x)
+        if cache is not None and self.fast_numerics:
+            out = cpu_native.attend(q, k, v, cache.k[layer], cache.v[layer], cache.length, self.head_dim ** -0.5)
+            if out is not None:
+                return self.to_out(out)
         q, k, v = self._split(q), self._split(k), self._split(v)
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -1,5 +1,6 @@
 /* Few-row products with 8- and 4-bit weights on the CPU, for mm3.gguf.cpu_native (and, at the end,
-   an RMSNorm and the dequantization of a few embedding rows).
+   an RMSNorm, the attention of a few positions over a short cache and the dequantization of a few
+   embedding rows).
 
    y[i, n] = sum_k x[i, k] w[n, k], w[n, k] = s[n, k / G] q[n, k] - o[n, k / G]: q int8 (Q8_0,
    Q5_0, Q5_1, Q5_K and Q6_K values) or 0..15 (Q4_0, Q4_1, Q4_K), a scale s per G = 16 or 32
@@ -551,6 +552,67 @@ void mm3_rms_norm(const float *x, const float *w, float *y, int64_t outer, int64
             const float scale = 1.f / sqrtf(sum / (float)n + eps);
             for (j = 0; j < n; j++) out[j] = v[j] * scale * w[j];
         }
+}
+
+/* The sum of a[j] b[j] over n floats, in 16 float32 lanes (the compiler's vectors). */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float lanes[16] = {0.f};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += a[j + l] * b[j + l];
+    float sum = 0.f;
+    for (int l = 0; l < 16; l++) sum += lanes[l];
+    for (; j < n; j++) sum += a[j] * b[j];
+    return sum;
+}
+
+/* Attention of s new positions a row over the positions cached before them and themselves (a
+   decode step of a short sequence): q, k, v [b][s][heads * d] floats (row r's position i at
+   r * row_stride + i * position_stride), k and v first written into the caches [b][kv_heads]
+   [capacity][d] at positions at .. at + s - 1; query head h reads key head h / (heads /
+   kv_heads); out [b][s][heads * d]. Scores, softmax and sums in float32. Returns 0, -1 where the
+   scores of a longer sequence than SHORT cannot be allocated. */
+#define SHORT 256
+int mm3_attend(const float *q, const float *k, const float *v, int64_t row_stride, int64_t position_stride,
+               float *cache_k, float *cache_v, int64_t b, int64_t s, int64_t heads, int64_t kv_heads,
+               int64_t capacity, int64_t at, int64_t d, float scale, float *out) {
+    float short_scores[SHORT], *scores = at + s <= SHORT ? short_scores : malloc(sizeof(float) * (at + s));
+    if (!scores) return -1;
+    for (int64_t r = 0; r < b; r++)
+        for (int64_t i = 0; i < s; i++)
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const int64_t from = r * row_stride + i * position_stride + h * d;
+                const int64_t to = ((r * kv_heads + h) * capacity + at + i) * d;
+                memcpy(cache_k + to, k + from, sizeof(float) * d);
+                memcpy(cache_v + to, v + from, sizeof(float) * d);
+            }
+    const int64_t group = heads / kv_heads;
+    for (int64_t r = 0; r < b; r++)
+        for (int64_t i = 0; i < s; i++)
+            for (int64_t h = 0; h < heads; h++) {
+                const float *query = q + r * row_stride + i * position_stride + h * d;
+                const float *keys = cache_k + (r * kv_heads + h / group) * capacity * d;
+                const float *values = cache_v + (r * kv_heads + h / group) * capacity * d;
+                const int64_t length = at + i + 1;
+                float top = -INFINITY, total = 0.f;
+                for (int64_t j = 0; j < length; j++) {
+                    scores[j] = dot(query, keys + j * d, d) * scale;
+                    top = fmaxf(top, scores[j]);
+                }
+                for (int64_t j = 0; j < length; j++) {
+                    scores[j] = expf(scores[j] - top);
+                    total += scores[j];
+                }
+                float *o = out + (r * s + i) * heads * d + h * d;
+                for (int64_t e = 0; e < d; e++) o[e] = 0.f;
+                for (int64_t j = 0; j < length; j++) {
+                    const float p = scores[j] / total;
+                    const float *value = values + j * d;
+                    for (int64_t e = 0; e < d; e++) o[e] += p * value[e];
+                }
+            }
+    if (scores != short_scores) free(scores);
+    return 0;
 }
 
 /* GGUF block types that mm3_dequantize_rows reads (ggml's numbering). */
