@@ -220,8 +220,9 @@ def _layer(qtype, n, k, seed):
 @needs_kernel
 def test_a_native_layer_packs_once_for_few_rows_and_dequantizes_for_many(monkeypatch):
     calls = []
-    real = cpu_native.linear
-    monkeypatch.setattr(cpu_native, "linear", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    real = cpu_native.Bound.__call__
+    monkeypatch.setattr(cpu_native.Bound, "__call__", lambda self, *a, **kw: calls.append(self.out_features) or
+                        real(self, *a, **kw))
     layer = _layer(Q.Q8_0, 48, 256, 4)
     values = layer.get("weight", torch.float32, torch.device("cpu"))
     wide = torch.randn(40, 256)
@@ -461,3 +462,25 @@ def test_the_depth_decoders_fast_attention_matches_its_reference_step_by_step(mo
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     assert len(served) == 4 and all(out is not None for out in served)  # each fast step was the library's
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype,n", [(Q.Q8_0, 48), (Q.Q4_K, 40)], ids=["Q8_0", "Q4_K rows padded"])
+def test_a_bound_product_is_linear_for_every_input(qtype, n):
+    """The packing checked once (`Bound`), what each call reads checked then: the same outputs as
+    `linear` for contiguous float32 rows, others, other dtypes and a bias."""
+    raw, _ = _raw(n, 256, 9, qtype)
+    packed = cpu_native.repack(raw, qtype, n, 256)
+    bound = cpu_native.bind(packed, n)
+    bias = torch.randn(n)
+    for x in (torch.randn(2, 1, 256), torch.randn(256, 3).T, torch.randn(1, 256, dtype=torch.bfloat16),
+              torch.randn(0, 256)):
+        for b in (None, bias):
+            want = cpu_native.linear(x, packed, n, b)
+            got = bound(x, b)
+            assert got.shape == want.shape == (*x.shape[:-1], n) and got.dtype == want.dtype
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"a \[\.\., 512\] input does not fit a packing of 256 columns"):
+        bound(torch.randn(2, 512))
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.bind(packed._replace(weight=packed.weight[:, :-4].contiguous()), n)

@@ -371,35 +371,87 @@ def tile_bytes(k: int, layout: Layout, scales: str = "f32") -> int:
     return TILE * k * layout.bits // 8 + per_group * parts
 
 
+def _checked(packed: Packing, k: int, lib, rows: int | str = "..") -> tuple:
+    """What the C call reads of `packed` for inputs of K = k, checked ((n, k, group, bits, offsets,
+    scale form)): the packing's bytes and K, and its value layout against `lib`'s."""
+    w = packed.weight
+    if k != packed.in_features or w.dim() != 2 or w.shape[1] != tile_bytes(k, packed.layout, packed.scales) or \
+            w.dtype != torch.int8 or not w.is_contiguous() or w.device.type != "cpu":
+        raise ValueError(f"a [{rows}, {k}] input does not fit a packing of {packed.in_features} columns "
+                         f"({tuple(w.shape)} {w.dtype} on {w.device}, {packed.layout})")
+    group, bits, offsets = packed.layout
+    if bits == 4 and packed.quads != bool(lib.mm3_integer_nibble_quads()):
+        raise ValueError("4-bit values packed for another build of the CPU integer kernel")
+    return w.shape[0] * TILE, k, group, bits, int(offsets), SCALE_FORMS[packed.scales]
+
+
+def _multiply(lib, x2: torch.Tensor, weight: torch.Tensor, args: tuple) -> torch.Tensor:
+    """The C call: x2 [M, K] float32, contiguous, times the checked packing (`_checked`'s args)."""
+    m = x2.shape[0]
+    n, k = args[0], args[1]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m and n:
+        status = lib.mm3_integer_product(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), m, *args,
+                                         torch.get_num_threads())
+        if status == -1:
+            raise MemoryError(f"the CPU integer kernel could not allocate the rounded rows of a [{m}, {k}] input")
+        if status:
+            raise ValueError(f"the CPU integer kernel takes 16 or 32 values a scale of 8 or 4 bits (whole "
+                             f"super-blocks for the 'super' scales), not {args[2:]} of {k} columns")
+    return y
+
+
 def product(x2: torch.Tensor, packed: Packing, lib=None) -> torch.Tensor:
     """x2 [M, K] times the packed weight -> [M, rows padded to whole tiles] float32 (`lib`: another
     build of the kernel, `load`; default this process's). What the C code reads is checked first:
     K against the packing, the packing's bytes, contiguous float32 inputs."""
-    m, k = x2.shape
-    w = packed.weight
-    if k != packed.in_features or w.dim() != 2 or w.shape[1] != tile_bytes(k, packed.layout, packed.scales) or \
-            w.dtype != torch.int8 or not w.is_contiguous() or w.device.type != "cpu":
-        raise ValueError(f"a [{m}, {k}] input does not fit a packing of {packed.in_features} columns "
-                         f"({tuple(w.shape)} {w.dtype} on {w.device}, {packed.layout})")
+    lib = lib or library()
+    if lib is None:
+        raise RuntimeError("the CPU integer kernel is not available")
+    args = _checked(packed, x2.shape[1], lib, x2.shape[0])
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.to(torch.float32).contiguous()
-    n = w.shape[0] * TILE
-    y = torch.empty(m, n, dtype=torch.float32)
-    if m and n:
-        lib = lib or library()
+    return _multiply(lib, x2, packed.weight, args)
+
+
+class Bound:
+    """`packed`'s product of `out_features` outputs with its packing checked once (`_checked`): a
+    frame makes hundreds of these calls, each a few microseconds of Python around the C call.
+    `bound(x, bias)` is `linear(x, packed, out_features, bias)`."""
+
+    def __init__(self, packed: Packing, out_features: int):
+        lib = library()
         if lib is None:
             raise RuntimeError("the CPU integer kernel is not available")
-        group, bits, offsets = packed.layout
-        if bits == 4 and packed.quads != bool(lib.mm3_integer_nibble_quads()):
-            raise ValueError("4-bit values packed for another build of the CPU integer kernel")
-        status = lib.mm3_integer_product(x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, group, bits,
-                                         int(offsets), SCALE_FORMS[packed.scales], torch.get_num_threads())
-        if status == -1:
-            raise MemoryError(f"the CPU integer kernel could not allocate the rounded rows of a [{m}, {k}] input")
-        if status:
-            raise ValueError(f"the CPU integer kernel takes 16 or 32 values a scale of 8 or 4 bits (scales "
-                             f"{packed.scales} whole super-blocks), not {packed.layout} of {k} columns")
-    return y
+        self.packed, self.out_features, self.lib = packed, out_features, lib
+        self.args = _checked(packed, packed.in_features, lib)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return linear(x, self.packed, self.out_features, bias)
+        shape, k = x.shape, self.packed.in_features
+        if shape[-1] != k:
+            raise ValueError(f"a [.., {shape[-1]}] input does not fit a packing of {k} columns")
+        if x.dtype != torch.float32 or not x.is_contiguous():  # else its rows as they lie
+            return rows_out(_multiply(self.lib, x.reshape(-1, k).to(torch.float32).contiguous(),
+                                      self.packed.weight, self.args), x, self.out_features, bias)
+        n = self.args[0]
+        y = torch.empty(*shape[:-1], n, dtype=torch.float32)
+        m = x.numel() // k
+        if m and n:
+            status = self.lib.mm3_integer_product(x.data_ptr(), self.packed.weight.data_ptr(), y.data_ptr(), m,
+                                                  *self.args, torch.get_num_threads())
+            if status:
+                raise (MemoryError if status == -1 else ValueError)(f"the CPU integer kernel failed ({status}) "
+                                                                     f"on a [{m}, {k}] input")
+        if n != self.out_features:
+            y = y[..., :self.out_features]
+        return y if bias is None else y + bias
+
+
+def bind(packed: Packing, out_features: int) -> Bound:
+    """`linear` over `packed` with its packing checked now, once (`Bound`)."""
+    return Bound(packed, out_features)
 
 
 @torch.library.custom_op("mm3::native_integer", mutates_args=())
