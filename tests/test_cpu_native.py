@@ -484,3 +484,35 @@ def test_a_bound_product_is_linear_for_every_input(qtype, n):
         bound(torch.randn(2, 512))
     with pytest.raises(ValueError, match="does not fit"):
         cpu_native.bind(packed._replace(weight=packed.weight[:, :-4].contiguous()), n)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", list(cpu_native.LIBRARY_REPACKS), ids=lambda t: t.name)
+def test_the_librarys_repacking_is_the_tensor_operations_byte_for_byte(qtype, monkeypatch):
+    """For whole and partial tiles, both 4-bit layouts and several widths; the tensor operations
+    (`_values`, `_tile`) stay the reference and serve every other type and form."""
+    for n, k in ((40, 256), (16, 512), (1043, 768)):
+        raw, _ = _raw(n, k, n + k, qtype)
+        for quads in (False, True):
+            fast = cpu_native.repack(raw, qtype, n, k, quads=quads)
+            with monkeypatch.context() as m:
+                m.setattr(cpu_native, "LIBRARY_REPACKS", {})
+                slow = cpu_native.repack(raw, qtype, n, k, quads=quads)
+            assert fast._replace(weight=None) == slow._replace(weight=None)
+            assert torch.equal(fast.weight, slow.weight), (n, k, quads)
+    with pytest.raises(ValueError, match="do not hold 512 values"):
+        cpu_native.repack(raw[:, :-1], qtype, n, 512)
+
+
+@needs_kernel
+def test_the_library_leaves_the_forms_it_does_not_make_to_the_tensor_operations(monkeypatch):
+    calls = []
+    real_tile = cpu_native._tile
+    monkeypatch.setattr(cpu_native, "_tile", lambda *a, **kw: calls.append(a[2]) or real_tile(*a, **kw))
+    raw, _ = _raw(32, 256, 3, Q.Q4_K)
+    cpu_native.repack(raw, Q.Q4_K, 32, 256)
+    assert calls == []  # the library's
+    cpu_native.repack(raw, Q.Q4_K, 32, 256, scales="f32")
+    raw1, _ = _raw(32, 256, 3, Q.Q4_1)
+    cpu_native.repack(raw1, Q.Q4_1, 32, 256)
+    assert calls == [4, 4]  # float32 scales, and a type it does not make

@@ -18,7 +18,8 @@ False and the other forms serve. It is one candidate form (`native`) that `mm3.c
 times in whole frames beside the others; `MM3_CPU_NATIVE=off` keeps it from being built. The same
 library serves an AR step's other small operations that torch runs as many: the fast numerics'
 RMSNorm (`rms_norm`), an embedding lookup's few quantized rows (`lookup`) and the depth decoder's
-attention over its short cache (`attend`).
+attention over its short cache (`attend`); and it repacks the common types' GGUF blocks into its
+tiles (`LIBRARY_REPACKS`: about a gigabyte a second, several times the tensor operations).
 """
 
 from __future__ import annotations
@@ -174,6 +175,9 @@ def load(path: Path):
     lib.mm3_attend.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + \
         [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p]
     lib.mm3_attend.restype = ctypes.c_int
+    lib.mm3_repack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_int]
+    lib.mm3_repack.restype = ctypes.c_int
     return lib
 
 
@@ -286,6 +290,9 @@ def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int, qu
     form = scales or ("super" if qtype in SUPER_TYPES else "f16")
     if form not in SCALE_FORMS or (form == "super" and qtype not in SUPER_TYPES):
         raise ValueError(f"{qtype.name} scales cannot be held as {form!r}")
+    packed = _repacked_by_library(raw, qtype, out_features, in_features, quads, form)
+    if packed is not None:
+        return packed
     rows = raw.reshape(out_features, -1)
     parts = []
     for i in range(0, out_features, REPACK_ROWS):
@@ -296,6 +303,30 @@ def repack(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int, qu
             return repack(raw, qtype, out_features, in_features, quads, "f32")
         parts.append(_tile(q, sections, layout.bits, quads))
     return Packing(parts[0] if len(parts) == 1 else torch.cat(parts), in_features, layout, quads, form)
+
+
+LIBRARY_REPACKS = {QT.Q8_0: "f16", QT.Q4_0: "f16", QT.Q4_K: "super", QT.Q5_K: "super", QT.Q6_K: "super"}
+
+
+def _repacked_by_library(raw: torch.Tensor, qtype: QT, n: int, k: int, quads: bool, form: str) -> Packing | None:
+    """`repack`'s packing made in one call of the kernel library (the same bytes, hundreds of times
+    faster than the tensor operations below: a released-size weight set is gigabytes), where it
+    makes this type in this form; else None."""
+    if LIBRARY_REPACKS.get(qtype) != form or raw.dtype != torch.uint8 or raw.device.type != "cpu":
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows = raw.reshape(n, -1).contiguous()
+    layout = TYPES[qtype]
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    if k % block_values or rows.shape[1] != k // block_values * block_bytes:
+        raise ValueError(f"{qtype.name} rows of {rows.shape[1]} bytes do not hold {k} values")
+    out = torch.empty((n + TILE - 1) // TILE, tile_bytes(k, layout, form), dtype=torch.int8)
+    status = lib.mm3_repack(rows.data_ptr(), int(qtype), n, k, int(quads), out.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError(f"the kernel library could not allocate a tile's values ({TILE} x {k})")
+    return Packing(out, k, layout, quads, form) if status == 0 else None  # -4: an offset needs float32
 
 
 def _values(raw: torch.Tensor, qtype: QT, k: int, form: str = "f32"):

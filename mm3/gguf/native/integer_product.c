@@ -1,6 +1,6 @@
 /* Few-row products with 8- and 4-bit weights on the CPU, for mm3.gguf.cpu_native (and, at the end,
-   an RMSNorm, the attention of a few positions over a short cache and the dequantization of a few
-   embedding rows).
+   an RMSNorm, the attention of a few positions over a short cache, the dequantization of a few
+   embedding rows and the repacking of GGUF blocks into the product's tiles).
 
    y[i, n] = sum_k x[i, k] w[n, k], w[n, k] = s[n, k / G] q[n, k] - o[n, k / G]: q int8 (Q8_0,
    Q5_0, Q5_1, Q5_K and Q6_K values) or 0..15 (Q4_0, Q4_1, Q4_K), a scale s per G = 16 or 32
@@ -707,4 +707,157 @@ int mm3_dequantize_rows(const uint8_t *table, int type, int64_t rows, int64_t ro
         for (int64_t j = 0; j < k / block; j++)
             dequantize_block(table + ids[i] * row_bytes + j * bytes, type, y + i * k + j * block);
     return 0;
+}
+
+/* An exact float as an IEEE half's bits, or -1 where it is none (out of range, a lost bit, NaN). */
+static int32_t half_bits_exact(float v) {
+    if (isnan(v)) return -1;
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    const uint32_t sign = (bits >> 16) & 0x8000;
+    const float a = fabsf(v);
+    if (a == 0.f) return (int32_t)sign;
+    if (isinf(a)) return (int32_t)(sign | 0x7C00);
+    int e;
+    const float m = frexpf(a, &e); /* a = m 2^e, 0.5 <= m < 1 */
+    if (e > 16) return -1;        /* beyond 65504 */
+    if (e >= -13) {               /* normal: 11 significant bits */
+        const float scaled = ldexpf(m, 11);
+        if (scaled != floorf(scaled)) return -1;
+        return (int32_t)(sign | ((uint32_t)(e + 14) << 10) | ((uint32_t)scaled - 1024));
+    }
+    const float steps = ldexpf(a, 24); /* subnormal: a multiple of 2^-24 */
+    if (steps != floorf(steps) || steps >= 1024.f) return -1;
+    return (int32_t)(sign | (uint32_t)steps);
+}
+
+/* Where one row's scale sections go in a tile (`mm3.gguf.cpu_native._tile`): after the values,
+   each section [columns][16] of its element size. */
+typedef struct {
+    int64_t offsets[4];
+    int sizes[4];
+} tile_plan;
+
+static inline void put_section(int8_t *tile, const tile_plan *p, int section, int r, int64_t column, const void *v) {
+    memcpy(tile + p->offsets[section] + (column * TILE + r) * p->sizes[section], v, p->sizes[section]);
+}
+
+/* One block of row r: its values into q (k int8 values a row, 0..15 for 4-bit types) and its
+   scale sections into the tile. Returns -4 where a Q4_0 offset (8 d) is no float16. */
+static int repack_block(const uint8_t *b, int type, int64_t j, int r, int8_t *q, int8_t *tile, const tile_plan *p) {
+    if (type == TYPE_Q8_0) {
+        memcpy(q, b + 2, 32);
+        put_section(tile, p, 0, r, j, b);
+    } else if (type == TYPE_Q4_0) {
+        for (int i = 0; i < 16; i++) q[i] = (int8_t)(b[2 + i] & 15), q[16 + i] = (int8_t)(b[2 + i] >> 4);
+        const int32_t offset = half_bits_exact(8.f * half_at(b));
+        if (offset < 0) return -4;
+        const uint16_t o = (uint16_t)offset;
+        put_section(tile, p, 0, r, j, b);
+        put_section(tile, p, 1, r, j, &o);
+    } else if (type == TYPE_Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            int8_t *out = q + 128 * h;
+            for (int i = 0; i < 32; i++) {
+                out[i] = (int8_t)(((ql[i] & 15) | ((qh[i] & 3) << 4)) - 32);
+                out[i + 32] = (int8_t)(((ql[i + 32] & 15) | (((qh[i] >> 2) & 3) << 4)) - 32);
+                out[i + 64] = (int8_t)(((ql[i] >> 4) | (((qh[i] >> 4) & 3) << 4)) - 32);
+                out[i + 96] = (int8_t)(((ql[i + 32] >> 4) | (((qh[i] >> 6) & 3) << 4)) - 32);
+            }
+        }
+        put_section(tile, p, 0, r, j, b + 208);
+        for (int i = 0; i < 16; i++) put_section(tile, p, 1, r, j * 16 + i, b + 192 + i);
+    } else { /* Q4_K, Q5_K: d, dmin, scales[12], (qh[32],) qs[128] */
+        const uint8_t *qh = b + 16, *qs = b + (type == TYPE_Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; c++)
+            for (int i = 0; i < 32; i++) {
+                int low = qs[32 * c + i] & 15, high = qs[32 * c + i] >> 4;
+                if (type == TYPE_Q5_K) {
+                    low |= ((qh[i] >> (2 * c)) & 1) << 4;
+                    high |= ((qh[i] >> (2 * c + 1)) & 1) << 4;
+                }
+                q[64 * c + i] = (int8_t)low;
+                q[64 * c + 32 + i] = (int8_t)high;
+            }
+        put_section(tile, p, 0, r, j, b);
+        put_section(tile, p, 1, r, j, b + 2);
+        for (int g = 0; g < 8; g++) {
+            float scale, min;
+            k4_scale_min(b + 4, g, &scale, &min);
+            const int8_t steps[2] = {(int8_t)scale, (int8_t)min};
+            put_section(tile, p, 2, r, j * 8 + g, &steps[0]);
+            put_section(tile, p, 3, r, j * 8 + g, &steps[1]);
+        }
+    }
+    return 0;
+}
+
+/* A tile's 16 rows of values q [16][k] into its layout: [k / width][16][width] bytes, 4-bit ones
+   two lanes a byte (the first in the low nibble). */
+static void put_values(const int8_t *q, int64_t k, int bits, int width, int8_t *tile) {
+    if (bits == 8) {
+        for (int64_t lane = 0; lane < k / width; lane++)
+            for (int r = 0; r < TILE; r++)
+                memcpy(tile + (lane * TILE + r) * width, q + r * k + lane * width, width);
+        return;
+    }
+    for (int64_t pair = 0; pair < k / (2 * width); pair++)
+        for (int r = 0; r < TILE; r++)
+            for (int e = 0; e < width; e++) {
+                const int8_t *v = q + r * k + 2 * pair * width + e;
+                tile[(pair * TILE + r) * width + e] = (int8_t)((v[0] & 15) | (v[width] << 4));
+            }
+}
+
+/* GGUF block rows [n][row bytes] of Q8_0 or Q4_0 (float16 scales: FORM_F16) or of Q4_K, Q5_K or
+   Q6_K (FORM_SUPER) -> the kernel's tiles [n / 16 (up)][tile bytes], zero rows up to whole tiles;
+   `quads`: 4-bit values in quads of columns (a VNNI build's layout), else pairs. The same bytes as
+   the Python repacking (`cpu_native.repack`), a tile a thread. Returns 0; -1 without scratch; -2
+   for a type or k it does not take; -4 where a Q4_0 offset (8 d) is no float16 (the float32 form
+   then serves). */
+int mm3_repack(const uint8_t *blocks, int type, int64_t n, int64_t k, int quads, int8_t *out, int threads) {
+    int block, bytes, bits, group, offsets;
+    switch (type) {
+    case TYPE_Q8_0: block = 32, bytes = 34, bits = 8, group = 32, offsets = 0; break;
+    case TYPE_Q4_0: block = 32, bytes = 18, bits = 4, group = 32, offsets = 1; break;
+    case TYPE_Q4_K: block = 256, bytes = 144, bits = 4, group = 32, offsets = 1; break;
+    case TYPE_Q5_K: block = 256, bytes = 176, bits = 8, group = 32, offsets = 1; break;
+    case TYPE_Q6_K: block = 256, bytes = 210, bits = 8, group = 16, offsets = 0; break;
+    default: return -2;
+    }
+    if (k <= 0 || k % block) return -2;
+    const int super = block == 256, parts = offsets ? 2 : 1, width = bits == 4 && quads ? 4 : 2;
+    const int64_t blocks_a_row = k / block, groups = k / group, row_bytes = blocks_a_row * bytes;
+    tile_plan p = {{0}, {0}};
+    int64_t at = TILE * k * bits / 8;
+    for (int i = 0; i < (super ? 2 * parts : parts); i++) { /* super: the float16 factors, then the int8 steps */
+        const int factor = super && i < parts;
+        p.offsets[i] = at;
+        p.sizes[i] = super && !factor ? 1 : 2;
+        at += TILE * (factor ? blocks_a_row : groups) * p.sizes[i];
+    }
+    const int64_t tile_size = at, tiles = (n + TILE - 1) / TILE;
+    int status = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(min : status)
+    {
+        int8_t *q = malloc((size_t)(TILE * k));
+        if (!q) status = -1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (!q) continue;
+            int8_t *tile = out + t * tile_size;
+            memset(tile, 0, (size_t)tile_size);
+            memset(q, 0, (size_t)(TILE * k));
+            for (int r = 0; r < TILE && t * TILE + r < n; r++)
+                for (int64_t j = 0; j < blocks_a_row; j++) {
+                    const int done = repack_block(blocks + (t * TILE + r) * row_bytes + j * bytes, type, j, r,
+                                                  q + r * k + j * block, tile, &p);
+                    if (done < status) status = done;
+                }
+            put_values(q, k, bits, width, tile);
+        }
+        free(q);
+    }
+    return status;
 }
