@@ -33,6 +33,9 @@
 
 #define TILE 16
 #define FLIGHT 4 /* tiles multiplied together: independent chains of multiply-adds */
+/* Bytes ahead in a tile that each step asks into the cache: a frame's weights come from memory or
+   a far cache, and the processor's own prefetching left the multiply-adds waiting on them. */
+#define AHEAD 2048
 /* The kernels below are inlined with the count of tiles a constant (FLIGHT, else 1), so their
    accumulators stay in registers. */
 #if defined(__GNUC__)
@@ -250,6 +253,7 @@ INLINED void quad_tiles(const int8_t *w, const int32_t *hi, const int32_t *lo, c
             QV hx1 = QSET1(h1[at]), hy1 = QSET1(h1[at + 1]), lx1 = QSET1(l1[at]), ly1 = QSET1(l1[at + 1]);
             for (int t = 0; t < nt; t++) {
                 const int8_t *q = w + (t0 + t) * s.bytes + at / 2 * 64;
+                __builtin_prefetch(q + AHEAD, 0, 3);
                 for (int v = 0; v < HALVES; v++) {
                     QV raw = QLOAD(q + v * (64 / HALVES));
                     QV first = QAND(raw, low), second = QAND(QSRL(raw, 4), low);
@@ -322,6 +326,7 @@ INLINED void tiles(const int8_t *w, const int16_t *xq, const float *dx, const fl
                 __m512i a = _mm512_set1_epi32(pair_at(x0, at)), b = _mm512_set1_epi32(pair_at(x1, at));
                 for (int t = 0; t < nt; t++) {
                     const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) * 32;
+                    if (!(p & 1)) __builtin_prefetch(q + AHEAD, 0, 3); /* a line every two steps */
                     __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
                     s0[t] = DOT512(s0[t], v, a);
                     s1[t] = DOT512(s1[t], v, b);
@@ -334,6 +339,7 @@ INLINED void tiles(const int8_t *w, const int16_t *xq, const float *dx, const fl
                 __m512i c = _mm512_set1_epi32(pair_at(x0, at + 1)), d = _mm512_set1_epi32(pair_at(x1, at + 1));
                 for (int t = 0; t < nt; t++) {
                     const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) / 2 * 32;
+                    __builtin_prefetch(q + AHEAD, 0, 3);
                     __m256i raw = _mm256_loadu_si256((const __m256i *)q);
                     __m512i v = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, low));
                     __m512i u = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
@@ -379,6 +385,7 @@ INLINED void tiles(const int8_t *w, const int16_t *xq, const float *dx, const fl
                 __m256i a = _mm256_set1_epi32(pair_at(x0, at)), b = _mm256_set1_epi32(pair_at(x1, at));
                 for (int t = 0; t < nt; t++) {
                     const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) * 32;
+                    if (!(p & 1)) __builtin_prefetch(q + AHEAD, 0, 3); /* a line every two steps */
                     for (int h = 0; h < 2; h++) {
                         __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
                         s0[t][h] = DOT256(s0[t][h], v, a);
@@ -393,6 +400,7 @@ INLINED void tiles(const int8_t *w, const int16_t *xq, const float *dx, const fl
                 __m256i c = _mm256_set1_epi32(pair_at(x0, at + 1)), d = _mm256_set1_epi32(pair_at(x1, at + 1));
                 for (int t = 0; t < nt; t++) {
                     const int8_t *q = w + (t0 + t) * s.bytes + (g * pairs + p) / 2 * 32;
+                    __builtin_prefetch(q + AHEAD, 0, 3);
                     for (int h = 0; h < 2; h++) {
                         __m128i raw = _mm_loadu_si128((const __m128i *)(q + 16 * h));
                         __m256i v = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
