@@ -24,6 +24,7 @@ from .codes import AudioCodes
 from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
 from .device import ar_weight_budget, keeps_ar_copies, model_device
 from .errors import RunError
+from .gguf import cpu_native
 from .gguf.kernels import indexed_device
 from .gguf.ops import choose_products
 from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
@@ -107,6 +108,8 @@ class FrameSampler:
         self.ncb = depth.num_codebooks
         # The reference re-runs the depth decoder over the whole sequence at every step.
         self.depth_cache = None if depth.numerics == "reference" else depth.new_cache(rows, dtype, device)
+        # The fast numerics' draws on the CPU: the kernel library's one call each (`cpu_native.top_k_draw`).
+        self.library_draws = depth.numerics == "fast"
         self.last = torch.zeros(rows, lm.hidden_size, dtype=dtype, device=device)
         self.shaper = None
         if not settings.shaping.is_reference:
@@ -121,8 +124,12 @@ class FrameSampler:
     def _semantic(self, q_sem: torch.Tensor):
         """CFG over the head rows, kept where the conditional logit is in its top-k (ties kept)."""
         logits = self.lm.head(self.last).float()  # [rows, C]
-        c, u = (logits[0::2], logits[1::2]) if self.r == 2 else (logits, logits)
         mask, shaper = self.not_candidate, self.shaper
+        if self.library_draws and shaper is None:
+            token = cpu_native.top_k_draw(logits, self.r, self.cfg, self.top_k, q_sem, mask, gate=True)
+            if token is not None:
+                return token + self.head_start
+        c, u = (logits[0::2], logits[1::2]) if self.r == 2 else (logits, logits)
         if mask is not None:
             c, u = c.masked_fill(mask, _NEG_INF), u.masked_fill(mask, _NEG_INF)
         if shaper is not None:
@@ -164,8 +171,10 @@ class FrameSampler:
             h = self._depth(x, seq)  # [rows, H]
             hiddens.append(h[0::r])
             lg = depth.audio_heads[j - 1](h).float()  # [rows, audio_vocab]
-            guided = guide(lg[0::2], lg[1::2], self.cfg) if r == 2 else lg
-            code = draw(top_k_probs(guided, self.top_k), q_dep[:, j - 1])  # [songs]
+            code = cpu_native.top_k_draw(lg, r, self.cfg, self.top_k, q_dep[:, j - 1]) if self.library_draws else None
+            if code is None:
+                guided = guide(lg[0::2], lg[1::2], self.cfg) if r == 2 else lg
+                code = draw(top_k_probs(guided, self.top_k), q_dep[:, j - 1])  # [songs]
             codes.append(code)
             if j < self.ncb - 1:
                 x = depth.projection(depth.code_embedding(code.repeat_interleave(r), j, dt))[:, None]

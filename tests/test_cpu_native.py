@@ -516,3 +516,55 @@ def test_the_library_leaves_the_forms_it_does_not_make_to_the_tensor_operations(
     raw1, _ = _raw(32, 256, 3, Q.Q4_1)
     cpu_native.repack(raw1, Q.Q4_1, 32, 256)
     assert calls == [4, 4]  # float32 scales, and a type it does not make
+
+
+def _semantic_draw(logits, r, cfg, k, q, excluded):
+    """FrameSampler's semantic draw by torch's operations (no shaping)."""
+    from mm3.sampling import draw, guide, kth_largest, top_k_probs
+
+    c, u = (logits[0::2], logits[1::2]) if r == 2 else (logits, logits)
+    if excluded is not None:
+        c, u = c.masked_fill(excluded, -float("inf")), u.masked_fill(excluded, -float("inf"))
+    guided = (guide(c, u, cfg) if r == 2 else c).masked_fill(c < kth_largest(c, k), -float("inf"))
+    if excluded is not None:
+        guided = guided.masked_fill(excluded, -float("inf"))
+    return draw(top_k_probs(guided, k), q)
+
+
+@needs_kernel
+@pytest.mark.parametrize("gate", [False, True], ids=["acoustic", "semantic"])
+def test_the_librarys_draws_are_torchs(gate):
+    """Guided or not, one song or several, top-k below or above the width, many ties (rounded
+    logits), infinite and NaN logits, excluded columns: the same index as torch's operations."""
+    from mm3.sampling import draw, exponential_draws, guide, top_k_probs
+
+    g = torch.Generator().manual_seed(int(gate))
+    for trial in range(400):
+        songs, r = 1 + trial % 3, 1 + (trial // 3) % 2
+        n, k = (1024, 300, 7, 50)[trial % 4], (50, 1, 5, 2000)[(trial // 7) % 4]
+        logits = torch.randn(songs * r, n, generator=g) * (1, 5, 30)[trial % 3]
+        if trial % 11 == 0:
+            logits = logits.round()
+        if trial % 13 == 0:
+            logits[0, :3] = torch.tensor([float("inf"), -float("inf"), 0.0 if gate else float("nan")])
+        excluded = None if not gate or trial % 4 == 0 else torch.rand(n, generator=g) < 0.3
+        q = torch.cat([exponential_draws(n, g) for _ in range(songs)])
+        if gate:
+            want = _semantic_draw(logits, r, 1.7, k, q, excluded)
+        else:
+            want = draw(top_k_probs(guide(logits[0::2], logits[1::2], 1.7) if r == 2 else logits, k), q)
+        got = cpu_native.top_k_draw(logits, r, 1.7, k, q, excluded, gate)
+        assert torch.equal(got, want), trial
+
+
+@needs_kernel
+def test_draws_the_library_does_not_take_are_left_to_torch():
+    logits, q = torch.randn(4, 64), torch.rand(2, 64) + 0.1
+    assert cpu_native.top_k_draw(logits.double(), 2, 1.5, 5, q) is None
+    assert cpu_native.top_k_draw(logits.T.contiguous().T, 2, 1.5, 5, q) is None  # rows not contiguous
+    assert cpu_native.top_k_draw(logits, 2, 1.5, 5, torch.rand(3, 64)) is None  # draws of other songs
+    assert cpu_native.top_k_draw(logits, 3, 1.5, 5, q) is None
+    assert cpu_native.top_k_draw(logits, 2, 1.5, 5, q, torch.zeros(63, dtype=torch.bool)) is None
+    nan = logits.clone()
+    nan[0, 3] = float("nan")
+    assert cpu_native.top_k_draw(nan, 2, 1.5, 5, q, gate=True) is None  # torch's order of NaNs is its own

@@ -18,7 +18,8 @@ False and the other forms serve. It is one candidate form (`native`) that `mm3.c
 times in whole frames beside the others; `MM3_CPU_NATIVE=off` keeps it from being built. The same
 library serves an AR step's other small operations that torch runs as many: the fast numerics'
 RMSNorm (`rms_norm`), an embedding lookup's few quantized rows (`lookup`) and the depth decoder's
-attention over its short cache (`attend`); and it repacks the common types' GGUF blocks into its
+attention over its short cache (`attend`) and the depth decoder's guided top-k draws
+(`top_k_draw`); and it repacks the common types' GGUF blocks into its
 tiles (`LIBRARY_REPACKS`: about a gigabyte a second, several times the tensor operations).
 """
 
@@ -178,6 +179,11 @@ def load(path: Path):
     lib.mm3_repack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                ctypes.c_void_p, ctypes.c_int]
     lib.mm3_repack.restype = ctypes.c_int
+    lib.mm3_top_k_draw.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64,
+                                                                              ctypes.c_void_p, ctypes.c_int,
+                                                                              ctypes.c_void_p, ctypes.c_int64,
+                                                                              ctypes.c_void_p]
+    lib.mm3_top_k_draw.restype = ctypes.c_int
     return lib
 
 
@@ -557,6 +563,40 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Ten
                       cache_v.data_ptr(), b, s, width // d, kv_heads, capacity, at, d, scale, out.data_ptr()):
         raise MemoryError(f"the kernel library could not allocate the scores of {at + s} positions")
     return out
+
+
+def top_k_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int, q: torch.Tensor,
+               excluded: torch.Tensor | None = None, gate: bool = False) -> torch.Tensor | None:
+    """The reference's guided top-k draw (`mm3.sampling`: `guide`, `top_k_probs`, `draw`) in one
+    call of the kernel library: logits [songs * rows_per_song, N] (each song's conditional row,
+    then with 2 rows its unconditional one), q [songs, N] its Exponential(1) draws -> [songs]
+    int64. `excluded` [N] bool: columns -inf first; `gate`: only columns where the conditional
+    logit is among its top_k largest are guided (the LM's semantic draw). The same index as torch's
+    operations except where two candidates' ratios lie within a few float32 roundings (its
+    exponentials and sums round differently); a dozen small operations otherwise, several a frame.
+    None where it does not serve (another dtype, device or layout, tracing, no library, a NaN
+    logit under `gate`)."""
+    if torch.compiler.is_compiling() or not (logits.is_cpu and q.is_cpu) or logits.dtype != torch.float32 or \
+            q.dtype != torch.float32 or logits.dim() != 2 or q.dim() != 2 or rows_per_song not in (1, 2):
+        return None
+    rows, n = logits.shape
+    songs = rows // rows_per_song
+    if not logits.is_contiguous() or rows != songs * rows_per_song or q.shape != (songs, n) or q.stride(1) != 1 or \
+            not 1 <= top_k or not n:
+        return None
+    if excluded is not None and (not excluded.is_cpu or excluded.dtype != torch.bool or excluded.shape != (n,) or
+                                 not excluded.is_contiguous()):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(songs, dtype=torch.int64)
+    status = lib.mm3_top_k_draw(logits.data_ptr(), songs, rows_per_song, n, cfg, top_k,
+                                None if excluded is None else excluded.data_ptr(), int(gate), q.data_ptr(),
+                                q.stride(0), out.data_ptr())
+    if status == -1:
+        raise MemoryError(f"the kernel library could not allocate the scratch of a draw over {n} logits")
+    return None if status else out
 
 
 ROW_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)  # what `lookup` dequantizes

@@ -623,6 +623,127 @@ int mm3_attend(const float *q, const float *k, const float *v, int64_t row_strid
     return 0;
 }
 
+/* e^x for x <= 0 to about a float32 ulp, written so a loop of them vectorizes (the C library's
+   expf is a call a value): Cody-Waite reduction by ln 2 (the multiple rounded by adding 1.5 2^23),
+   Cephes' polynomial, 2^n by the exponent bits; 0 below -87 (under the smallest normal float). */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x > -87.f ? x : -87.f, shifter = 12582912.f;
+    const float n = (clamped * 1.44269504088896341f + shifter) - shifter;
+    float r = fmaf(n, -0.693359375f, clamped);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.f;
+    union {
+        int32_t bits;
+        float value;
+    } scale = {((int32_t)n + 127) << 23};
+    return x < -87.f ? 0.f : p * scale.value;
+}
+
+/* The k-th largest of v[n] (k <= n; duplicates counted), by selection on the scratch copy `work`. */
+static float kth_largest_of(const float *v, int64_t n, int64_t k, float *work) {
+    memcpy(work, v, sizeof(float) * n);
+    int64_t low = 0, high = n - 1;
+    const int64_t want = k - 1; /* the index it has in descending order */
+    while (low < high) {
+        const float pivot = work[low + (high - low) / 2];
+        int64_t i = low, j = high;
+        while (i <= j) {
+            while (work[i] > pivot) i++;
+            while (work[j] < pivot) j--;
+            if (i <= j) {
+                const float t = work[i];
+                work[i++] = work[j];
+                work[j--] = t;
+            }
+        }
+        if (want <= j)
+            high = j;
+        else if (want >= i)
+            low = i;
+        else
+            break;
+    }
+    return work[want];
+}
+
+/* One draw of the reference's top-k sampling (diffusers' `_sample_top_k`, mm3.sampling) per song:
+   the logits [songs * r][n] (r = 2: each song's conditional row c, then its unconditional one u,
+   guided as u + (c - u) cfg, in that order of operations; r = 1: c as it is) bounded as
+   nan_to_num bounds them (+-1e9), everything below the k-th largest masked, softmax, renormalized,
+   then the argmax of probability / q over the song's Exponential(1) draws q [n] (`q_stride` floats
+   between songs; the first index of a tie or NaN, as torch's argmax). With `excluded` (n flags, or
+   NULL) those columns are -inf in c and u first; with `gate` only the columns where c is among its
+   k largest are guided, the others -inf (the LM's semantic draw). Up to the rounding of the
+   exponentials and sums, so a draw differs from torch's operations only where two candidates'
+   ratios lie within a few float32 roundings. Returns 0, -1 without scratch, -3 for a NaN logit
+   under `gate` (torch's order of NaNs is not repeated here). */
+__attribute__((optimize("fp-contract=off"))) int mm3_top_k_draw(const float *logits, int64_t songs, int64_t r,
+                                                               int64_t n, float cfg, int64_t top_k,
+                                                               const uint8_t *excluded, int gate, const float *q,
+                                                               int64_t q_stride, int64_t *out) {
+    float *v = malloc(sizeof(float) * 2 * n);
+    if (!v) return -1;
+    float *work = v + n;
+    const int64_t k = top_k < n ? top_k : n;
+    for (int64_t song = 0; song < songs; song++) {
+        const float *c = logits + song * r * n, *u = c + n;
+        float gate_kth = -INFINITY;
+        if (gate) { /* the k-th largest of c, excluded columns -inf */
+            for (int64_t i = 0; i < n; i++) {
+                if (isnan(c[i])) {
+                    free(v);
+                    return -3;
+                }
+                v[i] = excluded && excluded[i] ? -INFINITY : c[i];
+            }
+            gate_kth = kth_largest_of(v, n, k, work);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const int out_of_play = excluded && excluded[i];
+            const float ci = out_of_play ? -INFINITY : c[i];
+            float x = ci;
+            if (r == 2) {
+                const float ui = out_of_play ? -INFINITY : u[i], difference = ci - ui, scaled = difference * cfg;
+                x = ui + scaled;
+            }
+            if ((gate && ci < gate_kth) || out_of_play) x = -INFINITY;
+            v[i] = isnan(x) ? -1e9f : x > 1e9f ? 1e9f : x < -1e9f ? -1e9f : x;
+        }
+        const float kth = kth_largest_of(v, n, k, work);
+        float top = -INFINITY, total = 0.f, renormal = 0.f;
+        for (int64_t i = 0; i < n; i++) top = v[i] >= kth && v[i] > top ? v[i] : top;
+        for (int64_t i = 0; i < n; i++) {
+            work[i] = v[i] >= kth ? exp_nonpositive(v[i] - top) : 0.f;
+            total += work[i];
+        }
+        for (int64_t i = 0; i < n; i++) {
+            work[i] = work[i] / total;
+            renormal += work[i];
+        }
+        renormal = renormal > 1e-12f ? renormal : 1e-12f;
+        const float *draws = q + song * q_stride;
+        for (int64_t i = 0; i < n; i++) work[i] = work[i] / renormal / draws[i];
+        int64_t best = 0;
+        float best_ratio = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            if (isnan(work[i])) {
+                best = i;
+                break;
+            }
+            if (work[i] > best_ratio) best_ratio = work[i], best = i;
+        }
+        out[song] = best;
+    }
+    free(v);
+    return 0;
+}
+
 /* GGUF block types that mm3_dequantize_rows reads (ggml's numbering). */
 enum { TYPE_Q4_0 = 2, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14 };
 
