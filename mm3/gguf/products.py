@@ -24,7 +24,6 @@ wraps the product.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -99,20 +98,20 @@ class PackedProduct:
 
     def __init__(self, kernel: str, packing: Callable[[str], object], out_features: int):
         self.kernel, self.packing, self.out_features = kernel, packing, out_features
-        self.packed = self.call = None
+        self.packed = self.bound = None
 
     def ready(self) -> None:
         if self.packed is None:
-            module = KERNELS[self.kernel]
             self.packed = self.packing(self.kernel)
-            bind = getattr(module, "bind", None)  # the packing checked once, where the kernel can
-            self.call = bind(self.packed, self.out_features) if bind else \
-                functools.partial(module.linear, packed=self.packed, out_features=self.out_features)
+            bind = getattr(KERNELS[self.kernel], "bind", None)  # the packing checked once, where the kernel can
+            self.bound = bind(self.packed, self.out_features) if bind else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.call is None:
+        if self.packed is None:
             self.ready()
-        return self.call(x, bias=bias)
+        if self.bound is not None:
+            return self.bound(x, bias)
+        return KERNELS[self.kernel].linear(x, self.packed, self.out_features, bias)
 
 
 class ByRows:
