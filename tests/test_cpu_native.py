@@ -568,3 +568,52 @@ def test_draws_the_library_does_not_take_are_left_to_torch():
     nan = logits.clone()
     nan[0, 3] = float("nan")
     assert cpu_native.top_k_draw(nan, 2, 1.5, 5, q, gate=True) is None  # torch's order of NaNs is its own
+
+
+@needs_kernel
+def test_the_lms_decode_step_matches_its_torch_path_step_by_step(monkeypatch):
+    """A prefill, then decode steps through the kernel library's one call (norms, rotation, cache
+    write) and torch's attention, against the same layer's torch operations; the caches agree too."""
+    from mm3.models.lm import KVCache, Qwen3Attention
+
+    served = []
+    real = cpu_native.decode_prepare
+    monkeypatch.setattr(cpu_native, "decode_prepare", lambda *a: served.append(real(*a)) or served[-1])
+    torch.manual_seed(0)
+    cfg = {"hidden_size": 64, "head_dim": 16, "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-6}
+    attention = Qwen3Attention(cfg, gguf_ops)
+    for layer in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
+        layer.set_stored("weight", Q.F32, torch.randn(layer.out_features, layer.in_features) / 8)
+    for norm in (attention.q_norm, attention.k_norm):
+        norm.set_stored("weight", Q.F32, torch.rand(16) + 0.5)
+    caches = [KVCache.empty(2, 3, 2, 12, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    for s in (4, 1, 1, 1):
+        x = torch.randn(3, s, 64)
+        angles = (caches[0].length + torch.arange(s))[:, None].float() * inv_freq
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        outs = []
+        for fast, cache in zip((False, True), caches):
+            attention.fast_numerics = fast
+            outs.append(attention(x, cos, sin, cache, 1))
+            cache.advance(s)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-6)
+        assert torch.equal(caches[1].v, caches[0].v)
+    assert len(served) == 3 and all(out is not None for out in served)  # the decode steps were the library's
+
+
+@needs_kernel
+def test_decode_steps_the_library_cannot_take_are_left_to_torch():
+    q, kv = torch.randn(2, 1, 64), torch.randn(2, 1, 32)
+    w, angles = torch.ones(16), torch.zeros(16)
+    cache = torch.zeros(2, 2, 4, 16)
+    args = (w, w, 1e-6, angles, angles)
+    assert cpu_native.decode_prepare(q, kv, kv, *args, cache, cache.clone(), 4) is None  # past the end
+    assert cpu_native.decode_prepare(torch.randn(2, 2, 64), torch.randn(2, 2, 32), torch.randn(2, 2, 32), *args, cache,
+                                     cache.clone(), 0) is None  # two positions: not a decode step
+    assert cpu_native.decode_prepare(q, kv, kv, w, w, 1e-6, torch.zeros(8), angles, cache, cache.clone(),
+                                     0) is None  # angles of another width
+    assert cpu_native.decode_prepare(q.double(), kv, kv, *args, cache, cache.clone(), 0) is None
+    assert torch.equal(cache, torch.zeros(2, 2, 4, 16))

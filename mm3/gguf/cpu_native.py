@@ -184,6 +184,9 @@ def load(path: Path):
                                                                               ctypes.c_void_p, ctypes.c_int64,
                                                                               ctypes.c_void_p]
     lib.mm3_top_k_draw.restype = ctypes.c_int
+    lib.mm3_decode_prepare.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + \
+        [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_void_p]
+    lib.mm3_decode_prepare.restype = ctypes.c_int
     return lib
 
 
@@ -596,6 +599,45 @@ def top_k_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int,
                                 q.stride(0), out.data_ptr())
     if status == -1:
         raise MemoryError(f"the kernel library could not allocate the scratch of a draw over {n} logits")
+    return None if status else out
+
+
+def decode_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                   eps: float, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                   at: int) -> torch.Tensor | None:
+    """One decode position of the LM's attention up to the attention itself, in one call of the
+    kernel library: q [B, 1, heads * D], k and v [B, 1, kv_heads * D] (a product's output) get their
+    heads RMS-normalized (`q_norm`, `k_norm` [D]) and rotated (`cos`, `sin`: the position's D
+    angles); k and v are written into `cache_k`, `cache_v` [B, kv_heads, capacity, D] at position
+    `at`; returns the query heads [B, heads, 1, D] float32 (two dozen small torch operations
+    otherwise; the attention over the cache stays torch's batched products, fast on long songs).
+    None where it does not serve (no library, another dtype, device or layout, tracing)."""
+    small = (q_norm, k_norm, cos, sin)
+    if torch.compiler.is_compiling() or not (q.is_cpu and k.is_cpu and v.is_cpu and cache_k.is_cpu and
+                                             cache_v.is_cpu and all(t.is_cpu for t in small)):
+        return None
+    f32 = torch.float32
+    if not (q.dtype == k.dtype == v.dtype == cache_k.dtype == cache_v.dtype == f32) or \
+            any(t.dtype != f32 or not t.is_contiguous() for t in small) or q.dim() != 3 or k.dim() != 3:
+        return None
+    b, s, width = q.shape
+    if cache_k.dim() != 4 or cache_k.shape != cache_v.shape or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        return None
+    rows, kv_heads, capacity, d = cache_k.shape
+    kv_strides = k.stride()
+    if s != 1 or rows != b or k.shape != (b, 1, kv_heads * d) or v.shape != k.shape or v.stride() != kv_strides or \
+            q.stride(2) != 1 or kv_strides[2] != 1 or width % d or (width // d) % kv_heads or \
+            any(t.numel() != d for t in small) or not 0 <= at < capacity:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    heads = width // d
+    out = torch.empty(b, heads, 1, d)
+    status = lib.mm3_decode_prepare(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), kv_strides[0],
+                                    q_norm.data_ptr(), k_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+                                    cache_k.data_ptr(), cache_v.data_ptr(), b, heads, kv_heads, capacity, at, d,
+                                    out.data_ptr())
     return None if status else out
 
 

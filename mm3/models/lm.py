@@ -186,8 +186,9 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 class Qwen3Attention(nn.Module):
     taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
-    # The fast numerics (set by `set_numerics`): on the CPU a decode step attends by
-    # `one_query_attention` and normalizes by `rms_norm(..., native=True)`.
+    # The fast numerics (set by `set_numerics`): on the CPU a decode step normalizes, rotates and
+    # caches in one call of the kernel library (`cpu_native.decode_prepare`) and attends by
+    # `one_query_attention`; norms are `rms_norm(..., native=True)`.
     fast_numerics = False
 
     def __init__(self, cfg: dict, ops):
@@ -209,6 +210,14 @@ class Qwen3Attention(nn.Module):
         dt, dev = x.dtype, x.device
         q, k, v = self.qkv(x)
         native = self.fast_numerics
+        if native and s == 1 and cache.bucket is None and not self.taps:  # a decode step: one library call
+            rotated = cpu_native.decode_prepare(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
+                                                cache.k[layer], cache.v[layer], cache.length)
+            if rotated is not None:
+                end = cache.length + 1
+                out = one_query_attention(rotated, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], None,
+                                          self.head_dim ** -0.5)
+                return self.o_proj(out.transpose(1, 2).reshape(b, 1, -1))
         q = rms_norm(q.view(b, s, self.heads, self.head_dim), self.q_norm(dt, dev), self.eps, native).transpose(1, 2)
         k = rms_norm(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm(dt, dev), self.eps, native).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, heads, S, head_dim]

@@ -744,6 +744,44 @@ __attribute__((optimize("fp-contract=off"))) int mm3_top_k_draw(const float *log
     return 0;
 }
 
+/* q / sqrt(mean(q^2) + eps) * w (the arithmetic of mm3_rms_norm), then rotated by the position's
+   angles, q cos + rotate_half(q) sin with rotate_half(q) = [-q2, q1] over the two halves, each
+   product rounded before the sum as torch's operations round them; into out[d], d <= 1024. */
+__attribute__((optimize("fp-contract=off"))) static void norm_rotate(const float *q, const float *w, float eps,
+                                                                    const float *cos, const float *sin, int64_t d,
+                                                                    float *out) {
+    float normed[1024];
+    const float scale = 1.f / sqrtf(dot(q, q, d) / (float)d + eps);
+    for (int64_t e = 0; e < d; e++) normed[e] = q[e] * scale * w[e];
+    const int64_t half = d / 2;
+    for (int64_t e = 0; e < d; e++) {
+        const float turned = (e < half ? -normed[e + half] : normed[e - half]) * sin[e], kept = normed[e] * cos[e];
+        out[e] = kept + turned;
+    }
+}
+
+/* One decode position of the LM's attention up to the attention itself, for b rows: q [b][heads * d]
+   and k, v [b][kv_heads * d] (rows `q_stride` and `kv_stride` floats apart: a product's output)
+   have their heads normalized (q_norm, k_norm: RMSNorm weights [d]) and rotated (cos, sin [d]: the
+   position's angles); k and v are written into the caches [b][kv_heads][capacity][d] at position
+   `at`, the query heads into q_out [b][heads][d]. Returns 0, -2 for a head wider than 1024 or odd. */
+int mm3_decode_prepare(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                       const float *q_norm, const float *k_norm, float eps, const float *cos, const float *sin,
+                       float *cache_k, float *cache_v, int64_t b, int64_t heads, int64_t kv_heads, int64_t capacity,
+                       int64_t at, int64_t d, float *q_out) {
+    if (d > 1024 || d % 2) return -2;
+    for (int64_t r = 0; r < b; r++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t to = ((r * kv_heads + h) * capacity + at) * d;
+            norm_rotate(k + r * kv_stride + h * d, k_norm, eps, cos, sin, d, cache_k + to);
+            memcpy(cache_v + to, v + r * kv_stride + h * d, sizeof(float) * d);
+        }
+        for (int64_t h = 0; h < heads; h++)
+            norm_rotate(q + r * q_stride + h * d, q_norm, eps, cos, sin, d, q_out + (r * heads + h) * d);
+    }
+    return 0;
+}
+
 /* GGUF block types that mm3_dequantize_rows reads (ggml's numbering). */
 enum { TYPE_Q4_0 = 2, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14 };
 
