@@ -10,9 +10,11 @@ relative, far below the int4 product's bfloat16 rounding). So its products are
 float32 products up to that rounding, and on a processor that multiplies int16 fast it reads a
 weight about as fast as memory delivers it.
 
-The C file is compiled once per machine with the system's C compiler (`CC`, else `cc`, `gcc` or
-`clang`; `-O3 -march=native`, with OpenMP where the compiler has it) into the cache folder
-(`mm3.cache_dir`), keyed by the source, the compiler and the processor, and loaded with ctypes.
+The C files (`native/`: the products and repacking, `integer_product.c`; a decode step's small
+operations, `decode_steps.c`) are compiled once per machine into one library with the system's C
+compiler (`CC`, else `cc`, `gcc` or `clang`; `-O3 -march=native`, with OpenMP where the compiler
+has it) in the cache folder (`mm3.cache_dir`), keyed by the sources, the compiler and the
+processor, and loaded with ctypes.
 Where there is no compiler, the build fails or its product is wrong on a probe, `available()` is
 False and the other forms serve. It is one candidate form (`native`) that `mm3.cpu_choice`
 times in whole frames beside the others; `MM3_CPU_NATIVE=off` keeps it from being built. The same
@@ -47,7 +49,7 @@ from . import cpu_int4, quants
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "integer_product.c"
+SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("integer_product.c", "decode_steps.c"))
 ENV_SWITCH = "MM3_CPU_NATIVE"
 
 
@@ -137,7 +139,8 @@ def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True) -> Path | None:
         log.info("the C compiler %s does not run (%s): the CPU products use torch's kernels alone", cc, e)
         return None
     flags = (*flags, "-fopenmp") if openmp else tuple(flags)
-    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(),
+    digest = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in SOURCES), version.encode(),
+                                         " ".join(flags).encode(),
                                          _machine().encode()])).hexdigest()[:20]
     out = cache_dir() / "native" / f"integer_product-{digest}.so"
     if out.is_file():
@@ -146,7 +149,7 @@ def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True) -> Path | None:
     handle, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".tmp", dir=out.parent)
     os.close(handle)
     try:
-        done = _run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"])
+        done = _run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"])
         if done.returncode == 0:
             os.replace(tmp, out)
             log.info("built the CPU integer kernel with %s%s", Path(cc).name, "" if openmp else " (one thread)")

@@ -1,0 +1,250 @@
+/* An AR decode step's small operations on the CPU, for mm3.gguf.cpu_native (built into the same
+   library as integer_product.c): in the fast numerics torch runs each as a dozen small operations
+   (the RMSNorm, the depth decoder's attention over its short cache, an LM decode step's q/k norms,
+   rotation and cache write, the guided top-k draws), a few microseconds each in one call here.
+   float32 throughout. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* y = x / sqrt(mean(x^2) + eps) * w over rows of n floats (the RMSNorm of the fast numerics):
+   `outer` groups of `inner` rows, a group's rows side by side, groups `stride` floats apart; y
+   holds the rows contiguously. The squares are summed in 16 float32 lanes. */
+void mm3_rms_norm(const float *x, const float *w, float *y, int64_t outer, int64_t inner, int64_t stride, int64_t n,
+                  float eps) {
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t r = 0; r < inner; r++) {
+            const float *v = x + o * stride + r * n;
+            float *out = y + (o * inner + r) * n;
+            float lanes[16] = {0.f};
+            int64_t j = 0;
+            for (; j + 16 <= n; j += 16)
+                for (int l = 0; l < 16; l++) lanes[l] += v[j + l] * v[j + l];
+            float sum = 0.f;
+            for (int l = 0; l < 16; l++) sum += lanes[l];
+            for (; j < n; j++) sum += v[j] * v[j];
+            const float scale = 1.f / sqrtf(sum / (float)n + eps);
+            for (j = 0; j < n; j++) out[j] = v[j] * scale * w[j];
+        }
+}
+
+/* The sum of a[j] b[j] over n floats, in 16 float32 lanes (the compiler's vectors). */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float lanes[16] = {0.f};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += a[j + l] * b[j + l];
+    float sum = 0.f;
+    for (int l = 0; l < 16; l++) sum += lanes[l];
+    for (; j < n; j++) sum += a[j] * b[j];
+    return sum;
+}
+
+/* Attention of s new positions a row over the positions cached before them and themselves (a
+   decode step of a short sequence): q, k, v [b][s][heads * d] floats (row r's position i at
+   r * row_stride + i * position_stride), k and v first written into the caches [b][kv_heads]
+   [capacity][d] at positions at .. at + s - 1; query head h reads key head h / (heads /
+   kv_heads); out [b][s][heads * d]. Scores, softmax and sums in float32. Returns 0, -1 where the
+   scores of a longer sequence than SHORT cannot be allocated. */
+#define SHORT 256
+int mm3_attend(const float *q, const float *k, const float *v, int64_t row_stride, int64_t position_stride,
+               float *cache_k, float *cache_v, int64_t b, int64_t s, int64_t heads, int64_t kv_heads,
+               int64_t capacity, int64_t at, int64_t d, float scale, float *out) {
+    float short_scores[SHORT], *scores = at + s <= SHORT ? short_scores : malloc(sizeof(float) * (at + s));
+    if (!scores) return -1;
+    for (int64_t r = 0; r < b; r++)
+        for (int64_t i = 0; i < s; i++)
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const int64_t from = r * row_stride + i * position_stride + h * d;
+                const int64_t to = ((r * kv_heads + h) * capacity + at + i) * d;
+                memcpy(cache_k + to, k + from, sizeof(float) * d);
+                memcpy(cache_v + to, v + from, sizeof(float) * d);
+            }
+    const int64_t group = heads / kv_heads;
+    for (int64_t r = 0; r < b; r++)
+        for (int64_t i = 0; i < s; i++)
+            for (int64_t h = 0; h < heads; h++) {
+                const float *query = q + r * row_stride + i * position_stride + h * d;
+                const float *keys = cache_k + (r * kv_heads + h / group) * capacity * d;
+                const float *values = cache_v + (r * kv_heads + h / group) * capacity * d;
+                const int64_t length = at + i + 1;
+                float top = -INFINITY, total = 0.f;
+                for (int64_t j = 0; j < length; j++) {
+                    scores[j] = dot(query, keys + j * d, d) * scale;
+                    top = fmaxf(top, scores[j]);
+                }
+                for (int64_t j = 0; j < length; j++) {
+                    scores[j] = expf(scores[j] - top);
+                    total += scores[j];
+                }
+                float *o = out + (r * s + i) * heads * d + h * d;
+                for (int64_t e = 0; e < d; e++) o[e] = 0.f;
+                for (int64_t j = 0; j < length; j++) {
+                    const float p = scores[j] / total;
+                    const float *value = values + j * d;
+                    for (int64_t e = 0; e < d; e++) o[e] += p * value[e];
+                }
+            }
+    if (scores != short_scores) free(scores);
+    return 0;
+}
+
+/* e^x for x <= 0 to about a float32 ulp, written so a loop of them vectorizes (the C library's
+   expf is a call a value): Cody-Waite reduction by ln 2 (the multiple rounded by adding 1.5 2^23),
+   Cephes' polynomial, 2^n by the exponent bits; 0 below -87 (under the smallest normal float). */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x > -87.f ? x : -87.f, shifter = 12582912.f;
+    const float n = (clamped * 1.44269504088896341f + shifter) - shifter;
+    float r = fmaf(n, -0.693359375f, clamped);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.f;
+    union {
+        int32_t bits;
+        float value;
+    } scale = {((int32_t)n + 127) << 23};
+    return x < -87.f ? 0.f : p * scale.value;
+}
+
+/* The k-th largest of v[n] (k <= n; duplicates counted), by selection on the scratch copy `work`. */
+static float kth_largest_of(const float *v, int64_t n, int64_t k, float *work) {
+    memcpy(work, v, sizeof(float) * n);
+    int64_t low = 0, high = n - 1;
+    const int64_t want = k - 1; /* the index it has in descending order */
+    while (low < high) {
+        const float pivot = work[low + (high - low) / 2];
+        int64_t i = low, j = high;
+        while (i <= j) {
+            while (work[i] > pivot) i++;
+            while (work[j] < pivot) j--;
+            if (i <= j) {
+                const float t = work[i];
+                work[i++] = work[j];
+                work[j--] = t;
+            }
+        }
+        if (want <= j)
+            high = j;
+        else if (want >= i)
+            low = i;
+        else
+            break;
+    }
+    return work[want];
+}
+
+/* One draw of the reference's top-k sampling (diffusers' `_sample_top_k`, mm3.sampling) per song:
+   the logits [songs * r][n] (r = 2: each song's conditional row c, then its unconditional one u,
+   guided as u + (c - u) cfg, in that order of operations; r = 1: c as it is) bounded as
+   nan_to_num bounds them (+-1e9), everything below the k-th largest masked, softmax, renormalized,
+   then the argmax of probability / q over the song's Exponential(1) draws q [n] (`q_stride` floats
+   between songs; the first index of a tie or NaN, as torch's argmax). With `excluded` (n flags, or
+   NULL) those columns are -inf in c and u first; with `gate` only the columns where c is among its
+   k largest are guided, the others -inf (the LM's semantic draw). Up to the rounding of the
+   exponentials and sums, so a draw differs from torch's operations only where two candidates'
+   ratios lie within a few float32 roundings. Returns 0, -1 without scratch, -3 for a NaN logit
+   under `gate` (torch's order of NaNs is not repeated here). */
+__attribute__((optimize("fp-contract=off"))) int mm3_top_k_draw(const float *logits, int64_t songs, int64_t r,
+                                                               int64_t n, float cfg, int64_t top_k,
+                                                               const uint8_t *excluded, int gate, const float *q,
+                                                               int64_t q_stride, int64_t *out) {
+    float *v = malloc(sizeof(float) * 2 * n);
+    if (!v) return -1;
+    float *work = v + n;
+    const int64_t k = top_k < n ? top_k : n;
+    for (int64_t song = 0; song < songs; song++) {
+        const float *c = logits + song * r * n, *u = c + n;
+        float gate_kth = -INFINITY;
+        if (gate) { /* the k-th largest of c, excluded columns -inf */
+            for (int64_t i = 0; i < n; i++) {
+                if (isnan(c[i])) {
+                    free(v);
+                    return -3;
+                }
+                v[i] = excluded && excluded[i] ? -INFINITY : c[i];
+            }
+            gate_kth = kth_largest_of(v, n, k, work);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const int out_of_play = excluded && excluded[i];
+            const float ci = out_of_play ? -INFINITY : c[i];
+            float x = ci;
+            if (r == 2) {
+                const float ui = out_of_play ? -INFINITY : u[i], difference = ci - ui, scaled = difference * cfg;
+                x = ui + scaled;
+            }
+            if ((gate && ci < gate_kth) || out_of_play) x = -INFINITY;
+            v[i] = isnan(x) ? -1e9f : x > 1e9f ? 1e9f : x < -1e9f ? -1e9f : x;
+        }
+        const float kth = kth_largest_of(v, n, k, work);
+        float top = -INFINITY, total = 0.f, renormal = 0.f;
+        for (int64_t i = 0; i < n; i++) top = v[i] >= kth && v[i] > top ? v[i] : top;
+        for (int64_t i = 0; i < n; i++) {
+            work[i] = v[i] >= kth ? exp_nonpositive(v[i] - top) : 0.f;
+            total += work[i];
+        }
+        for (int64_t i = 0; i < n; i++) {
+            work[i] = work[i] / total;
+            renormal += work[i];
+        }
+        renormal = renormal > 1e-12f ? renormal : 1e-12f;
+        const float *draws = q + song * q_stride;
+        for (int64_t i = 0; i < n; i++) work[i] = work[i] / renormal / draws[i];
+        int64_t best = 0;
+        float best_ratio = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            if (isnan(work[i])) {
+                best = i;
+                break;
+            }
+            if (work[i] > best_ratio) best_ratio = work[i], best = i;
+        }
+        out[song] = best;
+    }
+    free(v);
+    return 0;
+}
+
+/* q / sqrt(mean(q^2) + eps) * w (the arithmetic of mm3_rms_norm), then rotated by the position's
+   angles, q cos + rotate_half(q) sin with rotate_half(q) = [-q2, q1] over the two halves, each
+   product rounded before the sum as torch's operations round them; into out[d], d <= 1024. */
+__attribute__((optimize("fp-contract=off"))) static void norm_rotate(const float *q, const float *w, float eps,
+                                                                    const float *cos, const float *sin, int64_t d,
+                                                                    float *out) {
+    float normed[1024];
+    const float scale = 1.f / sqrtf(dot(q, q, d) / (float)d + eps);
+    for (int64_t e = 0; e < d; e++) normed[e] = q[e] * scale * w[e];
+    const int64_t half = d / 2;
+    for (int64_t e = 0; e < d; e++) {
+        const float turned = (e < half ? -normed[e + half] : normed[e - half]) * sin[e], kept = normed[e] * cos[e];
+        out[e] = kept + turned;
+    }
+}
+
+/* One decode position of the LM's attention up to the attention itself, for b rows: q [b][heads * d]
+   and k, v [b][kv_heads * d] (rows `q_stride` and `kv_stride` floats apart: a product's output)
+   have their heads normalized (q_norm, k_norm: RMSNorm weights [d]) and rotated (cos, sin [d]: the
+   position's angles); k and v are written into the caches [b][kv_heads][capacity][d] at position
+   `at`, the query heads into q_out [b][heads][d]. Returns 0, -2 for a head wider than 1024 or odd. */
+int mm3_decode_prepare(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                       const float *q_norm, const float *k_norm, float eps, const float *cos, const float *sin,
+                       float *cache_k, float *cache_v, int64_t b, int64_t heads, int64_t kv_heads, int64_t capacity,
+                       int64_t at, int64_t d, float *q_out) {
+    if (d > 1024 || d % 2) return -2;
+    for (int64_t r = 0; r < b; r++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t to = ((r * kv_heads + h) * capacity + at) * d;
+            norm_rotate(k + r * kv_stride + h * d, k_norm, eps, cos, sin, d, cache_k + to);
+            memcpy(cache_v + to, v + r * kv_stride + h * d, sizeof(float) * d);
+        }
+        for (int64_t h = 0; h < heads; h++)
+            norm_rotate(q + r * q_stride + h * d, q_norm, eps, cos, sin, d, q_out + (r * heads + h) * d);
+    }
+    return 0;
+}
