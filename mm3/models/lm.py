@@ -122,11 +122,11 @@ class KVCache:
 
     def attended(self, layer: int, s: int):
         """(keys, values, mask, is_causal) for `s` new positions after `length` filled ones."""
-        start, end = self.length, self.length + s
-        if s == 1 and self.bucket is not None:
+        if s == 1 and self.bucket is not None:  # before `length` is read: a compiled step must not guard on it
             n = self.bucket
             mask = (torch.arange(n, device=self.pos.device) <= self.pos)[None, None, None]  # [1, 1, 1, n]
             return self.k[layer, :, :, :n], self.v[layer, :, :, :n], mask, False
+        start, end = self.length, self.length + s
         mask = None
         if start > 0 and s > 1:  # a chunk after cached positions: causal within, all before
             dev = self.k.device
