@@ -24,7 +24,7 @@ from .codes import AudioCodes
 from .constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
 from .device import ar_weight_budget, keeps_ar_copies, model_device
 from .errors import RunError
-from .gguf import cpu_native
+from .gguf import cpu_steps
 from .gguf.kernels import indexed_device
 from .gguf.ops import choose_products
 from .gguf.weight_copies import cache_dequantized, dequantized_nbytes, release_dequantized
@@ -108,7 +108,7 @@ class FrameSampler:
         self.ncb = depth.num_codebooks
         # The reference re-runs the depth decoder over the whole sequence at every step.
         self.depth_cache = None if depth.numerics == "reference" else depth.new_cache(rows, dtype, device)
-        # The fast numerics' draws on the CPU: the kernel library's one call each (`cpu_native.top_k_draw`).
+        # The fast numerics' draws on the CPU: the kernel library's one call each (`cpu_steps.top_k_draw`).
         self.library_draws = depth.numerics == "fast"
         self.last = torch.zeros(rows, lm.hidden_size, dtype=dtype, device=device)
         self.shaper = None
@@ -126,7 +126,7 @@ class FrameSampler:
         logits = self.lm.head(self.last).float()  # [rows, C]
         mask, shaper = self.not_candidate, self.shaper
         if self.library_draws and shaper is None:
-            token = cpu_native.top_k_draw(logits, self.r, self.cfg, self.top_k, q_sem, mask, gate=True)
+            token = cpu_steps.top_k_draw(logits, self.r, self.cfg, self.top_k, q_sem, mask, gate=True)
             if token is not None:
                 return token + self.head_start
         c, u = (logits[0::2], logits[1::2]) if self.r == 2 else (logits, logits)
@@ -171,7 +171,7 @@ class FrameSampler:
             h = self._depth(x, seq)  # [rows, H]
             hiddens.append(h[0::r])
             lg = depth.audio_heads[j - 1](h).float()  # [rows, audio_vocab]
-            code = cpu_native.top_k_draw(lg, r, self.cfg, self.top_k, q_dep[:, j - 1]) if self.library_draws else None
+            code = cpu_steps.top_k_draw(lg, r, self.cfg, self.top_k, q_dep[:, j - 1]) if self.library_draws else None
             if code is None:
                 guided = guide(lg[0::2], lg[1::2], self.cfg) if r == 2 else lg
                 code = draw(top_k_probs(guided, self.top_k), q_dep[:, j - 1])  # [songs]

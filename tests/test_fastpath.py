@@ -19,7 +19,7 @@ from mm3 import device as budget
 from mm3.ar import PlanSettings, ZeroFramesError, plan
 from mm3.opener import open_component
 from mm3.flow import encode_conditions, sample_latents
-from mm3.gguf import cpu_native
+from mm3.gguf import cpu_native, cpu_steps
 from mm3.gguf import ops as gguf_ops
 from mm3.gguf import weight_copies
 from mm3.gguf.encode import quantize
@@ -429,8 +429,8 @@ def test_the_fast_models_norm_through_the_kernel_library(tiny_ar, monkeypatch):
     """Every RMSNorm of the LM and depth decoder in the fast numerics on the CPU is one call of the
     kernel library; the reference numerics keep torch's."""
     calls = []
-    real = cpu_native.rms_norm
-    monkeypatch.setattr(cpu_native, "rms_norm", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = cpu_steps.rms_norm
+    monkeypatch.setattr(cpu_steps, "rms_norm", lambda *a: calls.append(a[0].shape) or real(*a))
     for lm, depth, expected in ((tiny_ar.lm, tiny_ar.depth, True), (tiny_ar.lm_ref, tiny_ar.depth_ref, False)):
         calls.clear()
         lm(torch.randn(2, 3, lm.hidden_size), lm.new_cache(2, 8, torch.float32, "cpu"))

@@ -28,7 +28,7 @@ LAYERS = (
     ("formats", ("mm3.formats", "mm3.gguf", "mm3.gguf.errors", "mm3.gguf.reader", "mm3.gguf.writer",
                  "mm3.gguf.quants", "mm3.gguf.encode", "mm3.fingerprint", "mm3.lora")),
     ("numerics", ("mm3.matmul", "mm3.cpu_bf16", "mm3.device", "mm3.gguf.kernels", "mm3.gguf.triton_gguf",
-                  "mm3.gguf.cpu_int4", "mm3.gguf.cpu_native", "mm3.gguf.cpu_forms", "mm3.gguf.custom_ops", "mm3.gguf.device_layout", "mm3.gguf.kernel_choice", "mm3.gguf.kernel_report", "mm3.gguf.layout_kernels",
+                  "mm3.gguf.cpu_int4", "mm3.gguf.cpu_native", "mm3.gguf.cpu_steps", "mm3.gguf.cpu_forms", "mm3.gguf.custom_ops", "mm3.gguf.device_layout", "mm3.gguf.kernel_choice", "mm3.gguf.kernel_report", "mm3.gguf.layout_kernels",
                   "mm3.gguf.layout_triton", "mm3.gguf.placement", "mm3.gguf.ops", "mm3.gguf.products", "mm3.gguf.weight_copies", "mm3.sampling",
                   "mm3.shaping")),
     ("table", ("mm3.components",)),

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from ..matmul import CPU_SCRATCH
-from . import cpu_int4, cpu_native, custom_ops, placement, products
+from . import cpu_int4, cpu_native, cpu_steps, custom_ops, placement, products
 from .errors import ComponentError
 from .kernels import indexed_device
 from .reader import CompressedTensor
@@ -559,7 +559,7 @@ class Embedding(WeightSlots):
         if qtype in FLOAT_TYPES:
             rows = F.embedding(at, table).to(dtype)
         else:
-            rows = cpu_native.lookup(table, qtype, at, self.embedding_dim)  # few rows in one call
+            rows = cpu_steps.lookup(table, qtype, at, self.embedding_dim)  # few rows in one call
             if rows is not None:
                 rows = rows.to(dtype).view(*at.shape, -1)
             else:

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gguf import cpu_native
+from ..gguf import cpu_steps
 from ..gguf import ops as default_ops
 from ..gguf.ops import Fused, load_tensors
 from .lm import rms_norm, set_numerics
@@ -42,7 +42,7 @@ class DepthAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.qkv(x)
         if cache is not None and self.fast_numerics:
-            out = cpu_native.attend(q, k, v, cache.k[layer], cache.v[layer], cache.length, self.head_dim ** -0.5)
+            out = cpu_steps.attend(q, k, v, cache.k[layer], cache.v[layer], cache.length, self.head_dim ** -0.5)
             if out is not None:
                 return self.to_out(out)
         q, k, v = self._split(q), self._split(k), self._split(v)

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gguf import cpu_native
+from ..gguf import cpu_steps
 from ..gguf import ops as default_ops
 from ..gguf.errors import ComponentError
 from ..gguf.ops import Fused, Linear, fused_layers, load_tensors
@@ -29,7 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = F
     with `native` (the fast numerics) the kernel library's one call where it serves (up to the float
     rounding of the sum: torch's call is a dozen small operations)."""
     if native:
-        y = cpu_native.rms_norm(x, weight, eps)
+        y = cpu_steps.rms_norm(x, weight, eps)
         if y is not None:
             return y
     if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
@@ -187,7 +187,7 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 class Qwen3Attention(nn.Module):
     taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
     # The fast numerics (set by `set_numerics`): on the CPU a decode step normalizes, rotates and
-    # caches in one call of the kernel library (`cpu_native.decode_prepare`) and attends by
+    # caches in one call of the kernel library (`cpu_steps.decode_prepare`) and attends by
     # `one_query_attention`; norms are `rms_norm(..., native=True)`.
     fast_numerics = False
 
@@ -211,7 +211,7 @@ class Qwen3Attention(nn.Module):
         q, k, v = self.qkv(x)
         native = self.fast_numerics
         if native and s == 1 and cache.bucket is None and not self.taps:  # a decode step: one library call
-            rotated = cpu_native.decode_prepare(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
+            rotated = cpu_steps.decode_prepare(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
                                                 cache.k[layer], cache.v[layer], cache.length)
             if rotated is not None:
                 end = cache.length + 1

@@ -8,27 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* y = x / sqrt(mean(x^2) + eps) * w over rows of n floats (the RMSNorm of the fast numerics):
-   `outer` groups of `inner` rows, a group's rows side by side, groups `stride` floats apart; y
-   holds the rows contiguously. The squares are summed in 16 float32 lanes. */
-void mm3_rms_norm(const float *x, const float *w, float *y, int64_t outer, int64_t inner, int64_t stride, int64_t n,
-                  float eps) {
-    for (int64_t o = 0; o < outer; o++)
-        for (int64_t r = 0; r < inner; r++) {
-            const float *v = x + o * stride + r * n;
-            float *out = y + (o * inner + r) * n;
-            float lanes[16] = {0.f};
-            int64_t j = 0;
-            for (; j + 16 <= n; j += 16)
-                for (int l = 0; l < 16; l++) lanes[l] += v[j + l] * v[j + l];
-            float sum = 0.f;
-            for (int l = 0; l < 16; l++) sum += lanes[l];
-            for (; j < n; j++) sum += v[j] * v[j];
-            const float scale = 1.f / sqrtf(sum / (float)n + eps);
-            for (j = 0; j < n; j++) out[j] = v[j] * scale * w[j];
-        }
-}
-
 /* The sum of a[j] b[j] over n floats, in 16 float32 lanes (the compiler's vectors). */
 static inline float dot(const float *a, const float *b, int64_t n) {
     float lanes[16] = {0.f};
@@ -39,6 +18,21 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     for (int l = 0; l < 16; l++) sum += lanes[l];
     for (; j < n; j++) sum += a[j] * b[j];
     return sum;
+}
+
+/* out = v / sqrt(mean(v^2) + eps) * w over one row of n floats. */
+static inline void rms_row(const float *v, const float *w, float *out, int64_t n, float eps) {
+    const float scale = 1.f / sqrtf(dot(v, v, n) / (float)n + eps);
+    for (int64_t j = 0; j < n; j++) out[j] = v[j] * scale * w[j];
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w over rows of n floats (the RMSNorm of the fast numerics):
+   `outer` groups of `inner` rows, a group's rows side by side, groups `stride` floats apart; y
+   holds the rows contiguously. */
+void mm3_rms_norm(const float *x, const float *w, float *y, int64_t outer, int64_t inner, int64_t stride, int64_t n,
+                  float eps) {
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t r = 0; r < inner; r++) rms_row(x + o * stride + r * n, w, y + (o * inner + r) * n, n, eps);
 }
 
 /* Attention of s new positions a row over the positions cached before them and themselves (a
@@ -211,15 +205,14 @@ __attribute__((optimize("fp-contract=off"))) int mm3_top_k_draw(const float *log
     return 0;
 }
 
-/* q / sqrt(mean(q^2) + eps) * w (the arithmetic of mm3_rms_norm), then rotated by the position's
+/* q / sqrt(mean(q^2) + eps) * w (mm3_rms_norm's row), then rotated by the position's
    angles, q cos + rotate_half(q) sin with rotate_half(q) = [-q2, q1] over the two halves, each
    product rounded before the sum as torch's operations round them; into out[d], d <= 1024. */
 __attribute__((optimize("fp-contract=off"))) static void norm_rotate(const float *q, const float *w, float eps,
                                                                     const float *cos, const float *sin, int64_t d,
                                                                     float *out) {
     float normed[1024];
-    const float scale = 1.f / sqrtf(dot(q, q, d) / (float)d + eps);
-    for (int64_t e = 0; e < d; e++) normed[e] = q[e] * scale * w[e];
+    rms_row(q, w, normed, d, eps);
     const int64_t half = d / 2;
     for (int64_t e = 0; e < d; e++) {
         const float turned = (e < half ? -normed[e + half] : normed[e - half]) * sin[e], kept = normed[e] * cos[e];

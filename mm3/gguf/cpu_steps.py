@@ -1,0 +1,177 @@
+"""An AR decode step's small operations in one call each of the CPU kernel library
+(`mm3.gguf.cpu_native`), where torch runs each as a dozen small operations: the fast numerics'
+RMSNorm (`rms_norm`), an embedding lookup's few quantized rows (`lookup`), the depth decoder's
+attention over its short cache (`attend`), an LM decode step's q/k norms, rotation and cache write
+(`decode_prepare`) and the guided top-k draws (`top_k_draw`). Each returns None where it does not
+serve (no library, another dtype, device or layout, tracing), checked before the library is looked
+up, and the caller's torch operations run instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from . import cpu_native
+
+
+def _row_groups(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """How `mm3_rms_norm` reads x's rows: (groups, rows a group, floats between groups), for a
+    contiguous x or one whose last two dimensions are (as a head view of a fused product's output:
+    [B, S, heads, D] of a wider row); None for other layouts."""
+    n = x.shape[-1]
+    if x.is_contiguous():
+        return x.numel() // max(n, 1), 1, n
+    if x.dim() != 4 or x.stride(-1) != 1 or x.stride(-2) != n:
+        return None
+    b, s, inner = x.shape[0], x.shape[1], x.shape[2]
+    if s == 1 or b == 1:
+        return b * s, inner, x.stride(0) if s == 1 else x.stride(1)
+    return (b * s, inner, x.stride(1)) if x.stride(0) == s * x.stride(1) else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of x's rows times `weight` in one call of the kernel library (float32 on the CPU;
+    a float32 sum in another order than torch's, so not the reference's bit for bit), or None where
+    it cannot serve: no library, another dtype or device, a row layout it does not read."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or \
+            weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous() or \
+            weight.numel() != x.shape[-1]:
+        return None  # checked first: the library is built or loaded only where it can serve
+    groups = _row_groups(x)
+    lib = cpu_native.library()
+    if groups is None or lib is None:
+        return None
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    lib.mm3_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), *groups, x.shape[-1], eps)
+    return y
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+           at: int, scale: float) -> torch.Tensor | None:
+    """Attention of the new positions q, k, v [B, S, heads * D] (views of one buffer: the same
+    strides) over a short cache's positions before them and themselves, in one call of the kernel
+    library: k and v written into `cache_k`, `cache_v` [B, kv_heads, capacity, D] at positions
+    at .. at + S - 1 first -> [B, S, heads * D] float32. A decode step of the depth decoder is a
+    dozen small torch operations for a few thousand multiply-adds. None where it does not serve
+    (no library, another dtype, device or layout, tracing)."""
+    f32 = torch.float32
+    if torch.compiler.is_compiling() or not (q.is_cpu and k.is_cpu and v.is_cpu and cache_k.is_cpu and cache_v.is_cpu) \
+            or not (q.dtype == k.dtype == v.dtype == cache_k.dtype == cache_v.dtype == f32) or q.dim() != 3:
+        return None
+    b, s, width = q.shape
+    strides, rows_k = q.stride(), k.shape
+    if rows_k != v.shape or rows_k[:2] != (b, s) or k.stride() != strides or v.stride() != strides or \
+            strides[2] != 1 or cache_k.dim() != 4 or cache_k.shape != cache_v.shape or \
+            not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        return None
+    rows, kv_heads, capacity, d = cache_k.shape
+    if rows != b or rows_k[2] != kv_heads * d or width % d or (width // d) % kv_heads or not 0 <= at <= capacity - s:
+        return None
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    out = torch.empty(b, s, width)
+    if lib.mm3_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1], cache_k.data_ptr(),
+                      cache_v.data_ptr(), b, s, width // d, kv_heads, capacity, at, d, scale, out.data_ptr()):
+        raise MemoryError(f"the kernel library could not allocate the scores of {at + s} positions")
+    return out
+
+
+def top_k_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int, q: torch.Tensor,
+               excluded: torch.Tensor | None = None, gate: bool = False) -> torch.Tensor | None:
+    """The reference's guided top-k draw (`mm3.sampling`: `guide`, `top_k_probs`, `draw`) in one
+    call of the kernel library: logits [songs * rows_per_song, N] (each song's conditional row,
+    then with 2 rows its unconditional one), q [songs, N] its Exponential(1) draws -> [songs]
+    int64. `excluded` [N] bool: columns -inf first; `gate`: only columns where the conditional
+    logit is among its top_k largest are guided (the LM's semantic draw). The same index as torch's
+    operations except where two candidates' ratios lie within a few float32 roundings (its
+    exponentials and sums round differently); a dozen small operations otherwise, several a frame.
+    None where it does not serve (another dtype, device or layout, tracing, no library, a NaN
+    logit under `gate`)."""
+    if torch.compiler.is_compiling() or not (logits.is_cpu and q.is_cpu) or logits.dtype != torch.float32 or \
+            q.dtype != torch.float32 or logits.dim() != 2 or q.dim() != 2 or rows_per_song not in (1, 2):
+        return None
+    rows, n = logits.shape
+    songs = rows // rows_per_song
+    if not logits.is_contiguous() or rows != songs * rows_per_song or q.shape != (songs, n) or q.stride(1) != 1 or \
+            not 1 <= top_k or not n:
+        return None
+    if excluded is not None and (not excluded.is_cpu or excluded.dtype != torch.bool or excluded.shape != (n,) or
+                                 not excluded.is_contiguous()):
+        return None
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    out = torch.empty(songs, dtype=torch.int64)
+    status = lib.mm3_top_k_draw(logits.data_ptr(), songs, rows_per_song, n, cfg, top_k,
+                                None if excluded is None else excluded.data_ptr(), int(gate), q.data_ptr(),
+                                q.stride(0), out.data_ptr())
+    if status == -1:
+        raise MemoryError(f"the kernel library could not allocate the scratch of a draw over {n} logits")
+    return None if status else out
+
+
+def decode_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                   eps: float, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                   at: int) -> torch.Tensor | None:
+    """One decode position of the LM's attention up to the attention itself, in one call of the
+    kernel library: q [B, 1, heads * D], k and v [B, 1, kv_heads * D] (a product's output) get their
+    heads RMS-normalized (`q_norm`, `k_norm` [D]) and rotated (`cos`, `sin`: the position's D
+    angles); k and v are written into `cache_k`, `cache_v` [B, kv_heads, capacity, D] at position
+    `at`; returns the query heads [B, heads, 1, D] float32 (two dozen small torch operations
+    otherwise; the attention over the cache stays torch's batched products, fast on long songs).
+    None where it does not serve (no library, another dtype, device or layout, tracing)."""
+    small = (q_norm, k_norm, cos, sin)
+    if torch.compiler.is_compiling() or not (q.is_cpu and k.is_cpu and v.is_cpu and cache_k.is_cpu and
+                                             cache_v.is_cpu and all(t.is_cpu for t in small)):
+        return None
+    f32 = torch.float32
+    if not (q.dtype == k.dtype == v.dtype == cache_k.dtype == cache_v.dtype == f32) or \
+            any(t.dtype != f32 or not t.is_contiguous() for t in small) or q.dim() != 3 or k.dim() != 3:
+        return None
+    b, s, width = q.shape
+    if cache_k.dim() != 4 or cache_k.shape != cache_v.shape or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        return None
+    rows, kv_heads, capacity, d = cache_k.shape
+    kv_strides = k.stride()
+    if s != 1 or rows != b or k.shape != (b, 1, kv_heads * d) or v.shape != k.shape or v.stride() != kv_strides or \
+            q.stride(2) != 1 or kv_strides[2] != 1 or width % d or (width // d) % kv_heads or \
+            any(t.numel() != d for t in small) or not 0 <= at < capacity:
+        return None
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    heads = width // d
+    out = torch.empty(b, heads, 1, d)
+    status = lib.mm3_decode_prepare(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), kv_strides[0],
+                                    q_norm.data_ptr(), k_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+                                    cache_k.data_ptr(), cache_v.data_ptr(), b, heads, kv_heads, capacity, at, d,
+                                    out.data_ptr())
+    return None if status else out
+
+
+ROW_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)  # what `lookup` dequantizes
+
+
+def lookup(table: torch.Tensor, qtype: QT, ids: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Rows `ids` of a table of GGUF block rows [rows, row bytes] (uint8, on the CPU) as float32
+    [ids.numel(), k], in one call of the kernel library: bit for bit `mm3.gguf.quants`'
+    dequantization, which takes a hundred microseconds of small operations for the few rows of an
+    AR step's lookup. None where it does not serve (no library, another type or layout, tracing);
+    an id outside the table is an IndexError, as indexing would raise."""
+    if torch.compiler.is_compiling() or qtype not in ROW_TYPES or table.dtype != torch.uint8 or table.dim() != 2 or \
+            table.device.type != "cpu" or not table.is_contiguous() or ids.is_floating_point() or ids.is_complex():
+        return None
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    at = ids.reshape(-1)
+    if at.dtype != torch.int64 or not at.is_contiguous() or at.device.type != "cpu":
+        at = at.to(device="cpu", dtype=torch.int64).contiguous()
+    y = torch.empty(at.numel(), k)
+    status = lib.mm3_dequantize_rows(table.data_ptr(), int(qtype), table.shape[0], table.shape[1], k,
+                                     at.data_ptr(), at.numel(), y.data_ptr())
+    if status == -3:
+        raise IndexError(f"an embedding id is outside the table's {table.shape[0]} rows")
+    return None if status else y

@@ -1,0 +1,260 @@
+"""An AR decode step's small operations in the kernel library (`mm3.gguf.cpu_steps`): each against
+torch's operations (bit for bit where the library promises it, else up to rounding), in the layers
+that use them, and left to torch where the library cannot serve (no library looked up)."""
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mm3.bench.random_models import random_tensor
+from mm3.gguf import cpu_native, cpu_steps
+from mm3.gguf import ops as gguf_ops
+
+Q = gguf.GGMLQuantizationType
+needs_kernel = pytest.mark.skipif(not cpu_native.available(),
+                                  reason="the native integer kernel cannot be built here (no C compiler, or not x86-64)")
+
+
+@needs_kernel
+def test_the_kernels_rms_norm_is_torchs_up_to_rounding():
+    """Rows contiguous or the heads of a wider row (q and k of the fused q/k/v product), one row a
+    position or many; a layout it does not read is left to torch (None)."""
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(3, 5, 1536, generator=g) * 7
+    w = torch.randn(128, generator=g)
+    cases = [torch.randn(2, 1, 1024, generator=g), torch.randn(2, 173, 1000, generator=g),
+             wide[:, :, :1024].view(3, 5, 8, 128), wide[:1, :, 256:512].view(1, 5, 2, 128),
+             wide[:, :1, 1024:].reshape(3, 1, 512)[:, :, :256].view(3, 1, 2, 128)]
+    for x in cases:
+        weight = torch.randn(x.shape[-1], generator=g)
+        want = F.rms_norm(x, (x.shape[-1],), weight, 1e-6)
+        got = cpu_steps.rms_norm(x, weight, 1e-6)
+        assert got.shape == x.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert cpu_steps.rms_norm(wide.transpose(0, 1)[..., :1024].reshape(5, 3, 8, 128)[:, :, ::2], w, 1e-6) is None
+    assert cpu_steps.rms_norm(torch.randn(2, 128, dtype=torch.bfloat16), w, 1e-6) is None
+
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", cpu_steps.ROW_TYPES, ids=lambda t: t.name)
+def test_an_embedding_lookup_is_gguf_pys_dequantization_bit_for_bit(qtype):
+    n, k = 60, 512
+    raw = torch.from_numpy(random_tensor("w", (n, k), qtype, torch.Generator().manual_seed(3))).reshape(n, -1)
+    values = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype).reshape(n, k))
+    ids = torch.tensor([[59, 0, 17], [17, 3, 41]])
+    assert torch.equal(cpu_steps.lookup(raw, qtype, ids, k), values[ids.reshape(-1)])
+    layer = gguf_ops.Embedding(n, k)
+    layer.set_stored("weight", qtype, raw)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(layer.lookup(ids, dtype), values[ids].to(dtype))
+    with pytest.raises(IndexError, match="outside the table's 60 rows"):
+        layer.lookup(torch.tensor([60]), torch.float32)
+
+
+def test_an_embedding_of_a_type_the_library_does_not_read_is_dequantized_by_torch():
+    n, k = 20, 256
+    raw = torch.from_numpy(random_tensor("w", (n, k), Q.Q3_K, torch.Generator().manual_seed(4))).reshape(n, -1)
+    assert cpu_steps.lookup(raw, Q.Q3_K, torch.tensor([1]), k) is None
+    layer = gguf_ops.Embedding(n, k)
+    layer.set_stored("weight", Q.Q3_K, raw)
+    values = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.Q3_K).reshape(n, k))
+    ids = torch.tensor([[2, 19]])
+    assert torch.equal(layer.lookup(ids, torch.float32), values[ids])
+
+
+def test_the_library_is_not_loaded_for_what_it_cannot_serve(monkeypatch):
+    """A norm or lookup on another device, or traced by torch.compile, is torch's: the library is
+    neither built nor loaded for it (its lock would break a compiled graph)."""
+    monkeypatch.setattr(cpu_native, "_LIBRARY", [])
+    monkeypatch.setattr(cpu_native, "library", lambda: pytest.fail("the library was looked up"))
+    x, w = torch.empty(2, 1, 64, device="meta"), torch.empty(64, device="meta")
+    assert cpu_steps.rms_norm(x, w, 1e-6) is None
+    assert cpu_steps.lookup(torch.empty(4, 34, dtype=torch.uint8, device="meta"), Q.Q8_0, torch.tensor([1]), 32) is None
+    assert cpu_steps.lookup(torch.zeros(4, 34, dtype=torch.uint8), Q.Q8_0, torch.tensor([1.0]), 32) is None
+    assert cpu_steps.attend(x, x, x, torch.empty(2, 1, 4, 64, device="meta"), torch.empty(2, 1, 4, 64, device="meta"),
+                             0, 0.125) is None
+
+    from mm3.models.lm import rms_norm
+
+    torch._dynamo.reset()
+    try:
+        cpu = torch.randn(2, 1, 64), torch.randn(64)
+        compiled = torch.compile(lambda a, b: rms_norm(a, b, 1e-6, True), backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(*cpu), F.rms_norm(cpu[0], (64,), cpu[1], 1e-6))
+    finally:
+        torch._dynamo.reset()
+
+
+def _attention_reference(q, k, v, cache_k, cache_v, at):
+    """torch's: the new keys and values written into copies of the caches, then SDPA with each new
+    position seeing the cached ones and itself (query head h reads key head h // group)."""
+    b, s, width = q.shape
+    kv_heads, d = cache_k.shape[1], cache_k.shape[3]
+    keys, values = cache_k.clone(), cache_v.clone()
+    keys[:, :, at:at + s] = k.reshape(b, s, kv_heads, d).transpose(1, 2)
+    values[:, :, at:at + s] = v.reshape(b, s, kv_heads, d).transpose(1, 2)
+    mask = torch.arange(at + s)[None] <= torch.arange(at, at + s)[:, None]
+    out = F.scaled_dot_product_attention(q.reshape(b, s, -1, d).transpose(1, 2), keys[:, :, :at + s],
+                                         values[:, :, :at + s], attn_mask=mask, enable_gqa=width // d != kv_heads)
+    return out.transpose(1, 2).reshape(b, s, width), keys, values
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,s,heads,kv_heads,d,capacity,at", [(2, 1, 4, 4, 256, 16, 0), (2, 1, 4, 4, 256, 16, 7),
+                                                              (2, 2, 4, 4, 256, 16, 0), (3, 3, 8, 2, 40, 12, 5),
+                                                              (1, 1, 8, 2, 64, 300, 299)])
+def test_the_kernels_attention_is_torchs_up_to_rounding(b, s, heads, kv_heads, d, capacity, at):
+    """The new positions' keys and values land in the caches exactly; each new position attends
+    over the cached ones and itself (the fused q/k/v product's output views, as the depth decoder
+    has them)."""
+    g = torch.Generator().manual_seed(at)
+    fused = torch.randn(b, s, (heads + 2 * kv_heads) * d, generator=g)
+    q, k, v = fused.split_with_sizes([heads * d, kv_heads * d, kv_heads * d], -1)
+    cache_k, cache_v = (torch.randn(b, kv_heads, capacity, d, generator=g) for _ in range(2))
+    want, keys, values = _attention_reference(q, k, v, cache_k, cache_v, at)
+    got = cpu_steps.attend(q, k, v, cache_k, cache_v, at, d ** -0.5)
+    assert torch.equal(cache_k, keys) and torch.equal(cache_v, values)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_attention_the_kernel_cannot_take_is_left_to_torch():
+    q = k = v = torch.randn(2, 1, 64)
+    cache = torch.zeros(2, 1, 8, 64)
+    assert cpu_steps.attend(q, k, v, cache, cache.clone(), 8, 0.125) is None  # past the cache's end
+    assert cpu_steps.attend(q.double(), k.double(), v.double(), cache.double(), cache.double(), 0, 0.125) is None
+    assert cpu_steps.attend(q, k, v, cache.transpose(2, 3), cache.clone(), 0, 0.125) is None  # not contiguous
+    assert cpu_steps.attend(q, k, v, torch.zeros(3, 1, 8, 64), torch.zeros(3, 1, 8, 64), 0, 0.125) is None  # rows
+    wide = torch.randn(2, 1, 128)
+    assert cpu_steps.attend(q, wide[..., :64], wide[..., 64:], cache, cache.clone(), 0, 0.125) is None  # strides
+    assert torch.equal(cache, torch.zeros(2, 1, 8, 64))  # nothing written
+
+
+@needs_kernel
+def test_the_depth_decoders_fast_attention_matches_its_reference_step_by_step(monkeypatch):
+    from mm3.models.depth import DepthAttention, DepthCache
+
+    served = []
+    real = cpu_steps.attend
+    monkeypatch.setattr(cpu_steps, "attend", lambda *a: served.append(real(*a)) or served[-1])
+    torch.manual_seed(0)
+    ops = gguf_ops
+    attention = DepthAttention(64, 4, ops)
+    for layer in (attention.to_q, attention.to_k, attention.to_v, attention.to_out):
+        layer.set_stored("weight", Q.F32, torch.randn(64, 64) / 8)
+    caches = [DepthCache(2, 2, 4, 8, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for s in (2, 1, 1, 1):
+        x = torch.randn(2, s, 64)
+        outs = []
+        for fast, cache in zip((False, True), caches):
+            attention.fast_numerics = fast
+            outs.append(attention(x, cache, 1))
+            cache.length += s
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert len(served) == 4 and all(out is not None for out in served)  # each fast step was the library's
+
+
+
+
+def _semantic_draw(logits, r, cfg, k, q, excluded):
+    """FrameSampler's semantic draw by torch's operations (no shaping)."""
+    from mm3.sampling import draw, guide, kth_largest, top_k_probs
+
+    c, u = (logits[0::2], logits[1::2]) if r == 2 else (logits, logits)
+    if excluded is not None:
+        c, u = c.masked_fill(excluded, -float("inf")), u.masked_fill(excluded, -float("inf"))
+    guided = (guide(c, u, cfg) if r == 2 else c).masked_fill(c < kth_largest(c, k), -float("inf"))
+    if excluded is not None:
+        guided = guided.masked_fill(excluded, -float("inf"))
+    return draw(top_k_probs(guided, k), q)
+
+
+@needs_kernel
+@pytest.mark.parametrize("gate", [False, True], ids=["acoustic", "semantic"])
+def test_the_librarys_draws_are_torchs(gate):
+    """Guided or not, one song or several, top-k below or above the width, many ties (rounded
+    logits), infinite and NaN logits, excluded columns: the same index as torch's operations."""
+    from mm3.sampling import draw, exponential_draws, guide, top_k_probs
+
+    g = torch.Generator().manual_seed(int(gate))
+    for trial in range(400):
+        songs, r = 1 + trial % 3, 1 + (trial // 3) % 2
+        n, k = (1024, 300, 7, 50)[trial % 4], (50, 1, 5, 2000)[(trial // 7) % 4]
+        logits = torch.randn(songs * r, n, generator=g) * (1, 5, 30)[trial % 3]
+        if trial % 11 == 0:
+            logits = logits.round()
+        if trial % 13 == 0:
+            logits[0, :3] = torch.tensor([float("inf"), -float("inf"), 0.0 if gate else float("nan")])
+        excluded = None if not gate or trial % 4 == 0 else torch.rand(n, generator=g) < 0.3
+        q = torch.cat([exponential_draws(n, g) for _ in range(songs)])
+        if gate:
+            want = _semantic_draw(logits, r, 1.7, k, q, excluded)
+        else:
+            want = draw(top_k_probs(guide(logits[0::2], logits[1::2], 1.7) if r == 2 else logits, k), q)
+        got = cpu_steps.top_k_draw(logits, r, 1.7, k, q, excluded, gate)
+        assert torch.equal(got, want), trial
+
+
+@needs_kernel
+def test_draws_the_library_does_not_take_are_left_to_torch():
+    logits, q = torch.randn(4, 64), torch.rand(2, 64) + 0.1
+    assert cpu_steps.top_k_draw(logits.double(), 2, 1.5, 5, q) is None
+    assert cpu_steps.top_k_draw(logits.T.contiguous().T, 2, 1.5, 5, q) is None  # rows not contiguous
+    assert cpu_steps.top_k_draw(logits, 2, 1.5, 5, torch.rand(3, 64)) is None  # draws of other songs
+    assert cpu_steps.top_k_draw(logits, 3, 1.5, 5, q) is None
+    assert cpu_steps.top_k_draw(logits, 2, 1.5, 5, q, torch.zeros(63, dtype=torch.bool)) is None
+    nan = logits.clone()
+    nan[0, 3] = float("nan")
+    assert cpu_steps.top_k_draw(nan, 2, 1.5, 5, q, gate=True) is None  # torch's order of NaNs is its own
+
+
+@needs_kernel
+def test_the_lms_decode_step_matches_its_torch_path_step_by_step(monkeypatch):
+    """A prefill, then decode steps through the kernel library's one call (norms, rotation, cache
+    write) and torch's attention, against the same layer's torch operations; the caches agree too."""
+    from mm3.models.lm import KVCache, Qwen3Attention
+
+    served = []
+    real = cpu_steps.decode_prepare
+    monkeypatch.setattr(cpu_steps, "decode_prepare", lambda *a: served.append(real(*a)) or served[-1])
+    torch.manual_seed(0)
+    cfg = {"hidden_size": 64, "head_dim": 16, "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-6}
+    attention = Qwen3Attention(cfg, gguf_ops)
+    for layer in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
+        layer.set_stored("weight", Q.F32, torch.randn(layer.out_features, layer.in_features) / 8)
+    for norm in (attention.q_norm, attention.k_norm):
+        norm.set_stored("weight", Q.F32, torch.rand(16) + 0.5)
+    caches = [KVCache.empty(2, 3, 2, 12, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    for s in (4, 1, 1, 1):
+        x = torch.randn(3, s, 64)
+        angles = (caches[0].length + torch.arange(s))[:, None].float() * inv_freq
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        outs = []
+        for fast, cache in zip((False, True), caches):
+            attention.fast_numerics = fast
+            outs.append(attention(x, cos, sin, cache, 1))
+            cache.advance(s)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-6)
+        assert torch.equal(caches[1].v, caches[0].v)
+    assert len(served) == 3 and all(out is not None for out in served)  # the decode steps were the library's
+
+
+@needs_kernel
+def test_decode_steps_the_library_cannot_take_are_left_to_torch():
+    q, kv = torch.randn(2, 1, 64), torch.randn(2, 1, 32)
+    w, angles = torch.ones(16), torch.zeros(16)
+    cache = torch.zeros(2, 2, 4, 16)
+    args = (w, w, 1e-6, angles, angles)
+    assert cpu_steps.decode_prepare(q, kv, kv, *args, cache, cache.clone(), 4) is None  # past the end
+    assert cpu_steps.decode_prepare(torch.randn(2, 2, 64), torch.randn(2, 2, 32), torch.randn(2, 2, 32), *args, cache,
+                                     cache.clone(), 0) is None  # two positions: not a decode step
+    assert cpu_steps.decode_prepare(q, kv, kv, w, w, 1e-6, torch.zeros(8), angles, cache, cache.clone(),
+                                     0) is None  # angles of another width
+    assert cpu_steps.decode_prepare(q.double(), kv, kv, *args, cache, cache.clone(), 0) is None
+    assert torch.equal(cache, torch.zeros(2, 2, 4, 16))
