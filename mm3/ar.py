@@ -38,7 +38,7 @@ from .prompt import Prompt
 from .replay import check_pair, checked_codes, feed_frames, frame_feedback, replay
 from .shaping import SemanticShaper, Shaping
 from .sampling import (draw, exponential_draws, exponential_tail, guide, kth_largest, make_generator, resolve_seed,
-                       top_k_probs)
+                       skip_draws, top_k_probs)
 
 _NEG_INF = -float("inf")
 MIN_KV_BUCKET = 256  # shortest attention length of a compiled step (lengths go up in powers of two)
@@ -129,6 +129,7 @@ class FrameSampler:
             token = cpu_steps.top_k_draw(logits, self.r, self.cfg, self.top_k, q_sem, mask, gate=True)
             if token is not None:
                 return token + self.head_start
+        q_sem = _exponential(q_sem)
         c, u = (logits[0::2], logits[1::2]) if self.r == 2 else (logits, logits)
         if mask is not None:
             c, u = c.masked_fill(mask, _NEG_INF), u.masked_fill(mask, _NEG_INF)
@@ -174,7 +175,7 @@ class FrameSampler:
             code = cpu_steps.top_k_draw(lg, r, self.cfg, self.top_k, q_dep[:, j - 1]) if self.library_draws else None
             if code is None:
                 guided = guide(lg[0::2], lg[1::2], self.cfg) if r == 2 else lg
-                code = draw(top_k_probs(guided, self.top_k), q_dep[:, j - 1])  # [songs]
+                code = draw(top_k_probs(guided, self.top_k), _exponential(q_dep[:, j - 1]))  # [songs]
             codes.append(code)
             if j < self.ncb - 1:
                 x = depth.projection(depth.code_embedding(code.repeat_interleave(r), j, dt))[:, None]
@@ -184,6 +185,11 @@ class FrameSampler:
         fed = frame_feedback(lm, depth, frame.repeat_interleave(r, dim=0), self.code_offset, dt)
         self.last = lm(fed, self.cache)[:, -1]
         return frame, end, hidden
+
+
+def _exponential(q: torch.Tensor) -> torch.Tensor:
+    """Exponential(1) draws as floats: `q` itself, or those torch makes of raw 64-bit draws."""
+    return cpu_steps.exponentials(q) if q.dtype == torch.int64 else q
 
 
 class ScratchFrames:
@@ -261,15 +267,29 @@ class _Draws:
     """Each frame's Exponential(1) draws for every song, made on the songs' CPU generators exactly as
     the reference consumes them: one over the whole LM vocabulary for the semantic code (only the
     head rows' part is kept; the rest is skipped cheaply where that is exact) and one over the
-    audio vocabulary per acoustic code."""
+    audio vocabulary per acoustic code. `raw`: as the generator's raw 64-bit values instead
+    (`cpu_steps.raw_draws`; the library's draws make Exponential only the few that count)."""
 
-    def __init__(self, generators: list[torch.Generator], vocab: int, head: tuple[int, int], ncb: int, audio_vocab: int):
+    def __init__(self, generators: list[torch.Generator], vocab: int, head: tuple[int, int], ncb: int, audio_vocab: int,
+                 raw: bool = False):
         self.generators, self.vocab, self.ncb, self.audio_vocab = generators, vocab, ncb, audio_vocab
         self.start, self.width = head[0], head[1] - head[0]
-        self.ones_sem, self.ones_dep = torch.ones(1, self.width), torch.ones(ncb - 1, audio_vocab)
+        self.raw = raw
+        placeholder = dict(dtype=torch.int64, fill_value=1 << 52) if raw else dict(dtype=torch.float32, fill_value=1.0)
+        self.ones_sem = torch.full((1, self.width), **placeholder)  # an ended song's rows
+        self.ones_dep = torch.full((ncb - 1, audio_vocab), **placeholder)
 
     def semantic(self, g: torch.Generator) -> torch.Tensor:
-        return exponential_tail(self.vocab, self.start, g)[:, :self.width]
+        if not self.raw:
+            return exponential_tail(self.vocab, self.start, g)[:, :self.width]
+        if skip_draws(self.vocab, self.start, g):
+            return cpu_steps.raw_draws(g, (1, self.vocab - self.start))[:, :self.width]
+        return cpu_steps.raw_draws(g, (1, self.vocab))[:, self.start:self.start + self.width]
+
+    def acoustic(self, g: torch.Generator) -> torch.Tensor:
+        if self.raw:
+            return cpu_steps.raw_draws(g, (self.ncb - 1, self.audio_vocab))
+        return torch.cat([exponential_draws(self.audio_vocab, g) for _ in range(self.ncb - 1)])
 
     def frame(self, active: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         sem, dep = [], []
@@ -279,7 +299,7 @@ class _Draws:
                 dep.append(self.ones_dep)
                 continue
             sem.append(self.semantic(g))
-            dep.append(torch.cat([exponential_draws(self.audio_vocab, g) for _ in range(self.ncb - 1)]))
+            dep.append(self.acoustic(g))
         return torch.cat(sem), torch.stack(dep)  # [songs, C], [songs, ncb - 1, audio_vocab]
 
 
@@ -459,7 +479,10 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
                 cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
             sampler = FrameSampler(lm, depth, cs, cache, settings, dtype, device, max_frames, prefix)
             sampler.last = last.contiguous()  # the layout of every later frame's (a compiled step guards on it)
-            draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab)
+            # Raw draws where the library makes the draws in the frame's own thread (a CUDA frame's
+            # are made while the device runs the one before).
+            raw = sampler.library_draws and device.type == "cpu" and not compile and cpu_steps.raw_draws_exact()
+            draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab, raw)
             results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
                                      compile=compile, graphs=graphs, emit_first=prefix is not None,
                                      on_frames=None if on_frames is None else _song_so_far(on_frames, prefix))

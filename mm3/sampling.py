@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .constants import SEED_MAX
+from .gguf import cpu_steps
 
 NAN_FILL = 1e9  # nan_to_num bounds used by the reference before top-k
 
@@ -69,14 +70,26 @@ def _skip_is_exact(n: int, start: int) -> bool:
     return _SKIP_EXACT[key]
 
 
-def exponential_tail(n: int, start: int, generator: torch.Generator) -> torch.Tensor:
-    """`exponential_draws(n, generator)[:, start:]`, consuming the CPU generator identically, but
-    skipping the first `start` values with cheap 64-bit draws (much cheaper than Exponential ones)
-    where that is exact: the semantic draw runs over the whole LM vocabulary (200000) while the
-    candidates are its last ~16400 ids."""
-    if start <= 0 or generator is None or generator.device.type != "cpu" or not _skip_is_exact(n, start):
-        return exponential_draws(n, generator)[:, start:]
+def skip_draws(n: int, start: int, generator: torch.Generator | None) -> bool:
+    """Moves a CPU generator past the first `start` of n Exponential draws without making them,
+    where that is exact: by the kernel library's twists of its state (`cpu_steps.skip_draws`), else
+    with cheap 64-bit draws (much cheaper than Exponential ones). False, untouched, elsewhere."""
+    if start <= 0 or generator is None or generator.device.type != "cpu":
+        return False
+    if cpu_steps.skip_draws(generator, start):
+        return True
+    if not _skip_is_exact(n, start):
+        return False
     torch.empty(start, dtype=torch.int64).random_(generator=generator)
+    return True
+
+
+def exponential_tail(n: int, start: int, generator: torch.Generator) -> torch.Tensor:
+    """`exponential_draws(n, generator)[:, start:]`, consuming the CPU generator identically but
+    skipping the first `start` values where that is exact (`skip_draws`): the semantic draw runs
+    over the whole LM vocabulary (200000) while the candidates are its last ~16400 ids."""
+    if not skip_draws(n, start, generator):
+        return exponential_draws(n, generator)[:, start:]
     return exponential_draws(n - start, generator)
 
 

@@ -189,13 +189,61 @@ def test_the_librarys_draws_are_torchs(gate):
         if trial % 13 == 0:
             logits[0, :3] = torch.tensor([float("inf"), -float("inf"), 0.0 if gate else float("nan")])
         excluded = None if not gate or trial % 4 == 0 else torch.rand(n, generator=g) < 0.3
-        q = torch.cat([exponential_draws(n, g) for _ in range(songs)])
+        raw = cpu_steps.raw_draws(g, (songs, n))
+        if trial % 17 == 0:  # zero draws: 0 / 0 is NaN where the probability is zero, and torch's argmax takes it
+            raw[0, trial % n] = 1 << 60
+            raw[-1, -1] = 0
+        q = cpu_steps.exponentials(raw)
         if gate:
             want = _semantic_draw(logits, r, 1.7, k, q, excluded)
         else:
             want = draw(top_k_probs(guide(logits[0::2], logits[1::2], 1.7) if r == 2 else logits, k), q)
-        got = cpu_steps.top_k_draw(logits, r, 1.7, k, q, excluded, gate)
-        assert torch.equal(got, want), trial
+        assert torch.equal(cpu_steps.top_k_draw(logits, r, 1.7, k, q, excluded, gate), want), trial
+        assert torch.equal(cpu_steps.top_k_draw(logits, r, 1.7, k, raw, excluded, gate), want), trial
+
+
+@needs_kernel
+def test_raw_draws_are_torchs_exponential_draws_bit_for_bit():
+    """The library's draws from the generator's raw 64-bit values: each the Exponential(1) value
+    torch makes of it, the generator consumed alike."""
+    from mm3.sampling import make_generator
+
+    assert cpu_steps.raw_draws_exact()
+    a, b = make_generator(5), make_generator(5)
+    for shape in ((1, 1), (3, 1000), (7, 1024), (1, 16411)):
+        want = torch.empty(shape).exponential_(generator=a)
+        got = cpu_steps.exponentials(cpu_steps.raw_draws(b, shape))
+        assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(a.get_state(), b.get_state())
+
+
+@needs_kernel
+@pytest.mark.parametrize("count", [1, 2, 311, 312, 313, 623, 624, 625, 10_000, 183_600])
+def test_a_skip_leaves_the_generator_where_as_many_draws_leave_it(count):
+    from mm3.sampling import make_generator
+
+    for lead in (0, 1, 155, 311):  # the generator partway through its words
+        a, b = make_generator(count + lead), make_generator(count + lead)
+        for gen in (a, b):
+            torch.empty(lead, dtype=torch.int64).random_(generator=gen)
+        torch.empty(count).exponential_(generator=a)
+        assert cpu_steps.skip_draws(b, count)
+        assert torch.equal(a.get_state(), b.get_state()), lead
+        assert torch.equal(torch.empty(50).exponential_(generator=a), torch.empty(50).exponential_(generator=b))
+
+
+def test_without_the_librarys_draw_arithmetic_the_draws_are_torchs(monkeypatch):
+    """Where the check fails (another torch's generator), nothing is skipped by the library and the
+    semantic draw's tail is still exact."""
+    from mm3.sampling import exponential_draws, exponential_tail, make_generator
+
+    monkeypatch.setattr(cpu_steps, "raw_draws_exact", lambda: False)
+    g = make_generator(1)
+    state = g.get_state()
+    assert not cpu_steps.skip_draws(g, 10) and torch.equal(g.get_state(), state)
+    a, b = make_generator(2), make_generator(2)
+    assert torch.equal(exponential_draws(5000, a)[:, 4000:], exponential_tail(5000, 4000, b))
+    assert torch.equal(a.get_state(), b.get_state())
 
 
 @needs_kernel

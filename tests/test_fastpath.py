@@ -132,6 +132,25 @@ def test_exponential_tail_skips_exactly():
         assert torch.equal(a.get_state(), b.get_state())
 
 
+def test_raw_frame_draws_are_the_exponential_ones():
+    """A frame's draws as raw 64-bit values (the kernel library's draws): torch's Exponential ones
+    once made, the generators consumed alike, an ended song's rows placeholders of either kind."""
+    from mm3.gguf import cpu_steps
+
+    if not cpu_steps.raw_draws_exact():
+        pytest.skip("no kernel library on this machine (no C compiler): the frame's draws are torch's")
+    kinds = [ar._Draws([make_generator(s) for s in (3, 4)], 330, (200, 264), 8, 64, raw) for raw in (False, True)]
+    for active in ([True, True], [True, False], [False, True]):
+        (sem, dep), (raw_sem, raw_dep) = (k.frame(active) for k in kinds)
+        assert raw_sem.dtype == raw_dep.dtype == torch.int64 and sem.shape == raw_sem.shape == (2, 64)
+        for i, on in enumerate(active):
+            if on:
+                assert torch.equal(cpu_steps.exponentials(raw_sem[i]), sem[i])
+                assert torch.equal(cpu_steps.exponentials(raw_dep[i]), dep[i])
+    for a, b in zip(*(k.generators for k in kinds)):
+        assert torch.equal(a.get_state(), b.get_state())
+
+
 # -- the AR decode path -----------------------------------------------------------------------------
 
 def _both(t, duration, lm_seed=0, songs=1, lm=None, lm_ref=None):

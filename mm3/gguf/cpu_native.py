@@ -184,9 +184,13 @@ def load(path: Path):
     lib.mm3_repack.restype = ctypes.c_int
     lib.mm3_top_k_draw.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64,
                                                                               ctypes.c_void_p, ctypes.c_int,
-                                                                              ctypes.c_void_p, ctypes.c_int64,
-                                                                              ctypes.c_void_p]
+                                                                              ctypes.c_void_p, ctypes.c_void_p,
+                                                                              ctypes.c_int64, ctypes.c_void_p]
     lib.mm3_top_k_draw.restype = ctypes.c_int
+    lib.mm3_generator_skip.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.mm3_generator_skip.restype = None
+    lib.mm3_exponentials.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.mm3_exponentials.restype = None
     lib.mm3_decode_prepare.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + \
         [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_void_p]
     lib.mm3_decode_prepare.restype = ctypes.c_int

@@ -2,9 +2,10 @@
 (`mm3.gguf.cpu_native`), where torch runs each as a dozen small operations: the fast numerics'
 RMSNorm (`rms_norm`), an embedding lookup's few quantized rows (`lookup`), the depth decoder's
 attention over its short cache (`attend`), an LM decode step's q/k norms, rotation and cache write
-(`decode_prepare`) and the guided top-k draws (`top_k_draw`). Each returns None where it does not
-serve (no library, another dtype, device or layout, tracing), checked before the library is looked
-up, and the caller's torch operations run instead.
+(`decode_prepare`), the guided top-k draws (`top_k_draw`) and their random numbers (`raw_draws`,
+`exponentials`, `skip_draws`). Each returns None (False) where it does not serve (no library,
+another dtype, device or layout, tracing), checked before the library is looked up, and the
+caller's torch operations run instead.
 """
 
 from __future__ import annotations
@@ -82,15 +83,17 @@ def top_k_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int,
                excluded: torch.Tensor | None = None, gate: bool = False) -> torch.Tensor | None:
     """The reference's guided top-k draw (`mm3.sampling`: `guide`, `top_k_probs`, `draw`) in one
     call of the kernel library: logits [songs * rows_per_song, N] (each song's conditional row,
-    then with 2 rows its unconditional one), q [songs, N] its Exponential(1) draws -> [songs]
-    int64. `excluded` [N] bool: columns -inf first; `gate`: only columns where the conditional
+    then with 2 rows its unconditional one), q [songs, N] its Exponential(1) draws, float32, or
+    int64 the generator's raw draws (`raw_draws`: made Exponential only where they count) ->
+    [songs] int64. `excluded` [N] bool: columns -inf first; `gate`: only columns where the conditional
     logit is among its top_k largest are guided (the LM's semantic draw). The same index as torch's
     operations except where two candidates' ratios lie within a few float32 roundings (its
     exponentials and sums round differently); a dozen small operations otherwise, several a frame.
     None where it does not serve (another dtype, device or layout, tracing, no library, a NaN
     logit under `gate`)."""
     if torch.compiler.is_compiling() or not (logits.is_cpu and q.is_cpu) or logits.dtype != torch.float32 or \
-            q.dtype != torch.float32 or logits.dim() != 2 or q.dim() != 2 or rows_per_song not in (1, 2):
+            q.dtype not in (torch.float32, torch.int64) or logits.dim() != 2 or q.dim() != 2 or \
+            rows_per_song not in (1, 2):
         return None
     rows, n = logits.shape
     songs = rows // rows_per_song
@@ -105,7 +108,8 @@ def top_k_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int,
         return None
     out = torch.empty(songs, dtype=torch.int64)
     status = lib.mm3_top_k_draw(logits.data_ptr(), songs, rows_per_song, n, cfg, top_k,
-                                None if excluded is None else excluded.data_ptr(), int(gate), q.data_ptr(),
+                                None if excluded is None else excluded.data_ptr(), int(gate),
+                                *((q.data_ptr(), None) if q.dtype == torch.float32 else (None, q.data_ptr())),
                                 q.stride(0), out.data_ptr())
     if status == -1:
         raise MemoryError(f"the kernel library could not allocate the scratch of a draw over {n} logits")
@@ -175,3 +179,66 @@ def lookup(table: torch.Tensor, qtype: QT, ids: torch.Tensor, k: int) -> torch.T
     if status == -3:
         raise IndexError(f"an embedding id is outside the table's {table.shape[0]} rows")
     return None if status else y
+
+
+_RAW_EXACT: list[bool] = []  # whether this process's torch draws as `raw_draws` assumes, checked once
+
+
+def raw_draws_exact() -> bool:
+    """Whether the library's draw arithmetic is torch's on this machine, checked once on scratch
+    generators: an Exponential(1) draw is one 64-bit value (an int64 `random_` one) turned into
+    -log1p(-u) (`exponentials`), and `skip_draws` leaves a generator where that many draws leave it.
+    Where it is not (another torch's draws, or no library), the callers draw with torch alone."""
+    if not _RAW_EXACT:
+        _RAW_EXACT.append(_check_raw_draws())
+    return _RAW_EXACT[0]
+
+
+def _check_raw_draws() -> bool:
+    lib = cpu_native.library()
+    if lib is None:
+        return False
+    a, b = torch.Generator("cpu").manual_seed(20261204), torch.Generator("cpu").manual_seed(20261204)
+    want = torch.empty(4099).exponential_(generator=a)
+    raw = torch.empty(4099, dtype=torch.int64).random_(generator=b)
+    got = torch.empty(4099)
+    lib.mm3_exponentials(raw.data_ptr(), raw.numel(), got.data_ptr())
+    if not torch.equal(want.view(torch.int32), got.view(torch.int32)) or not torch.equal(a.get_state(), b.get_state()):
+        return False
+    for count in (1, 311, 312, 623, 1000, 183_597):  # across twists, from several offsets
+        state = a.get_state()
+        torch.empty(count, dtype=torch.int64).random_(generator=a)
+        if state.numel() < 24 + 624 * 8:
+            return False
+        lib.mm3_generator_skip(state.data_ptr(), count)
+        if not torch.equal(state, a.get_state()):
+            return False
+    return True
+
+
+def raw_draws(generator: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """`shape` raw 64-bit draws (int64) that consume the CPU generator as as many Exponential(1)
+    draws do; `exponentials` makes those of them (and `top_k_draw` those it needs). Only where
+    `raw_draws_exact()`."""
+    return torch.empty(shape, dtype=torch.int64).random_(generator=generator)
+
+
+def exponentials(raw: torch.Tensor) -> torch.Tensor:
+    """The Exponential(1) float32 draws torch would have made from `raw_draws`' values, bit for bit
+    (`raw_draws_exact`)."""
+    raw = raw.contiguous()
+    out = torch.empty(raw.shape)
+    cpu_native.library().mm3_exponentials(raw.data_ptr(), raw.numel(), out.data_ptr())
+    return out
+
+
+def skip_draws(generator: torch.Generator, count: int) -> bool:
+    """Moves a CPU generator past `count` 64-bit draws without making them (a few twists of its
+    state, not 2 * count outputs: the LM's semantic draw skips 180 000 a frame); False, untouched,
+    where `raw_draws_exact()` does not hold or it is not a CPU generator."""
+    if count <= 0 or generator.device.type != "cpu" or not raw_draws_exact():
+        return count <= 0
+    state = generator.get_state()
+    cpu_native.library().mm3_generator_skip(state.data_ptr(), count)
+    generator.set_state(state)
+    return True

@@ -133,12 +133,82 @@ static float kth_largest_of(const float *v, int64_t n, int64_t k, float *work) {
     return work[want];
 }
 
+/* torch's CPU generator (ATen's mt19937, in the bytes of `Generator.get_state()`: the 32-bit
+   outputs left before the next twist at LEFT_AT, the next output's index at NEXT_AT, the 624 words
+   at WORDS_AT, each in 64 bits). One 64-bit draw (an int64 `random_` value, an Exponential one) is
+   two outputs. The Python side checks these offsets against torch's own draws before it uses them. */
+#define MT_N 624
+#define MT_M 397
+#define LEFT_AT 8
+#define NEXT_AT 16
+#define WORDS_AT 24
+#define UNIFORM_BITS ((INT64_C(1) << 53) - 1) /* the bits of a 64-bit draw a uniform double keeps */
+
+static inline uint32_t mt_mix(uint32_t u, uint32_t v) {
+    return (((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ (0x9908b0dfu & -(v & 1u));
+}
+
+/* The 624 words' next generation (the loops vectorize: the first reads ahead of what it writes,
+   the second 227 words behind). */
+static void mt_twist(uint32_t *w) {
+    int i = 0;
+    for (; i < MT_N - MT_M; i++) w[i] = w[i + MT_M] ^ mt_mix(w[i], w[i + 1]);
+    for (; i < MT_N - 1; i++) w[i] = w[i + MT_M - MT_N] ^ mt_mix(w[i], w[i + 1]);
+    w[MT_N - 1] = w[MT_M - 1] ^ mt_mix(w[MT_N - 1], w[0]);
+}
+
+/* Moves a generator's state (`state`, get_state()'s bytes) past `draws` 64-bit draws without
+   making them: the skipped part of the LM's semantic draw is 180 000 values a frame. */
+void mm3_generator_skip(uint8_t *state, int64_t draws) {
+    int32_t left;
+    uint64_t next, word;
+    uint32_t w[MT_N];
+    memcpy(&left, state + LEFT_AT, sizeof left);
+    memcpy(&next, state + NEXT_AT, sizeof next);
+    for (int j = 0; j < MT_N; j++) {
+        memcpy(&word, state + WORDS_AT + 8 * j, sizeof word);
+        w[j] = (uint32_t)word;
+    }
+    int64_t outputs = 2 * draws;
+    while (outputs > 0) { /* an output takes `left` down by one and twists when it reaches zero */
+        const int64_t plain = outputs < left - 1 ? outputs : left - 1;
+        left -= (int32_t)plain;
+        next += (uint64_t)plain;
+        outputs -= plain;
+        if (!outputs) break;
+        mt_twist(w);
+        left = MT_N;
+        next = 1;
+        outputs--;
+    }
+    memcpy(state + LEFT_AT, &left, sizeof left);
+    memcpy(state + NEXT_AT, &next, sizeof next);
+    for (int j = 0; j < MT_N; j++) {
+        word = w[j];
+        memcpy(state + WORDS_AT + 8 * j, &word, sizeof word);
+    }
+}
+
+/* torch's Exponential(1) value of a 64-bit draw on the CPU: -log1p(-u) in double, u the draw's
+   low 53 bits over 2^53, rounded to float32. */
+static inline float exponential_of(int64_t draw) {
+    const double u = (double)(draw & UNIFORM_BITS) * (1.0 / 9007199254740992.0);
+    return (float)(-1.0 * log1p(-u));
+}
+
+/* The Exponential(1) values of `count` 64-bit draws, into out. */
+void mm3_exponentials(const int64_t *draws, int64_t count, float *out) {
+    for (int64_t i = 0; i < count; i++) out[i] = exponential_of(draws[i]);
+}
+
 /* One draw of the reference's top-k sampling (diffusers' `_sample_top_k`, mm3.sampling) per song:
    the logits [songs * r][n] (r = 2: each song's conditional row c, then its unconditional one u,
    guided as u + (c - u) cfg, in that order of operations; r = 1: c as it is) bounded as
    nan_to_num bounds them (+-1e9), everything below the k-th largest masked, softmax, renormalized,
-   then the argmax of probability / q over the song's Exponential(1) draws q [n] (`q_stride` floats
-   between songs; the first index of a tie or NaN, as torch's argmax). With `excluded` (n flags, or
+   then the argmax of probability / q over the song's Exponential(1) draws q [n] (`q_stride` values
+   between songs; the first index of a tie or NaN, as torch's argmax). The draws come as floats
+   (`q`), or (`q` NULL) as the generator's raw 64-bit values (`raw`), made into Exponential ones
+   only where they count: the candidates, and a zero draw anywhere (0 / 0 is NaN). With `excluded` (n flags, or
    NULL) those columns are -inf in c and u first; with `gate` only the columns where c is among its
    k largest are guided, the others -inf (the LM's semantic draw). Up to the rounding of the
    exponentials and sums, so a draw differs from torch's operations only where two candidates'
@@ -147,7 +217,7 @@ static float kth_largest_of(const float *v, int64_t n, int64_t k, float *work) {
 __attribute__((optimize("fp-contract=off"))) int mm3_top_k_draw(const float *logits, int64_t songs, int64_t r,
                                                                int64_t n, float cfg, int64_t top_k,
                                                                const uint8_t *excluded, int gate, const float *q,
-                                                               int64_t q_stride, int64_t *out) {
+                                                               const int64_t *raw, int64_t q_stride, int64_t *out) {
     float *v = malloc(sizeof(float) * 2 * n);
     if (!v) return -1;
     float *work = v + n;
@@ -188,8 +258,16 @@ __attribute__((optimize("fp-contract=off"))) int mm3_top_k_draw(const float *log
             renormal += work[i];
         }
         renormal = renormal > 1e-12f ? renormal : 1e-12f;
-        const float *draws = q + song * q_stride;
-        for (int64_t i = 0; i < n; i++) work[i] = work[i] / renormal / draws[i];
+        if (q) {
+            const float *draws = q + song * q_stride;
+            for (int64_t i = 0; i < n; i++) work[i] = work[i] / renormal / draws[i];
+        } else {
+            const int64_t *draws = raw + song * q_stride;
+            for (int64_t i = 0; i < n; i++) { /* a positive draw leaves a zero probability's ratio zero */
+                const int needed = work[i] != 0.f || !(draws[i] & UNIFORM_BITS);
+                work[i] = needed ? work[i] / renormal / exponential_of(draws[i]) : 0.f;
+            }
+        }
         int64_t best = 0;
         float best_ratio = -INFINITY;
         for (int64_t i = 0; i < n; i++) {
