@@ -159,6 +159,89 @@ def test_the_depth_decoders_fast_attention_matches_its_reference_step_by_step(mo
 
 
 
+def _native_depth(types: dict, seed: int = 0):
+    """A depth decoder of two blocks (dim 256, 4 heads, intermediate 512) in the fast numerics,
+    each product's weight in types[its name] (Q8_0 by default) and served by the native kernel."""
+    from mm3.gguf.cpu_forms import FORMS, Serving
+    from mm3.models.depth import RVQDepthDecoder
+    from mm3.models.lm import set_numerics
+
+    hp = dict(hidden_size=256, num_attention_heads=4, audio_vocab_size=64, num_codebooks=8,
+              max_position_embeddings=16, num_layers=2, intermediate_size=512)
+    model = RVQDepthDecoder(hp)
+    g = torch.Generator().manual_seed(seed)
+    for name, sub in model.named_modules():
+        if isinstance(sub, gguf_ops.Linear):
+            qtype = types.get(name.rsplit(".", 1)[-1], Q.Q8_0)
+            raw = random_tensor("w", (sub.out_features, sub.in_features), qtype, g)
+            sub.set_stored("weight", qtype, torch.from_numpy(raw))
+            sub.cpu_form = Serving(FORMS["native"], "depth")
+        elif isinstance(sub, gguf_ops.Vector):
+            sub.set_stored("weight", Q.F32, torch.rand(256, generator=g) + 0.5)
+        elif isinstance(sub, gguf_ops.Embedding):
+            sub.set_stored("weight", Q.F32, torch.randn(sub.num_embeddings, 256, generator=g))
+    set_numerics(model, "fast")
+    return model
+
+
+Q4_K_M = {"to_q": Q.Q4_K, "to_k": Q.Q4_K, "to_v": Q.Q6_K, "to_out": Q.Q4_K, "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K,
+          "down_proj": Q.Q6_K}
+
+
+@needs_kernel
+@pytest.mark.parametrize("types", [{}, Q4_K_M], ids=["Q8_0", "Q4_K_M"])
+def test_the_depth_decoders_blocks_in_one_call_match_its_blocks_step_by_step(monkeypatch, types):
+    """A frame's depth steps (two positions, then one at a time) through the kernel library's one
+    call against the same blocks' own products and torch operations; the caches agree too. With
+    Q4_K_M the q/k/v product is three parts (v in Q6_K), gate/up one stacked packing."""
+    model = _native_depth(types)
+    served = []
+    real = cpu_steps.depth_layers
+    monkeypatch.setattr(cpu_steps, "depth_layers", lambda *a: served.append(real(*a)) or served[-1])
+    caches = [model.new_cache(2, torch.float32, torch.device("cpu")) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    for s in (2, 1, 1, 1, 1, 1, 1):
+        x = torch.randn(2, s, 256, generator=g)
+        whole = model(x, caches[1])
+        with monkeypatch.context() as apart:
+            apart.setattr(cpu_steps, "depth_layers", lambda *a: None)
+            blocks = model(x, caches[0])
+        torch.testing.assert_close(whole, blocks, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
+    assert len(served) == 7 and all(out is not None for out in served)
+    assert len(model._native_parts[1].blocks[0][0]) == (3 if types else 1)  # q/k/v: parts apart, or stacked
+
+
+@needs_kernel
+def test_depth_blocks_with_an_adapter_run_block_by_block(monkeypatch):
+    """An adapter beside a product (not the kernel's alone): every block runs itself."""
+    from mm3.gguf.products import LowRank
+
+    model = _native_depth({})
+    served = []
+    monkeypatch.setattr(cpu_steps, "depth_layers", lambda *a: served.append(a))
+    layer = model.layers[1].up_proj
+    layer.set_low_rank(LowRank(((torch.randn(4, 256) / 16, torch.randn(512, 4) / 16, 1.0),)))
+    cache = model.new_cache(2, torch.float32, torch.device("cpu"))
+    out = model(torch.randn(2, 2, 256), cache)
+    assert served == [] and out.shape == (2, 2, 256) and cache.length == 2
+
+
+@needs_kernel
+def test_depth_blocks_the_library_cannot_take_are_left_to_torch():
+    model = _native_depth({})
+    cache = model.new_cache(2, torch.float32, torch.device("cpu"))
+    model(torch.randn(2, 2, 256), cache)  # the products chosen and their parts made
+    parts = model._native_parts[1]
+    norms = [torch.ones(256)] * 4
+    x = torch.randn(2, 1, 256)
+    assert cpu_steps.depth_layers(x, norms, 1e-6, parts, cache.k, cache.v, 16, 0.125) is None  # past the end
+    assert cpu_steps.depth_layers(x, norms[:2], 1e-6, parts, cache.k, cache.v, 2, 0.125) is None  # one block's norms
+    assert cpu_steps.depth_layers(x.double(), norms, 1e-6, parts, cache.k, cache.v, 2, 0.125) is None
+    assert cpu_steps.depth_layers(torch.randn(3, 1, 256), norms, 1e-6, parts, cache.k, cache.v, 2, 0.125) is None
+    assert cpu_steps.depth_layers(x, norms, 1e-6, parts, cache.k[:1], cache.v[:1], 2, 0.125) is None
+
 def _semantic_draw(logits, r, cfg, k, q, excluded):
     """FrameSampler's semantic draw by torch's operations (no shaping)."""
     from mm3.sampling import draw, guide, kth_largest, top_k_probs

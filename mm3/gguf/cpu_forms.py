@@ -135,6 +135,14 @@ class Timed:
         return y
 
 
+def add_to_clock(layer, start: float) -> None:
+    """Seconds since `start` of work done for `layer` outside its product (a block run whole in the
+    kernel library) added to its clock while the forms are timed."""
+    serving = getattr(layer, "cpu_form", None)
+    if serving is not None and serving.clock is not None:
+        serving.clock.add(serving.component, start)
+
+
 def timed(layer, product):
     """`product`, wrapped in `Timed` while `layer`'s form is being timed."""
     serving = getattr(layer, "cpu_form", None)

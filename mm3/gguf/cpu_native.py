@@ -187,6 +187,9 @@ def load(path: Path):
                                                                               ctypes.c_void_p, ctypes.c_void_p,
                                                                               ctypes.c_int64, ctypes.c_void_p]
     lib.mm3_top_k_draw.restype = ctypes.c_int
+    lib.mm3_depth_layers.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_float] + \
+        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    lib.mm3_depth_layers.restype = ctypes.c_int
     lib.mm3_generator_skip.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.mm3_generator_skip.restype = None
     lib.mm3_exponentials.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]

@@ -181,6 +181,55 @@ def lookup(table: torch.Tensor, qtype: QT, ids: torch.Tensor, k: int) -> torch.T
     return None if status else y
 
 
+class BlockParts:
+    """The depth decoder's blocks' products as the kernel library reads them (`depth_layers`): each
+    part's packed weight and shape, as `cpu_native.Bound` checked them, and how many parts each of a
+    block's four products has; made once per choice of products, holding them (and so their
+    packings)."""
+
+    def __init__(self, blocks: list[list[list[cpu_native.Bound]]]):
+        self.blocks = blocks
+        self.fields = torch.tensor([(p.packed.weight.data_ptr(), *p.args, p.out_features)
+                                    for block in blocks for product in block for p in product], dtype=torch.int64)
+        self.counts = torch.tensor([len(product) for block in blocks for product in block], dtype=torch.int64)
+
+
+def depth_layers(x: torch.Tensor, norms: list[torch.Tensor], eps: float, parts: BlockParts, cache_k: torch.Tensor,
+                 cache_v: torch.Tensor, at: int, scale: float) -> torch.Tensor | None:
+    """The depth decoder's blocks over the new positions x [B, S, dim] in one call of the kernel
+    library (`mm3_depth_layers`), each block: RMSNorm, the q/k/v product, attention over the cache (k
+    and v written at `at`, as `attend`), the out product added to x, RMSNorm, the gate/up product,
+    silu(gate) * up and the down product added -> [B, S, dim] float32. `norms`: each block's two
+    RMSNorm weights in turn; `parts`: the blocks' products (q/k/v and gate/up one stacked packing,
+    or one a part); the caches [layers, B, heads, capacity, D]. The fast numerics' torch operations
+    up to the rounding of silu's exponential; a dozen small operations and five products a block
+    otherwise, 28 block steps a frame. None where it does not serve (tracing, another dtype, device
+    or layout, parts that do not fit the blocks)."""
+    f32 = torch.float32
+    layers = len(parts.blocks)
+    if torch.compiler.is_compiling() or not (x.is_cpu and cache_k.is_cpu and cache_v.is_cpu) or x.dim() != 3 or \
+            not (x.dtype == cache_k.dtype == cache_v.dtype == f32) or not x.is_contiguous() or \
+            len(norms) != 2 * layers or cache_k.dim() != 5 or cache_k.shape != cache_v.shape or \
+            cache_k.shape[0] != layers or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        return None
+    b, s, dim = x.shape
+    _, rows, heads, capacity, d = cache_k.shape
+    if rows != b or heads * d != dim or not 0 <= at <= capacity - s or \
+            any(w.dtype != f32 or not w.is_cpu or not w.is_contiguous() or w.numel() != dim for w in norms):
+        return None
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    addresses = torch.tensor([w.data_ptr() for w in norms], dtype=torch.int64)
+    y = torch.empty(b, s, dim)
+    status = lib.mm3_depth_layers(x.data_ptr(), b, s, dim, layers, addresses.data_ptr(), eps, parts.fields.data_ptr(),
+                                  parts.counts.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), heads, capacity, at,
+                                  scale, torch.get_num_threads(), y.data_ptr())
+    if status == -1:
+        raise MemoryError(f"the kernel library could not allocate the scratch of the depth blocks over {b * s} rows")
+    return None if status else y
+
+
 _RAW_EXACT: list[bool] = []  # whether this process's torch draws as `raw_draws` assumes, checked once
 
 

@@ -276,10 +276,14 @@ class Linear(WeightSlots):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.get("bias", x.dtype, x.device) if self.has_bias else None
+        return self.product_for(x.dtype, x.device)(x, b)
+
+    def product_for(self, dtype: torch.dtype, device: torch.device):
+        """The product that serves inputs of `dtype` on `device` (chosen now if it is not)."""
         chosen = self._product
-        if chosen is None or chosen[0] != x.dtype or chosen[1] != x.device:
-            chosen = self.choose(x.dtype, x.device)
-        return chosen[2](x, b)
+        if chosen is None or chosen[0] != dtype or chosen[1] != device:
+            chosen = self.choose(dtype, device)
+        return chosen[2]
 
     def choose(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """Choose the product for inputs of `dtype` on `device` (what the first such use does)."""
@@ -383,11 +387,18 @@ class Fused:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if not self._fuse:
             return [p(x) for p in self.parts]
+        return self.product_for(x.dtype, x.device)(x)
+
+    def product_for(self, dtype: torch.dtype, device: torch.device):
+        """The product that serves inputs of `dtype` on `device` (chosen now if it is not); without
+        `fuse`, each part's own (`products.Separate`)."""
+        if not self._fuse:
+            return products.Separate(self.parts)
         versions = tuple(p.version for p in self.parts)
         chosen = self._product
-        if chosen is None or chosen[0] != x.dtype or chosen[1] != x.device or chosen[2] != versions:
-            chosen = self.choose(x.dtype, x.device)
-        return chosen[3](x)
+        if chosen is None or chosen[0] != dtype or chosen[1] != device or chosen[2] != versions:
+            chosen = self.choose(dtype, device)
+        return chosen[3]
 
     def choose(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """Choose the product for inputs of `dtype` on `device` (what the first such use does)."""

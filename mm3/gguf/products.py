@@ -321,5 +321,30 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
     return cpu_forms.timed(parts[0], floats if wide is floats else ByRows(floats, wide))
 
 
+def native_parts(product, dtype: torch.dtype, device: torch.device) -> list | None:
+    """The native integer kernel's bound products (`cpu_native.Bound`) that serve a layer's
+    decode-shaped inputs: the stacked packing's one, or each part's own where the parts multiply
+    apart; None where anything else serves (another kernel or form, adapters beside it, a float
+    copy). A block made of such layers can then run whole in the kernel library."""
+    if isinstance(product, cpu_forms.Timed):
+        product = product.product
+    if isinstance(product, ByRows):
+        product = product.decode
+    if isinstance(product, Split):
+        product = product.product
+    if isinstance(product, Separate):
+        out = []
+        for part in product.parts:
+            got = native_parts(part.product_for(dtype, device), dtype, device)
+            if got is None:
+                return None
+            out += got
+        return out
+    if isinstance(product, PackedProduct) and product.kernel == "native":
+        product.ready()
+        return None if product.bound is None else [product.bound]
+    return None
+
+
 def _resident(stored: torch.Tensor, device: torch.device) -> Weight | None:
     return (lambda: stored) if stored.device == device else None

@@ -10,11 +10,13 @@ fuses q/k/v and gate/up ("fast") or keeps the reference's products, as the LM's.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gguf import cpu_steps
+from ..gguf import cpu_forms, cpu_steps, products
 from ..gguf import ops as default_ops
 from ..gguf.ops import Fused, load_tensors
 from .lm import rms_norm, set_numerics
@@ -80,6 +82,10 @@ class DepthBlock(nn.Module):
         gate, up = self.gate_up(rms_norm(x, self.post_attention_layernorm(dt, dev), NORM_EPS, native))
         return x + self.down_proj(F.silu(gate) * up)
 
+    def products(self) -> tuple:
+        """The block's four products in their order of use (q/k/v, out, gate/up, down)."""
+        return self.attn.qkv, self.attn.to_out, self.gate_up, self.down_proj
+
 
 class DepthCache:
     """Keys/values of the positions run so far, [layers, batch, heads, max_positions, head_dim]."""
@@ -123,6 +129,7 @@ class RVQDepthDecoder(nn.Module):
         self.audio_heads = nn.ModuleList(ops.Linear(h, self.audio_vocab, bias=False)
                                          for _ in range(self.num_codebooks - 1))
         self.numerics = "reference"  # as built; load() sets the numerics asked for
+        self._native_parts = None  # (the blocks' products chosen, their `cpu_steps.BlockParts` or None)
         self._pos_table: dict = {}  # (dtype, device) -> (the table it came from, expanded rows)
 
     @classmethod
@@ -166,8 +173,35 @@ class RVQDepthDecoder(nn.Module):
         if start + s > self.max_positions:
             raise ValueError(f"depth sequence of {start + s} positions exceeds {self.max_positions}")
         x = inputs_embeds + self._positions(start, s, inputs_embeds.dtype, inputs_embeds.device)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cache, i)
+        whole = None
+        if self.fast_numerics and cache is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
+            whole = self._whole(x, cache)
+        if whole is not None:
+            x = whole
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cache, i)
         if cache is not None:
             cache.length += s
         return rms_norm(x, self.norm(x.dtype, x.device), NORM_EPS, self.fast_numerics)
+
+    def _whole(self, x: torch.Tensor, cache: DepthCache) -> torch.Tensor | None:
+        """The blocks in one call of the kernel library (`cpu_steps.depth_layers`) where the native
+        integer kernel serves all their products; else None (each block runs itself)."""
+        dt, dev = x.dtype, x.device
+        chosen = tuple(product.product_for(dt, dev) for block in self.layers for product in block.products())
+        held = self._native_parts
+        if held is None or len(held[0]) != len(chosen) or any(a is not b for a, b in zip(held[0], chosen)):
+            parts = [products.native_parts(product, dt, dev) for product in chosen]
+            blocks = None if None in parts else [parts[i:i + 4] for i in range(0, len(parts), 4)]
+            held = self._native_parts = (chosen, None if blocks is None else cpu_steps.BlockParts(blocks))
+        if held[1] is None:
+            return None
+        norms = [w for block in self.layers for w in (block.input_layernorm(dt, dev),
+                                                      block.post_attention_layernorm(dt, dev))]
+        start = time.perf_counter()
+        y = cpu_steps.depth_layers(x.contiguous(), norms, NORM_EPS, held[1], cache.k, cache.v, cache.length,
+                                   self.layers[0].attn.head_dim ** -0.5)
+        if y is not None:
+            cpu_forms.add_to_clock(self.layers[0].gate_proj, start)
+        return y

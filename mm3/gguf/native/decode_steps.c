@@ -84,11 +84,12 @@ int mm3_attend(const float *q, const float *k, const float *v, int64_t row_strid
     return 0;
 }
 
-/* e^x for x <= 0 to about a float32 ulp, written so a loop of them vectorizes (the C library's
-   expf is a call a value): Cody-Waite reduction by ln 2 (the multiple rounded by adding 1.5 2^23),
-   Cephes' polynomial, 2^n by the exponent bits; 0 below -87 (under the smallest normal float). */
-static inline float exp_nonpositive(float x) {
-    const float clamped = x > -87.f ? x : -87.f, shifter = 12582912.f;
+/* e^x to about a float32 ulp, written so a loop of them vectorizes (the C library's expf is a call
+   a value): Cody-Waite reduction by ln 2 (the multiple rounded by adding 1.5 2^23), Cephes'
+   polynomial, 2^n by the exponent bits; 0 below -87 (under the smallest normal float), x clamped
+   to 88 above (2^127 e^r: a float exponential overflows just past it). */
+static inline float exp_float(float x) {
+    const float clamped = x > 88.f ? 88.f : x > -87.f ? x : -87.f, shifter = 12582912.f;
     const float n = (clamped * 1.44269504088896341f + shifter) - shifter;
     float r = fmaf(n, -0.693359375f, clamped);
     r = fmaf(n, 2.12194440e-4f, r);
@@ -250,7 +251,7 @@ __attribute__((optimize("fp-contract=off"))) int mm3_top_k_draw(const float *log
         float top = -INFINITY, total = 0.f, renormal = 0.f;
         for (int64_t i = 0; i < n; i++) top = v[i] >= kth && v[i] > top ? v[i] : top;
         for (int64_t i = 0; i < n; i++) {
-            work[i] = v[i] >= kth ? exp_nonpositive(v[i] - top) : 0.f;
+            work[i] = v[i] >= kth ? exp_float(v[i] - top) : 0.f;
             total += work[i];
         }
         for (int64_t i = 0; i < n; i++) {
@@ -318,4 +319,113 @@ int mm3_decode_prepare(const float *q, int64_t q_stride, const float *k, const f
             norm_rotate(q + r * q_stride + h * d, q_norm, eps, cos, sin, d, q_out + (r * heads + h) * d);
     }
     return 0;
+}
+
+int mm3_integer_product(const float *x, const int8_t *w, float *y, int64_t m, int64_t n, int64_t k, int group,
+                        int bits, int offsets, int form, int threads);
+
+/* A product's part as the Python side checked it (cpu_native.Bound): its packed weight's address,
+   the output rows padded to whole tiles, the columns, the packing (group, bits, offsets, scale
+   form) and the output rows kept. */
+enum { PART_WEIGHT, PART_N, PART_K, PART_GROUP, PART_BITS, PART_OFFSETS, PART_FORM, PART_OUT, PART_FIELDS };
+
+/* The parts of one product (one stacked packing, or each part its own) over rows x [m][k], their
+   outputs side by side in y [m][width]; `scratch` holds m rows of the widest part's padded output. */
+static int stage(const float *x, int64_t m, const int64_t *parts, int64_t count, float *scratch, float *y,
+                 int64_t width, int threads) {
+    int64_t column = 0;
+    for (int64_t p = 0; p < count; p++) {
+        const int64_t *f = parts + p * PART_FIELDS;
+        const int64_t n = f[PART_N], kept = f[PART_OUT];
+        float *to = count == 1 && n == width ? y : scratch;
+        const int status = mm3_integer_product(x, (const int8_t *)(intptr_t)f[PART_WEIGHT], to, m, n, f[PART_K],
+                                               (int)f[PART_GROUP], (int)f[PART_BITS], (int)f[PART_OFFSETS],
+                                               (int)f[PART_FORM], threads);
+        if (status) return status;
+        if (to == scratch)
+            for (int64_t i = 0; i < m; i++) memcpy(y + i * width + column, scratch + i * n, sizeof(float) * kept);
+        column += kept;
+    }
+    return 0;
+}
+
+/* One block of the depth decoder over the s new positions of b rows, x [b][s][dim] -> y (as the
+   fast numerics' torch operations make it: RMSNorm, the q/k/v product, attention over the cache
+   (mm3_attend, which writes k and v at `at`), the out product added to x; RMSNorm, the gate/up
+   product, silu(gate) * up, the down product added). `parts` holds the products' parts
+   (PART_FIELDS each) in that order, `counts` how many each of the four has (q/k/v and gate/up: one
+   stacked packing or one a part). Returns 0, -1 without scratch, -2 for parts that do not fit the
+   block, as mm3_integer_product. */
+__attribute__((optimize("fp-contract=off"))) static int depth_block(
+    const float *x, int64_t b, int64_t s, int64_t dim, const float *norm_in, const float *norm_post, float eps,
+    const int64_t *parts, const int64_t *counts, float *cache_k, float *cache_v, int64_t heads, int64_t capacity,
+    int64_t at, float scale, int threads, float *y) {
+    const int64_t m = b * s, *stages[4];
+    int64_t widths[4], widest = 0, used = 0;
+    for (int t = 0; t < 4; t++) {
+        stages[t] = parts + used * PART_FIELDS;
+        widths[t] = 0;
+        for (int64_t p = 0; p < counts[t]; p++) {
+            const int64_t *f = stages[t] + p * PART_FIELDS;
+            widths[t] += f[PART_OUT];
+            widest = f[PART_N] > widest ? f[PART_N] : widest;
+        }
+        used += counts[t];
+    }
+    const int64_t inner = widths[2] / 2;
+    if (widths[0] != 3 * dim || widths[1] != dim || widths[2] != 2 * inner || widths[3] != dim || dim % heads)
+        return -2;
+    for (int t = 0; t < 4; t++)
+        for (int64_t p = 0; p < counts[t]; p++)
+            if (stages[t][p * PART_FIELDS + PART_K] != (t == 3 ? inner : dim)) return -2;
+    float *buffer = malloc(sizeof(float) * m * (dim * 5 + 3 * inner + widest));
+    if (!buffer) return -1;
+    float *h = buffer, *qkv = h + m * dim, *attended = qkv + m * 3 * dim, *mid = attended + m * dim;
+    float *gate_up = mid + m * dim, *act = gate_up + m * 2 * inner, *scratch = act + m * inner;
+    int status = 0;
+    mm3_rms_norm(x, norm_in, h, m, 1, dim, dim, eps);
+    if ((status = stage(h, m, stages[0], counts[0], scratch, qkv, 3 * dim, threads))) goto done;
+    if ((status = mm3_attend(qkv, qkv + dim, qkv + 2 * dim, s * 3 * dim, 3 * dim, cache_k, cache_v, b, s, heads, heads,
+                             capacity, at, dim / heads, scale, attended)))
+        goto done;
+    if ((status = stage(attended, m, stages[1], counts[1], scratch, mid, dim, threads))) goto done;
+    for (int64_t i = 0; i < m * dim; i++) mid[i] = x[i] + mid[i];
+    mm3_rms_norm(mid, norm_post, h, m, 1, dim, dim, eps);
+    if ((status = stage(h, m, stages[2], counts[2], scratch, gate_up, 2 * inner, threads))) goto done;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < inner; j++) {
+            const float g = gate_up[i * 2 * inner + j], silu = g / (1.f + exp_float(-g));
+            act[i * inner + j] = silu * gate_up[i * 2 * inner + inner + j];
+        }
+    if ((status = stage(act, m, stages[3], counts[3], scratch, y, dim, threads))) goto done;
+    for (int64_t i = 0; i < m * dim; i++) y[i] = mid[i] + y[i];
+done:
+    free(buffer);
+    return status;
+}
+
+/* The depth decoder's blocks over the s new positions of b rows in one call: x [b][s][dim] through
+   `layers` blocks (depth_block each: `norms` the addresses of each block's two RMSNorm weights,
+   `parts` and `counts` each block's in turn, the caches [layers][b][heads][capacity][dim / heads])
+   -> y. A decode step is otherwise a dozen torch operations and five Python-wrapped products a
+   block, sixty microseconds of them for the few thousand values a block makes, 28 block steps a
+   frame. Returns as depth_block. */
+int mm3_depth_layers(const float *x, int64_t b, int64_t s, int64_t dim, int64_t layers, const int64_t *norms, float eps,
+                     const int64_t *parts, const int64_t *counts, float *cache_k, float *cache_v, int64_t heads,
+                     int64_t capacity, int64_t at, float scale, int threads, float *y) {
+    float *other = layers > 1 ? malloc(sizeof(float) * b * s * dim) : NULL;
+    if (layers > 1 && !other) return -1;
+    const int64_t cached = b * capacity * dim; /* a layer's cache: b rows of heads x capacity x d */
+    const float *in = x;
+    int status = 0;
+    for (int64_t l = 0; l < layers && !status; l++) {
+        float *out = (layers - 1 - l) % 2 ? other : y; /* the last block writes y */
+        status = depth_block(in, b, s, dim, (const float *)(intptr_t)norms[2 * l],
+                             (const float *)(intptr_t)norms[2 * l + 1], eps, parts, counts + 4 * l,
+                             cache_k + l * cached, cache_v + l * cached, heads, capacity, at, scale, threads, out);
+        for (int t = 0; t < 4; t++) parts += counts[4 * l + t] * PART_FIELDS;
+        in = out;
+    }
+    free(other);
+    return status;
 }
