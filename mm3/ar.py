@@ -129,7 +129,6 @@ class FrameSampler:
             token = cpu_steps.top_k_draw(logits, self.r, self.cfg, self.top_k, q_sem, mask, gate=True)
             if token is not None:
                 return token + self.head_start
-        q_sem = _exponential(q_sem)
         c, u = (logits[0::2], logits[1::2]) if self.r == 2 else (logits, logits)
         if mask is not None:
             c, u = c.masked_fill(mask, _NEG_INF), u.masked_fill(mask, _NEG_INF)
@@ -139,9 +138,9 @@ class FrameSampler:
         if mask is not None:  # guidance of two -inf values is NaN
             guided = guided.masked_fill(mask, _NEG_INF)
         if shaper is None:
-            return draw(top_k_probs(guided, self.top_k), q_sem) + self.head_start  # [songs]
+            return _draw(top_k_probs(guided, self.top_k), q_sem) + self.head_start  # [songs]
         probs = shaper.probs(top_k_probs(shaper.logits(guided), self.top_k))
-        return draw(probs, q_sem) + self.head_start
+        return _draw(probs, q_sem) + self.head_start
 
     def _depth(self, x: torch.Tensor, seq: list[torch.Tensor]) -> torch.Tensor:
         """The depth state after appending x [rows, s, H] to the sequence: [rows, H]."""
@@ -175,7 +174,7 @@ class FrameSampler:
             code = cpu_steps.top_k_draw(lg, r, self.cfg, self.top_k, q_dep[:, j - 1]) if self.library_draws else None
             if code is None:
                 guided = guide(lg[0::2], lg[1::2], self.cfg) if r == 2 else lg
-                code = draw(top_k_probs(guided, self.top_k), _exponential(q_dep[:, j - 1]))  # [songs]
+                code = _draw(top_k_probs(guided, self.top_k), q_dep[:, j - 1])  # [songs]
             codes.append(code)
             if j < self.ncb - 1:
                 x = depth.projection(depth.code_embedding(code.repeat_interleave(r), j, dt))[:, None]
@@ -187,9 +186,13 @@ class FrameSampler:
         return frame, end, hidden
 
 
-def _exponential(q: torch.Tensor) -> torch.Tensor:
-    """Exponential(1) draws as floats: `q` itself, or those torch makes of raw 64-bit draws."""
-    return cpu_steps.exponentials(q) if q.dtype == torch.int64 else q
+def _draw(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """`draw` over the frame's Exponential(1) draws `q`, or over raw 64-bit ones (the kernel
+    library makes Exponential only those the candidates need)."""
+    if q.dtype != torch.int64:
+        return draw(probs, q)
+    index = cpu_steps.draw_from_raw(probs, q)
+    return draw(probs, cpu_steps.exponentials(q)) if index is None else index
 
 
 class ScratchFrames:

@@ -286,6 +286,28 @@ def test_the_librarys_draws_are_torchs(gate):
 
 
 @needs_kernel
+def test_a_draw_from_raw_draws_is_torchs_draw():
+    """Shaped probabilities' draw (the semantic code's with shaping) from raw draws: the same index
+    as torch's over the Exponential values, zero draws and NaN probabilities included."""
+    from mm3.sampling import draw, make_generator
+
+    g = make_generator(9)
+    for trial in range(300):
+        rows, n = 1 + trial % 3, (2000, 64, 5)[trial % 3]
+        probs = torch.softmax(torch.randn(rows, n, generator=g) * 3, -1)
+        probs = probs.masked_fill(probs < probs.topk(min(n, 40), -1).values[:, -1:], 0.0)
+        raw = cpu_steps.raw_draws(g, (rows, n))
+        if trial % 7 == 0:
+            raw[0, trial % n] = 0  # a zero draw: 0 / 0 where the probability is zero
+        if trial % 11 == 0:
+            probs[-1, n // 2] = float("nan")
+        want = draw(probs, cpu_steps.exponentials(raw))
+        assert torch.equal(cpu_steps.draw_from_raw(probs, raw), want), trial
+    assert cpu_steps.draw_from_raw(torch.rand(2, 8).double(), torch.zeros(2, 8, dtype=torch.int64)) is None
+    assert cpu_steps.draw_from_raw(torch.rand(2, 8), torch.zeros(2, 9, dtype=torch.int64)) is None
+
+
+@needs_kernel
 def test_raw_draws_are_torchs_exponential_draws_bit_for_bit():
     """The library's draws from the generator's raw 64-bit values: each the Exponential(1) value
     torch makes of it, the generator consumed alike."""

@@ -1,11 +1,12 @@
 """An AR decode step's small operations in one call each of the CPU kernel library
 (`mm3.gguf.cpu_native`), where torch runs each as a dozen small operations: the fast numerics'
 RMSNorm (`rms_norm`), an embedding lookup's few quantized rows (`lookup`), the depth decoder's
-attention over its short cache (`attend`), an LM decode step's q/k norms, rotation and cache write
-(`decode_prepare`), the guided top-k draws (`top_k_draw`) and their random numbers (`raw_draws`,
-`exponentials`, `skip_draws`). Each returns None (False) where it does not serve (no library,
-another dtype, device or layout, tracing), checked before the library is looked up, and the
-caller's torch operations run instead.
+attention over its short cache (`attend`) and its whole blocks (`depth_layers`), an LM decode
+step's q/k norms, rotation and cache write (`decode_prepare`), the guided top-k draws
+(`top_k_draw`, `draw_from_raw`) and their random numbers (`raw_draws`, `exponentials`,
+`skip_draws`). Each returns None (False) where it does not serve (no library, another dtype,
+device or layout, tracing), checked before the library is looked up, and the caller's torch
+operations run instead.
 """
 
 from __future__ import annotations
@@ -278,6 +279,23 @@ def exponentials(raw: torch.Tensor) -> torch.Tensor:
     raw = raw.contiguous()
     out = torch.empty(raw.shape)
     cpu_native.library().mm3_exponentials(raw.data_ptr(), raw.numel(), out.data_ptr())
+    return out
+
+
+def draw_from_raw(probs: torch.Tensor, raw: torch.Tensor) -> torch.Tensor | None:
+    """`mm3.sampling.draw(probs, exponentials(raw))` -> [rows] int64, the Exponential values made
+    only where they count (a nonzero probability, a zero draw); probs [rows, N] float32 and raw
+    [rows, N] int64 on the CPU, rows contiguous. None where it does not serve."""
+    if torch.compiler.is_compiling() or not (probs.is_cpu and raw.is_cpu) or probs.dtype != torch.float32 or \
+            raw.dtype != torch.int64 or probs.dim() != 2 or raw.shape != probs.shape or probs.stride(1) != 1 or \
+            raw.stride(1) != 1:
+        return None
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    out = torch.empty(probs.shape[0], dtype=torch.int64)
+    lib.mm3_draw_from_raw(probs.data_ptr(), raw.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0),
+                          raw.stride(0), out.data_ptr())
     return out
 
 

@@ -197,6 +197,29 @@ static inline float exponential_of(int64_t draw) {
     return (float)(-1.0 * log1p(-u));
 }
 
+/* The reference's draw (mm3.sampling.draw) over `rows` rows of probabilities [n] (`p_stride`
+   floats apart) and their raw 64-bit draws (`raw_stride` apart): the first index of the largest
+   probability / Exponential value, or of the first NaN, as torch's argmax; the Exponential values
+   made only where a probability is not zero or the draw is (0 / 0). */
+void mm3_draw_from_raw(const float *probs, const int64_t *raw, int64_t rows, int64_t n, int64_t p_stride,
+                       int64_t raw_stride, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = probs + r * p_stride;
+        const int64_t *draws = raw + r * raw_stride;
+        int64_t best = 0;
+        float best_ratio = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            const float ratio = p[i] != 0.f || !(draws[i] & UNIFORM_BITS) ? p[i] / exponential_of(draws[i]) : 0.f;
+            if (isnan(ratio)) {
+                best = i;
+                break;
+            }
+            if (ratio > best_ratio) best_ratio = ratio, best = i;
+        }
+        out[r] = best;
+    }
+}
+
 /* The Exponential(1) values of `count` 64-bit draws, into out. */
 void mm3_exponentials(const int64_t *draws, int64_t count, float *out) {
     for (int64_t i = 0; i < count; i++) out[i] = exponential_of(draws[i]);
