@@ -398,6 +398,62 @@ def test_the_lms_decode_step_matches_its_torch_path_step_by_step(monkeypatch):
     assert len(served) == 3 and all(out is not None for out in served)  # the decode steps were the library's
 
 
+
+def _native_lm_layer(types: dict, seed: int = 0):
+    """An LM layer (hidden 256, 4 heads of 64 over 2 key heads, intermediate 512) in the fast
+    numerics, each product's weight in types[its name] (Q8_0 by default), served by the native kernel."""
+    from mm3.gguf.cpu_forms import FORMS, Serving
+    from mm3.models.lm import Qwen3DecoderLayer, set_numerics
+
+    cfg = {"hidden_size": 256, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 512, "rms_norm_eps": 1e-6}
+    layer = Qwen3DecoderLayer(cfg, gguf_ops)
+    g = torch.Generator().manual_seed(seed)
+    for name, sub in layer.named_modules():
+        if isinstance(sub, gguf_ops.Linear):
+            qtype = types.get(name.rsplit(".", 1)[-1], Q.Q8_0)
+            raw = random_tensor("w", (sub.out_features, sub.in_features), qtype, g)
+            sub.set_stored("weight", qtype, torch.from_numpy(raw))
+            sub.cpu_form = Serving(FORMS["native"], "lm")
+        elif isinstance(sub, gguf_ops.Vector):
+            sub.set_stored("weight", Q.F32, torch.rand(*sub._slot_shapes["weight"], generator=g) + 0.5)
+    set_numerics(layer, "fast")
+    return layer
+
+
+@needs_kernel
+@pytest.mark.parametrize("types", [{}, {"v_proj": Q.Q6_K, "down_proj": Q.Q6_K, "q_proj": Q.Q4_K, "k_proj": Q.Q4_K,
+                                        "o_proj": Q.Q4_K, "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K}],
+                         ids=["Q8_0", "Q4_K_M"])
+def test_the_lms_decode_step_in_two_library_calls_matches_its_layer_step_by_step(monkeypatch, types):
+    """A prefill, then decode steps through the kernel library's two calls around torch's attention
+    against the same layer's own products and operations; the caches agree too."""
+    from mm3.models.lm import KVCache
+
+    layer = _native_lm_layer(types)
+    served = []
+    real = cpu_steps.lm_leave
+    monkeypatch.setattr(cpu_steps, "lm_leave", lambda *a: served.append(real(*a)) or served[-1])
+    caches = [KVCache.empty(2, 3, 2, 12, 64, torch.float32, torch.device("cpu")) for _ in range(2)]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    g = torch.Generator().manual_seed(2)
+    for s in (4, 1, 1, 1):
+        x = torch.randn(3, s, 256, generator=g)
+        angles = (caches[0].length + torch.arange(s))[:, None].float() * inv_freq
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        whole = layer(x, cos, sin, caches[1], 1)
+        with monkeypatch.context() as apart:
+            apart.setattr(cpu_steps, "lm_enter", lambda *a: None)
+            own = layer(x, cos, sin, caches[0], 1)
+        for cache in caches:
+            cache.advance(s)
+        torch.testing.assert_close(whole, own, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-6)
+    assert len(served) == 3 and all(out is not None for out in served)  # the decode steps were the library's
+    assert len(layer._native_parts[1].blocks[0][0]) == (3 if types else 1)  # each part apart (v in Q6_K), or stacked
+
 @needs_kernel
 def test_decode_steps_the_library_cannot_take_are_left_to_torch():
     q, kv = torch.randn(2, 1, 64), torch.randn(2, 1, 32)

@@ -193,6 +193,8 @@ class BlockParts:
         self.fields = torch.tensor([(p.packed.weight.data_ptr(), *p.args, p.out_features)
                                     for block in blocks for product in block for p in product], dtype=torch.int64)
         self.counts = torch.tensor([len(product) for block in blocks for product in block], dtype=torch.int64)
+        first = len(blocks[0][0])  # the first block's parts past its q/k/v product, and their counts (`lm_leave`)
+        self.after_first, self.counts_after_first = self.fields[first:], self.counts[1:4]
 
 
 def depth_layers(x: torch.Tensor, norms: list[torch.Tensor], eps: float, parts: BlockParts, cache_k: torch.Tensor,
@@ -228,6 +230,68 @@ def depth_layers(x: torch.Tensor, norms: list[torch.Tensor], eps: float, parts: 
                                   scale, torch.get_num_threads(), y.data_ptr())
     if status == -1:
         raise MemoryError(f"the kernel library could not allocate the scratch of the depth blocks over {b * s} rows")
+    return None if status else y
+
+
+def lm_enter(x: torch.Tensor, norm_in: torch.Tensor, eps: float, parts: BlockParts, q_norm: torch.Tensor,
+             k_norm: torch.Tensor, head_eps: float, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
+             cache_v: torch.Tensor, at: int) -> torch.Tensor | None:
+    """An LM decode step's layer up to its attention in one call of the kernel library: RMSNorm of
+    x [B, 1, dim], the q/k/v product (`parts`: the layer's, `BlockParts` of one block), the heads'
+    norms and rotation with k and v written into the layer's caches [B, kv_heads, capacity, D] at
+    `at` (as `decode_prepare`) -> the queries [B, heads, 1, D] float32. None where it does not serve
+    (tracing, another dtype, device or layout, parts that do not fit), before anything is written."""
+    f32 = torch.float32
+    small = (norm_in, q_norm, k_norm, cos, sin)
+    if torch.compiler.is_compiling() or not (x.is_cpu and cache_k.is_cpu and cache_v.is_cpu) or x.dim() != 3 or \
+            x.shape[1] != 1 or not x.is_contiguous() or x.dtype != f32 or cache_k.dtype != f32 or \
+            cache_v.dtype != f32 or cache_k.dim() != 4 or cache_k.shape != cache_v.shape or \
+            not (cache_k.is_contiguous() and cache_v.is_contiguous()) or len(parts.blocks) != 1 or \
+            any(t.dtype != f32 or not t.is_cpu or not t.is_contiguous() for t in small):
+        return None
+    b, _, dim = x.shape
+    rows, kv_heads, capacity, d = cache_k.shape
+    width = sum(p.out_features for p in parts.blocks[0][0])
+    heads = width // d - 2 * kv_heads
+    if rows != b or heads <= 0 or heads % kv_heads or norm_in.numel() != dim or q_norm.numel() != d or \
+            k_norm.numel() != d or cos.numel() != d or sin.numel() != d or not 0 <= at < capacity:
+        return None
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    q = torch.empty(b, heads, 1, d)
+    status = lib.mm3_lm_enter(x.data_ptr(), b, dim, norm_in.data_ptr(), eps, parts.fields.data_ptr(),
+                              len(parts.blocks[0][0]), q_norm.data_ptr(), k_norm.data_ptr(), head_eps, cos.data_ptr(),
+                              sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), heads, kv_heads, capacity, at, d,
+                              torch.get_num_threads(), q.data_ptr())
+    if status == -1:
+        raise MemoryError("the kernel library could not allocate the scratch of an LM decode step")
+    return None if status else q
+
+
+def lm_leave(x: torch.Tensor, attended: torch.Tensor, norm_post: torch.Tensor, eps: float,
+             parts: BlockParts) -> torch.Tensor | None:
+    """An LM decode step's layer after its attention in one call of the kernel library: x [B, 1,
+    dim] plus the out product of the attention's output `attended` [B, 1, dim], then plus the MLP
+    (RMSNorm, gate/up, silu(gate) * up, down) of that -> [B, 1, dim] float32, the fast numerics'
+    operations up to the rounding of silu's exponential. None where it does not serve."""
+    f32 = torch.float32
+    if torch.compiler.is_compiling() or not (x.is_cpu and attended.is_cpu and norm_post.is_cpu) or \
+            x.dtype != f32 or attended.dtype != f32 or norm_post.dtype != f32 or x.dim() != 3 or \
+            attended.shape != x.shape or not (x.is_contiguous() and attended.is_contiguous() and
+                                              norm_post.is_contiguous()) or norm_post.numel() != x.shape[2] or \
+            len(parts.blocks) != 1:
+        return None
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    b, s, dim = x.shape
+    y = torch.empty(b, s, dim)
+    status = lib.mm3_lm_leave(x.data_ptr(), attended.data_ptr(), b * s, dim, norm_post.data_ptr(), eps,
+                              parts.after_first.data_ptr(), parts.counts_after_first.data_ptr(), torch.get_num_threads(),
+                              y.data_ptr())
+    if status == -1:
+        raise MemoryError("the kernel library could not allocate the scratch of an LM decode step")
     return None if status else y
 
 

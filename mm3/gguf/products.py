@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..matmul import DECODE_MAX_ROWS, weight_major_linear
-from . import cpu_forms, cpu_int4, cpu_native, custom_ops, kernels, layout_kernels
+from . import cpu_forms, cpu_int4, cpu_native, cpu_steps, custom_ops, kernels, layout_kernels
 
 Weight = Callable[[], torch.Tensor]  # the weight a product reads, on the input's device
 
@@ -344,6 +344,21 @@ def native_parts(product, dtype: torch.dtype, device: torch.device) -> list | No
         product.ready()
         return None if product.bound is None else [product.bound]
     return None
+
+
+def native_blocks(held: tuple | None, blocks: list[tuple], dtype: torch.dtype, device: torch.device) -> tuple:
+    """Blocks of layers (each block's layers with products in their order of use) as the kernel
+    library reads them: (the products chosen, their `cpu_steps.BlockParts`, or None where anything
+    but the native kernel serves one of them). `held`, the pair made before, is returned while every
+    layer keeps the product it had."""
+    chosen = tuple(layer.product_for(dtype, device) for block in blocks for layer in block)
+    if held is not None and len(held[0]) == len(chosen) and all(a is b for a, b in zip(held[0], chosen)):
+        return held
+    parts = [native_parts(product, dtype, device) for product in chosen]
+    if None in parts:
+        return chosen, None
+    per = len(blocks[0])
+    return chosen, cpu_steps.BlockParts([parts[i:i + per] for i in range(0, len(parts), per)])
 
 
 def _resident(stored: torch.Tensor, device: torch.device) -> Weight | None:

@@ -189,12 +189,8 @@ class RVQDepthDecoder(nn.Module):
         """The blocks in one call of the kernel library (`cpu_steps.depth_layers`) where the native
         integer kernel serves all their products; else None (each block runs itself)."""
         dt, dev = x.dtype, x.device
-        chosen = tuple(product.product_for(dt, dev) for block in self.layers for product in block.products())
-        held = self._native_parts
-        if held is None or len(held[0]) != len(chosen) or any(a is not b for a, b in zip(held[0], chosen)):
-            parts = [products.native_parts(product, dt, dev) for product in chosen]
-            blocks = None if None in parts else [parts[i:i + 4] for i in range(0, len(parts), 4)]
-            held = self._native_parts = (chosen, None if blocks is None else cpu_steps.BlockParts(blocks))
+        held = self._native_parts = products.native_blocks(self._native_parts, [b.products() for b in self.layers],
+                                                           dt, dev)
         if held[1] is None:
             return None
         norms = [w for block in self.layers for w in (block.input_layernorm(dt, dev),

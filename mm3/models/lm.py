@@ -9,13 +9,14 @@ reference's products (CPU float32 gives its hidden states bit for bit); "fast" f
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gguf import cpu_steps
+from ..gguf import cpu_forms, cpu_steps, products
 from ..gguf import ops as default_ops
 from ..gguf.errors import ComponentError
 from ..gguf.ops import Fused, Linear, fused_layers, load_tensors
@@ -278,12 +279,47 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = Qwen3Attention(cfg, ops)
         self.post_attention_layernorm = ops.Vector(cfg["hidden_size"])
         self.mlp = Qwen3MLP(cfg, ops)
+        self._native_parts = None  # (the products chosen, their `cpu_steps.BlockParts` or None)
 
     def forward(self, x, cos, sin, cache, layer):
         dt, dev = x.dtype, x.device
         native = self.fast_numerics
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm(dt, dev), self.eps, native), cos, sin, cache, layer)
+        attn = self.self_attn
+        if native and x.shape[1] == 1 and dev.type == "cpu" and cache.bucket is None and not attn.taps and \
+                not torch.compiler.is_compiling():
+            y = self._native_step(x, cos, sin, cache, layer)
+            if y is not None:
+                return y
+        x = x + attn(rms_norm(x, self.input_layernorm(dt, dev), self.eps, native), cos, sin, cache, layer)
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm(dt, dev), self.eps, native))
+
+    def products(self) -> tuple:
+        """The layer's four products in their order of use (q/k/v, out, gate/up, down)."""
+        return self.self_attn.qkv, self.self_attn.o_proj, self.mlp.gate_up, self.mlp.down_proj
+
+    def _native_step(self, x, cos, sin, cache, layer: int):
+        """A decode step in two calls of the kernel library around torch's attention over the cache
+        (`cpu_steps.lm_enter`, `lm_leave`) where the native integer kernel serves all four products;
+        else None, nothing written."""
+        dt, dev = x.dtype, x.device
+        held = self._native_parts = products.native_blocks(self._native_parts, [self.products()], dt, dev)
+        if held[1] is None:
+            return None
+        attn = self.self_attn
+        start = time.perf_counter()
+        q = cpu_steps.lm_enter(x, self.input_layernorm(dt, dev), self.eps, held[1], attn.q_norm(dt, dev),
+                               attn.k_norm(dt, dev), attn.eps, cos, sin, cache.k[layer], cache.v[layer], cache.length)
+        if q is None:
+            return None
+        end = cache.length + 1
+        out = one_query_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], None, attn.head_dim ** -0.5)
+        out = out.transpose(1, 2).reshape(x.shape)
+        y = cpu_steps.lm_leave(x, out, self.post_attention_layernorm(dt, dev), self.eps, held[1])
+        if y is None:  # (not for the parts that served lm_enter) the rest by torch's operations
+            x = x + attn.o_proj(out)
+            return x + self.mlp(rms_norm(x, self.post_attention_layernorm(dt, dev), self.eps, True))
+        cpu_forms.add_to_clock(self.mlp.gate_proj, start)
+        return y
 
 
 class Qwen3Model(nn.Module):

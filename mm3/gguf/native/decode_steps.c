@@ -372,57 +372,82 @@ static int stage(const float *x, int64_t m, const int64_t *parts, int64_t count,
     return 0;
 }
 
-/* One block of the depth decoder over the s new positions of b rows, x [b][s][dim] -> y (as the
-   fast numerics' torch operations make it: RMSNorm, the q/k/v product, attention over the cache
-   (mm3_attend, which writes k and v at `at`), the out product added to x; RMSNorm, the gate/up
-   product, silu(gate) * up, the down product added). `parts` holds the products' parts
-   (PART_FIELDS each) in that order, `counts` how many each of the four has (q/k/v and gate/up: one
-   stacked packing or one a part). Returns 0, -1 without scratch, -2 for parts that do not fit the
-   block, as mm3_integer_product. */
-__attribute__((optimize("fp-contract=off"))) static int depth_block(
-    const float *x, int64_t b, int64_t s, int64_t dim, const float *norm_in, const float *norm_post, float eps,
-    const int64_t *parts, const int64_t *counts, float *cache_k, float *cache_v, int64_t heads, int64_t capacity,
-    int64_t at, float scale, int threads, float *y) {
-    const int64_t m = b * s, *stages[4];
-    int64_t widths[4], widest = 0, used = 0;
-    for (int t = 0; t < 4; t++) {
-        stages[t] = parts + used * PART_FIELDS;
+/* The widths of a block's products (their parts' kept outputs summed) and the widest part's padded
+   output: `counts[t]` parts each for t < `products`, PART_FIELDS values a part. */
+static void product_widths(const int64_t *parts, const int64_t *counts, int products, int64_t *widths,
+                           int64_t *widest) {
+    for (int t = 0; t < products; t++) {
         widths[t] = 0;
-        for (int64_t p = 0; p < counts[t]; p++) {
-            const int64_t *f = stages[t] + p * PART_FIELDS;
-            widths[t] += f[PART_OUT];
-            widest = f[PART_N] > widest ? f[PART_N] : widest;
+        for (int64_t p = 0; p < counts[t]; p++, parts += PART_FIELDS) {
+            widths[t] += parts[PART_OUT];
+            *widest = parts[PART_N] > *widest ? parts[PART_N] : *widest;
         }
-        used += counts[t];
     }
-    const int64_t inner = widths[2] / 2;
-    if (widths[0] != 3 * dim || widths[1] != dim || widths[2] != 2 * inner || widths[3] != dim || dim % heads)
+}
+
+/* Whether every part of the `count` from `parts` takes k columns. */
+static int parts_take(const int64_t *parts, int64_t count, int64_t k) {
+    for (int64_t p = 0; p < count; p++)
+        if (parts[p * PART_FIELDS + PART_K] != k) return 0;
+    return 1;
+}
+
+/* A pre-norm block's second half over m rows: x [m][dim] plus the out product of `attended`
+   [m][dim] (mid), then mid plus the down product of silu(gate) * up of the gate/up product of
+   RMSNorm(mid) (`norm_post`) -> y [m][dim]. `parts` holds the three products' parts in that order,
+   `counts` how many each has (gate/up: one stacked packing or one a part). Returns 0, -1 without
+   scratch, -2 for parts that do not fit, as mm3_integer_product. */
+__attribute__((optimize("fp-contract=off"))) static int block_leave(const float *x, const float *attended, int64_t m,
+                                                                   int64_t dim, const float *norm_post, float eps,
+                                                                   const int64_t *parts, const int64_t *counts,
+                                                                   int threads, float *y) {
+    int64_t widths[3], widest = 0;
+    product_widths(parts, counts, 3, widths, &widest);
+    const int64_t inner = widths[1] / 2, *out = parts, *gate_up = out + counts[0] * PART_FIELDS;
+    const int64_t *down = gate_up + counts[1] * PART_FIELDS;
+    if (widths[0] != dim || widths[1] != 2 * inner || widths[2] != dim || !parts_take(out, counts[0], dim) ||
+        !parts_take(gate_up, counts[1], dim) || !parts_take(down, counts[2], inner))
         return -2;
-    for (int t = 0; t < 4; t++)
-        for (int64_t p = 0; p < counts[t]; p++)
-            if (stages[t][p * PART_FIELDS + PART_K] != (t == 3 ? inner : dim)) return -2;
-    float *buffer = malloc(sizeof(float) * m * (dim * 5 + 3 * inner + widest));
+    float *buffer = malloc(sizeof(float) * m * (2 * dim + 3 * inner + widest));
     if (!buffer) return -1;
-    float *h = buffer, *qkv = h + m * dim, *attended = qkv + m * 3 * dim, *mid = attended + m * dim;
-    float *gate_up = mid + m * dim, *act = gate_up + m * 2 * inner, *scratch = act + m * inner;
-    int status = 0;
-    mm3_rms_norm(x, norm_in, h, m, 1, dim, dim, eps);
-    if ((status = stage(h, m, stages[0], counts[0], scratch, qkv, 3 * dim, threads))) goto done;
-    if ((status = mm3_attend(qkv, qkv + dim, qkv + 2 * dim, s * 3 * dim, 3 * dim, cache_k, cache_v, b, s, heads, heads,
-                             capacity, at, dim / heads, scale, attended)))
-        goto done;
-    if ((status = stage(attended, m, stages[1], counts[1], scratch, mid, dim, threads))) goto done;
+    float *mid = buffer, *h = mid + m * dim, *both = h + m * dim, *act = both + m * 2 * inner, *scratch = act + m * inner;
+    int status;
+    if ((status = stage(attended, m, out, counts[0], scratch, mid, dim, threads))) goto done;
     for (int64_t i = 0; i < m * dim; i++) mid[i] = x[i] + mid[i];
     mm3_rms_norm(mid, norm_post, h, m, 1, dim, dim, eps);
-    if ((status = stage(h, m, stages[2], counts[2], scratch, gate_up, 2 * inner, threads))) goto done;
+    if ((status = stage(h, m, gate_up, counts[1], scratch, both, 2 * inner, threads))) goto done;
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < inner; j++) {
-            const float g = gate_up[i * 2 * inner + j], silu = g / (1.f + exp_float(-g));
-            act[i * inner + j] = silu * gate_up[i * 2 * inner + inner + j];
+            const float g = both[i * 2 * inner + j], silu = g / (1.f + exp_float(-g));
+            act[i * inner + j] = silu * both[i * 2 * inner + inner + j];
         }
-    if ((status = stage(act, m, stages[3], counts[3], scratch, y, dim, threads))) goto done;
+    if ((status = stage(act, m, down, counts[2], scratch, y, dim, threads))) goto done;
     for (int64_t i = 0; i < m * dim; i++) y[i] = mid[i] + y[i];
 done:
+    free(buffer);
+    return status;
+}
+
+/* One block of the depth decoder over the s new positions of b rows, x [b][s][dim] -> y (as the
+   fast numerics' torch operations make it): RMSNorm, the q/k/v product, attention over the cache
+   (mm3_attend, which writes k and v at `at`), then block_leave. `parts` holds the four products'
+   parts (q/k/v, out, gate/up, down), `counts` how many each has. Returns as block_leave. */
+static int depth_block(const float *x, int64_t b, int64_t s, int64_t dim, const float *norm_in,
+                       const float *norm_post, float eps, const int64_t *parts, const int64_t *counts, float *cache_k,
+                       float *cache_v, int64_t heads, int64_t capacity, int64_t at, float scale, int threads, float *y) {
+    const int64_t m = b * s;
+    int64_t width, widest = 0;
+    product_widths(parts, counts, 1, &width, &widest);
+    if (width != 3 * dim || dim % heads || !parts_take(parts, counts[0], dim)) return -2;
+    float *buffer = malloc(sizeof(float) * m * (5 * dim + widest));
+    if (!buffer) return -1;
+    float *h = buffer, *qkv = h + m * dim, *attended = qkv + m * 3 * dim, *scratch = attended + m * dim;
+    int status;
+    mm3_rms_norm(x, norm_in, h, m, 1, dim, dim, eps);
+    if (!(status = stage(h, m, parts, counts[0], scratch, qkv, 3 * dim, threads)) &&
+        !(status = mm3_attend(qkv, qkv + dim, qkv + 2 * dim, s * 3 * dim, 3 * dim, cache_k, cache_v, b, s, heads,
+                              heads, capacity, at, dim / heads, scale, attended)))
+        status = block_leave(x, attended, m, dim, norm_post, eps, parts + counts[0] * PART_FIELDS, counts + 1, threads, y);
     free(buffer);
     return status;
 }
@@ -451,4 +476,34 @@ int mm3_depth_layers(const float *x, int64_t b, int64_t s, int64_t dim, int64_t 
     }
     free(other);
     return status;
+}
+
+/* An LM decode step's layer up to its attention, for b rows of one position: RMSNorm of x [b][dim]
+   (`norm_in`), the q/k/v product (`count` parts, PART_FIELDS each), then mm3_decode_prepare (the
+   heads' norms and rotation, k and v written into the layer's caches at `at`) -> q_out
+   [b][heads][d]. Returns 0, -1 without scratch, -2 for parts that do not fit. */
+int mm3_lm_enter(const float *x, int64_t b, int64_t dim, const float *norm_in, float eps, const int64_t *parts,
+                 int64_t count, const float *q_norm, const float *k_norm, float head_eps, const float *cos,
+                 const float *sin, float *cache_k, float *cache_v, int64_t heads, int64_t kv_heads, int64_t capacity,
+                 int64_t at, int64_t d, int threads, float *q_out) {
+    int64_t width, widest = 0;
+    product_widths(parts, &count, 1, &width, &widest);
+    if (width != (heads + 2 * kv_heads) * d || !parts_take(parts, count, dim)) return -2;
+    float *buffer = malloc(sizeof(float) * b * (dim + width + widest));
+    if (!buffer) return -1;
+    float *h = buffer, *qkv = h + b * dim, *scratch = qkv + b * width;
+    mm3_rms_norm(x, norm_in, h, b, 1, dim, dim, eps);
+    int status = stage(h, b, parts, count, scratch, qkv, width, threads);
+    if (!status)
+        status = mm3_decode_prepare(qkv, width, qkv + heads * d, qkv + (heads + kv_heads) * d, width, q_norm, k_norm,
+                                    head_eps, cos, sin, cache_k, cache_v, b, heads, kv_heads, capacity, at, d, q_out);
+    free(buffer);
+    return status;
+}
+
+/* An LM decode step's layer after its attention (block_leave over b rows): x [b][dim] and the
+   attention's output `attended` [b][dim] -> y [b][dim]. */
+int mm3_lm_leave(const float *x, const float *attended, int64_t b, int64_t dim, const float *norm_post, float eps,
+                 const int64_t *parts, const int64_t *counts, int threads, float *y) {
+    return block_leave(x, attended, b, dim, norm_post, eps, parts, counts, threads, y);
 }
