@@ -210,8 +210,33 @@ def test_the_depth_decoders_blocks_in_one_call_match_its_blocks_step_by_step(mon
         torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
     assert len(served) == 7 and all(out is not None for out in served)
-    assert len(model._native_parts[1].blocks[0][0]) == (3 if types else 1)  # q/k/v: parts apart, or stacked
+    assert model._native_parts[1].first_parts == (3 if types else 1)  # q/k/v: parts apart, or stacked
 
+
+
+@needs_kernel
+def test_packings_dropped_are_freed_and_the_blocks_parts_made_again():
+    """The blocks' parts hold the packings weakly: a form switch or a move that drops them frees
+    them at once, and the next step finds the parts made again (never the old addresses)."""
+    import gc
+    import weakref
+
+    model = _native_depth({})
+    cache = model.new_cache(2, torch.float32, torch.device("cpu"))
+    x = torch.randn(2, 2, 256)
+    first = model(x, cache)
+    held = model._native_parts[1]
+    down = model.layers[0].down_proj
+    old = weakref.ref(down._packing["native"].weight)
+    for block in model.layers:
+        for product in block.products():
+            product.drop_packing()
+    gc.collect()
+    assert old() is None and not held.alive()
+    cache.reset()
+    again = model(x, cache)
+    assert model._native_parts[1] is not held and model._native_parts[1].alive()
+    assert torch.equal(again, first)
 
 @needs_kernel
 def test_depth_blocks_with_an_adapter_run_block_by_block(monkeypatch):
@@ -452,7 +477,7 @@ def test_the_lms_decode_step_in_two_library_calls_matches_its_layer_step_by_step
         torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-6)
     assert len(served) == 3 and all(out is not None for out in served)  # the decode steps were the library's
-    assert len(layer._native_parts[1].blocks[0][0]) == (3 if types else 1)  # each part apart (v in Q6_K), or stacked
+    assert layer._native_parts[1].first_parts == (3 if types else 1)  # each part apart (v in Q6_K), or stacked
 
 @needs_kernel
 def test_decode_steps_the_library_cannot_take_are_left_to_torch():

@@ -11,6 +11,8 @@ operations run instead.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from gguf import GGMLQuantizationType as QT
 
@@ -183,18 +185,26 @@ def lookup(table: torch.Tensor, qtype: QT, ids: torch.Tensor, k: int) -> torch.T
 
 
 class BlockParts:
-    """The depth decoder's blocks' products as the kernel library reads them (`depth_layers`): each
-    part's packed weight and shape, as `cpu_native.Bound` checked them, and how many parts each of a
-    block's four products has; made once per choice of products, holding them (and so their
-    packings)."""
+    """Blocks' products as the kernel library reads them (`depth_layers`, `lm_enter`, `lm_leave`):
+    each part's packed weight and shape, as `cpu_native.Bound` checked them, and how many parts each
+    of a block's four products has. It holds the bound products weakly, so a packing dropped (a form
+    switched, the model moved) is freed at once; `alive()` says whether every one is still there,
+    else the addresses are not to be read."""
 
     def __init__(self, blocks: list[list[list[cpu_native.Bound]]]):
-        self.blocks = blocks
-        self.fields = torch.tensor([(p.packed.weight.data_ptr(), *p.args, p.out_features)
-                                    for block in blocks for product in block for p in product], dtype=torch.int64)
+        bound = [p for block in blocks for product in block for p in product]
+        self.layers = len(blocks)
+        self._bound = [weakref.ref(p) for p in bound]
+        self.fields = torch.tensor([(p.packed.weight.data_ptr(), *p.args, p.out_features) for p in bound],
+                                   dtype=torch.int64)
         self.counts = torch.tensor([len(product) for block in blocks for product in block], dtype=torch.int64)
-        first = len(blocks[0][0])  # the first block's parts past its q/k/v product, and their counts (`lm_leave`)
-        self.after_first, self.counts_after_first = self.fields[first:], self.counts[1:4]
+        first = blocks[0][0]  # the first block's q/k/v product: its parts, its width
+        self.first_parts, self.first_width = len(first), sum(p.out_features for p in first)
+        # The first block's parts past its q/k/v product and their counts (`lm_leave`).
+        self.after_first, self.counts_after_first = self.fields[len(first):], self.counts[1:4]
+
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self._bound)
 
 
 def depth_layers(x: torch.Tensor, norms: list[torch.Tensor], eps: float, parts: BlockParts, cache_k: torch.Tensor,
@@ -209,7 +219,7 @@ def depth_layers(x: torch.Tensor, norms: list[torch.Tensor], eps: float, parts: 
     otherwise, 28 block steps a frame. None where it does not serve (tracing, another dtype, device
     or layout, parts that do not fit the blocks)."""
     f32 = torch.float32
-    layers = len(parts.blocks)
+    layers = parts.layers
     if torch.compiler.is_compiling() or not (x.is_cpu and cache_k.is_cpu and cache_v.is_cpu) or x.dim() != 3 or \
             not (x.dtype == cache_k.dtype == cache_v.dtype == f32) or not x.is_contiguous() or \
             len(norms) != 2 * layers or cache_k.dim() != 5 or cache_k.shape != cache_v.shape or \
@@ -246,12 +256,12 @@ def lm_enter(x: torch.Tensor, norm_in: torch.Tensor, eps: float, parts: BlockPar
     if torch.compiler.is_compiling() or not (x.is_cpu and cache_k.is_cpu and cache_v.is_cpu) or x.dim() != 3 or \
             x.shape[1] != 1 or not x.is_contiguous() or x.dtype != f32 or cache_k.dtype != f32 or \
             cache_v.dtype != f32 or cache_k.dim() != 4 or cache_k.shape != cache_v.shape or \
-            not (cache_k.is_contiguous() and cache_v.is_contiguous()) or len(parts.blocks) != 1 or \
+            not (cache_k.is_contiguous() and cache_v.is_contiguous()) or parts.layers != 1 or \
             any(t.dtype != f32 or not t.is_cpu or not t.is_contiguous() for t in small):
         return None
     b, _, dim = x.shape
     rows, kv_heads, capacity, d = cache_k.shape
-    width = sum(p.out_features for p in parts.blocks[0][0])
+    width = parts.first_width
     heads = width // d - 2 * kv_heads
     if rows != b or heads <= 0 or heads % kv_heads or norm_in.numel() != dim or q_norm.numel() != d or \
             k_norm.numel() != d or cos.numel() != d or sin.numel() != d or not 0 <= at < capacity:
@@ -261,7 +271,7 @@ def lm_enter(x: torch.Tensor, norm_in: torch.Tensor, eps: float, parts: BlockPar
         return None
     q = torch.empty(b, heads, 1, d)
     status = lib.mm3_lm_enter(x.data_ptr(), b, dim, norm_in.data_ptr(), eps, parts.fields.data_ptr(),
-                              len(parts.blocks[0][0]), q_norm.data_ptr(), k_norm.data_ptr(), head_eps, cos.data_ptr(),
+                              parts.first_parts, q_norm.data_ptr(), k_norm.data_ptr(), head_eps, cos.data_ptr(),
                               sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), heads, kv_heads, capacity, at, d,
                               torch.get_num_threads(), q.data_ptr())
     if status == -1:
@@ -280,7 +290,7 @@ def lm_leave(x: torch.Tensor, attended: torch.Tensor, norm_post: torch.Tensor, e
             x.dtype != f32 or attended.dtype != f32 or norm_post.dtype != f32 or x.dim() != 3 or \
             attended.shape != x.shape or not (x.is_contiguous() and attended.is_contiguous() and
                                               norm_post.is_contiguous()) or norm_post.numel() != x.shape[2] or \
-            len(parts.blocks) != 1:
+            parts.layers != 1:
         return None
     lib = cpu_native.library()
     if lib is None:

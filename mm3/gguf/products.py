@@ -24,6 +24,7 @@ wraps the product.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -348,17 +349,19 @@ def native_parts(product, dtype: torch.dtype, device: torch.device) -> list | No
 
 def native_blocks(held: tuple | None, blocks: list[tuple], dtype: torch.dtype, device: torch.device) -> tuple:
     """Blocks of layers (each block's layers with products in their order of use) as the kernel
-    library reads them: (the products chosen, their `cpu_steps.BlockParts`, or None where anything
-    but the native kernel serves one of them). `held`, the pair made before, is returned while every
-    layer keeps the product it had."""
-    chosen = tuple(layer.product_for(dtype, device) for block in blocks for layer in block)
-    if held is not None and len(held[0]) == len(chosen) and all(a is b for a, b in zip(held[0], chosen)):
+    library reads them: (the products chosen, held weakly, and their `cpu_steps.BlockParts`, or None
+    where anything but the native kernel serves one of them). `held`, the pair made before, is
+    returned while every layer keeps the product it had and every part is still there."""
+    chosen = [layer.product_for(dtype, device) for block in blocks for layer in block]
+    if held is not None and len(held[0]) == len(chosen) and all(ref() is c for ref, c in zip(held[0], chosen)) and \
+            (held[1] is None or held[1].alive()):
         return held
+    refs = tuple(weakref.ref(product) for product in chosen)
     parts = [native_parts(product, dtype, device) for product in chosen]
-    if None in parts:
-        return chosen, None
+    if None in parts or not parts:
+        return refs, None
     per = len(blocks[0])
-    return chosen, cpu_steps.BlockParts([parts[i:i + per] for i in range(0, len(parts), per)])
+    return refs, cpu_steps.BlockParts([parts[i:i + per] for i in range(0, len(parts), per)])
 
 
 def _resident(stored: torch.Tensor, device: torch.device) -> Weight | None:
