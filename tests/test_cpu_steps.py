@@ -159,29 +159,34 @@ def test_the_depth_decoders_fast_attention_matches_its_reference_step_by_step(mo
 
 
 
-def _native_depth(types: dict, seed: int = 0):
-    """A depth decoder of two blocks (dim 256, 4 heads, intermediate 512) in the fast numerics,
-    each product's weight in types[its name] (Q8_0 by default) and served by the native kernel."""
+def _served_natively(model, types: dict, component: str, seed: int):
+    """`model` with random weights, each product's in types[its name] (Q8_0 by default) and served
+    by the native kernel, its norms and tables float32, in the fast numerics."""
     from mm3.gguf.cpu_forms import FORMS, Serving
-    from mm3.models.depth import RVQDepthDecoder
     from mm3.models.lm import set_numerics
 
-    hp = dict(hidden_size=256, num_attention_heads=4, audio_vocab_size=64, num_codebooks=8,
-              max_position_embeddings=16, num_layers=2, intermediate_size=512)
-    model = RVQDepthDecoder(hp)
     g = torch.Generator().manual_seed(seed)
     for name, sub in model.named_modules():
         if isinstance(sub, gguf_ops.Linear):
             qtype = types.get(name.rsplit(".", 1)[-1], Q.Q8_0)
             raw = random_tensor("w", (sub.out_features, sub.in_features), qtype, g)
             sub.set_stored("weight", qtype, torch.from_numpy(raw))
-            sub.cpu_form = Serving(FORMS["native"], "depth")
+            sub.cpu_form = Serving(FORMS["native"], component)
         elif isinstance(sub, gguf_ops.Vector):
-            sub.set_stored("weight", Q.F32, torch.rand(256, generator=g) + 0.5)
+            sub.set_stored("weight", Q.F32, torch.rand(*sub._slot_shapes["weight"], generator=g) + 0.5)
         elif isinstance(sub, gguf_ops.Embedding):
-            sub.set_stored("weight", Q.F32, torch.randn(sub.num_embeddings, 256, generator=g))
+            sub.set_stored("weight", Q.F32, torch.randn(*sub._slot_shapes["weight"], generator=g))
     set_numerics(model, "fast")
     return model
+
+
+def _native_depth(types: dict, seed: int = 0):
+    """A depth decoder of two blocks (dim 256, 4 heads, intermediate 512), `_served_natively`."""
+    from mm3.models.depth import RVQDepthDecoder
+
+    hp = dict(hidden_size=256, num_attention_heads=4, audio_vocab_size=64, num_codebooks=8,
+              max_position_embeddings=16, num_layers=2, intermediate_size=512)
+    return _served_natively(RVQDepthDecoder(hp), types, "depth", seed)
 
 
 Q4_K_M = {"to_q": Q.Q4_K, "to_k": Q.Q4_K, "to_v": Q.Q6_K, "to_out": Q.Q4_K, "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K,
@@ -210,7 +215,7 @@ def test_the_depth_decoders_blocks_in_one_call_match_its_blocks_step_by_step(mon
         torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
     assert len(served) == 7 and all(out is not None for out in served)
-    assert model._native_parts[1].first_parts == (3 if types else 1)  # q/k/v: parts apart, or stacked
+    assert int(model._native_parts[1].counts[0]) == (3 if types else 1)  # q/k/v: parts apart, or stacked
 
 
 
@@ -425,25 +430,12 @@ def test_the_lms_decode_step_matches_its_torch_path_step_by_step(monkeypatch):
 
 
 def _native_lm_layer(types: dict, seed: int = 0):
-    """An LM layer (hidden 256, 4 heads of 64 over 2 key heads, intermediate 512) in the fast
-    numerics, each product's weight in types[its name] (Q8_0 by default), served by the native kernel."""
-    from mm3.gguf.cpu_forms import FORMS, Serving
-    from mm3.models.lm import Qwen3DecoderLayer, set_numerics
+    """An LM layer (hidden 256, 4 heads of 64 over 2 key heads, intermediate 512), `_served_natively`."""
+    from mm3.models.lm import Qwen3DecoderLayer
 
     cfg = {"hidden_size": 256, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
            "intermediate_size": 512, "rms_norm_eps": 1e-6}
-    layer = Qwen3DecoderLayer(cfg, gguf_ops)
-    g = torch.Generator().manual_seed(seed)
-    for name, sub in layer.named_modules():
-        if isinstance(sub, gguf_ops.Linear):
-            qtype = types.get(name.rsplit(".", 1)[-1], Q.Q8_0)
-            raw = random_tensor("w", (sub.out_features, sub.in_features), qtype, g)
-            sub.set_stored("weight", qtype, torch.from_numpy(raw))
-            sub.cpu_form = Serving(FORMS["native"], "lm")
-        elif isinstance(sub, gguf_ops.Vector):
-            sub.set_stored("weight", Q.F32, torch.rand(*sub._slot_shapes["weight"], generator=g) + 0.5)
-    set_numerics(layer, "fast")
-    return layer
+    return _served_natively(Qwen3DecoderLayer(cfg, gguf_ops), types, "lm", seed)
 
 
 @needs_kernel
@@ -477,7 +469,26 @@ def test_the_lms_decode_step_in_two_library_calls_matches_its_layer_step_by_step
         torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-6)
     assert len(served) == 3 and all(out is not None for out in served)  # the decode steps were the library's
-    assert layer._native_parts[1].first_parts == (3 if types else 1)  # each part apart (v in Q6_K), or stacked
+    assert int(layer._native_parts[1].counts[0]) == (3 if types else 1)  # each part apart (v in Q6_K), or stacked
+
+
+@needs_kernel
+def test_an_lm_step_whose_layer_does_not_fit_writes_nothing():
+    """lm_enter checks the whole layer's products (the second half's too) before it writes the
+    cache, so a step it takes is one lm_leave finishes."""
+    from mm3.gguf import products
+    from mm3.models.lm import KVCache
+
+    layer = _native_lm_layer({})
+    cpu = torch.device("cpu")
+    qkv, out, gate_up, down = (products.native_parts(p.product_for(torch.float32, cpu), torch.float32, cpu)
+                               for p in layer.products())
+    swapped = cpu_steps.BlockParts([[qkv, out, down, gate_up]])  # the MLP's products in the wrong order
+    cache = KVCache.empty(2, 3, 2, 12, 64, torch.float32, cpu)
+    w, angles = torch.ones(64), torch.zeros(64)
+    q = cpu_steps.lm_enter(torch.randn(3, 1, 256), torch.ones(256), 1e-6, swapped, w, w, 1e-6, angles, angles,
+                           cache.k[1], cache.v[1], 0)
+    assert q is None and not cache.k.any() and not cache.v.any()
 
 @needs_kernel
 def test_decode_steps_the_library_cannot_take_are_left_to_torch():

@@ -193,7 +193,7 @@ def load(path: Path):
     lib.mm3_generator_skip.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.mm3_generator_skip.restype = None
     lib.mm3_lm_enter.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_float,
-                                                                           ctypes.c_void_p, ctypes.c_int64] + \
+                                                                           ctypes.c_void_p, ctypes.c_void_p] + \
         [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + \
         [ctypes.c_int, ctypes.c_void_p]
     lib.mm3_lm_enter.restype = ctypes.c_int

@@ -198,10 +198,7 @@ class BlockParts:
         self.fields = torch.tensor([(p.packed.weight.data_ptr(), *p.args, p.out_features) for p in bound],
                                    dtype=torch.int64)
         self.counts = torch.tensor([len(product) for block in blocks for product in block], dtype=torch.int64)
-        first = blocks[0][0]  # the first block's q/k/v product: its parts, its width
-        self.first_parts, self.first_width = len(first), sum(p.out_features for p in first)
-        # The first block's parts past its q/k/v product and their counts (`lm_leave`).
-        self.after_first, self.counts_after_first = self.fields[len(first):], self.counts[1:4]
+        self.first_width = sum(p.out_features for p in blocks[0][0])  # the first block's q/k/v product's
 
     def alive(self) -> bool:
         return all(ref() is not None for ref in self._bound)
@@ -271,7 +268,7 @@ def lm_enter(x: torch.Tensor, norm_in: torch.Tensor, eps: float, parts: BlockPar
         return None
     q = torch.empty(b, heads, 1, d)
     status = lib.mm3_lm_enter(x.data_ptr(), b, dim, norm_in.data_ptr(), eps, parts.fields.data_ptr(),
-                              parts.first_parts, q_norm.data_ptr(), k_norm.data_ptr(), head_eps, cos.data_ptr(),
+                              parts.counts.data_ptr(), q_norm.data_ptr(), k_norm.data_ptr(), head_eps, cos.data_ptr(),
                               sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), heads, kv_heads, capacity, at, d,
                               torch.get_num_threads(), q.data_ptr())
     if status == -1:
@@ -298,7 +295,7 @@ def lm_leave(x: torch.Tensor, attended: torch.Tensor, norm_post: torch.Tensor, e
     b, s, dim = x.shape
     y = torch.empty(b, s, dim)
     status = lib.mm3_lm_leave(x.data_ptr(), attended.data_ptr(), b * s, dim, norm_post.data_ptr(), eps,
-                              parts.after_first.data_ptr(), parts.counts_after_first.data_ptr(), torch.get_num_threads(),
+                              parts.fields.data_ptr(), parts.counts.data_ptr(), torch.get_num_threads(),
                               y.data_ptr())
     if status == -1:
         raise MemoryError("the kernel library could not allocate the scratch of an LM decode step")

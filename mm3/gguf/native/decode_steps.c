@@ -392,22 +392,40 @@ static int parts_take(const int64_t *parts, int64_t count, int64_t k) {
     return 1;
 }
 
+/* Whether a block's second-half products fit it (`counts[t]` parts each, in order out, gate/up,
+   down): out and down `dim` wide, gate/up two halves of the down product's columns, each taking
+   what the one before makes; `inner` gets the gate/up half. */
+static int leave_fits(const int64_t *parts, const int64_t *counts, int64_t dim, int64_t *inner) {
+    int64_t widths[3], widest = 0;
+    product_widths(parts, counts, 3, widths, &widest);
+    const int64_t *gate_up = parts + counts[0] * PART_FIELDS, *down = gate_up + counts[1] * PART_FIELDS;
+    *inner = widths[1] / 2;
+    return widths[0] == dim && widths[1] == 2 * *inner && widths[2] == dim && parts_take(parts, counts[0], dim) &&
+           parts_take(gate_up, counts[1], dim) && parts_take(down, counts[2], *inner);
+}
+
+/* Whether a block's four products (q/k/v, then leave_fits') fit it, q/k/v `qkv_width` wide. */
+static int block_fits(const int64_t *parts, const int64_t *counts, int64_t dim, int64_t qkv_width, int64_t *inner) {
+    int64_t width, widest = 0;
+    product_widths(parts, counts, 1, &width, &widest);
+    return width == qkv_width && parts_take(parts, counts[0], dim) &&
+           leave_fits(parts + counts[0] * PART_FIELDS, counts + 1, dim, inner);
+}
+
 /* A pre-norm block's second half over m rows: x [m][dim] plus the out product of `attended`
    [m][dim] (mid), then mid plus the down product of silu(gate) * up of the gate/up product of
    RMSNorm(mid) (`norm_post`) -> y [m][dim]. `parts` holds the three products' parts in that order,
-   `counts` how many each has (gate/up: one stacked packing or one a part). Returns 0, -1 without
-   scratch, -2 for parts that do not fit, as mm3_integer_product. */
+   `counts` how many each has (gate/up: one stacked packing or one a part), `inner` the gate/up
+   half; the caller checked that they fit (block_fits). Returns 0, -1 without scratch, as
+   mm3_integer_product. */
 __attribute__((optimize("fp-contract=off"))) static int block_leave(const float *x, const float *attended, int64_t m,
-                                                                   int64_t dim, const float *norm_post, float eps,
+                                                                   int64_t dim, int64_t inner,
+                                                                   const float *norm_post, float eps,
                                                                    const int64_t *parts, const int64_t *counts,
                                                                    int threads, float *y) {
     int64_t widths[3], widest = 0;
     product_widths(parts, counts, 3, widths, &widest);
-    const int64_t inner = widths[1] / 2, *out = parts, *gate_up = out + counts[0] * PART_FIELDS;
-    const int64_t *down = gate_up + counts[1] * PART_FIELDS;
-    if (widths[0] != dim || widths[1] != 2 * inner || widths[2] != dim || !parts_take(out, counts[0], dim) ||
-        !parts_take(gate_up, counts[1], dim) || !parts_take(down, counts[2], inner))
-        return -2;
+    const int64_t *out = parts, *gate_up = out + counts[0] * PART_FIELDS, *down = gate_up + counts[1] * PART_FIELDS;
     float *buffer = malloc(sizeof(float) * m * (2 * dim + 3 * inner + widest));
     if (!buffer) return -1;
     float *mid = buffer, *h = mid + m * dim, *both = h + m * dim, *act = both + m * 2 * inner, *scratch = act + m * inner;
@@ -436,9 +454,9 @@ static int depth_block(const float *x, int64_t b, int64_t s, int64_t dim, const 
                        const float *norm_post, float eps, const int64_t *parts, const int64_t *counts, float *cache_k,
                        float *cache_v, int64_t heads, int64_t capacity, int64_t at, float scale, int threads, float *y) {
     const int64_t m = b * s;
-    int64_t width, widest = 0;
+    int64_t width, widest = 0, inner;
     product_widths(parts, counts, 1, &width, &widest);
-    if (width != 3 * dim || dim % heads || !parts_take(parts, counts[0], dim)) return -2;
+    if (dim % heads || !block_fits(parts, counts, dim, 3 * dim, &inner)) return -2;
     float *buffer = malloc(sizeof(float) * m * (5 * dim + widest));
     if (!buffer) return -1;
     float *h = buffer, *qkv = h + m * dim, *attended = qkv + m * 3 * dim, *scratch = attended + m * dim;
@@ -447,7 +465,8 @@ static int depth_block(const float *x, int64_t b, int64_t s, int64_t dim, const 
     if (!(status = stage(h, m, parts, counts[0], scratch, qkv, 3 * dim, threads)) &&
         !(status = mm3_attend(qkv, qkv + dim, qkv + 2 * dim, s * 3 * dim, 3 * dim, cache_k, cache_v, b, s, heads,
                               heads, capacity, at, dim / heads, scale, attended)))
-        status = block_leave(x, attended, m, dim, norm_post, eps, parts + counts[0] * PART_FIELDS, counts + 1, threads, y);
+        status = block_leave(x, attended, m, dim, inner, norm_post, eps, parts + counts[0] * PART_FIELDS, counts + 1,
+                             threads, y);
     free(buffer);
     return status;
 }
@@ -479,16 +498,18 @@ int mm3_depth_layers(const float *x, int64_t b, int64_t s, int64_t dim, int64_t 
 }
 
 /* An LM decode step's layer up to its attention, for b rows of one position: RMSNorm of x [b][dim]
-   (`norm_in`), the q/k/v product (`count` parts, PART_FIELDS each), then mm3_decode_prepare (the
-   heads' norms and rotation, k and v written into the layer's caches at `at`) -> q_out
-   [b][heads][d]. Returns 0, -1 without scratch, -2 for parts that do not fit. */
+   (`norm_in`), the q/k/v product, then mm3_decode_prepare (the heads' norms and rotation, k and v
+   written into the layer's caches at `at`) -> q_out [b][heads][d]. `parts` and `counts` are the
+   whole layer's (its four products), checked to fit before anything is written, so mm3_lm_leave
+   then serves. Returns 0, -1 without scratch, -2 for parts that do not fit. */
 int mm3_lm_enter(const float *x, int64_t b, int64_t dim, const float *norm_in, float eps, const int64_t *parts,
-                 int64_t count, const float *q_norm, const float *k_norm, float head_eps, const float *cos,
+                 const int64_t *counts, const float *q_norm, const float *k_norm, float head_eps, const float *cos,
                  const float *sin, float *cache_k, float *cache_v, int64_t heads, int64_t kv_heads, int64_t capacity,
                  int64_t at, int64_t d, int threads, float *q_out) {
-    int64_t width, widest = 0;
-    product_widths(parts, &count, 1, &width, &widest);
-    if (width != (heads + 2 * kv_heads) * d || !parts_take(parts, count, dim)) return -2;
+    int64_t width, widest = 0, inner;
+    const int64_t count = counts[0];
+    product_widths(parts, counts, 1, &width, &widest);
+    if (!block_fits(parts, counts, dim, (heads + 2 * kv_heads) * d, &inner)) return -2; /* the whole layer, first */
     float *buffer = malloc(sizeof(float) * b * (dim + width + widest));
     if (!buffer) return -1;
     float *h = buffer, *qkv = h + b * dim, *scratch = qkv + b * width;
@@ -502,8 +523,12 @@ int mm3_lm_enter(const float *x, int64_t b, int64_t dim, const float *norm_in, f
 }
 
 /* An LM decode step's layer after its attention (block_leave over b rows): x [b][dim] and the
-   attention's output `attended` [b][dim] -> y [b][dim]. */
+   attention's output `attended` [b][dim] -> y [b][dim]; `parts` and `counts` the whole layer's, as
+   mm3_lm_enter took them. */
 int mm3_lm_leave(const float *x, const float *attended, int64_t b, int64_t dim, const float *norm_post, float eps,
                  const int64_t *parts, const int64_t *counts, int threads, float *y) {
-    return block_leave(x, attended, b, dim, norm_post, eps, parts, counts, threads, y);
+    int64_t inner;
+    if (!leave_fits(parts + counts[0] * PART_FIELDS, counts + 1, dim, &inner)) return -2;
+    return block_leave(x, attended, b, dim, inner, norm_post, eps, parts + counts[0] * PART_FIELDS, counts + 1,
+                       threads, y);
 }
