@@ -156,25 +156,53 @@ static void round_rows(const float *x, int64_t m, shape s, int16_t *xq, float *d
     const float limit = QUADS && s.bits == 4 ? 16383.f : 32767.f;
     for (int64_t b = 0; b < m * s.groups; b++) {
         const float *v = x + b * s.group;
+        int16_t *q = xq + b * s.group;
         float top = 0.f;
         int finite = 1;
+#if defined(__AVX2__)
+        /* eight at a time, the same values: a maximum is exact in any order */
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 most = _mm256_setzero_ps();
+        for (int j = 0; j < s.group; j += 8) {
+            __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + j), magnitude);
+            finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ)) == 0xFF;
+            most = _mm256_max_ps(most, a);
+        }
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        top = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
+#else
         for (int j = 0; j < s.group; j++) {
             finite &= isfinite(v[j]) != 0;
             top = fmaxf(top, fabsf(v[j]));
         }
+#endif
         if (!finite) {
             dx[b] = sums[b] = NAN;
-            for (int j = 0; j < s.group; j++) xq[b * s.group + j] = 0;
+            for (int j = 0; j < s.group; j++) q[j] = 0;
             continue;
         }
         /* a group too small for its scale to be a normal float (below about 1e-34) counts as zero */
         float d = top >= FLT_MIN * limit ? top / limit : 0.f, inv = d > 0.f ? 1.f / d : 0.f;
         int32_t sum = 0;
         dx[b] = d;
-        for (int j = 0; j < s.group; j++) {
-            xq[b * s.group + j] = (int16_t)lrintf(v[j] * inv);
-            sum += xq[b * s.group + j];
+#if defined(__AVX2__)
+        /* v * inv rounded to the nearest, ties to even, as lrintf in the default rounding mode */
+        __m256i total = _mm256_setzero_si256();
+        for (int j = 0; j < s.group; j += 8) {
+            __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j), _mm256_set1_ps(inv)));
+            total = _mm256_add_epi32(total, r);
+            _mm_storeu_si128((__m128i *)(q + j), _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
         }
+        __m128i four = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4E));
+        sum = _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, 0xB1)));
+#else
+        for (int j = 0; j < s.group; j++) {
+            q[j] = (int16_t)lrintf(v[j] * inv);
+            sum += q[j];
+        }
+#endif
         sums[b] = (float)sum * dx[b]; /* the rounded inputs' sum: the product is exact for them */
     }
 }
@@ -291,7 +319,17 @@ INLINED void quad_tiles(const int8_t *w, const int32_t *hi, const int32_t *lo, c
 /* Each row's rounded inputs as bytes, four columns an int32: the high ones (x >> 7, signed) and
    the low 7 bits. */
 static void split_rows(const int16_t *xq, int64_t count, int32_t *hi, int32_t *lo) {
-    for (int64_t c = 0; c < count; c++) {
+    int64_t c = 0;
+    /* eight at a time: the high bytes fit an int8 (the 4-bit inputs are at most 16383), so packing
+       with saturation keeps them; packing works within 128-bit lanes, the permute puts them in order */
+    for (; c + 8 <= count; c += 8) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(xq + 4 * c)), b = _mm256_loadu_si256((const __m256i *)(xq + 4 * c + 16));
+        __m256i h = _mm256_packs_epi16(_mm256_srai_epi16(a, 7), _mm256_srai_epi16(b, 7));
+        __m256i l = _mm256_packs_epi16(_mm256_and_si256(a, _mm256_set1_epi16(127)), _mm256_and_si256(b, _mm256_set1_epi16(127)));
+        _mm256_storeu_si256((__m256i *)(hi + c), _mm256_permute4x64_epi64(h, 0xD8));
+        _mm256_storeu_si256((__m256i *)(lo + c), _mm256_permute4x64_epi64(l, 0xD8));
+    }
+    for (; c < count; c++) {
         uint32_t h = 0, l = 0;
         for (int j = 0; j < 4; j++) {
             int32_t v = xq[4 * c + j];
