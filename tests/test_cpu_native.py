@@ -158,6 +158,39 @@ def test_every_code_path_of_the_source_multiplies_right(march, needs, bits, monk
             assert _rel(y, x.double() @ values.T) < 1e-4, scales
 
 
+
+def _identity_q8_0(n):
+    """Q8_0 blocks of the n x n identity with every scale 1: a product gives back each input as the
+    kernel rounded it (its int16 times the group's scale, one rounding in every build)."""
+    blocks = np.zeros((n, n // 32, 34), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    for r in range(n):
+        blocks[r, r // 32, 2 + r % 32] = 1
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+@needs_kernel
+def test_every_code_path_rounds_the_inputs_alike(monkeypatch, tmp_path):
+    """The vector builds round each group of inputs to int16 as the plain C does, bit for bit: ties to
+    even (the scale a power of two, the values half-way), zero and tiny groups, random ones."""
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
+    n = 128
+    packed = cpu_native.repack(_identity_q8_0(n), Q.Q8_0, n, n)
+    ties = (torch.arange(n, dtype=torch.float32) - 60.5) * 2.0 ** -3
+    ties[::32] = 32767 * 2.0 ** -3  # each group's largest: its scale 2^-3
+    x = torch.cat([ties[None], -ties[None], torch.randn(3, n, generator=torch.Generator().manual_seed(5)) * 40,
+                   torch.full((1, n), 1e-38), torch.zeros(1, n)])
+    results = []
+    for march, needs, _ in VARIANTS:
+        if needs <= _cpu_flags():
+            path = cpu_native.build(("-O3", *march, "-shared", "-fPIC", "-std=c11"))
+            assert path is not None
+            results.append((march, cpu_native.product(x, packed, cpu_native.load(path))[:, :n]))
+    plain = results[-1][1]
+    assert torch.equal(plain[0], torch.round(ties * 8) / 8)  # halves to even
+    for march, y in results[:-1]:
+        assert torch.equal(y.view(torch.int32), plain.view(torch.int32)), march
+
 BITS_A_VALUE = {Q.Q8_0: 8.5, Q.Q5_0: 8.5, Q.Q5_1: 9, Q.Q4_0: 5, Q.Q4_1: 5,  # float16 scales (and offsets)
                 Q.Q4_K: 4.625, Q.Q5_K: 8.625, Q.Q6_K: 8.5625}  # a float16 per 256 values, an int8 per group
 
