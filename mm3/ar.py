@@ -484,7 +484,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
             sampler.last = last.contiguous()  # the layout of every later frame's (a compiled step guards on it)
             # Raw draws where the library makes the draws in the frame's own thread (a CUDA frame's
             # are made while the device runs the one before).
-            raw = sampler.library_draws and device.type == "cpu" and not compile and cpu_steps.raw_draws_exact()
+            raw = sampler.library_draws and device.type == "cpu" and not compile and \
+                cpu_steps.raw_draws_exact(lm.vocab_size) and cpu_steps.raw_draws_exact(depth.audio_vocab)
             draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab, raw)
             results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
                                      compile=compile, graphs=graphs, emit_first=prefix is not None,

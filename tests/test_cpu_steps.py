@@ -503,3 +503,22 @@ def test_decode_steps_the_library_cannot_take_are_left_to_torch():
                                      0) is None  # angles of another width
     assert cpu_steps.decode_prepare(q.double(), kv, kv, *args, cache, cache.clone(), 0) is None
     assert torch.equal(cache, torch.zeros(2, 2, 4, 16))
+
+
+def test_a_shape_whose_skip_is_not_exact_is_drawn_whole(monkeypatch):
+    """The library's twists skip only where this shape's skip was found exact: a torch whose
+    Exponential draws of some size consume its generator otherwise draws them all."""
+    from mm3 import sampling
+
+    monkeypatch.setattr(sampling, "_skip_is_exact", lambda n, start: False)
+    g = sampling.make_generator(1)
+    state = g.get_state()
+    assert not sampling.skip_draws(5000, 4000, g) and torch.equal(g.get_state(), state)
+
+
+def test_the_draw_arithmetic_is_checked_per_size(monkeypatch):
+    checked = []
+    monkeypatch.setattr(cpu_steps, "_RAW_EXACT", {})
+    monkeypatch.setattr(cpu_steps, "_check_raw_draws", lambda n: checked.append(n) or n < 1000)
+    assert cpu_steps.raw_draws_exact(64) and not cpu_steps.raw_draws_exact(168059)
+    assert cpu_steps.raw_draws_exact(64) and checked == [64, 168059]

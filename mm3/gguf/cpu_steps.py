@@ -302,27 +302,28 @@ def lm_leave(x: torch.Tensor, attended: torch.Tensor, norm_post: torch.Tensor, e
     return None if status else y
 
 
-_RAW_EXACT: list[bool] = []  # whether this process's torch draws as `raw_draws` assumes, checked once
+_RAW_EXACT: dict[int, bool] = {}  # draws of a size -> whether torch makes them as `raw_draws` assumes
 
 
-def raw_draws_exact() -> bool:
-    """Whether the library's draw arithmetic is torch's on this machine, checked once on scratch
-    generators: an Exponential(1) draw is one 64-bit value (an int64 `random_` one) turned into
-    -log1p(-u) (`exponentials`), and `skip_draws` leaves a generator where that many draws leave it.
-    Where it is not (another torch's draws, or no library), the callers draw with torch alone."""
-    if not _RAW_EXACT:
-        _RAW_EXACT.append(_check_raw_draws())
-    return _RAW_EXACT[0]
+def raw_draws_exact(n: int = 4099) -> bool:
+    """Whether the library's draw arithmetic is torch's on this machine for n draws at a time,
+    checked once per size on scratch generators: an Exponential(1) draw is one 64-bit value (an
+    int64 `random_` one) turned into -log1p(-u) (`exponentials`), and `skip_draws` leaves a
+    generator where that many draws leave it. Where it is not (another torch's draws, or no
+    library), the callers draw with torch alone."""
+    if n not in _RAW_EXACT:
+        _RAW_EXACT[n] = _check_raw_draws(n)
+    return _RAW_EXACT[n]
 
 
-def _check_raw_draws() -> bool:
+def _check_raw_draws(n: int) -> bool:
     lib = cpu_native.library()
     if lib is None:
         return False
     a, b = torch.Generator("cpu").manual_seed(20261204), torch.Generator("cpu").manual_seed(20261204)
-    want = torch.empty(4099).exponential_(generator=a)
-    raw = torch.empty(4099, dtype=torch.int64).random_(generator=b)
-    got = torch.empty(4099)
+    want = torch.empty(n).exponential_(generator=a)
+    raw = torch.empty(n, dtype=torch.int64).random_(generator=b)
+    got = torch.empty(n)
     lib.mm3_exponentials(raw.data_ptr(), raw.numel(), got.data_ptr())
     if not torch.equal(want.view(torch.int32), got.view(torch.int32)) or not torch.equal(a.get_state(), b.get_state()):
         return False
