@@ -1,19 +1,19 @@
 """The engine's modules stand in layers: each imports only its own layer or lower ones, and no
 import (module-level or inside a function) closes a circle. The layer order, low to high:
 
-base      the package root, errors, constants, the file cache, progress reports
+base      the package root, errors, constants, the file cache, the cache folder, progress reports
 formats   GGUF and safetensors reading and writing, quant types, the diffusers checkpoint's
           conventions, the published-set catalogue, file fingerprints, adapter (LoRA) files
-numerics  matrix products, device and dtype choice, the GGUF layers and kernels, sampling, shaping
+numerics  the layers whose weights stay compressed (`weights`) and the back ends that multiply them
+          (`backends`: the rule table, the portable path, the CPU and GPU families)
 table     the component table: kinds, hyper-parameters, the compatibility and loadability checks
 dialects  other tools' file layouts, mapped onto the engine's tensor names
 opener    which components a file holds, opening it, the tokenizer read from the LM file
 models    the five networks, adapters set on them and their health check
 files     models folders, the model inventory, the loaded-model store
-stages    prompt, lyric timestamps, codes, the CPU product choice, teacher forcing, the AR plan, flow
-          matching, decoding, takes, captions, audio output, the numerics choice, the settings of the
-          synthesis and the output
-front     the request, the typed stage results, planning and synthesis overlapped, the pipeline, the codec
+plan      the AR stage: prompt, codes, draws, teacher forcing, the plan, takes, lyric timestamps
+synth     the synthesis stage: flow matching, decoding and stitching, audio files, the codec
+song      the song job: captions, the settings objects, the request, the stage results, the pipeline
 tools     the command line and its tools (align, convert, quantize, download, info, tiny, demo, playback)
 bench     the benchmark
 """
@@ -25,22 +25,17 @@ ROOT = Path(__file__).resolve().parent.parent / "mm3"
 
 LAYERS = (
     ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress", "mm3.cache_dir")),
-    ("formats", ("mm3.formats", "mm3.gguf", "mm3.gguf.errors", "mm3.gguf.reader", "mm3.gguf.writer",
-                 "mm3.gguf.quants", "mm3.gguf.encode", "mm3.fingerprint", "mm3.lora")),
-    ("numerics", ("mm3.matmul", "mm3.cpu_bf16", "mm3.device", "mm3.gguf.kernels", "mm3.gguf.triton_gguf",
-                  "mm3.gguf.cpu_int4", "mm3.gguf.cpu_native", "mm3.gguf.cpu_steps", "mm3.gguf.cpu_forms", "mm3.gguf.custom_ops", "mm3.gguf.device_layout", "mm3.gguf.kernel_choice", "mm3.gguf.kernel_report", "mm3.gguf.layout_kernels",
-                  "mm3.gguf.layout_triton", "mm3.gguf.placement", "mm3.gguf.ops", "mm3.gguf.products", "mm3.gguf.weight_copies", "mm3.sampling",
-                  "mm3.shaping")),
+    ("formats", ("mm3.formats", "mm3.lora")),
+    ("numerics", ("mm3.weights", "mm3.backends")),
     ("table", ("mm3.components",)),
     ("dialects", ("mm3.dialects",)),
-    ("opener", ("mm3.opener", "mm3.tokenizer")),
+    ("opener", ("mm3.files.opener", "mm3.tokenizer")),
     ("models", ("mm3.models", "mm3.lora.attach", "mm3.lora.health")),
-    ("files", ("mm3.registry", "mm3.inventory", "mm3.store")),
-    ("stages", ("mm3.prompt", "mm3.lyrics_align", "mm3.codes", "mm3.cpu_choice", "mm3.frame_graphs", "mm3.replay", "mm3.ar", "mm3.flow",
-                "mm3.audio", "mm3.takes", "mm3.captions",
-                "mm3.output", "mm3.numerics", "mm3.settings")),
-    ("front", ("mm3.request", "mm3.stages", "mm3.overlap", "mm3.pipeline", "mm3.codec")),
-    ("tools", ("mm3.tools", "mm3.cli", "mm3.jobs_cli", "mm3.align_cli", "mm3.playback", "mm3.demo", "mm3.__main__")),
+    ("files", ("mm3.files",)),
+    ("plan", ("mm3.plan",)),
+    ("synth", ("mm3.synth",)),
+    ("song", ("mm3.song",)),
+    ("tools", ("mm3.tools", "mm3.commands", "mm3.__main__")),
     ("bench", ("mm3.bench",)),
 )
 
@@ -132,5 +127,5 @@ def test_a_new_module_needs_a_layer():
 
 def test_the_walker_sees_function_level_imports():
     g = graph()
-    assert "mm3.pipeline" in g["mm3.jobs_cli"]  # imported inside a function only
-    assert "mm3.gguf.ops" in g["mm3.models.lm"]  # `from ..gguf import ops as default_ops`
+    assert "mm3.song.pipeline" in g["mm3.commands.jobs"]  # imported inside a function only
+    assert "mm3.weights.layers" in g["mm3.models.lm"]  # `from ..weights import layers as default_ops`
