@@ -9,10 +9,12 @@ import os
 import sys
 from pathlib import Path
 
+from . import switches
+
 
 def cache_dir() -> Path:
     """The cache folder (not created here)."""
-    named = os.environ.get("MM3_CACHE_DIR", "").strip()
+    named = switches.value("MM3_CACHE_DIR")
     if named:
         return Path(named).expanduser()
     if sys.platform == "win32":

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .. import switches
 
 
 def pick_device(name: str | torch.device | None = None) -> torch.device:
@@ -123,7 +123,7 @@ def keeps_ar_copies(device: torch.device) -> bool:
     would spend the memory the quantization saved."""
     from .gpu import kernels
 
-    return os.environ.get("MM3_KEEP_COPIES", "0") == "1" or not kernels.available(torch.device(device).type)
+    return switches.on("MM3_KEEP_COPIES") or not kernels.available(torch.device(device).type)
 
 
 def ar_weight_budget(device: torch.device) -> int:

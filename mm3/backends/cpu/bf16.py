@@ -15,10 +15,9 @@ decides instead. Figures: the README's Speed section.
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import torch
+
+from ... import switches
 
 CHOICES = ("auto", "on", "off")
 NATIVE_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's, where this torch has them
@@ -41,10 +40,7 @@ def dit_dtype(device, dtype: torch.dtype) -> torch.dtype:
     CPU with native bfloat16 products where float32 is asked (`MM3_CPU_BF16`, `native`), else `dtype`."""
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return dtype
-    named = os.environ.get("MM3_CPU_BF16", "auto").strip().lower() or "auto"
-    if named not in CHOICES:
-        warnings.warn(f"MM3_CPU_BF16={named!r} is not one of {', '.join(CHOICES)}; deciding by the processor",
-                      stacklevel=2)
+    named = switches.value("MM3_CPU_BF16")
     if named in ("on", "off"):
         return torch.bfloat16 if named == "on" else dtype
     return torch.bfloat16 if native() else dtype

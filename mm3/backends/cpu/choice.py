@@ -32,12 +32,14 @@ from typing import Callable, Protocol
 
 import torch
 
+from ... import switches
 from ...cache_dir import cache_dir
-from . import int4 as cpu_int4, native as cpu_native
-from .forms import DEFAULT, FORMS, PACKED, Clock, Serving, TooSlow, packed_kernel
-from ...weights.layers import FLOAT_TYPES, Linear, choose_products, fused_layers
-from ...weights.copies import cache_dequantized, put_back, set_aside
 from ...progress import Cancelled, Progress
+from ...weights.copies import cache_dequantized, put_back, set_aside
+from ...weights.layers import FLOAT_TYPES, Linear, choose_products, fused_layers
+from . import int4 as cpu_int4
+from . import native as cpu_native
+from .forms import DEFAULT, FORMS, PACKED, Clock, Serving, TooSlow, packed_kernel
 
 log = logging.getLogger(__name__)
 
@@ -256,13 +258,8 @@ def forget() -> None:
 # -- applying a choice ----------------------------------------------------------------------------
 def named_form() -> str | None:
     """The form `MM3_CPU_PRODUCT` names, None for "auto" or unset (an unknown name is warned about)."""
-    value = os.environ.get(ENV_FORM, "auto").strip().lower() or "auto"
-    if value == "auto":
-        return None
-    if value not in FORMS:
-        log.warning("%s=%r is not one of auto, %s; timing the forms", ENV_FORM, value, ", ".join(FORMS))
-        return None
-    return value
+    value = switches.value(ENV_FORM)
+    return None if value == "auto" else value
 
 
 def apply(forms: dict[str, str], models: dict, clock: Clock | None = None, free: bool = True) -> None:

@@ -43,10 +43,11 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
+from ... import switches
 from ...cache_dir import cache_dir
-from .matmul import rows_out
-from . import int4 as cpu_int4
 from ...formats.gguf import quants
+from . import int4 as cpu_int4
+from .matmul import rows_out
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def library():
 
 
 def _first_that_works():
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("off", "0", "no", "false"):
+    if not switches.on(ENV_SWITCH):
         return None
     for openmp in (True, False):
         path = build(openmp=openmp)

@@ -15,10 +15,11 @@ device, and runs eagerly from then on: a bad graph costs speed, never the song.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
+
+from ... import switches
 
 AGREEMENT = 1e-3  # relative difference of the hiddens a replay may show against the eager step
 
@@ -26,8 +27,7 @@ AGREEMENT = 1e-3  # relative difference of the hiddens a replay may show against
 def wanted(device: torch.device, shaping: bool) -> bool:
     """Whether the frame step runs from CUDA graphs: on CUDA by default; `MM3_CUDA_GRAPHS=0` turns
     it off; never with a shaped semantic draw (its history is state a graph would freeze)."""
-    setting = os.environ.get("MM3_CUDA_GRAPHS", "1").strip().lower()
-    return device.type == "cuda" and setting not in ("0", "off", "false", "no") and not shaping
+    return device.type == "cuda" and switches.on("MM3_CUDA_GRAPHS") and not shaping
 
 
 class GraphedStep:

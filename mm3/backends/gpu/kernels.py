@@ -25,6 +25,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
+from ... import switches
+
 # Kernel type codes (constexpr in the kernel) for the types it reads.
 CODES = {QT.F32: 0, QT.F16: 0, QT.BF16: 0, QT.Q8_0: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q5_0: 4, QT.Q5_1: 5,
           QT.Q4_K: 6, QT.Q5_K: 7, QT.Q6_K: 8}
@@ -37,11 +39,7 @@ MODES = ("auto", "off", "triton", "layout")
 
 
 def _setting() -> str:
-    value = os.environ.get("MM3_KERNELS", "auto").strip().lower() or "auto"
-    if value not in MODES:
-        warnings.warn(f"MM3_KERNELS={value!r} is not one of {', '.join(MODES)}; using auto", stacklevel=2)
-        return "auto"
-    return value
+    return switches.value("MM3_KERNELS")
 
 
 _SETTING = [_setting()]
@@ -78,6 +76,7 @@ def _runs_on(device_type: str, setting: str, interpreted: bool) -> bool:
         return False
     try:
         import triton
+
         from . import triton_gguf  # noqa: F401  (the kernels must build)
     except ImportError:  # torch wheels without Triton (macOS, some CPU builds)
         return False

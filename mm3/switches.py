@@ -1,0 +1,71 @@
+"""The engine's environment switches, every one declared and parsed here.
+
+Each `MM3_*` variable has one entry: its values, its default and what it changes. `value(name)`
+reads it at the call (so a test or a long-lived process may change it), folds the spellings of
+on and off, and warns about a value it does not know, then takes the default. Nothing else in the
+engine reads an `MM3_*` variable.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """`choices`: the values it takes (None: any text, such as a folder); a flag takes "on"/"off"."""
+
+    name: str
+    default: str
+    choices: tuple[str, ...] | None
+    effect: str
+
+    @property
+    def flag(self) -> bool:
+        return self.choices == ("on", "off")
+
+
+CPU_FORMS = ("int4", "native", "dequant-linear", "dequant-weight-major", "copy-linear", "copy-weight-major")
+
+SWITCHES = {s.name: s for s in (
+    Switch("MM3_CACHE_DIR", "", None,
+           "the folder of what the engine measured and built on this machine (default: the user cache folder + mm3)"),
+    Switch("MM3_KERNELS", "auto", ("auto", "off", "triton", "layout"),
+           "the quantized GPU kernels: auto (the layout kernels on CUDA, timed elsewhere), off (torch's products), "
+           "or one family named"),
+    Switch("MM3_CUDA_GRAPHS", "on", ("on", "off"), "the AR frame step replayed from CUDA graphs on CUDA"),
+    Switch("MM3_KEEP_COPIES", "off", ("on", "off"),
+           "keep float copies of the AR weights even where a fused kernel reads the blocks"),
+    Switch("MM3_CPU_NATIVE", "on", ("on", "off"), "build and use the native integer kernel on the CPU"),
+    Switch("MM3_CPU_PRODUCT", "auto", ("auto",) + CPU_FORMS,
+           "the form of the AR stage's few-row CPU products: auto (measured in whole frames once per machine) "
+           "or one form named"),
+    Switch("MM3_CPU_BF16", "auto", ("auto", "on", "off"),
+           "the DiT's CPU compute dtype: auto (measured on the machine's own products), on (bfloat16), off (float32)"),
+)}
+
+def value(name: str) -> str:
+    """The value of switch `name` in force now: its default when unset or unknown (warned about)."""
+    switch = SWITCHES[name]
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return switch.default
+    if switch.choices is None:
+        return raw
+    got = raw.lower()
+    if switch.flag:
+        got = "on" if got in _ON else "off" if got in _OFF else got
+    if got in switch.choices:
+        return got
+    warnings.warn(f"{name}={raw!r} is not one of {', '.join(switch.choices)}; using {switch.default}", stacklevel=3)
+    return switch.default
+
+
+def on(name: str) -> bool:
+    """Whether flag switch `name` is on."""
+    return value(name) == "on"
+
