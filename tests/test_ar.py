@@ -83,19 +83,20 @@ def test_plan_fast_path_matches_reference(ours, ref, one_thread, song):
 
 def test_the_fast_plans_draws_are_the_kernel_librarys_and_torchs_alike(ours, one_thread, monkeypatch):
     """On the CPU the fast numerics draw each code in one call of the kernel library
-    (`cpu_steps.top_k_draw`); with it refused, torch's operations give the same song."""
-    from mm3.backends.cpu import native as cpu_native, steps as cpu_steps
+    (`steps.top_k_draw`); with it refused, torch's operations give the same song."""
+    from mm3.backends import steps
+    from mm3.backends.cpu import native as cpu_native
 
     if not cpu_native.available():
         pytest.skip("the native kernel library cannot be built here")
     served = []
-    real = cpu_steps.top_k_draw
-    monkeypatch.setattr(cpu_steps, "top_k_draw", lambda *a, **kw: served.append(real(*a, **kw)) or served[-1])
+    real = steps.top_k_draw
+    monkeypatch.setattr(steps, "top_k_draw", lambda *a, **kw: served.append(real(*a, **kw)) or served[-1])
     settings = PlanSettings(duration=2.0, lm_seed=3, songs=2)
     library = plan(ours.lm, ours.depth, ours.prompt, settings)
     assert served and all(code is not None for code in served)
     assert len(served) == 51 * ours.depth.num_codebooks  # a semantic and 7 acoustic draws a frame, frames 0-50
-    monkeypatch.setattr(cpu_steps, "top_k_draw", lambda *a, **kw: None)
+    monkeypatch.setattr(steps, "top_k_draw", lambda *a, **kw: None)
     for with_library, with_torch in zip(library, plan(ours.lm, ours.depth, ours.prompt, settings)):
         assert torch.equal(with_library.codes, with_torch.codes)
 

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from mm3.bench.random_models import random_tensor
-from mm3.backends.cpu import native as cpu_native, steps as cpu_steps
+from mm3.backends import steps
+from mm3.backends.cpu import native as cpu_native
+from mm3.backends.cpu import steps as cpu_steps
 from mm3.weights import layers as gguf_ops
 
 Q = gguf.GGMLQuantizationType
@@ -215,7 +217,7 @@ def test_the_depth_decoders_blocks_in_one_call_match_its_blocks_step_by_step(mon
         torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
     assert len(served) == 7 and all(out is not None for out in served)
-    assert int(model._native_parts[1].counts[0]) == (3 if types else 1)  # q/k/v: parts apart, or stacked
+    assert int(steps.held_parts(model).counts[0]) == (3 if types else 1)  # q/k/v: parts apart, or stacked
 
 
 
@@ -230,7 +232,7 @@ def test_packings_dropped_are_freed_and_the_blocks_parts_made_again():
     cache = model.new_cache(2, torch.float32, torch.device("cpu"))
     x = torch.randn(2, 2, 256)
     first = model(x, cache)
-    held = model._native_parts[1]
+    held = steps.held_parts(model)
     down = model.layers[0].down_proj
     old = weakref.ref(down._packing["native"].weight)
     for block in model.layers:
@@ -240,7 +242,7 @@ def test_packings_dropped_are_freed_and_the_blocks_parts_made_again():
     assert old() is None and not held.alive()
     cache.reset()
     again = model(x, cache)
-    assert model._native_parts[1] is not held and model._native_parts[1].alive()
+    assert steps.held_parts(model) is not held and steps.held_parts(model).alive()
     assert torch.equal(again, first)
 
 @needs_kernel
@@ -263,7 +265,7 @@ def test_depth_blocks_the_library_cannot_take_are_left_to_torch():
     model = _native_depth({})
     cache = model.new_cache(2, torch.float32, torch.device("cpu"))
     model(torch.randn(2, 2, 256), cache)  # the products chosen and their parts made
-    parts = model._native_parts[1]
+    parts = steps.held_parts(model)
     norms = [torch.ones(256)] * 4
     x = torch.randn(2, 1, 256)
     assert cpu_steps.depth_layers(x, norms, 1e-6, parts, cache.k, cache.v, 16, 0.125) is None  # past the end
@@ -469,7 +471,7 @@ def test_the_lms_decode_step_in_two_library_calls_matches_its_layer_step_by_step
         torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-6)
     assert len(served) == 3 and all(out is not None for out in served)  # the decode steps were the library's
-    assert int(layer._native_parts[1].counts[0]) == (3 if types else 1)  # each part apart (v in Q6_K), or stacked
+    assert int(steps.held_parts(layer).counts[0]) == (3 if types else 1)  # each part apart (v in Q6_K), or stacked
 
 
 @needs_kernel

@@ -1,7 +1,8 @@
 """The engine's modules stand in layers: each imports only its own layer or lower ones, and no
 import (module-level or inside a function) closes a circle. The layer order, low to high:
 
-base      the package root, errors, constants, the file cache, the cache folder, progress reports
+base      the package root, errors, constants, the environment switches, the file cache, the cache
+          folder, progress reports
 formats   GGUF and safetensors reading and writing, quant types, the diffusers checkpoint's
           conventions, the published-set catalogue, file fingerprints, adapter (LoRA) files
 numerics  the layers whose weights stay compressed (`weights`) and the back ends that multiply them
@@ -24,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "mm3"
 
 LAYERS = (
-    ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress", "mm3.cache_dir")),
+    ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress", "mm3.cache_dir", "mm3.switches")),
     ("formats", ("mm3.formats", "mm3.lora")),
     ("numerics", ("mm3.weights", "mm3.backends")),
     ("table", ("mm3.components",)),

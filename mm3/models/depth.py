@@ -10,14 +10,12 @@ fuses q/k/v and gate/up ("fast") or keeps the reference's products, as the LM's.
 
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..backends.cpu import forms as cpu_forms, steps as cpu_steps
-from ..backends import products
+from ..backends import steps
 from ..weights import layers as default_ops
 from ..weights.layers import Fused, load_tensors
 from .lm import rms_norm, set_numerics
@@ -26,7 +24,7 @@ NORM_EPS = 1e-6  # diffusers RMSNorm(eps=1e-6) in the depth decoder
 
 
 class DepthAttention(nn.Module):
-    fast_numerics = False  # with a cache on the CPU, one call of the kernel library: set by `set_numerics`
+    fast_numerics = False  # with a cache, one call of a back end where one serves: set by `set_numerics`
 
     def __init__(self, dim: int, heads: int, ops):
         super().__init__()
@@ -45,7 +43,7 @@ class DepthAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.qkv(x)
         if cache is not None and self.fast_numerics:
-            out = cpu_steps.attend(q, k, v, cache.k[layer], cache.v[layer], cache.length, self.head_dim ** -0.5)
+            out = steps.short_attention(q, k, v, cache.k[layer], cache.v[layer], cache.length, self.head_dim ** -0.5)
             if out is not None:
                 return self.to_out(out)
         q, k, v = self._split(q), self._split(k), self._split(v)
@@ -130,7 +128,6 @@ class RVQDepthDecoder(nn.Module):
         self.audio_heads = nn.ModuleList(ops.Linear(h, self.audio_vocab, bias=False)
                                          for _ in range(self.num_codebooks - 1))
         self.numerics = "reference"  # as built; load() sets the numerics asked for
-        self._native_parts = None  # (the blocks' products chosen, their `cpu_steps.BlockParts` or None)
         self._pos_table: dict = {}  # (dtype, device) -> (the table it came from, expanded rows)
 
     @classmethod
@@ -175,8 +172,8 @@ class RVQDepthDecoder(nn.Module):
             raise ValueError(f"depth sequence of {start + s} positions exceeds {self.max_positions}")
         x = inputs_embeds + self._positions(start, s, inputs_embeds.dtype, inputs_embeds.device)
         whole = None
-        if self.fast_numerics and cache is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
-            whole = self._whole(x, cache)
+        if self.fast_numerics and cache is not None:  # the blocks in one back-end call where one serves
+            whole = steps.depth_blocks(self, x, cache, NORM_EPS)
         if whole is not None:
             x = whole
         else:
@@ -185,20 +182,3 @@ class RVQDepthDecoder(nn.Module):
         if cache is not None:
             cache.length += s
         return rms_norm(x, self.norm(x.dtype, x.device), NORM_EPS, self.fast_numerics)
-
-    def _whole(self, x: torch.Tensor, cache: DepthCache) -> torch.Tensor | None:
-        """The blocks in one call of the kernel library (`cpu_steps.depth_layers`) where the native
-        integer kernel serves all their products; else None (each block runs itself)."""
-        dt, dev = x.dtype, x.device
-        held = self._native_parts = products.native_blocks(self._native_parts, [b.products() for b in self.layers],
-                                                           dt, dev)
-        if held[1] is None:
-            return None
-        norms = [w for block in self.layers for w in (block.input_layernorm(dt, dev),
-                                                      block.post_attention_layernorm(dt, dev))]
-        start = time.perf_counter()
-        y = cpu_steps.depth_layers(x.contiguous(), norms, NORM_EPS, held[1], cache.k, cache.v, cache.length,
-                                   self.layers[0].attn.head_dim ** -0.5)
-        if y is not None:
-            cpu_forms.add_to_clock(self.layers[0].gate_proj, start)
-        return y

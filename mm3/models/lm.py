@@ -9,15 +9,13 @@ reference's products (CPU float32 gives its hidden states bit for bit); "fast" f
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..backends.cpu import forms as cpu_forms, steps as cpu_steps
-from ..backends import products
+from ..backends import steps
 from ..weights import layers as default_ops
 from ..formats.gguf.errors import ComponentError
 from ..weights.layers import Fused, Linear, fused_layers, load_tensors
@@ -28,10 +26,10 @@ NUMERICS = ("fast", "reference")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
     """RMSNorm with the variance in float32 (transformers Qwen3RMSNorm / diffusers RMSNorm). On the
     CPU in float32, torch's `rms_norm`, which computes the same operations in one call, bit for bit;
-    with `native` (the fast numerics) the kernel library's one call where it serves (up to the float
-    rounding of the sum: torch's call is a dozen small operations)."""
+    with `native` (the fast numerics) a back end's one call where it serves (`mm3.backends.steps`: up
+    to the float rounding of the sum; torch's call is a dozen small operations)."""
     if native:
-        y = cpu_steps.rms_norm(x, weight, eps)
+        y = steps.rms_norm(x, weight, eps)
         if y is not None:
             return y
     if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
@@ -189,7 +187,7 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 class Qwen3Attention(nn.Module):
     taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
     # The fast numerics (set by `set_numerics`): on the CPU a decode step normalizes, rotates and
-    # caches in one call of the kernel library (`cpu_steps.decode_prepare`) and attends by
+    # caches in one call of a back end (`steps.prepare_attention`) and attends by
     # `one_query_attention`; norms are `rms_norm(..., native=True)`.
     fast_numerics = False
 
@@ -212,9 +210,9 @@ class Qwen3Attention(nn.Module):
         dt, dev = x.dtype, x.device
         q, k, v = self.qkv(x)
         native = self.fast_numerics
-        if native and s == 1 and cache.bucket is None and not self.taps:  # a decode step: one library call
-            rotated = cpu_steps.decode_prepare(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
-                                                cache.k[layer], cache.v[layer], cache.length)
+        if native and s == 1 and cache.bucket is None and not self.taps:  # a decode step: one back-end call
+            rotated = steps.prepare_attention(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
+                                              cache.k[layer], cache.v[layer], cache.length)
             if rotated is not None:
                 end = cache.length + 1
                 out = one_query_attention(rotated, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], None,
@@ -280,15 +278,13 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = Qwen3Attention(cfg, ops)
         self.post_attention_layernorm = ops.Vector(cfg["hidden_size"])
         self.mlp = Qwen3MLP(cfg, ops)
-        self._native_parts = None  # (the products chosen, their `cpu_steps.BlockParts` or None)
 
     def forward(self, x, cos, sin, cache, layer):
         dt, dev = x.dtype, x.device
         native = self.fast_numerics
         attn = self.self_attn
-        if native and x.shape[1] == 1 and dev.type == "cpu" and cache.bucket is None and not attn.taps and \
-                not torch.compiler.is_compiling():
-            y = self._native_step(x, cos, sin, cache, layer)
+        if native and x.shape[1] == 1 and cache.bucket is None and not attn.taps:  # a back end's whole step
+            y = steps.lm_layer(self, x, cos, sin, cache, layer, one_query_attention)
             if y is not None:
                 return y
         x = x + attn(rms_norm(x, self.input_layernorm(dt, dev), self.eps, native), cos, sin, cache, layer)
@@ -297,29 +293,6 @@ class Qwen3DecoderLayer(nn.Module):
     def products(self) -> tuple:
         """The layer's four products in their order of use (q/k/v, out, gate/up, down)."""
         return self.self_attn.qkv, self.self_attn.o_proj, self.mlp.gate_up, self.mlp.down_proj
-
-    def _native_step(self, x, cos, sin, cache, layer: int):
-        """A decode step in two calls of the kernel library around torch's attention over the cache
-        (`cpu_steps.lm_enter`, `lm_leave`) where the native integer kernel serves all four products;
-        else None, nothing written."""
-        dt, dev = x.dtype, x.device
-        held = self._native_parts = products.native_blocks(self._native_parts, [self.products()], dt, dev)
-        if held[1] is None:
-            return None
-        attn = self.self_attn
-        start = time.perf_counter()
-        q = cpu_steps.lm_enter(x, self.input_layernorm(dt, dev), self.eps, held[1], attn.q_norm(dt, dev),
-                               attn.k_norm(dt, dev), attn.eps, cos, sin, cache.k[layer], cache.v[layer], cache.length)
-        if q is None:
-            return None
-        end = cache.length + 1
-        out = one_query_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], None, attn.head_dim ** -0.5)
-        out = out.transpose(1, 2).reshape(x.shape)
-        y = cpu_steps.lm_leave(x, out, self.post_attention_layernorm(dt, dev), self.eps, held[1])
-        if y is None:  # lm_enter checked the whole layer's parts: the step is half done
-            raise RuntimeError("the kernel library refused the second half of an LM decode step it began")
-        cpu_forms.add_to_clock(self.mlp.gate_proj, start)
-        return y
 
 
 class Qwen3Model(nn.Module):

@@ -24,7 +24,7 @@ from .codes import AudioCodes
 from ..constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
 from ..backends.device import ar_weight_budget, keeps_ar_copies, model_device
 from ..errors import RunError
-from ..backends.cpu import steps as cpu_steps
+from ..backends import steps
 from ..backends.gpu.kernels import indexed_device
 from ..weights.layers import choose_products
 from ..weights.copies import cache_dequantized, dequantized_nbytes, release_dequantized
@@ -109,7 +109,7 @@ class FrameSampler:
         self.ncb = depth.num_codebooks
         # The reference re-runs the depth decoder over the whole sequence at every step.
         self.depth_cache = None if depth.numerics == "reference" else depth.new_cache(rows, dtype, device)
-        # The fast numerics' draws on the CPU: the kernel library's one call each (`cpu_steps.top_k_draw`).
+        # The fast numerics' draws: a back end's one call each where it serves (`steps.top_k_draw`).
         self.library_draws = depth.numerics == "fast"
         self.last = torch.zeros(rows, lm.hidden_size, dtype=dtype, device=device)
         self.shaper = None
@@ -127,7 +127,7 @@ class FrameSampler:
         logits = self.lm.head(self.last).float()  # [rows, C]
         mask, shaper = self.not_candidate, self.shaper
         if self.library_draws and shaper is None:
-            token = cpu_steps.top_k_draw(logits, self.r, self.cfg, self.top_k, q_sem, mask, gate=True)
+            token = steps.top_k_draw(logits, self.r, self.cfg, self.top_k, q_sem, mask, gate=True)
             if token is not None:
                 return token + self.head_start
         c, u = (logits[0::2], logits[1::2]) if self.r == 2 else (logits, logits)
@@ -172,7 +172,7 @@ class FrameSampler:
             h = self._depth(x, seq)  # [rows, H]
             hiddens.append(h[0::r])
             lg = depth.audio_heads[j - 1](h).float()  # [rows, audio_vocab]
-            code = cpu_steps.top_k_draw(lg, r, self.cfg, self.top_k, q_dep[:, j - 1]) if self.library_draws else None
+            code = steps.top_k_draw(lg, r, self.cfg, self.top_k, q_dep[:, j - 1]) if self.library_draws else None
             if code is None:
                 guided = guide(lg[0::2], lg[1::2], self.cfg) if r == 2 else lg
                 code = _draw(top_k_probs(guided, self.top_k), q_dep[:, j - 1])  # [songs]
@@ -192,8 +192,8 @@ def _draw(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     library makes Exponential only those the candidates need)."""
     if q.dtype != torch.int64:
         return draw(probs, q)
-    index = cpu_steps.draw_from_raw(probs, q)
-    return draw(probs, cpu_steps.exponentials(q)) if index is None else index
+    index = steps.draw_from_raw(probs, q)
+    return draw(probs, steps.exponentials(q)) if index is None else index
 
 
 class ScratchFrames:
@@ -272,7 +272,7 @@ class _Draws:
     the reference consumes them: one over the whole LM vocabulary for the semantic code (only the
     head rows' part is kept; the rest is skipped cheaply where that is exact) and one over the
     audio vocabulary per acoustic code. `raw`: as the generator's raw 64-bit values instead
-    (`cpu_steps.raw_draws`; the library's draws make Exponential only the few that count)."""
+    (`steps.raw_draws`; the library's draws make Exponential only the few that count)."""
 
     def __init__(self, generators: list[torch.Generator], vocab: int, head: tuple[int, int], ncb: int, audio_vocab: int,
                  raw: bool = False):
@@ -287,12 +287,12 @@ class _Draws:
         if not self.raw:
             return exponential_tail(self.vocab, self.start, g)[:, :self.width]
         if skip_draws(self.vocab, self.start, g):
-            return cpu_steps.raw_draws(g, (1, self.vocab - self.start))[:, :self.width]
-        return cpu_steps.raw_draws(g, (1, self.vocab))[:, self.start:self.start + self.width]
+            return steps.raw_draws(g, (1, self.vocab - self.start))[:, :self.width]
+        return steps.raw_draws(g, (1, self.vocab))[:, self.start:self.start + self.width]
 
     def acoustic(self, g: torch.Generator) -> torch.Tensor:
         if self.raw:
-            return cpu_steps.raw_draws(g, (self.ncb - 1, self.audio_vocab))
+            return steps.raw_draws(g, (self.ncb - 1, self.audio_vocab))
         return torch.cat([exponential_draws(self.audio_vocab, g) for _ in range(self.ncb - 1)])
 
     def frame(self, active: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,7 +486,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
             # Raw draws where the library makes the draws in the frame's own thread (a CUDA frame's
             # are made while the device runs the one before).
             raw = sampler.library_draws and device.type == "cpu" and not compile and \
-                cpu_steps.raw_draws_exact(lm.vocab_size) and cpu_steps.raw_draws_exact(depth.audio_vocab)
+                steps.raw_draws_exact(lm.vocab_size) and steps.raw_draws_exact(depth.audio_vocab)
             draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab, raw)
             results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
                                      compile=compile, graphs=graphs, emit_first=prefix is not None,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..constants import SEED_MAX
-from ..backends.cpu import steps as cpu_steps
+from ..backends import steps
 
 NAN_FILL = 1e9  # nan_to_num bounds used by the reference before top-k
 
@@ -73,11 +73,11 @@ def _skip_is_exact(n: int, start: int) -> bool:
 def skip_draws(n: int, start: int, generator: torch.Generator | None) -> bool:
     """Moves a CPU generator past the first `start` of n Exponential draws without making them,
     where that is exact for this shape (checked once: `_skip_is_exact`): by the kernel library's
-    twists of its state (`cpu_steps.skip_draws`), else with cheap 64-bit draws (much cheaper than
+    twists of its state (`steps.skip_draws`), else with cheap 64-bit draws (much cheaper than
     Exponential ones). False, untouched, elsewhere."""
     if start <= 0 or generator is None or generator.device.type != "cpu" or not _skip_is_exact(n, start):
         return False
-    if not cpu_steps.skip_draws(generator, start):
+    if not steps.skip_draws(generator, start):
         torch.empty(start, dtype=torch.int64).random_(generator=generator)
     return True
 

@@ -1,0 +1,118 @@
+"""Decode steps a back end may take over whole: the one seam between the models (and the planner's
+draws) and the back ends, beyond each layer's own product.
+
+A model asks here, at a decode step, whether a back end runs a piece of it (a norm, an
+attention's preparation, a whole LM layer, the depth decoder's blocks, a guided draw) and gets the
+result, or None where no back end serves it; the model then runs its own torch operations. Each
+answer is given before anything is written. Today the CPU back end's kernel library serves the fast
+numerics on the CPU (`mm3.backends.cpu.steps`); other devices get None until their back end serves.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Callable
+
+import torch
+
+from . import products
+from .cpu import forms as cpu_forms
+from .cpu import steps as cpu_steps
+from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, skip_draws, top_k_draw
+
+__all__ = ["held_parts", "rms_norm", "lookup", "prepare_attention", "short_attention", "lm_layer", "depth_blocks", "top_k_draw",
+           "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
+
+# a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
+_HELD: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def held_parts(owner: torch.nn.Module):
+    """What the kernel library reads of `owner`'s blocks (a `mm3.backends.cpu.steps.BlockParts`) since
+    its last whole step, or None where no whole step ran or one of its products is not the native
+    kernel's."""
+    held = _HELD.get(owner)
+    return None if held is None else held[1]
+
+
+def _whole_steps(x: torch.Tensor) -> bool:
+    """Whether a back end may run a whole step on `x`: the CPU library, outside tracing."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of x's rows by `weight` in one call, or None."""
+    return cpu_steps.rms_norm(x, weight, eps) if x.device.type == "cpu" else None
+
+
+def lookup(table: torch.Tensor, qtype, ids: torch.Tensor, k: int) -> torch.Tensor | None:
+    """A few rows `ids` of a quantized table dequantized in one call ([len(ids), k] float32), or None."""
+    return cpu_steps.lookup(table, qtype, ids, k) if table.device.type == "cpu" else None
+
+
+def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, at: int):
+    """An LM decode step's q/k norms, rotation and cache write at `at` in one call -> the rotated
+    queries [B, heads, 1, D], or None (nothing written)."""
+    if q.device.type != "cpu":
+        return None
+    return cpu_steps.decode_prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, at)
+
+
+def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
+    """The depth decoder's attention of new rows over its short cache (written at `at`), or None."""
+    return cpu_steps.attend(q, k, v, cache_k, cache_v, at, scale) if q.device.type == "cpu" else None
+
+
+def _parts(owner: torch.nn.Module, blocks: list[tuple], dtype: torch.dtype, device: torch.device):
+    """What the library reads of `blocks` (each block's products in their order of use), kept for
+    `owner` while its products stay the ones chosen; None where anything but the native kernel
+    serves one of them."""
+    held = _HELD[owner] = products.native_blocks(_HELD.get(owner), blocks, dtype, device)
+    return held[1]
+
+
+def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
+             attend: Callable[..., torch.Tensor]) -> torch.Tensor | None:
+    """An LM layer's whole decode step (`layer`: a Qwen3 decoder layer; x [B, 1, dim]) in two calls
+    of the kernel library around `attend(q, keys, values, mask, scale)` over the cache, where the
+    native integer kernel serves all four of its products; else None, nothing written."""
+    if not _whole_steps(x):
+        return None
+    dt, dev = x.dtype, x.device
+    parts = _parts(layer, [layer.products()], dt, dev)
+    if parts is None:
+        return None
+    attn = layer.self_attn
+    start = time.perf_counter()
+    q = cpu_steps.lm_enter(x, layer.input_layernorm(dt, dev), layer.eps, parts, attn.q_norm(dt, dev),
+                           attn.k_norm(dt, dev), attn.eps, cos, sin, cache.k[index], cache.v[index], cache.length)
+    if q is None:
+        return None
+    end = cache.length + 1
+    out = attend(q, cache.k[index, :, :, :end], cache.v[index, :, :, :end], None, attn.head_dim ** -0.5)
+    y = cpu_steps.lm_leave(x, out.transpose(1, 2).reshape(x.shape), layer.post_attention_layernorm(dt, dev),
+                           layer.eps, parts)
+    if y is None:  # lm_enter checked the whole layer's parts: the step is half done
+        raise RuntimeError("the kernel library refused the second half of an LM decode step it began")
+    cpu_forms.add_to_clock(layer.mlp.gate_proj, start)
+    return y
+
+
+def depth_blocks(decoder, x: torch.Tensor, cache, eps: float) -> torch.Tensor | None:
+    """The depth decoder's blocks over x [B, S, dim] and its cache in one call of the kernel library,
+    where the native integer kernel serves all their products; else None (each block runs itself)."""
+    if not _whole_steps(x):
+        return None
+    dt, dev = x.dtype, x.device
+    blocks = decoder.layers
+    parts = _parts(decoder, [b.products() for b in blocks], dt, dev)
+    if parts is None:
+        return None
+    norms = [w for block in blocks for w in (block.input_layernorm(dt, dev), block.post_attention_layernorm(dt, dev))]
+    start = time.perf_counter()
+    y = cpu_steps.depth_layers(x.contiguous(), norms, eps, parts, cache.k, cache.v, cache.length,
+                               blocks[0].attn.head_dim ** -0.5)
+    if y is not None:
+        cpu_forms.add_to_clock(blocks[0].gate_proj, start)
+    return y
