@@ -11,7 +11,7 @@ from mm3.backends import device as mm3_device
 from mm3.backends.gpu import kernels
 from mm3.backends import products
 from mm3.weights import layers as gguf_ops
-from mm3.backends.gpu.kernels import indexed_device
+from mm3.weights.binding import indexed_device
 
 Q = gguf.GGMLQuantizationType
 

@@ -393,7 +393,7 @@ def test_rms_norm_is_the_references_arithmetic_bit_for_bit():
 def test_scratch_made_in_inference_mode_is_replaced_outside_it():
     """The stages run in inference mode; a dequantization into the scratch buffer after them,
     outside it, must get a buffer it can write."""
-    from mm3.backends.cpu.matmul import Scratch
+    from mm3.weights.scratch import Scratch
 
     scratch = Scratch()
     with torch.inference_mode():

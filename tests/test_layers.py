@@ -5,8 +5,9 @@ base      the package root, errors, constants, the environment switches, the fil
           folder, progress reports
 formats   GGUF and safetensors reading and writing, quant types, the diffusers checkpoint's
           conventions, the published-set catalogue, file fingerprints, adapter (LoRA) files
-numerics  the layers whose weights stay compressed (`weights`) and the back ends that multiply them
-          (`backends`: the rule table, the portable path, the CPU and GPU families)
+weights   the layers whose weights stay compressed, and how they reach a back end (the binder)
+backends  the back ends that multiply them: the rule table, the seam of whole steps, the CPU and
+          GPU families, the device choice
 table     the component table: kinds, hyper-parameters, the compatibility and loadability checks
 dialects  other tools' file layouts, mapped onto the engine's tensor names
 opener    which components a file holds, opening it, the tokenizer read from the LM file
@@ -27,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent / "mm3"
 LAYERS = (
     ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress", "mm3.cache_dir", "mm3.switches")),
     ("formats", ("mm3.formats", "mm3.lora")),
-    ("numerics", ("mm3.weights", "mm3.backends")),
+    ("weights", ("mm3.weights",)),
+    ("backends", ("mm3.backends",)),
     ("table", ("mm3.components",)),
     ("dialects", ("mm3.dialects",)),
     ("opener", ("mm3.files.opener", "mm3.tokenizer")),
@@ -123,7 +125,7 @@ def test_no_import_circle():
 
 
 def test_a_new_module_needs_a_layer():
-    assert layer_of("mm3") == 0 and layer_of("mm3.unplaced") is None and layer_of("mm3.dialects.comfy") == 4
+    assert layer_of("mm3") == 0 and layer_of("mm3.unplaced") is None and layer_of("mm3.dialects.comfy") == 5
 
 
 def test_the_walker_sees_function_level_imports():

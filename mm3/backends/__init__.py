@@ -6,3 +6,8 @@ family: `cpu` (the native integer kernel built on the machine, torch's int4 prod
 decode steps, the measured CPU forms) and `gpu` (Triton kernels over the GGUF blocks or the device
 layout, CUDA graphs of a frame, the kernel report). Without either, torch's own operations serve:
 a dequantization per use and `F.linear`."""
+
+from ..weights import binding
+from .binder import Backends
+
+binding.install(Backends())

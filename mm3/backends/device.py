@@ -11,7 +11,7 @@ def pick_device(name: str | torch.device | None = None) -> torch.device:
     """`name` ("cuda", "cuda:1", "xpu", "mps", "cpu", or a torch.device) or the best available: CUDA (ROCm builds
     report as CUDA), XPU, MPS, then CPU; an accelerator with its index ("cuda" is the current
     one, "cuda:0"), as its tensors report it."""
-    from .gpu.kernels import indexed_device
+    from ..weights.binding import indexed_device
 
     if name and name != "auto":
         dev = torch.device(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import backends  # noqa: F401  (installs the back ends' binder: every model's products come from it)
 from ..components import DESCRIPTIONS, Component, check_loadable
 from ..formats.gguf.errors import ComponentError, GGUFFormatError
 

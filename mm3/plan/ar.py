@@ -25,11 +25,11 @@ from ..constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRA
 from ..backends.device import ar_weight_budget, keeps_ar_copies, model_device
 from ..errors import RunError
 from ..backends import steps
-from ..backends.gpu.kernels import indexed_device
+from ..weights.binding import indexed_device
 from ..weights.layers import choose_products
 from ..weights.copies import cache_dequantized, dequantized_nbytes, release_dequantized
 from .lyrics_align import LyricHeads
-from ..backends.cpu.matmul import CPU_SCRATCH
+from ..weights.scratch import CPU_SCRATCH
 from ..models.depth import RVQDepthDecoder
 from ..models.lm import KVCache, Qwen3LM
 from ..models.lm import activation_bytes as lm_activation_bytes

@@ -12,7 +12,8 @@ import torch
 from .codes import AudioCodes
 from ..backends.device import model_device
 from .lyrics_align import LyricAttention, LyricHeads
-from ..backends.cpu.matmul import CPU_SCRATCH, onednn_matmul
+from ..backends.cpu.matmul import onednn_matmul
+from ..weights.scratch import CPU_SCRATCH
 from ..models.depth import RVQDepthDecoder
 from ..models.lm import AttentionTap, KVCache, Qwen3LM
 from ..progress import Cancelled, Progress

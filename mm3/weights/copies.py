@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..backends.cpu import forms as cpu_forms
+from .binding import binder
 from .layers import FLOAT_TYPES, Embedding, Fused, WeightSlots, _adjacent
 
 
@@ -41,7 +41,7 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
         for sub in m.modules():
             for fused in (v for v in vars(sub).values() if isinstance(v, Fused) and v.fuse):
                 stored = [p.stored("weight") for p in fused.parts]
-                if not all(cpu_forms.wants_copy(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
+                if not all(binder().wants_copy(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
                     continue  # parts whose CPU form reads no copy (int4, dequantization per product); others below
                 done.update(id(p) for p in fused.parts)
                 if want is not None and any(t.device != want for t in stored):
@@ -61,7 +61,7 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
                     continue
                 if qtype in FLOAT_TYPES and FLOAT_TYPES[qtype] == dtype:
                     continue  # already what a use returns
-                if name == "weight" and not cpu_forms.wants_copy(sub, qtype, value.device):
+                if name == "weight" and not binder().wants_copy(sub, qtype, value.device):
                     continue
                 nbytes = math.prod(sub._slot_shapes[name]) * element
                 cached = sub._dequantized.get(name)

@@ -7,8 +7,8 @@ shape are kept on the layer. Each use moves the weight to the input's device (a 
 there) and dequantizes it to the input's dtype, so a model works whatever part of it a memory
 manager left on the CPU. Models are written against these classes only (another implementation,
 a ComfyUI cast layer, is a subclass passed as `ops`). How a `Linear` or `Fused` multiplies (a
-float copy, the Triton kernel, the CPU int4 planes, a dequantization per use) is its product,
-chosen in `mm3.backends.products` when its weights, numerics or CPU form change, not on each call.
+float copy, a back end's kernel, a dequantization per use) is its product, bound by the back ends'
+binder (`mm3.weights.binding`) when its weights, numerics or CPU form change, not on each call.
 
 Memory: weights built from a file are views of its mapping (their "home"). Moving a layer back to
 the home's device and dtype puts the home view back instead of copying device memory to the host
@@ -27,15 +27,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from ..backends.cpu.matmul import CPU_SCRATCH
-from ..backends.cpu import int4 as cpu_int4, native as cpu_native, steps as cpu_steps
-from ..backends.gpu import custom_ops, placement
-from ..backends import products
 from ..formats.gguf.errors import ComponentError
-from ..backends.gpu.kernels import indexed_device
+from ..formats.gguf.quants import dequantize
 from ..formats.gguf.reader import CompressedTensor
-
-_REPACK = {"int4": cpu_int4.repack, "native": cpu_native.repack}  # a CPU kernel -> how a weight is packed for it
+from .binding import binder, indexed_device
+from .low_rank import LowRank
+from .scratch import CPU_SCRATCH
 
 FLOAT_TYPES = {
     GGMLQuantizationType.F32: torch.float32,
@@ -151,7 +148,7 @@ class WeightSlots(nn.Module):
     def fetch(self, name: str, device: torch.device | None) -> torch.Tensor:
         """The slot's tensor as in the file (blocks, or floats) on `device` (a copy for this use when
         it lives elsewhere or in another form)."""
-        value = placement.file_form(self, name, self.stored(name))
+        value = binder().file_form(self, name, self.stored(name))
         return value if device is None or value.device == torch.device(device) else value.to(device, non_blocking=True)
 
     def get(self, name: str, dtype: torch.dtype, device: torch.device | None = None, *,
@@ -173,8 +170,6 @@ class WeightSlots(nn.Module):
         value = self.fetch(name, target)
         if qtype in FLOAT_TYPES:
             return value.to(dtype)
-        from ..formats.gguf.quants import dequantize
-
         out = CPU_SCRATCH.take(self._slot_shapes[name], dtype) if scratch and target.type == "cpu" else None
         return dequantize(value, qtype, self._slot_shapes[name], dtype, out=out)
 
@@ -199,7 +194,7 @@ class WeightSlots(nn.Module):
                 with torch.no_grad():
                     moved = fn(value)
                 form = self._forms.get(name)
-            moved, form = placement.settle(self, name, moved, form)  # the form for that device
+            moved, form = binder().settle(self, name, moved, form)  # the form for that device
             self._forms.pop(name, None)
             if form is not None:
                 self._forms[name] = form
@@ -259,7 +254,7 @@ class Linear(WeightSlots):
         self._product: tuple | None = None  # (input dtype, device, product)
         self._packing: dict = {}  # kernel ("int4", "native") -> the weight packed for it, once made
         self._pages: list = []  # the weight's file pages, once looked up
-        self.low_rank: products.LowRank | None = None  # attached adapters (`set_low_rank`)
+        self.low_rank: LowRank | None = None  # attached adapters (`set_low_rank`)
         self.declare("weight", out_features, in_features)
         self.has_bias = bias
         if bias:
@@ -271,7 +266,7 @@ class Linear(WeightSlots):
         if weights:
             self._packing, self._pages = {}, []
 
-    def set_low_rank(self, low_rank: "products.LowRank | None") -> None:
+    def set_low_rank(self, low_rank: LowRank | None) -> None:
         """Attach adapters' low-rank terms beside the weight (None: none); the product is chosen again."""
         self.low_rank = low_rank
         self._changed()
@@ -292,15 +287,15 @@ class Linear(WeightSlots):
         if self.qtype("weight") is None:
             raise ComponentError(f"{type(self).__name__}.weight was never loaded")
         device = indexed_device(device)
-        self._product = (dtype, device, products.for_linear(self, dtype, device))
+        self._product = (dtype, device, binder().linear(self, dtype, device))
         return self._product
 
     def packing(self, kernel: str = "int4"):
-        """The weight packed for `kernel` (`cpu_int4` or `cpu_native`), made on first use (its
-        file pages then given back)."""
+        """The weight packed for a back end's `kernel`, made on first use (its file pages then
+        given back)."""
         if kernel not in self._packing:
-            self._packing[kernel] = _REPACK[kernel](self.stored("weight"), self.qtype("weight"), self.out_features,
-                                                    self.in_features)
+            self._packing[kernel] = binder().packing(kernel, self.stored("weight"), self.qtype("weight"),
+                                                     self.out_features, self.in_features)
             self.give_back_pages()
         return self._packing[kernel]
 
@@ -317,11 +312,9 @@ class Linear(WeightSlots):
             self._product = None
 
     def give_back_pages(self) -> None:
-        """Unmap the weight's file pages once they are packed for the int4 product
-        (`cpu_int4.release_pages`); where they lie is looked up once per weight."""
-        if not self._pages:
-            self._pages.append(cpu_int4.file_pages(self.stored("weight")))
-        cpu_int4.release_pages(self._pages[0])
+        """Unmap the weight's file pages once it is packed for a kernel that reads the packing
+        alone (the back end keeps where they lie in `_pages`, looked up once per weight)."""
+        binder().release_pages(self)
 
     def rows(self, start: int, stop: int) -> "Linear":
         """A Linear of weight rows [start, stop): views of this layer's tensors, nothing copied."""
@@ -393,9 +386,9 @@ class Fused:
 
     def product_for(self, dtype: torch.dtype, device: torch.device):
         """The product that serves inputs of `dtype` on `device` (chosen now if it is not); without
-        `fuse`, each part's own (`products.Separate`)."""
+        `fuse`, each part's own."""
         if not self._fuse:
-            return products.Separate(self.parts)
+            return binder().separate(self.parts)
         versions = tuple(p.version for p in self.parts)
         chosen = self._product
         if chosen is None or chosen[0] != dtype or chosen[1] != device or chosen[2] != versions:
@@ -405,20 +398,20 @@ class Fused:
     def choose(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """Choose the product for inputs of `dtype` on `device` (what the first such use does)."""
         device = indexed_device(device)
-        product = products.for_fused(self, dtype, device)  # may restack the parts
+        product = binder().fused(self, dtype, device)  # may restack the parts
         self._product = (dtype, device, tuple(p.version for p in self.parts), product)
         return self._product
 
     def packing(self, kernel: str = "int4"):
-        """The parts' blocks as one packing for `kernel` (`cpu_int4`, `cpu_native`), made once while
-        the parts keep their weights."""
+        """The parts' blocks as one packing for a back end's `kernel`, made once while the parts keep
+        their weights."""
         stored = [p.stored("weight") for p in self.parts]
         key = tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in stored)
         held = self._packing.get(kernel)
         if held is None or held[0] != key:
             qtype = self.parts[0].qtype("weight")
-            self._packing[kernel] = held = (key, _REPACK[kernel](torch.cat(stored), qtype, sum(self.sizes),
-                                                                 self.in_features))
+            self._packing[kernel] = held = (key, binder().packing(kernel, torch.cat(stored), qtype, sum(self.sizes),
+                                                                  self.in_features))
             for p in self.parts:
                 p.give_back_pages()
         return held[1]
@@ -485,8 +478,6 @@ class Fused:
         return _stacked(stored)
 
     def _write_parts(self, out: torch.Tensor) -> None:
-        from ..formats.gguf.quants import dequantize
-
         start = 0
         for p, n in zip(self.parts, self.sizes):
             qtype, piece = p.qtype("weight"), out[start:start + n]
@@ -517,18 +508,18 @@ class Fused:
 
 def choose_products(modules, dtype: torch.dtype, device: torch.device) -> None:
     """Choose now the product of every `Linear` and fused group under `modules` for inputs of
-    `dtype` on `device`, make what the products make at their first call (`products.ready`) and
+    `dtype` on `device`, make what the products make at their first call (the binder's `ready`) and
     look up every `Vector` in `dtype` there, as their first uses would: a step about to be compiled
     or captured as a CUDA graph then only calls them (and a compiled step's guards see the same
     state at every later call)."""
     device = indexed_device(device)
     for fused in fused_layers(modules):
         if fused.fuse:
-            products.ready(fused.choose(dtype, device)[3])
+            binder().ready(fused.choose(dtype, device)[3])
     for m in [modules] if isinstance(modules, nn.Module) else list(modules):
         for sub in m.modules():
             if isinstance(sub, Linear) and sub.qtype("weight") is not None:
-                products.ready(sub.choose(dtype, device)[2])
+                binder().ready(sub.choose(dtype, device)[2])
                 if sub.has_bias:  # made ready in `dtype` there, as the step will read it
                     sub.get("bias", dtype, device)
             elif isinstance(sub, Vector) and sub.qtype("weight") is not None:
@@ -572,12 +563,7 @@ class Embedding(WeightSlots):
         if qtype in FLOAT_TYPES:
             rows = F.embedding(at, table).to(dtype)
         else:
-            rows = cpu_steps.lookup(table, qtype, at, self.embedding_dim)  # few rows in one call
-            if rows is not None:
-                rows = rows.to(dtype).view(*at.shape, -1)
-            else:
-                raw = table[at.reshape(-1)]
-                rows = custom_ops.dequantize(raw, qtype, (raw.shape[0], self.embedding_dim), dtype).view(*at.shape, -1)
+            rows = binder().rows(table, qtype, at, self.embedding_dim, dtype)
         return rows.to(device, non_blocking=True)
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -5,9 +5,6 @@ speed of reading them. On the CPU `x @ w.T` (`F.linear`) and `w @ x.T` (weight-m
 very different speeds, and which wins depends on the processor; `mm3.backends.cpu.forms` names the form
 each layer takes, as `mm3.backends.cpu.choice` measured it on the machine (inside whole AR frames).
 
-`Scratch`: one flat buffer per dtype for per-call dequantization on the CPU, where a fresh
-allocation of a large weight means page faults on every product.
-
 `onednn_matmul`: large float32 CPU products through oneDNN instead of MKL, which can be much
 faster for the DiT's shapes. oneDNN may use bfloat16 arithmetic where the CPU has it, so the
 switch is taken only after a once-per-process check against float64 shows float32-level error,
@@ -18,8 +15,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import math
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -48,26 +43,6 @@ def weight_major_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
         y = y + b
     return y.contiguous().view(*x.shape[:-1], w.shape[0])
 
-
-class Scratch(threading.local):
-    """A reusable flat buffer per dtype (per thread) for dequantizing a weight that is used once."""
-
-    def __init__(self):
-        self.buffers: dict[torch.dtype, torch.Tensor] = {}
-
-    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        n = math.prod(shape)
-        buf = self.buffers.get(dtype)
-        if buf is None or buf.numel() < n or (buf.is_inference() and not torch.is_inference_mode_enabled()):
-            # (a buffer made inside inference mode cannot be written outside it)
-            buf = self.buffers[dtype] = torch.empty(n, dtype=dtype)
-        return buf[:n].view(shape)
-
-    def clear(self):
-        self.buffers.clear()
-
-
-CPU_SCRATCH = Scratch()
 
 MAX_REL_ERR = 4e-6  # float32-level; a bfloat16 product would be ~3e-3
 PROBE_DEPTHS = (64, 512, 2048)  # inner lengths the accuracy probe multiplies over: short to long dot products

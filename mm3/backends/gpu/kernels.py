@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ... import switches
+from ...weights.binding import indexed_device
 
 # Kernel type codes (constexpr in the kernel) for the types it reads.
 CODES = {QT.F32: 0, QT.F16: 0, QT.BF16: 0, QT.Q8_0: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q5_0: 4, QT.Q5_1: 5,
@@ -94,23 +95,6 @@ def supports(qtype: QT, in_features: int) -> bool:
 
 
 _WORKS: dict[tuple, bool] = {}  # (qtype, input dtype, device) -> the kernel compiled and computed right
-
-
-def indexed_device(device: torch.device | str) -> torch.device:
-    """`device` as its tensors report it: an accelerator named without an index ("cuda") becomes
-    the current one ("cuda:0"). Products, kernel checks and tables are kept under this key, so
-    the device a caller names and the one an input reports find the same entry (a step compiled
-    or captured as a CUDA graph must not choose its products again)."""
-    device = torch.device(device)
-    if device.index is None and device.type not in ("cpu", "meta"):
-        if device.type == "mps":  # one device, no current_device
-            return torch.device("mps", 0)
-        current = getattr(getattr(torch, device.type, None), "current_device", None)
-        try:
-            return torch.device(device.type, current()) if current is not None else device
-        except (AssertionError, RuntimeError):  # a torch built without that device, or no driver
-            return device
-    return device
 
 
 def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from . import device_layout as dl
 from .kernels import CODES, FLOAT_DTYPES as FLOATS  # the kernels' type codes, shared
-from .kernels import indexed_device
+from ...weights.binding import indexed_device
 
 GEMV_MAX_ROWS = 16  # beyond: the tiled GEMM
 TARGET_WAVES = 4  # decode programs per multiprocessor the K split aims for
