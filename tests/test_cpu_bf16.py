@@ -42,10 +42,16 @@ def conditions(models):
 
 
 @pytest.fixture
-def processor(monkeypatch):
-    """Set what `native` answers without asking the processor; returns a setter."""
-    def set_native(value: bool):
+def processor(monkeypatch, tmp_path):
+    """Set what `native` answers without asking the processor and whether bfloat16 products time
+    faster than float32 ones there (`pays`), each processor with a CPU record of its own; returns a
+    setter."""
+    def set_native(value: bool, pays: bool = True):
+        monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / f"{value}-{pays}"))
         monkeypatch.setattr(cpu_bf16, "native", lambda: value)
+        monkeypatch.setattr(cpu_bf16, "time_products",
+                            lambda shapes, rows=0: {"float32": 10.0, "bfloat16": 5.0 if pays else 12.0})
+        cpu_bf16._MEMO.clear()
     return set_native
 
 
@@ -53,12 +59,47 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_auto_follows_the_processor(monkeypatch, processor):
+def test_auto_times_the_models_products_where_the_processor_has_bfloat16(monkeypatch, processor, models):
+    """Emulated bfloat16 never serves (a rule); with bfloat16 dot products, the faster dtype over the
+    model's own products does: float32 on a processor whose bfloat16 products are slower (AVX512-BF16
+    without AMX, where torch's bfloat16 products lose)."""
+    _, dit = models
     monkeypatch.setenv("MM3_CPU_BF16", "auto")
     processor(True)
-    assert cpu_bf16.dit_dtype("cpu", torch.float32) == torch.bfloat16
+    assert cpu_bf16.ruled("cpu", torch.float32) is None  # a timing decides
+    assert cpu_bf16.dit_dtype("cpu", torch.float32, dit) == torch.bfloat16
+    processor(True, pays=False)
+    assert cpu_bf16.dit_dtype("cpu", torch.float32, dit) == torch.float32
     processor(False)
-    assert cpu_bf16.dit_dtype("cpu", torch.float32) == torch.float32
+    assert cpu_bf16.ruled("cpu", torch.float32) == torch.float32
+    assert cpu_bf16.dit_dtype("cpu", torch.float32, dit) == torch.float32
+
+
+def test_the_timing_is_of_the_models_shapes_and_kept_per_machine(monkeypatch, tmp_path, models):
+    _, dit = models
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MM3_CPU_BF16", "auto")
+    monkeypatch.setattr(cpu_bf16, "native", lambda: True)
+    timed = []
+    monkeypatch.setattr(cpu_bf16, "time_products",
+                        lambda shapes, rows=0: timed.append(dict(shapes)) or {"float32": 4.0, "bfloat16": 9.0})
+    cpu_bf16._MEMO.clear()
+    assert cpu_bf16.dit_dtype("cpu", torch.float32, dit) == torch.float32
+    want = {}
+    for m in dit.modules():
+        if hasattr(m, "in_features") and hasattr(m, "out_features") and m.qtype("weight") is not None:
+            want[(m.out_features, m.in_features)] = want.get((m.out_features, m.in_features), 0) + 1
+    assert timed == [want]
+    cpu_bf16._MEMO.clear()  # another process on the same machine: the record answers
+    assert cpu_bf16.dit_dtype("cpu", torch.float32, dit) == torch.float32 and len(timed) == 1
+    record = json.loads((tmp_path / "cpu-products.json").read_text())
+    entry = next(v for k, v in record["choices"].items() if k.startswith("bf16;"))
+    assert entry["dtype"] == "float32" and entry["ms"] == {"float32": 4.0, "bfloat16": 9.0}
+
+
+def test_a_real_timing_of_both_dtypes():
+    ms = cpu_bf16.time_products({(48, 32): 2, (32, 96): 1}, rows=16)
+    assert set(ms) == {"float32", "bfloat16"} and all(0 < v < 1e4 for v in ms.values())
 
 
 def test_named_and_other_devices(monkeypatch, processor):
@@ -73,11 +114,11 @@ def test_named_and_other_devices(monkeypatch, processor):
     assert cpu_bf16.dit_dtype("meta", torch.float32) == torch.float32  # only the CPU is affected
 
 
-def test_bad_value_warns_and_asks_the_processor(monkeypatch, processor):
+def test_bad_value_warns_and_asks_the_processor(monkeypatch, processor, models):
     monkeypatch.setenv("MM3_CPU_BF16", "yes please")
     processor(True)
-    with pytest.warns(UserWarning, match=r"MM3_CPU_BF16='yes please' is not one of auto, on, off"):
-        assert cpu_bf16.dit_dtype("cpu", torch.float32) == torch.bfloat16
+    with pytest.warns(UserWarning, match=r"MM3_CPU_BF16='yes please' is not one of auto, on, off; using auto"):
+        assert cpu_bf16.dit_dtype("cpu", torch.float32, models[1]) == torch.bfloat16
 
 
 @pytest.mark.parametrize("avx512_bf16, amx, onednn, want", [
@@ -159,14 +200,15 @@ def test_many_rows_of_an_ar_layer_multiply_in_bfloat16_when_set(qtype):
     assert torch.equal(layer(wide), torch.nn.functional.linear(wide, values))
 
 
-def test_the_ar_stage_multiplies_many_rows_as_the_dit_computes(monkeypatch, processor):
-    """bfloat16 where the DiT's forward is (the processor's rule, or a caller's pin of it), in
-    the fast numerics of a float32 stage on the CPU only."""
+def test_the_ar_stage_multiplies_many_rows_as_the_dit_computes(monkeypatch, processor, models):
+    """bfloat16 where the DiT's forward is pinned to it, else where the rule or a timing of the
+    model's products says so, in the fast numerics of a float32 stage on the CPU only."""
     from mm3.song.numerics import FAST, Numerics
 
     monkeypatch.setenv("MM3_CPU_BF16", "auto")
     processor(True)
-    assert FAST.many_rows_bf16("cpu", torch.float32)
+    assert FAST.many_rows_bf16("cpu", torch.float32, models[1])
+    assert not FAST.many_rows_bf16("cpu", torch.float32)  # nothing to time: float32
     assert not Numerics(compute_dtype=torch.float32).many_rows_bf16("cpu", torch.float32)  # --force-fp32
     assert not Numerics("reference", torch.float32).many_rows_bf16("cpu", torch.float32)
     assert not FAST.many_rows_bf16("cpu", torch.bfloat16) and not FAST.many_rows_bf16("cuda", torch.float32)
@@ -177,7 +219,7 @@ def test_the_ar_stage_multiplies_many_rows_as_the_dit_computes(monkeypatch, proc
 
 def test_pipeline_sets_the_ar_models_as_its_dit(tiny, monkeypatch, processor):
     """`generate` sets the LM's and depth decoder's many-row products as its DiT computes: in
-    bfloat16 by the processor's rule, in float32 where the user named float32."""
+    bfloat16 where its products time faster, in float32 where the user named float32."""
     from mm3.weights.layers import Linear
 
     monkeypatch.setenv("MM3_CPU_BF16", "auto")
@@ -239,8 +281,8 @@ def test_pipeline_named_dtype_pins_the_dit(tiny, monkeypatch, processor):
     monkeypatch.setenv("MM3_CPU_BF16", "auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for named in (None, "", "auto"):
-            assert Pipeline(tiny.gguf, device="cpu", dtype=named).dit_dtype == torch.bfloat16
+        for named in (None, "", "auto"):  # timed on the DiT's products at its first window
+            assert Pipeline(tiny.gguf, device="cpu", dtype=named).dit_dtype is None
         assert Pipeline(tiny.gguf, device="cpu", dtype="float32").dit_dtype == torch.float32
         processor(False)
         assert Pipeline(tiny.gguf, device="cpu").dit_dtype == torch.float32

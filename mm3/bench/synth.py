@@ -52,7 +52,7 @@ def measure_dit(ctx: Context) -> dict:
     x, t, cond = _window_inputs(ctx)
     px, pt, pc = torch.cat([x, x]), t.expand(2), torch.cat([cond, torch.zeros_like(cond)])
     zeros = torch.zeros_like(cond)
-    compute = ctx.dtype if ctx.dtype_named else dit_dtype(ctx.device, ctx.dtype)
+    compute = ctx.dtype if ctx.dtype_named else dit_dtype(ctx.device, ctx.dtype, dit)
     same = str(ctx.dtype).removeprefix("torch.")
     cx, ct, cc = px.to(compute), pt.to(compute), pc.to(compute)
 

@@ -203,7 +203,7 @@ def _pipeline(args):
         folder = str(Path(request).resolve().parent)
         if folder not in pipe.lora_folders:
             pipe.lora_folders.append(folder)
-    if pipe.dit_dtype != pipe.dtype and not getattr(args, "quiet", False):
+    if pipe.dit_dtype not in (None, pipe.dtype) and not getattr(args, "quiet", False):
         print(f"note: the DiT computes in {str(pipe.dit_dtype).removeprefix('torch.')} on this {pipe.device.type} "
               f"(native products); --dtype {str(pipe.dtype).removeprefix('torch.')} keeps it in that", file=sys.stderr)
     return pipe

@@ -58,10 +58,11 @@ class Numerics:
         """The vocoder's convolutions in the reference's layout (`Vocoder.decode_sides`)."""
         return self.reference
 
-    def many_rows_bf16(self, device, dtype: torch.dtype) -> bool:
+    def many_rows_bf16(self, device, dtype: torch.dtype, model: torch.nn.Module | None = None) -> bool:
         """Whether the AR stage's products over many rows (prefill, replay) multiply in bfloat16:
-        in the fast numerics, where the DiT's forward does (`mm3.backends.cpu.bf16.many_rows_bf16`)."""
-        return not self.reference and many_rows_bf16(device, dtype, self.compute_dtype)
+        in the fast numerics, where the DiT's forward is pinned to it, else where the rule or a
+        timing of `model`'s products says so (`mm3.backends.cpu.bf16.many_rows_bf16`)."""
+        return not self.reference and many_rows_bf16(device, dtype, self.compute_dtype, model)
 
     def shift(self, steps: int, dit_shift: float = AUTO_SHIFT) -> float:
         """The flow schedule's shift for `dit_shift` (AUTO_SHIFT: `mm3.synth.flow.schedule_shift`'s rule;

@@ -22,7 +22,7 @@ from ..plan.ar import max_frames_for, plan
 from ..plan.codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from ..components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
 from ..constants import FRAME_RATE
-from ..backends.cpu.bf16 import dit_dtype
+from ..backends.cpu.bf16 import ruled
 from ..backends.device import empty_cache, pick_device, pick_dtype, total_bytes
 from ..errors import RunError
 from ..formats.fingerprint import file_fingerprint
@@ -131,8 +131,9 @@ class Pipeline:
         self.device = pick_device(device)
         self.registry.memory = total_bytes(self.device)  # "" / "auto" names: the most precise file that fits
         self.dtype = pick_dtype(self.device, dtype)
-        # The DiT's forward: a named dtype; automatic, bfloat16 on a CPU that multiplies it natively.
-        self.dit_dtype = dit_dtype(self.device, self.dtype) if dtype in (None, "", "auto") else self.dtype
+        # The DiT's forward: a named dtype; automatic, the rule's (None: timed on the DiT's products on
+        # a CPU that multiplies bfloat16 natively, `mm3.backends.cpu.bf16`).
+        self.dit_dtype = ruled(self.device, self.dtype) if dtype in (None, "", "auto") else self.dtype
         self.store = ModelStore(self.registry, self.device, keep_loaded=keep_loaded)
         self.timings = Timings()
         self._last: dict[str, tuple[int, int, dict]] = {}  # stage -> its latest progress report

@@ -259,7 +259,7 @@ def set_ar_numerics(lm_model, depth_model, numerics: Numerics, *, device, dtype:
     """Set the LM's and depth decoder's many-row products (prefill, replay) to the dtype
     `numerics` gives them for `dtype` inputs on `device` (`Numerics.many_rows_bf16`); every
     caller of the AR stage sets it, so one run's setting never carries into the next."""
-    set_many_rows_bf16([lm_model, depth_model], numerics.many_rows_bf16(device, dtype))
+    set_many_rows_bf16([lm_model, depth_model], numerics.many_rows_bf16(device, dtype, lm_model))
 
 
 # -- the stages -----------------------------------------------------------------------------------

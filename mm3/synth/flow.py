@@ -21,7 +21,8 @@ from ..errors import RunError
 from ..backends.cpu.bf16 import dit_dtype
 from ..backends.device import dit_weight_budget, model_device
 from ..weights.copies import cache_dequantized, dequantized_nbytes, release_dequantized
-from ..backends.cpu.matmul import CPU_SCRATCH, onednn_matmul, pays_for
+from ..backends.cpu.matmul import onednn_matmul, pays_for
+from ..weights.scratch import CPU_SCRATCH
 from ..progress import Cancelled, Progress
 
 WINDOW_FRAMES = 200  # before_denoise.py: 200-frame windows ...
@@ -311,7 +312,7 @@ class WindowSampler:
         group = max(1, min(int(variation_batch), variations))
         self.n_groups = -(-variations // group)
         if compute_dtype is None:
-            compute_dtype = dit_dtype(device, dtype) if cfg_batch else dtype
+            compute_dtype = dit_dtype(device, dtype, dit) if cfg_batch else dtype
         self.run = _Run(dit, flow_sigmas(steps, shift).to(device), float(dit_cfg), cfg_batch, group, device, dtype,
                         compute_dtype, progress or Progress(), windows, windows * self.n_groups * steps, keep)
         self.budget = dit_weight_budget(device) if weight_cache is None else int(weight_cache)

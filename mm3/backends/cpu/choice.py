@@ -220,9 +220,15 @@ def _read() -> dict:
         return {}
 
 
+def cached_entry(cache_key: str):
+    """The entry stored under `cache_key` in the CPU record (the forms' choices and the other CPU
+    measurements, `mm3.backends.cpu.bf16`), None without one."""
+    return _read().get(cache_key)
+
+
 def cached(cache_key: str) -> Choice | None:
     """The choice stored under `cache_key`, None without one (a damaged entry is warned about)."""
-    entry = _read().get(cache_key)
+    entry = cached_entry(cache_key)
     if entry is None:
         return None
     try:
@@ -235,16 +241,22 @@ def cached(cache_key: str) -> Choice | None:
 
 def store(cache_key: str, choice: Choice) -> None:
     """Write `choice` under `cache_key` (atomically; a folder that cannot be written is warned about)."""
+    store_entry(cache_key, choice.to_json())
+
+
+def store_entry(cache_key: str, entry: dict) -> None:
+    """Write `entry`, dated, under `cache_key` in the CPU record (atomically; a folder that cannot
+    be written is warned about)."""
     path = cache_file()
     try:
         choices = _read()
-        choices[cache_key] = {**choice.to_json(), "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+        choices[cache_key] = {**entry, "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "choices": choices}, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     except OSError as e:
-        log.warning("cannot write the CPU product cache %s (%s); the choice holds for this process", path, e)
+        log.warning("cannot write the CPU record %s (%s); the measurement holds for this process", path, e)
 
 
 _MEMO: dict[str, Choice] = {}  # this process's choices by key
