@@ -49,9 +49,9 @@ def processor(monkeypatch, tmp_path):
     def set_native(value: bool, pays: bool = True):
         monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / f"{value}-{pays}"))
         monkeypatch.setattr(cpu_bf16, "native", lambda: value)
-        monkeypatch.setattr(cpu_bf16, "time_products",
-                            lambda shapes, rows=0: {"float32": 10.0, "bfloat16": 5.0 if pays else 12.0})
-        cpu_bf16._MEMO.clear()
+        ms = {"float32": 10.0, "onednn": 11.0, "bfloat16": 5.0 if pays else 12.0}
+        monkeypatch.setattr(cpu_bf16, "time_products", lambda shapes, among, rows=0: {f: ms[f] for f in among})
+        cpu_bf16.forget()
     return set_native
 
 
@@ -80,26 +80,38 @@ def test_the_timing_is_of_the_models_shapes_and_kept_per_machine(monkeypatch, tm
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MM3_CPU_BF16", "auto")
     monkeypatch.setattr(cpu_bf16, "native", lambda: True)
-    timed = []
+    timed, ms = [], {"float32": 4.0, "onednn": 6.0, "bfloat16": 9.0}
     monkeypatch.setattr(cpu_bf16, "time_products",
-                        lambda shapes, rows=0: timed.append(dict(shapes)) or {"float32": 4.0, "bfloat16": 9.0})
-    cpu_bf16._MEMO.clear()
+                        lambda shapes, among, rows=0: timed.append(dict(shapes)) or {f: ms[f] for f in among})
+    cpu_bf16.forget()
     assert cpu_bf16.dit_dtype("cpu", torch.float32, dit) == torch.float32
     want = {}
     for m in dit.modules():
         if hasattr(m, "in_features") and hasattr(m, "out_features") and m.qtype("weight") is not None:
             want[(m.out_features, m.in_features)] = want.get((m.out_features, m.in_features), 0) + 1
     assert timed == [want]
-    cpu_bf16._MEMO.clear()  # another process on the same machine: the record answers
+    cpu_bf16.forget()  # another process on the same machine: the record answers
     assert cpu_bf16.dit_dtype("cpu", torch.float32, dit) == torch.float32 and len(timed) == 1
     record = json.loads((tmp_path / "cpu-products.json").read_text())
-    entry = next(v for k, v in record["choices"].items() if k.startswith("bf16;"))
-    assert entry["dtype"] == "float32" and entry["ms"] == {"float32": 4.0, "bfloat16": 9.0}
+    entry = next(v for k, v in record["choices"].items() if k.startswith("large products;"))
+    assert entry["form"] == "float32" and entry["ms"] == {f: ms[f] for f in cpu_bf16.candidates()}
 
 
-def test_a_real_timing_of_both_dtypes():
+def test_onednn_serves_the_float32_products_only_where_it_times_faster(monkeypatch, tmp_path, models):
+    _, dit = models
+    monkeypatch.setattr(cpu_bf16.matmul, "accurate", lambda: True)
+    for onednn_ms, want in ((5.0, True), (9.5, False)):  # within 10 % of the default library's: not taken
+        monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / str(onednn_ms)))
+        ms = {"float32": 10.0, "onednn": onednn_ms, "bfloat16": 20.0}
+        monkeypatch.setattr(cpu_bf16, "time_products", lambda shapes, among, rows=0: {f: ms[f] for f in among})
+        cpu_bf16.forget()
+        assert cpu_bf16.onednn_pays("cpu", torch.float32, dit) is want
+    assert not cpu_bf16.onednn_pays("cpu", torch.bfloat16, dit) and not cpu_bf16.onednn_pays("meta", torch.float32, dit)
+
+
+def test_a_real_timing_of_every_form():
     ms = cpu_bf16.time_products({(48, 32): 2, (32, 96): 1}, rows=16)
-    assert set(ms) == {"float32", "bfloat16"} and all(0 < v < 1e4 for v in ms.values())
+    assert set(ms) == set(cpu_bf16.FORMS) and all(0 < v < 1e4 for v in ms.values())
 
 
 def test_named_and_other_devices(monkeypatch, processor):
@@ -191,7 +203,7 @@ def test_many_rows_of_an_ar_layer_multiply_in_bfloat16_when_set(qtype):
         return layer(wide), layer(few), torch.cat(fused(wide), dim=-1), torch.cat(fused(few), dim=-1)
 
     off, on = run(False), run(True)
-    assert isinstance(layer._product[2].wide, products.Bf16Product)
+    assert isinstance(layer.chosen_product().wide, products.Bf16Product)
     torch.testing.assert_close(off[0], torch.nn.functional.linear(wide, values), rtol=1e-5, atol=1e-5)
     for a, b in ((on[0], off[0]), (on[2], off[2])):
         assert 1e-4 < rel(a, b) < 1e-2  # bfloat16's rounding of the rows and weights, no more

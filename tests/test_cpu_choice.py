@@ -337,14 +337,14 @@ def test_two_packings_are_held_together_only_where_they_fit(q8, budget, most):
             for _ in range(n):
                 start = time.perf_counter()
                 layer(x)
-                held.append(len(layer._packing))
+                held.append(len(layer.packings()))
                 out.append(time.perf_counter() - start)
             return out
 
     choice = cpu_choice.measure({"lm": lm, "depth": depth}, Frames(), torch.float32, budget=budget, threads=[1],
                                 forms=["int4", "native"])
     assert max(held) == most and set(choice.forms.values()) <= {"int4", "native"}
-    assert list(layer._packing) == [choice.forms["depth"]]  # the loser's packing is gone
+    assert list(layer.packings()) == [choice.forms["depth"]]  # the loser's packing is gone
 
 
 def test_a_form_packed_again_at_each_switch_is_timed_without_its_packing(q8, monkeypatch):
@@ -370,7 +370,7 @@ def test_a_form_packed_again_at_each_switch_is_timed_without_its_packing(q8, mon
         return repack
 
     for kernel in ("int4", "native"):
-        monkeypatch.setitem(gguf_ops._REPACK, kernel, slowed(gguf_ops._REPACK[kernel]))
+        monkeypatch.setattr(products.KERNELS[kernel], "repack", slowed(products.KERNELS[kernel].repack))
 
     class Frames:
         def run(self, n):

@@ -74,9 +74,9 @@ def test_fast_layers_use_it_and_keep_no_float_copy(monkeypatch):
     assert _rel(one(x), F.linear(x, values)) < 6e-3
     for y, (_, v) in zip(fused(x), parts):
         assert _rel(y, F.linear(x, v)) < 6e-3
-    first = fused._packing["int4"]
+    first = fused.packings()["int4"]
     fused(x)
-    assert fused._packing["int4"] is first  # packed once
+    assert fused.packings()["int4"] is first  # packed once
     assert calls == [48, 48, 48]
     wide = torch.randn(40, 256)  # more rows than a decode: the dequantized product
     torch.testing.assert_close(one(wide), F.linear(wide, values), rtol=1e-5, atol=1e-5)
@@ -96,10 +96,10 @@ def test_repacking_follows_the_weights():
     layer, _ = _layer(Q.Q4_K, 16, 256, 5)
     x = torch.randn(1, 256)
     layer(x)
-    assert layer._packing
+    assert layer.packings()
     raw, values = _raw(Q.Q4_K, 16, 256, 6)
     layer.set_stored("weight", Q.Q4_K, raw)  # new weights: the old packing is gone
-    assert not layer._packing and _rel(layer(x), F.linear(x, values)) < 6e-3
+    assert not layer.packings() and _rel(layer(x), F.linear(x, values)) < 6e-3
 
 
 def test_mixed_parts_each_take_their_own_product(monkeypatch):
@@ -123,13 +123,13 @@ def test_two_plane_packings_take_ten_bits_a_weight_and_stack():
     layer, values = _layer(Q.Q8_0, 64, 512, 11)
     x = torch.randn(3, 512)
     assert _rel(layer(x), F.linear(x, values)) < 6e-3
-    packing = layer._packing["int4"]
+    packing = layer.packings()["int4"]
     assert packing.sub == 32 and packing.nbytes() == 64 * 512 * 10 // 8
     parts = [_layer(Q.Q5_K, n, 512, 12 + n) for n in (48, 32)]  # gate and up: one packing of both
     fused = gguf_ops.Fused([p for p, _ in parts])
     for y, (_, v) in zip(fused(x), parts):
         assert _rel(y, F.linear(x, v)) < 6e-3
-    assert fused._packing["int4"][1].sub == 32
+    assert fused.packings()["int4"].sub == 32
     wide = torch.randn(40, 512)  # a prefill: the float product of the dequantized parts
     for y, (_, v) in zip(fused(wide), parts):
         torch.testing.assert_close(y, F.linear(wide, v), rtol=1e-5, atol=1e-5)
@@ -175,11 +175,11 @@ def test_the_packing_waits_for_a_few_row_product_and_goes_with_drop_packing():
     layer, values = _layer(Q.Q8_0, 32, 256, 21)
     wide = torch.randn(40, 256)
     torch.testing.assert_close(layer(wide), F.linear(wide, values), rtol=1e-5, atol=1e-5)
-    assert not layer._packing
+    assert not layer.packings()
     layer(torch.randn(2, 256))
-    assert layer._product[2].decode.packed is layer._packing["int4"]
+    assert layer.chosen_product().decode.packed is layer.packings()["int4"]
     layer.drop_packing()
-    assert not layer._packing and layer._product is None
+    assert not layer.packings() and layer.chosen_product() is None
 
 
 @pytest.mark.parametrize("rows", [16, 64, 80, 192, 1040])

@@ -261,12 +261,12 @@ def test_a_native_layer_packs_once_for_few_rows_and_dequantizes_for_many(monkeyp
     values = layer.get("weight", torch.float32, torch.device("cpu"))
     wide = torch.randn(40, 256)
     torch.testing.assert_close(layer(wide), F.linear(wide, values), rtol=1e-5, atol=1e-5)
-    assert not layer._packing and calls == []  # many rows: nothing packed
+    assert not layer.packings() and calls == []  # many rows: nothing packed
     x = torch.randn(2, 256)
     assert _rel(layer(x), F.linear(x.double(), values.double())) < 5e-5
-    first = layer._packing["native"]
+    first = layer.packings()["native"]
     layer(x)
-    assert layer._packing["native"] is first and list(layer._packing) == ["native"] and calls == [48, 48]
+    assert layer.packings()["native"] is first and list(layer.packings()) == ["native"] and calls == [48, 48]
 
 
 @needs_kernel
@@ -278,7 +278,7 @@ def test_a_fused_layer_stacks_its_parts_for_the_kernel():
     assert product.decode.product.kernel == "native"
     for y, p in zip(fused(x), parts):
         assert _rel(y, F.linear(x.double(), p.get("weight", torch.float64, torch.device("cpu")))) < 5e-5
-    assert fused._packing["native"][1].weight.shape[0] == 8
+    assert fused.packings()["native"].weight.shape[0] == 8
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q3_K, Q.F16], ids=lambda t: t.name)
@@ -299,9 +299,9 @@ def test_dropping_packings_keeps_the_one_that_serves():
     layer.packing("int4")
     layer.packing("native")
     layer.drop_packing(keep="native")
-    assert list(layer._packing) == ["native"]
+    assert list(layer.packings()) == ["native"]
     layer.drop_packing()
-    assert not layer._packing
+    assert not layer.packings()
 
 
 @needs_kernel

@@ -234,7 +234,7 @@ def test_packings_dropped_are_freed_and_the_blocks_parts_made_again():
     first = model(x, cache)
     held = steps.held_parts(model)
     down = model.layers[0].down_proj
-    old = weakref.ref(down._packing["native"].weight)
+    old = weakref.ref(down.packings()["native"].weight)
     for block in model.layers:
         for product in block.products():
             product.drop_packing()

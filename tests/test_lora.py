@@ -140,11 +140,11 @@ def test_a_layers_adapters_sit_beside_whatever_product_serves_its_weight(case, r
         cache_dequantized(layer, torch.float32)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2))
     plain = layer(x)
-    base_kind = type(layer._product[2]).__name__
+    base_kind = type(layer.chosen_product()).__name__
     terms = _terms(48, 256, 1)
     layer.set_low_rank(LowRank(terms))
     y = layer(x)
-    product = layer._product[2]
+    product = layer.chosen_product()
     assert isinstance(product, WithLowRank) and type(product.base).__name__ == base_kind
     expected = {"float": "FloatWeight", "per_use": "FloatWeight", "kept_copy": "FloatWeight", "int4": "ByRows",
                 "kernel": "KernelProduct"}[case]
@@ -193,7 +193,7 @@ def test_fused_parts_carry_their_own_adapters(case, request):
     for i, t in terms.items():
         parts[i][0].set_low_rank(LowRank(t))
     ys = fused(x)
-    chosen = fused._product[3] if fused._product else None
+    chosen = fused.chosen_product()
     if case == "separate":
         assert chosen is None  # each part its own product
     elif case == "mixed":

@@ -72,6 +72,33 @@ def test_layers_match_plain_torch(model_file):
     assert torch.equal(m.scale(), reference_weight(f, "scale.weight"))
 
 
+@pytest.mark.parametrize("installed", ["portable", "backends"])
+def test_either_binder_multiplies_as_plain_torch(model_file, installed):
+    """Without a back end (the portable binder: torch's own operations) and with the back ends'
+    binder, a layer's product and a table's rows are the dequantized weights' through plain torch."""
+    from mm3.weights import binding
+
+    previous = binding.binder()
+    if installed == "portable":
+        binding.install(binding.Portable())
+    else:
+        from mm3.backends.binder import Backends
+
+        binding.install(Backends())
+    try:
+        f = GGUFFile(model_file)
+        m = Tiny()
+        load_tensors(m, f.tensors, source=f.path)
+        x = torch.randn(3, 64)
+        want = F.linear(x, reference_weight(f, "proj.weight"), reference_weight(f, "proj.bias"))
+        assert torch.equal(m.proj(x), want)
+        assert (type(m.proj.chosen_product()).__module__ == "mm3.backends.products") == (installed == "backends")
+        ids = torch.tensor([[0, 39, 7], [7, 7, 1]])
+        assert torch.equal(m.table.lookup(ids, torch.float32), F.embedding(ids, reference_weight(f, "table.weight")))
+    finally:
+        binding.install(previous)
+
+
 def test_weights_stay_compressed(model_file):
     f = GGUFFile(model_file)
     m = Tiny()

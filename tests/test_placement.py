@@ -69,7 +69,7 @@ def test_the_layout_replaces_the_blocks_and_the_file_view_returns(layout_mode):
     x = torch.randn(2, 256)
     want = F.linear(x.double(), values.double())
     got = layer(x.to(DEVICE)).cpu()
-    assert isinstance(layer._product[2], products.LayoutProduct)
+    assert isinstance(layer.chosen_product(), products.LayoutProduct)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
     kernels.configure("off")
     layer.to(DEVICE)  # the layout is not wanted any more: the file's blocks, bit for bit

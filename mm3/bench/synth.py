@@ -43,7 +43,7 @@ def measure_dit(ctx: Context) -> dict:
     in passes of their own before those, "ours_per_step_dequant" in the bench's dtype with no
     weight copies and "ours_<dtype>" in the bench's dtype with its own copies, where the forward's
     dtype differs."""
-    from ..backends.cpu.bf16 import dit_dtype
+    from ..backends.cpu.bf16 import dit_dtype, onednn_pays
     from ..backends.device import dit_weight_budget
     from ..weights.copies import cache_dequantized, release_dequantized
     from ..backends.cpu.matmul import onednn_matmul, pays_for
@@ -55,13 +55,14 @@ def measure_dit(ctx: Context) -> dict:
     compute = ctx.dtype if ctx.dtype_named else dit_dtype(ctx.device, ctx.dtype, dit)
     same = str(ctx.dtype).removeprefix("torch.")
     cx, ct, cc = px.to(compute), pt.to(compute), pc.to(compute)
+    onednn = pays_for(dit) and onednn_pays(ctx.device, compute, dit)  # as the sampler decides
 
     def ours():  # as the sampler calls it: inputs in the compute dtype, velocity in the latents'
-        with onednn_matmul(ctx.device, pays_for(dit)):
+        with onednn_matmul(ctx.device, onednn):
             return dit(cx, ct, cc).to(ctx.dtype)
 
     def ours_same():
-        with onednn_matmul(ctx.device, pays_for(dit)):
+        with onednn_matmul(ctx.device, onednn):
             return dit(px, pt, pc)
 
     fns = {}
@@ -100,7 +101,7 @@ def measure_dit(ctx: Context) -> dict:
     if not ctx.light and compute == ctx.dtype:
         fns["ours_mkl"] = lambda: dit(px, pt, pc)
     fns["ours"] = ours
-    with onednn_matmul(ctx.device, pays_for(dit)) as switched:
+    with onednn_matmul(ctx.device, onednn) as switched:
         out["onednn_matmul"] = switched
     with PeakMemory(ctx.device) as timed:
         best.update(best_of(fns, ctx.repeat, ctx.device))

@@ -18,7 +18,7 @@ import torch
 
 from ..constants import DEFAULT_DIT_CFG, DEFAULT_STEPS, MAX_VARIATIONS
 from ..errors import RunError
-from ..backends.cpu.bf16 import dit_dtype
+from ..backends.cpu.bf16 import dit_dtype, onednn_pays
 from ..backends.device import dit_weight_budget, model_device
 from ..weights.copies import cache_dequantized, dequantized_nbytes, release_dequantized
 from ..backends.cpu.matmul import onednn_matmul, pays_for
@@ -274,7 +274,7 @@ def sample_latents(dit, conditions: list[torch.Tensor], *, steps: int = DEFAULT_
     reference's stream). `variation_batch` > 1 batches variations (rounding then differs from a
     lone run); `cfg_batch` False makes the reference's two CFG calls (bit-exact on a CPU in
     float32). `weight_cache`: bytes of dequantized DiT weights kept for the call (None: automatic).
-    `fast_matmul`: oneDNN float32 products on a CPU (None: unless `cfg_batch` is False). `shift`:
+    `fast_matmul`: oneDNN float32 products on a CPU (None: where they time faster, `onednn_pays`). `shift`:
     of the schedule (`flow_sigmas`). `keep`: a repaint's kept part (`Keep`). `compute_dtype`: of
     the DiT's forward (None: `mm3.backends.cpu.bf16.dit_dtype`'s rule). `on_window(k, latent)`: called as
     each window is done, outside the sampler's settings. Cancel check before every step.
@@ -316,7 +316,9 @@ class WindowSampler:
         self.run = _Run(dit, flow_sigmas(steps, shift).to(device), float(dit_cfg), cfg_batch, group, device, dtype,
                         compute_dtype, progress or Progress(), windows, windows * self.n_groups * steps, keep)
         self.budget = dit_weight_budget(device) if weight_cache is None else int(weight_cache)
-        self.fast = (cfg_batch and pays_for(dit)) if fast_matmul is None else fast_matmul
+        if fast_matmul is None:  # oneDNN's float32 where the DiT's heads are wide and its products time faster
+            fast_matmul = cfg_batch and pays_for(dit) and onednn_pays(device, compute_dtype, dit)
+        self.fast = fast_matmul
         self.own = False
         self.prev_lat = self.prev_cond = None
 

@@ -282,6 +282,15 @@ class Linear(WeightSlots):
             chosen = self.choose(dtype, device)
         return chosen[2]
 
+    def chosen_product(self):
+        """The product chosen and held (a callable from the back end), None until the next use
+        chooses one (after the weights, copies, adapters, numerics or device changed)."""
+        return None if self._product is None else self._product[2]
+
+    def packings(self) -> dict:
+        """The weight's packings held for back-end kernels, by kernel name ("int4", "native")."""
+        return dict(self._packing)
+
     def choose(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """Choose the product for inputs of `dtype` on `device` (what the first such use does)."""
         if self.qtype("weight") is None:
@@ -394,6 +403,14 @@ class Fused:
         if chosen is None or chosen[0] != dtype or chosen[1] != device or chosen[2] != versions:
             chosen = self.choose(dtype, device)
         return chosen[3]
+
+    def chosen_product(self):
+        """The stacked product chosen and held, None until the next use chooses one."""
+        return None if self._product is None else self._product[3]
+
+    def packings(self) -> dict:
+        """The parts' stacked packings held for back-end kernels, by kernel name."""
+        return {kernel: held[1] for kernel, held in self._packing.items()}
 
     def choose(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """Choose the product for inputs of `dtype` on `device` (what the first such use does)."""

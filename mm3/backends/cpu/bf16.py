@@ -1,5 +1,5 @@
-"""Whether the DiT, and the AR stage's many-row products, compute in bfloat16 on this CPU, where
-float32 is the CPU's default dtype.
+"""How the DiT's, and the AR stage's many-row, products compute on this CPU: in float32 by torch's
+default library, in float32 through oneDNN, or in bfloat16.
 
 A DiT step is almost all large matrix products, and so are the LM's and depth decoder's products
 over many rows (the prompt's prefill, the replay of a song's codes; a frame's few-row products are
@@ -7,9 +7,10 @@ over many rows (the prompt's prefill, the replay of a song's codes; a frame's fe
 emulated and always slower: float32 serves, by rule. Where it has them (AVX512-BF16, AMX), whether
 bfloat16 pays depends on the processor: with AMX it runs the DiT several times faster; with
 AVX512-BF16 alone (many cloud processors, AMD Zen 4) torch's bfloat16 products can be slower than
-its float32 ones. So there the choice comes from timing the products the model runs (its own
-weight shapes, in both dtypes, alternating), once per machine: it is kept in the CPU record of the
-cache folder, and later runs with the same seeds give the same audio. The price of bfloat16 is its
+its float32 ones, and oneDNN's float32 products (`matmul.onednn_matmul`) faster or slower than
+the default library's. So the form comes from timing the products the model runs (its own weight
+shapes, each candidate in turn, alternating), once per machine: it is kept in the CPU record of
+the cache folder, and later runs with the same seeds give the same audio. The price of bfloat16 is its
 precision, the GPUs' default (only the products; latents, Euler steps and the LM's activations stay
 float32). The reference numerics and RNG mode stay float32; `MM3_CPU_BF16` or a dtype named by the
 user (`--dtype float32`) decides instead.
@@ -25,14 +26,15 @@ import torch.nn.functional as F
 
 from ... import switches
 from ...weights.layers import Linear
-from . import choice
+from . import choice, matmul
 
 NATIVE_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's, where this torch has them
 TIMED_ROWS = 512  # the rows a timed product multiplies: a DiT window's and a prompt's order (hundreds)
 ROUNDS = 3  # each dtype's products timed this many times, alternating; the fastest round counts
-PAYS = 0.9  # bfloat16 serves where its products take at most this share of float32's time
+PAYS = 0.9  # a form other than plain float32 serves where it takes at most this share of float32's time
+FORMS = ("float32", "onednn", "bfloat16")  # the default library's float32, oneDNN's float32, bfloat16 tensors
 
-_MEMO: dict[str, torch.dtype] = {}  # this process's measurements by key (a record that cannot be written)
+_MEMO: dict[str, str] = {}  # this process's measurements by key (a record that cannot be written)
 
 
 def native() -> bool:
@@ -45,6 +47,11 @@ def native() -> bool:
     except RuntimeError:
         has = False
     return has and torch.backends.mkldnn.is_available()
+
+
+def forget() -> None:
+    """Drop this process's measurements (the next one reads the record again)."""
+    _MEMO.clear()
 
 
 def ruled(device, dtype: torch.dtype) -> torch.dtype | None:
@@ -61,12 +68,21 @@ def ruled(device, dtype: torch.dtype) -> torch.dtype | None:
 
 def dit_dtype(device, dtype: torch.dtype, model: torch.nn.Module | None = None) -> torch.dtype:
     """The dtype the DiT's forward computes in, for latents of `dtype` on `device`: the rule's
-    (`ruled`), else the faster of float32 and bfloat16 over `model`'s products (`measured`; without
-    a model, float32)."""
+    (`ruled`), else bfloat16 where it is the fastest form of `model`'s products (`measured`;
+    without a model, float32)."""
     rule = ruled(device, dtype)
     if rule is not None:
         return rule
-    return measured(model) if model is not None else dtype
+    return torch.bfloat16 if model is not None and measured(model) == "bfloat16" else dtype
+
+
+def onednn_pays(device, compute: torch.dtype, model: torch.nn.Module) -> bool:
+    """Whether `model`'s float32 products on `device` (computing in `compute`) go to oneDNN: on the
+    CPU, where oneDNN's float32 is exact to float32 there (`matmul.onednn_matmul`'s probe) and the
+    fastest form of the model's products (`measured`)."""
+    if torch.device(device).type != "cpu" or compute != torch.float32 or not matmul.accurate():
+        return False
+    return measured(model, ("float32", "onednn")) == "onednn"
 
 
 def many_rows_bf16(device, dtype: torch.dtype, dit_compute: torch.dtype | None = None,
@@ -86,48 +102,62 @@ def products(model: torch.nn.Module) -> Counter:
     return Counter((m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear))
 
 
-def measured(model: torch.nn.Module) -> torch.dtype:
-    """bfloat16 where it multiplies `model`'s products faster than float32 on this machine (by
-    `PAYS`), else float32: timed once per processor, thread count, torch and set of shapes, and
-    kept in the CPU record (a record that cannot be read or written is timed again)."""
+def candidates(with_bf16: bool | None = None) -> tuple[str, ...]:
+    """The forms to time here: oneDNN's float32 where its probe finds it exact, bfloat16 where the
+    processor multiplies it natively (`with_bf16`, None: `native()`)."""
+    bf16 = native() if with_bf16 is None else with_bf16
+    return tuple(f for f in FORMS if f == "float32" or (f == "onednn" and matmul.accurate()) or
+                 (f == "bfloat16" and bf16))
+
+
+def measured(model: torch.nn.Module, among: tuple[str, ...] | None = None) -> str:
+    """The fastest form (`FORMS`) of `model`'s products on this machine among `among` (None:
+    `candidates()`), plain float32 unless another is faster by `PAYS`: timed once per processor,
+    thread count, torch, candidates and set of shapes, and kept in the CPU record (a record that
+    cannot be read or written is timed again by the next process)."""
+    among = candidates() if among is None else tuple(f for f in among if f in candidates(True))
     shapes = products(model)
-    if not shapes:
-        return torch.float32
-    key = (f"bf16; cpu={choice.processor()}; cores={choice.usable_cores()}; torch={torch.__version__}; "
-           f"threads={torch.get_num_threads()}; products=" + ",".join(f"{n}x{k}*{c}" for (n, k), c in sorted(shapes.items())))
+    if not shapes or among == ("float32",):
+        return "float32"
+    key = (f"large products; cpu={choice.processor()}; cores={choice.usable_cores()}; torch={torch.__version__}; "
+           f"threads={torch.get_num_threads()}; forms={','.join(among)}; products="
+           + ",".join(f"{n}x{k}*{c}" for (n, k), c in sorted(shapes.items())))
     if key in _MEMO:
         return _MEMO[key]
     known = choice.cached_entry(key)
-    if isinstance(known, dict) and known.get("dtype") in ("float32", "bfloat16"):
-        chosen = known["dtype"]
+    if isinstance(known, dict) and known.get("form") in among:
+        chosen = known["form"]
     else:
-        ms = time_products(shapes)
-        chosen = "bfloat16" if ms["bfloat16"] <= PAYS * ms["float32"] else "float32"
-        choice.store_entry(key, {"dtype": chosen, "ms": {k: round(v, 3) for k, v in ms.items()}})
-    _MEMO[key] = getattr(torch, chosen)
-    return _MEMO[key]
+        ms = time_products(shapes, among)
+        fastest = min(ms, key=ms.get)
+        chosen = fastest if ms[fastest] <= PAYS * ms["float32"] else "float32"
+        choice.store_entry(key, {"form": chosen, "ms": {k: round(v, 3) for k, v in ms.items()}})
+    _MEMO[key] = chosen
+    return chosen
 
 
-def time_products(shapes: Counter, rows: int = TIMED_ROWS) -> dict[str, float]:
-    """Milliseconds of one pass over `shapes` ({(out, in): count}) at `rows` input rows in float32
-    and in bfloat16, each dtype's fastest of `ROUNDS` rounds, the dtypes alternating."""
+def time_products(shapes: Counter, among: tuple[str, ...] = FORMS, rows: int = TIMED_ROWS) -> dict[str, float]:
+    """Milliseconds of one pass over `shapes` ({(out, in): count}) at `rows` input rows in each form
+    of `among`, each form's fastest of `ROUNDS` rounds, the forms alternating."""
     g = torch.Generator().manual_seed(0)
-    runs = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        pairs = [(torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype), c)
-                 for (n, k), c in shapes.items()]
-        runs[str(dtype).removeprefix("torch.")] = pairs
-    best = {name: float("inf") for name in runs}
-    with torch.inference_mode():
-        for name, pairs in runs.items():  # once each before timing: oneDNN's first call builds its kernels
-            for x, w, _ in pairs:
+    floats = [(torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), c) for (n, k), c in shapes.items()]
+    runs = {form: floats if form != "bfloat16" else
+            [(x.to(torch.bfloat16), w.to(torch.bfloat16), c) for x, w, c in floats] for form in among}
+    best = {form: float("inf") for form in runs}
+
+    def one_pass(form: str) -> float:
+        total = 0.0
+        with matmul.onednn_matmul("cpu", form == "onednn"):
+            for x, w, count in runs[form]:
+                start = time.perf_counter()
                 F.linear(x, w)
+                total += (time.perf_counter() - start) * count
+        return total * 1e3
+
+    with torch.inference_mode():
+        for form in runs:  # once each before timing: oneDNN's first call builds its kernels
+            one_pass(form)
         for _ in range(ROUNDS):
-            for name, pairs in runs.items():
-                total = 0.0
-                for x, w, count in pairs:
-                    start = time.perf_counter()
-                    F.linear(x, w)
-                    total += (time.perf_counter() - start) * count
-                best[name] = min(best[name], total * 1e3)
+            for form in runs:
+                best[form] = min(best[form], one_pass(form))
     return best

@@ -49,14 +49,15 @@ PROBE_DEPTHS = (64, 512, 2048)  # inner lengths the accuracy probe multiplies ov
 # torch's CPU flash attention also follows the switch: it pays for wide heads (the released DiT's
 # 64) and costs for narrow ones, hence the floor on the head size.
 MIN_HEAD_DIM = 32
-_PROBE: list[bool] = []  # cached result of _accurate()
+_PROBE: list[bool] = []  # cached result of accurate()
 
 
 def _flag():
     return getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
 
 
-def _accurate() -> bool:
+def accurate() -> bool:
+    """Whether oneDNN's float32 products are float32-exact here (checked once against float64)."""
     if not _PROBE:
         ok = False
         flags = _flag()
@@ -81,9 +82,9 @@ def _accurate() -> bool:
 
 @contextmanager
 def onednn_matmul(device, enabled: bool = True):
-    """Within the block, float32 CPU products go to oneDNN if `_accurate()`; a no-op elsewhere."""
+    """Within the block, float32 CPU products go to oneDNN if `accurate()`; a no-op elsewhere."""
     flags = _flag()
-    if not enabled or torch.device(device).type != "cpu" or flags is None or not _accurate():
+    if not enabled or torch.device(device).type != "cpu" or flags is None or not accurate():
         yield False
         return
     old = flags.fp32_precision
