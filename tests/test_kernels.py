@@ -225,7 +225,7 @@ _COMPILE = """
 import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from mm3.formats.gguf import kernels, triton_gguf
+from mm3.backends.gpu import kernels, triton_gguf
 arch = int(sys.argv[1])
 base = {"b_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "x_stride": "i32",
         "y_stride": "i32", "w_stride": "i32"}

@@ -1,25 +1,25 @@
-"""How a layer multiplies: one product strategy per layer, chosen when its weights or numerics change.
+"""How a layer multiplies: the rule table that binds one product to each layer, and the products.
 
 A product is a callable `product(x [..., K], bias [N] | None) -> [..., N]` (a list of outputs for a
-`Fused` layer) that serves inputs of one dtype on one device. `choose(layer, dtype, device)`
-picks it from what the layer holds at that moment: a float weight at hand (`FloatWeight`: a kept
-copy or a stored float of that dtype), the Triton kernels over the device layout the weight was
-placed in (`LayoutProduct`, `mm3.backends.gpu.placement`), the Triton kernel reading the GGUF blocks
-(`KernelProduct`), a CPU kernel over the weight packed for it for decode-shaped inputs (the int4
-planes or the native integer kernel: `PackedProduct` within `ByRows`),
-or a dequantization per use (`FloatWeight` over a fresh weight each time; in bfloat16,
-`Bf16Product`, for the inputs of many rows of a layer set to, `Linear.many_rows_bf16`). On the CPU the layer's
-form (`cpu_forms`, measured on the machine by `mm3.backends.cpu.choice`) says which of those serves its
-few-row products and whether a float one is weight-major. The layer keeps the choice until its
-weights are filled or moved, float copies are kept or dropped, adapters are attached, or its
-numerics or form change (`Linear.decode_products`, `Linear.fused_kernels`, `Linear.cpu_form`,
-`Linear.many_rows_bf16`, `Fused.fuse`); forward only calls it.
+`Fused` layer) that serves inputs of one dtype on one device. The back ends' binder
+(`mm3.backends.binder`) asks `for_linear` / `for_fused` when a layer's weights, copies, adapters,
+numerics, CPU form or device change; the layer keeps the answer and forward only calls it. The
+rules, first match wins (`_base_for_linear`; `for_fused` stacks the parts where they share one):
 
-Adapters (LoRA) attached to a layer (`Linear.low_rank`, a `LowRank`) are a side product beside
-whichever of these serves the weight (`WithLowRank`; a `Fused` layer's over its stacked output),
-so a quantized weight stays quantized; a `LowRank` marked `merge` is added into a float copy of
-the weight instead, as PEFT merges an adapter (the reference's numbers). Without adapters nothing
-wraps the product.
+  1. adapters to merge (`LowRank.merge`)     -> `FloatWeight` over a float copy with them merged in
+  2. held in the GPU's device layout          -> `LayoutProduct` (`gpu.layout_kernels`, `layout_reads`)
+  3. a GPU kernel reads the GGUF blocks       -> `KernelProduct` (`gpu.kernels`, `kernel_reads`)
+  4. a float weight of the dtype at hand      -> `FloatWeight` (weight-major where the CPU form says)
+  5. the CPU form's packed kernel (few rows)  -> `ByRows(PackedProduct, per-use)` (`cpu.native`,
+                                                 `cpu.int4`; `packed_takes`), the many rows in
+                                                 bfloat16 where `Linear.many_rows_bf16` (`Bf16Product`)
+  6. otherwise                                -> `FloatWeight` over a dequantization per use
+
+The CPU form of a layer (`cpu.forms`, measured in whole frames by `cpu.choice` or named by
+`MM3_CPU_PRODUCT`) and the GPU kernel family of a weight (`gpu.kernel_choice`, `MM3_KERNELS`) are
+this table's inputs. Adapters attached to a layer (`Linear.low_rank`) run beside whichever product
+serves (`WithLowRank`; a `Fused` layer's over its stacked output), so a quantized weight stays
+quantized. `KERNELS` is the one registry of kernels that read a packing of their own.
 """
 
 from __future__ import annotations
