@@ -19,6 +19,7 @@ from pathlib import Path
 from .constants import FORMAT_EXTENSIONS, RNG_MODES
 from .output import FileBatch, OutputError, atomic_write, render
 from .progress import STAGES, Progress
+from .prompt import CAPTION_REQUIRED, INSTRUMENTAL_LYRICS
 from .lora.use import parse_flag
 from .request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
 from .lyrics_align import LEAD_SECONDS, LyricHeads, check_lead, song_lrc
@@ -82,8 +83,8 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
         overrides["rng"] = args.rng
     overrides |= _lrc_overrides(args)
     req = replace(req, **overrides)
-    if not need_text and req.audio_codes and not (req.caption.strip() and req.lyrics.strip()):
-        raise RequestError("caption and lyrics are required")
+    if not need_text and req.audio_codes and not req.caption.strip():
+        raise RequestError(CAPTION_REQUIRED)
     return req
 
 
@@ -435,7 +436,8 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
     p.add_argument("--request", help="request JSON (minimaxmusic.cpp format); flags override its fields")
     if text:
         p.add_argument("--caption", help="the structured caption")
-        p.add_argument("--lyrics", help="the lyrics (with [tags])")
+        p.add_argument("--lyrics", help=f"the lyrics (with [tags]); left out or empty: an instrumental (the model is "
+                                        f"sent {INSTRUMENTAL_LYRICS}, which the replay JSON records)")
         p.add_argument("--caption-file", help="read the caption from a UTF-8 file")
         p.add_argument("--lyrics-file", help="read the lyrics from a UTF-8 file")
         p.add_argument("--duration", type=float, help="seconds to plan at most (default 60)")

@@ -37,6 +37,18 @@ class PromptError(InputError):
     """The caption or lyrics cannot make a prompt (empty, not text, or over the token budget)."""
 
 
+# Empty lyrics make an instrumental: the model is sent this section tag instead, as HOT-Step sends
+# (the reference refuses empty lyrics; the official demos mark instrumental passages with it).
+INSTRUMENTAL_LYRICS = "[instrumental]"
+CAPTION_REQUIRED = "caption is required: say what the song sounds like (empty lyrics make an instrumental)"
+
+
+def lyrics_sent(lyrics) -> str:
+    """The lyrics the model is given: `lyrics` as written, or `INSTRUMENTAL_LYRICS` where they are
+    empty or blank. What is sent is what a replay request records."""
+    return lyrics if isinstance(lyrics, str) and lyrics.strip() else INSTRUMENTAL_LYRICS
+
+
 # Refused in a caption or lyrics: unpaired surrogates, and C0/C1 control characters except the
 # whitespace the cleaning rules know about (tab, newline, carriage return).
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -260,17 +272,16 @@ def lyric_lines(lyrics: str, offsets: list[tuple[int, int]], first: int) -> tupl
 def count_tokens(tokenizer: MM3Tokenizer, caption: str, lyrics: str) -> int:
     """Tokens of the prompt `build_prompt` would assemble (no checks: for a count while typing)."""
     return len(_assemble(tokenizer, tokenizer.encode(clean_caption(caption or "")),
-                         tokenizer.encode(normalize_lyrics(lyrics or ""))))
+                         tokenizer.encode(normalize_lyrics(lyrics_sent(lyrics)))))
 
 
 def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
                  max_tokens: int = MAX_PROMPT_TOKENS) -> Prompt:
-    """Clean, normalise, assemble and tokenize; raises `PromptError` for an empty caption or lyrics
-    (as the reference) or a prompt longer than `max_tokens`."""
-    missing = [name for name, v in (("caption", caption), ("lyrics", lyrics))
-               if not isinstance(v, str) or not v.strip()]
-    if missing:
-        raise PromptError(f"caption and lyrics are required ({' and '.join(missing)} empty)")
+    """Clean, normalise, assemble and tokenize; empty lyrics are an instrumental (`lyrics_sent`).
+    Raises `PromptError` for an empty caption or a prompt longer than `max_tokens`."""
+    if not isinstance(caption, str) or not caption.strip():
+        raise PromptError(CAPTION_REQUIRED)
+    lyrics = lyrics_sent(lyrics)
     for name, text in (("caption", caption), ("lyrics", lyrics)):
         problem = text_problem(name, text, controls=False)  # control characters pass: the reference keeps them
         if problem:

@@ -25,7 +25,7 @@ from mm3.numerics import FAST, Numerics
 from mm3.output import atomic_write, write_audio
 from mm3.progress import Progress
 from mm3.lora.use import lora_mismatch
-from mm3.prompt import build_prompt
+from mm3.prompt import build_prompt, lyrics_sent
 from mm3.request import MM3Request, RequestError, model_mismatch, plan_fields
 from mm3.settings import OutputSettings
 from mm3.stages import Conditions, Latents, PromptText, Song, Windows
@@ -51,8 +51,11 @@ def linked_seed(seed: int, top: int, name: str) -> int:
 
 
 def assemble_prompt(lm: ComponentHandle, caption: str, lyrics: str) -> PromptText:
+    """The prompt of `caption` and `lyrics` (empty: an instrumental, `mm3.prompt.lyrics_sent`, which
+    the replay JSON records as sent)."""
     tokenizer = MM3Tokenizer.from_component(lm.component())
-    return PromptText(build_prompt(tokenizer, caption, lyrics, max_tokens=MAX_PROMPT_TOKENS), caption, lyrics, lm.file())
+    return PromptText(build_prompt(tokenizer, caption, lyrics, max_tokens=MAX_PROMPT_TOKENS), caption,
+                      lyrics_sent(lyrics), lm.file())
 
 
 def prompt_summary(prompt: PromptText, limit: int) -> str:

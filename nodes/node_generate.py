@@ -28,6 +28,7 @@ from mm3.constants import (
 )
 from mm3.flow import AUTO_SHIFT, MAX_SHIFT, WINDOW_FRAMES
 from mm3.numerics import Numerics
+from mm3.prompt import INSTRUMENTAL_LYRICS
 from mm3.overlap import Models, plan_and_render
 from mm3.request import shaping_of
 from mm3.settings import SynthSettings
@@ -64,7 +65,8 @@ class MM3Generate(io.ComfyNode):
                                 placeholder="Lyrics: [verse], [chorus], [bridge] ... each on its own line, then the "
                                             "sung lines; empty for an instrumental",
                                 tooltip="The words sung, in sections such as [intro], [verse], [chorus], [outro] (the "
-                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental."),
+                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental (the model "
+                                        f"is sent {INSTRUMENTAL_LYRICS})."),
                 io.Float.Input("duration", default=DEFAULT_DURATION, min=1.0 / FRAME_RATE, max=MAX_DURATION, step=1.0,
                                round=0.01, tooltip=f"Longest the song may be, in seconds (up to {MAX_DURATION:g}); "
                                                    "the model may end it sooner by itself. Time grows with it."),

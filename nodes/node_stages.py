@@ -26,6 +26,7 @@ from mm3 import stages
 from mm3.ar import PlanSettings
 from mm3.flow import AUTO_SHIFT, MAX_SHIFT
 from mm3.numerics import Numerics
+from mm3.prompt import INSTRUMENTAL_LYRICS
 from mm3.request import shaping_of
 from mm3.settings import DEFAULT_REPAINT_FADE, RepaintSettings, SynthSettings
 from mm3.takes import MAX_TAKES, Takes
@@ -81,7 +82,8 @@ class MM3PromptAssemble(io.ComfyNode):
                                 placeholder="Lyrics: [verse], [chorus], [bridge] ... each on its own line, then the "
                                             "sung lines; empty for an instrumental",
                                 tooltip="The words sung, in sections such as [intro], [verse], [chorus], [outro] (the "
-                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental."),
+                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental (the model "
+                                        f"is sent {INSTRUMENTAL_LYRICS})."),
             ],
             outputs=[PROMPT.Output("prompt", display_name="prompt")],
         )

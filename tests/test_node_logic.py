@@ -276,3 +276,17 @@ def test_a_linked_seed_past_the_range_wraps_into_it(pack):
     assert seeds[0] == distributed % (top + 1)
     with pytest.raises(Exception, match=r"lm_seed must be 0\.\.\d+, got -3"):
         logic.linked_seed(-3, top, "lm_seed")
+
+
+def test_empty_lyrics_make_an_instrumental_in_the_nodes(pack, tiny):
+    """MM3 Prompt / MM3 Generate with empty lyrics: the prompt of "[instrumental]", and the songs'
+    replay requests record it (the plan's checks accept it)."""
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    tagged = logic.assemble_prompt(hs["lm"], CAPTION, "[instrumental]")
+    prompt = logic.assemble_prompt(hs["lm"], CAPTION, "")
+    assert torch.equal(prompt.prompt.ids, tagged.prompt.ids) and prompt.lyrics == "[instrumental]"
+    from mm3 import stages
+
+    (song,), _ = logic.plan_songs(hs["lm"].model(), hs["depth"].model(), hs["lm"], hs["depth"], prompt,
+                                  PlanSettings(duration=0.4, lm_seed=3), device="cpu", dtype=torch.float32)
+    assert stages.replay_requests(song)[0].lyrics == "[instrumental]"

@@ -181,12 +181,25 @@ def test_control_strings_in_lyrics_stay_text(qwen3_setup):
 
 def test_budget_and_required_inputs(qwen3_setup):
     tok, _ = qwen3_setup
-    with pytest.raises(PromptError, match="caption and lyrics are required"):
+    with pytest.raises(PromptError, match="caption is required: say what the song sounds like"):
         build_prompt(tok, "  ", "x")
-    with pytest.raises(PromptError, match="lyrics empty"):
-        build_prompt(tok, "x", "")
     n = build_prompt(tok, "word " * 50, "la").num_tokens
     with pytest.raises(PromptError, match=f"exceeds the {n - 1} token budget: the assembled prompt has {n} tokens"):
         build_prompt(tok, "word " * 50, "la", max_tokens=n - 1)
     assert build_prompt(tok, "word " * 50, "la", max_tokens=n).num_tokens == n
     assert MAX_PROMPT_TOKENS == 5000
+
+
+def test_empty_lyrics_are_an_instrumental(qwen3_setup):
+    """Empty or blank lyrics send the section tag "[instrumental]" (as HOT-Step does; the reference
+    refuses them): the same prompt as writing the tag, and the count the editor shows is of it."""
+    from mm3.prompt import INSTRUMENTAL_LYRICS, count_tokens, lyrics_sent
+
+    tok, _ = qwen3_setup
+    tagged = build_prompt(tok, "pop", INSTRUMENTAL_LYRICS)
+    for lyrics in ("", "  \n\t", None):
+        p = build_prompt(tok, "pop", lyrics)
+        assert torch.equal(p.ids, tagged.ids) and p.lyrics == "[start]\n[instrumental]"
+        assert count_tokens(tok, "pop", lyrics) == tagged.num_tokens
+        assert lyrics_sent(lyrics) == INSTRUMENTAL_LYRICS
+    assert lyrics_sent(" la ") == " la "  # lyrics with text go as written
