@@ -43,6 +43,35 @@ INSTRUMENTAL_LYRICS = "[instrumental]"
 CAPTION_REQUIRED = "caption is required: say what the song sounds like (empty lyrics make an instrumental)"
 
 
+# No token of the released vocabulary covers more than 128 characters (its longest is a run of 128
+# spaces), so MAX_PROMPT_TOKENS tokens hold at most MAX_PROMPT_TOKENS * 128 characters of cleaned
+# caption and normalised lyrics. Raw text past RAW_TEXT_FACTOR times that is refused without even
+# being cleaned: the check stays bounded in time and memory whatever arrives.
+MAX_TOKEN_CHARS = 128
+RAW_TEXT_FACTOR = 4
+
+
+def size_problem(name: str, text: str, *, max_tokens: int = MAX_PROMPT_TOKENS,
+                 token_chars: int = MAX_TOKEN_CHARS) -> str | None:
+    """Why `text` (the caption, or the lyrics: `name`) cannot fit a prompt of `max_tokens` tokens,
+    judged without the tokenizer, or None. A cheap bound, before the tokenizer sees megabytes: the
+    cleaned caption / normalised lyrics hold more characters than `max_tokens` tokens of at most
+    `token_chars` characters each can cover. Text that passes may still be over the budget; the
+    token count after tokenizing says so (`build_prompt`)."""
+    if not isinstance(text, str):
+        return None
+    limit = max_tokens * token_chars
+    if len(text) > RAW_TEXT_FACTOR * limit:
+        return (f"{name} is {len(text):,} characters long; a prompt of at most {max_tokens} tokens holds at most "
+                f"{limit:,} characters: shorten it")
+    n = len(clean_caption(text) if name == "caption" else normalize_lyrics(lyrics_sent(text)))
+    if n > limit:
+        return (f"{name} is too long for the {max_tokens} token budget: {n:,} characters after "
+                f"{'cleaning' if name == 'caption' else 'normalising'}, and {max_tokens} tokens hold at most "
+                f"{limit:,} (no token covers more than {token_chars}): shorten it")
+    return None
+
+
 def lyrics_sent(lyrics) -> str:
     """The lyrics the model is given: `lyrics` as written, or `INSTRUMENTAL_LYRICS` where they are
     empty or blank. What is sent is what a replay request records."""
@@ -284,6 +313,10 @@ def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
     lyrics = lyrics_sent(lyrics)
     for name, text in (("caption", caption), ("lyrics", lyrics)):
         problem = text_problem(name, text, controls=False)  # control characters pass: the reference keeps them
+        if problem:
+            raise PromptError(problem)
+    for name, text in (("caption", caption), ("lyrics", lyrics)):  # before the tokenizer sees megabytes
+        problem = size_problem(name, text, max_tokens=max_tokens, token_chars=tokenizer.max_token_chars)
         if problem:
             raise PromptError(problem)
     cap, lyr = clean_caption(caption), normalize_lyrics(lyrics)

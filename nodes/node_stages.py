@@ -51,7 +51,7 @@ from .common import (
 )
 from .handles import ar_memory, dit_memory, dtype_bytes, vocoder_memory
 from .node_options import SAMPLING_OPTIONS, SamplingOptions
-from .validation import UNSET, out_of_range, plan_durations, prompt_texts, repaint_range, verdict
+from .validation import out_of_range, prompt_texts, repaint_range, verdict
 
 # Seeds of song i / variation j are seed + i / seed + j and must stay in the request's 0..SEED_MAX.
 LM_SEED_MAX = SEED_MAX - (MAX_SONGS - 1)
@@ -89,8 +89,10 @@ class MM3PromptAssemble(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, caption=None, lyrics=None) -> bool | str:
-        return verdict(prompt_texts(caption=caption, lyrics=lyrics))
+    def validate_inputs(cls, lyrics=None) -> bool | str:
+        """The lyrics alone (ComfyUI shows a verdict on every input named here); the caption is
+        checked first thing when the node runs (`logic.assemble_prompt`)."""
+        return verdict(prompt_texts(lyrics=lyrics))
 
     @classmethod
     def execute(cls, lm, caption: str, lyrics: str) -> io.NodeOutput:
@@ -141,11 +143,6 @@ class MM3ARPlan(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, duration=None, min_duration=None, prior_codes=UNSET) -> bool | str:
-        return verdict(out_of_range(MM3ARPlan, duration=duration, min_duration=min_duration),
-                       plan_durations(duration, min_duration, prior_codes))
-
-    @classmethod
     def execute(cls, lm, depth, prompt, duration: float, lm_seed: int, lm_cfg: float, songs: int, takes: int = 1,
                 require_ending: bool = False, min_duration: float = 0.0, options: SamplingOptions | None = None,
                 prior_codes=None) -> io.NodeOutput:
@@ -155,6 +152,7 @@ class MM3ARPlan(io.ComfyNode):
         settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=o.lm_top_k, songs=songs,
                                 shaping=shaping_of(o, min_duration))
         rounds = Takes(takes=takes, require_ending=require_ending, rounds=o.ending_rounds)
+        logic.check_plan(prompt, settings, rounds, prior_codes)  # ComfyUI checked each input's range alone
         with interruptible():
             device, dtype = _device_dtype(lm)
             batch = min(MAX_SONGS, songs * takes)

@@ -203,3 +203,36 @@ def test_empty_lyrics_are_an_instrumental(qwen3_setup):
         assert count_tokens(tok, "pop", lyrics) == tagged.num_tokens
         assert lyrics_sent(lyrics) == INSTRUMENTAL_LYRICS
     assert lyrics_sent(" la ") == " la "  # lyrics with text go as written
+
+
+def test_oversized_text_is_refused_before_the_tokenizer(qwen3_setup, monkeypatch):
+    """Megabytes of caption or lyrics are refused by a bound that needs no tokenizer (no token
+    covers more than 128 characters), in bounded time: the tokenizer never sees them, and the
+    request check (run before any model loads) says the same."""
+    import time
+
+    from mm3.prompt import MAX_TOKEN_CHARS, size_problem
+    from mm3.request import MM3Request, RequestError
+
+    tok, _ = qwen3_setup
+    assert tok.max_token_chars >= MAX_TOKEN_CHARS  # the released vocabulary's longest: 128 spaces (bytes here)
+    monkeypatch.setattr(tok, "encode", lambda *a: pytest.fail("the tokenizer saw the text"))
+    monkeypatch.setattr(tok, "encode_with_offsets", lambda *a: pytest.fail("the tokenizer saw the text"))
+    huge = "[verse]\n" + "1234567890 la la dee da ^ " * 400_000  # ~10 MB, as the editor can send
+    big = "[verse]\n" + "la " * 250_000  # 750 k characters: cleaned, then refused
+    for caption, lyrics, message in ((CAPTION_OK, huge, "lyrics is 10,400,008 characters long; a prompt of at most "
+                                      "5000 tokens holds at most 640,000 characters"),
+                                     (huge, "la", "caption is 10,400,008 characters long"),
+                                     (CAPTION_OK, big, "lyrics is too long for the 5000 token budget: 750,016 "
+                                      "characters after normalising")):
+        start = time.perf_counter()
+        with pytest.raises(PromptError, match=message):
+            build_prompt(tok, caption, lyrics)
+        with pytest.raises(RequestError, match=message):
+            MM3Request(caption=caption, lyrics=lyrics).validate()
+        assert time.perf_counter() - start < 5
+    assert size_problem("lyrics", "[verse]\nla la") is None and size_problem("caption", "pop") is None
+    assert size_problem("caption", " " * 700_000) is None  # cleaned away: nothing to refuse
+
+
+CAPTION_OK = "warm synth pop"
