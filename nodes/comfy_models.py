@@ -147,6 +147,11 @@ def lora_path(name: str) -> str:
     return folder_paths.get_full_path_or_raise(LORA_FOLDER, name)
 
 
+def lora_folders() -> list[str]:
+    """The folders ComfyUI reads LoRAs from (models/loras and extra_model_paths.yaml's)."""
+    return list(folder_paths.get_folder_paths(LORA_FOLDER))
+
+
 # -- devices and dtype --------------------------------------------------------------------------
 def load_device(kind: str) -> torch.device:
     # The vocoder follows ComfyUI's VAE device (--cpu-vae); everything else the main device.

@@ -251,3 +251,24 @@ def test_checks_pass_what_they_cannot_see(comfy):
     assert status == 200 and got["node_errors"] == {}, got
     post_json(comfy, "/interrupt", {})
     comfy.wait(got["prompt_id"], timeout=120)
+
+
+@needs_comfy
+def test_load_lora_without_a_lora_says_where_to_put_one(comfy):
+    """With no LoRA of this model in models/loras, MM3 Load LoRA offers one choice that says so, and
+    queueing it is refused on lora_name with the folder and what belongs there (not ComfyUI's bare
+    "Required input is missing")."""
+    options = comfy.get("/object_info/MM3LoadLoRA")["MM3LoadLoRA"]["input"]["required"]["lora_name"]
+    assert options[0] == ["(no MiniMax Music 3 LoRA in models/loras)"] or options[1]["options"] == [
+        "(no MiniMax Music 3 LoRA in models/loras)"], options
+    wf = tiny_workflow(comfy, "text_to_song")
+    plan = node_of(wf, "MM3ARPlan")
+    wf["20"] = {"class_type": "MM3LoadLoRA", "inputs": {"model": wf[plan]["inputs"]["lm"],
+                                                      "lora_name": "(no MiniMax Music 3 LoRA in models/loras)",
+                                                      "strength": 1.0, "attn_qk": 1.0, "attn_vo": 1.0, "mlp": 1.0}}
+    wf[plan]["inputs"]["lm"] = ["20", 0]
+    errors = refused(comfy, wf)
+    assert [e["extra_info"]["input_name"] for e in errors["20"]["errors"]] == ["lora_name"], errors
+    text = messages(errors, "20")
+    assert "no MiniMax Music 3 LoRA was found in models/loras (" in text and str(comfy.base / "models" / "loras") in text
+    assert "kohya" in text and "Required input is missing" not in text
