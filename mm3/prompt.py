@@ -312,11 +312,9 @@ def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
         raise PromptError(CAPTION_REQUIRED)
     lyrics = lyrics_sent(lyrics)
     for name, text in (("caption", caption), ("lyrics", lyrics)):
-        problem = text_problem(name, text, controls=False)  # control characters pass: the reference keeps them
-        if problem:
-            raise PromptError(problem)
-    for name, text in (("caption", caption), ("lyrics", lyrics)):  # before the tokenizer sees megabytes
-        problem = size_problem(name, text, max_tokens=max_tokens, token_chars=tokenizer.max_token_chars)
+        # control characters pass (the reference keeps them); megabytes stop before the tokenizer
+        problem = text_problem(name, text, controls=False) or size_problem(
+            name, text, max_tokens=max_tokens, token_chars=tokenizer.max_token_chars)
         if problem:
             raise PromptError(problem)
     cap, lyr = clean_caption(caption), normalize_lyrics(lyrics)

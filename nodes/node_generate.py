@@ -65,8 +65,8 @@ class MM3Generate(io.ComfyNode):
                                 placeholder="Lyrics: [verse], [chorus], [bridge] ... each on its own line, then the "
                                             "sung lines; empty for an instrumental",
                                 tooltip="The words sung, in sections such as [intro], [verse], [chorus], [outro] (the "
-                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental (the model "
-                                        f"is sent {INSTRUMENTAL_LYRICS})."),
+                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental "
+                                        f"(the model is sent {INSTRUMENTAL_LYRICS})."),
                 io.Float.Input("duration", default=DEFAULT_DURATION, min=1.0 / FRAME_RATE, max=MAX_DURATION, step=1.0,
                                round=0.01, tooltip=f"Longest the song may be, in seconds (up to {MAX_DURATION:g}); "
                                                    "the model may end it sooner by itself. Time grows with it."),

@@ -82,8 +82,8 @@ class MM3PromptAssemble(io.ComfyNode):
                                 placeholder="Lyrics: [verse], [chorus], [bridge] ... each on its own line, then the "
                                             "sung lines; empty for an instrumental",
                                 tooltip="The words sung, in sections such as [intro], [verse], [chorus], [outro] (the "
-                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental (the model "
-                                        f"is sent {INSTRUMENTAL_LYRICS})."),
+                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental "
+                                        f"(the model is sent {INSTRUMENTAL_LYRICS})."),
             ],
             outputs=[PROMPT.Output("prompt", display_name="prompt")],
         )

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_without(package: str, *argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """`python -m mm3 ARGV` with `package` unimportable (a None entry in sys.modules makes every
+    """The command line with the arguments `argv` and `package` unimportable (a None entry in sys.modules makes every
     import of it raise ModuleNotFoundError naming it, as a missing install does)."""
     hide = (f"import sys, runpy; sys.modules[{package!r}] = None; sys.path.insert(0, {str(ROOT)!r}); "
             f"sys.argv = ['mm3', *{list(argv)!r}]; runpy.run_module('mm3', run_name='__main__', alter_sys=True)")

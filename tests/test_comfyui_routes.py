@@ -176,8 +176,10 @@ def with_values(comfy, workflow: str, node_class: str, values: dict) -> tuple[di
 
 @needs_comfy
 @pytest.mark.parametrize("workflow, node_class, values, inputs, reason", [
-    ("repaint_range", "MM3Repaint", {"start": 0.8, "end": 0.4}, ["start", "end"], "start (0.8 s) must be before end (0.4 s)"),
-    ("repaint_range", "MM3Repaint", {"start": 0.5, "end": 0.5}, ["start", "end"], "start (0.5 s) must be before end (0.5 s)"),
+    ("repaint_range", "MM3Repaint", {"start": 0.8, "end": 0.4}, ["start", "end"],
+     "start (0.8 s) must be before end (0.4 s)"),
+    ("repaint_range", "MM3Repaint", {"start": 0.5, "end": 0.5}, ["start", "end"],
+     "start (0.5 s) must be before end (0.5 s)"),
     ("repaint_range", "MM3Repaint", {"start": -1.0}, ["start", "end"], "start must be between 0 and 360, got -1"),
     ("text_to_song", "MM3ARPlan", {"duration": 0.0}, ["duration"], "Value 0.0 smaller than min of 0.04: duration"),
     ("text_to_song", "MM3ARPlan", {"duration": "abc"}, ["duration"],
@@ -188,7 +190,8 @@ def with_values(comfy, workflow: str, node_class: str, values: dict) -> tuple[di
     ("text_to_song", "MM3PromptAssemble", {"lyrics": lyrics_of(10 * 1024 * 1024)}, ["lyrics"],
      "characters long; a prompt of at most 5000 tokens holds at most 640,000 characters"),
     ("generate_in_one_node", "MM3Generate", {"duration": 0.0}, ["duration"], "smaller than min of 0.04: duration"),
-    ("generate_in_one_node", "MM3Generate", {"lyrics": "la\x1b"}, ["lyrics"], "lyrics contains the control character U+001B"),
+    ("generate_in_one_node", "MM3Generate", {"lyrics": "la\x1b"}, ["lyrics"],
+     "lyrics contains the control character U+001B"),
 ], ids=["repaint-backwards", "repaint-empty", "repaint-negative", "plan-zero", "plan-text-for-a-number",
         "plan-min-duration-range", "prompt-nul", "prompt-10-mb", "generate-zero", "generate-escape"])
 def test_bad_widget_values_are_refused_when_queued(comfy, workflow, node_class, values, inputs, reason):
@@ -217,7 +220,8 @@ def test_bad_widget_values_are_refused_when_queued(comfy, workflow, node_class, 
      "min_duration must be between 0 and the duration 1 s, got 2"),
     ("generate_in_one_node", "MM3Generate", {"duration": 1.0, "min_duration": 2.0},
      "min_duration must be between 0 and the duration 1 s, got 2"),
-    ("generate_in_one_node", "MM3Generate", {"caption": "a\x85b"}, "MM3 Prompt: caption contains the control character U+0085"),
+    ("generate_in_one_node", "MM3Generate", {"caption": "a\x85b"},
+     "MM3 Prompt: caption contains the control character U+0085"),
 ], ids=["prompt-caption-escape", "plan-min-duration", "generate-min-duration", "generate-caption-c1"])
 def test_checks_of_the_caption_and_of_two_inputs_refuse_when_the_node_runs(comfy, workflow, node_class, values, reason):
     """The caption (ComfyUI would show a queue-time verdict on the lyrics too) and min_duration
@@ -270,5 +274,6 @@ def test_load_lora_without_a_lora_says_where_to_put_one(comfy):
     errors = refused(comfy, wf)
     assert [e["extra_info"]["input_name"] for e in errors["20"]["errors"]] == ["lora_name"], errors
     text = messages(errors, "20")
-    assert "no MiniMax Music 3 LoRA was found in models/loras (" in text and str(comfy.base / "models" / "loras") in text
+    assert "no MiniMax Music 3 LoRA was found in models/loras (" in text
+    assert str(comfy.base / "models" / "loras") in text
     assert "kohya" in text and "Required input is missing" not in text

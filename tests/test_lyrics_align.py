@@ -444,4 +444,5 @@ def test_an_lrc_that_times_nothing_is_written_with_a_warning(tiny, tmp_path, cap
     err = capsys.readouterr().err
     assert f"warning: {tmp_path / 's.lrc'}: no lyric line was timed, so the LRC is empty" in err
     assert "--lrc-heads" in err and err.count("\n") == 1
-    assert untimed_warning("[00:01.00]la\n") is None and "the heads input" in untimed_warning("", where="the heads input")
+    assert untimed_warning("[00:01.00]la\n") is None
+    assert "the heads input" in untimed_warning("", where="the heads input")

@@ -315,6 +315,7 @@ def test_node_checks_name_one_input_and_take_any_value(pack, tiny):
     assert validation.repaint_range("abc", 1.0) is None and validation.repaint_range(0.8, 0.4)
     from types import SimpleNamespace
 
-    node = SimpleNamespace(define_schema=lambda: SimpleNamespace(inputs=[SimpleNamespace(id="start", min=0.0, max=9.0)]))
+    start_input = SimpleNamespace(id="start", min=0.0, max=9.0)
+    node = SimpleNamespace(define_schema=lambda: SimpleNamespace(inputs=[start_input]))
     assert validation.out_of_range(node, start="abc") is None and "start must be between 0 and 9" in \
         validation.out_of_range(node, start=-1.0)

@@ -227,7 +227,8 @@ def test_empty_lyrics_make_an_instrumental_everywhere(tiny, tmp_path):
     request = tmp_path / "ask.json"
     request.write_text(json.dumps({"caption": CAPTION, "lyrics": ""}))
     tracks = [song("none", "--caption", CAPTION), song("empty", "--caption", CAPTION, "--lyrics", " \n"),
-              song("request", "--request", str(request)), song("tag", "--caption", CAPTION, "--lyrics", "[instrumental]")]
+              song("request", "--request", str(request)),
+              song("tag", "--caption", CAPTION, "--lyrics", "[instrumental]")]
     assert len({t.read_bytes() for t in tracks}) == 1
     assert _render(tiny.gguf, tmp_path / "none.json", tmp_path / "again.wav") == 0
     assert (tmp_path / "again.wav").read_bytes() == tracks[0].read_bytes()
