@@ -14,6 +14,8 @@ from .errors import Cancelled, InputError, MM3Error
 # them all); a package missing at run time is named with the command that installs it.
 CLI_PACKAGES = ("torch", "numpy", "safetensors", "gguf", "tokenizers", "lameenc", "tqdm", "huggingface_hub")
 CLI_REQUIREMENTS = "requirements-cli.txt"
+# Packages whose plain install would be wrong: each torchaudio release pins the one torch it was built for.
+PIP_COMMANDS = {"torchaudio": "python -m pip install --no-deps torchaudio==<the version of your torch>"}
 
 # Modules that register a subcommand through `add_cli(subparsers)`.
 TOOLS = ("mm3.jobs_cli", "mm3.align_cli", "mm3.tools.info", "mm3.tools.tiny", "mm3.tools.convert", "mm3.tools.quantize",
@@ -53,7 +55,8 @@ def missing_package(e: ModuleNotFoundError) -> str | None:
         return None
     where = f" (or everything the command line needs: `python -m pip install -r {CLI_REQUIREMENTS}` in the " \
             "pack's folder)" if name in CLI_PACKAGES else ""
-    return f"the Python package {name!r} is not installed: `python -m pip install {name}`{where}"
+    command = PIP_COMMANDS.get(name, f"python -m pip install {name}")
+    return f"the Python package {name!r} is not installed: `{command}`{where}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,3 +64,13 @@ def test_requirements_cover_what_the_command_line_imports():
 
     assert set(CLI_PACKAGES) <= names(ROOT / CLI_REQUIREMENTS)
     assert {"torch", "numpy"}.isdisjoint(names(ROOT / "requirements.txt"))  # never ComfyUI's torch
+
+
+def test_an_optional_package_gets_the_install_that_keeps_torch():
+    """torchaudio (reading recordings) is named with an install that leaves torch as it is."""
+    from mm3.cli import missing_package
+
+    message = missing_package(ModuleNotFoundError("no torchaudio", name="torchaudio"))
+    assert message == ("the Python package 'torchaudio' is not installed: `python -m pip install --no-deps "
+                       "torchaudio==<the version of your torch>`")
+    assert missing_package(ModuleNotFoundError("broken checkout", name="mm3.stages")) is None
