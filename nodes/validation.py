@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from mm3.prompt import size_problem, text_problem
+from mm3.plan.prompt import size_problem, text_problem
 
 UNSET = object()  # the default of an optional input a validator names: absent from the prompt
 
@@ -61,7 +61,7 @@ def repaint_range(start, end) -> str | None:
 
 def prompt_texts(**texts) -> str | None:
     """A caption or lyrics no prompt may carry: control characters, unpaired surrogates, or more
-    text than the prompt's token budget can hold (`mm3.prompt.size_problem`: a bound that needs no
+    text than the prompt's token budget can hold (`mm3.plan.prompt.size_problem`: a bound that needs no
     tokenizer and reads nothing past a few megabytes)."""
     for name, text in texts.items():
         if isinstance(text, str):

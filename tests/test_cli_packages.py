@@ -50,7 +50,7 @@ def test_a_missing_core_package_is_one_error_line(package):
 def test_requirements_cover_what_the_command_line_imports():
     """requirements-cli.txt (through requirements.txt) names every package the command line
     reports by name, so the one install command the error gives is enough."""
-    from mm3.cli import CLI_PACKAGES, CLI_REQUIREMENTS
+    from mm3.commands.main import CLI_PACKAGES, CLI_REQUIREMENTS
 
     def names(path: Path) -> set[str]:
         out = set()
@@ -68,9 +68,9 @@ def test_requirements_cover_what_the_command_line_imports():
 
 def test_an_optional_package_gets_the_install_that_keeps_torch():
     """torchaudio (reading recordings) is named with an install that leaves torch as it is."""
-    from mm3.cli import missing_package
+    from mm3.commands.main import missing_package
 
     message = missing_package(ModuleNotFoundError("no torchaudio", name="torchaudio"))
     assert message == ("the Python package 'torchaudio' is not installed: `python -m pip install --no-deps "
                        "torchaudio==<the version of your torch>`")
-    assert missing_package(ModuleNotFoundError("broken checkout", name="mm3.stages")) is None
+    assert missing_package(ModuleNotFoundError("broken checkout", name="mm3.song.stages")) is None

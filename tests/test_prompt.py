@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mm3.opener import open_component
+from mm3.files.opener import open_component
 from mm3.constants import MAX_PROMPT_TOKENS
-from mm3.prompt import Prompt, PromptError, build_prompt, clean_caption, normalize_lyrics
+from mm3.plan.prompt import Prompt, PromptError, build_prompt, clean_caption, normalize_lyrics
 from mm3.tokenizer import MM3Tokenizer
 
 CAPTIONS = [
@@ -193,7 +193,7 @@ def test_budget_and_required_inputs(qwen3_setup):
 def test_empty_lyrics_are_an_instrumental(qwen3_setup):
     """Empty or blank lyrics send the section tag "[instrumental]" (as HOT-Step does; the reference
     refuses them): the same prompt as writing the tag, and the count the editor shows is of it."""
-    from mm3.prompt import INSTRUMENTAL_LYRICS, count_tokens, lyrics_sent
+    from mm3.plan.prompt import INSTRUMENTAL_LYRICS, count_tokens, lyrics_sent
 
     tok, _ = qwen3_setup
     tagged = build_prompt(tok, "pop", INSTRUMENTAL_LYRICS)
@@ -211,8 +211,8 @@ def test_oversized_text_is_refused_before_the_tokenizer(qwen3_setup, monkeypatch
     request check (run before any model loads) says the same."""
     import time
 
-    from mm3.prompt import MAX_TOKEN_CHARS, size_problem
-    from mm3.request import MM3Request, RequestError
+    from mm3.plan.prompt import MAX_TOKEN_CHARS, size_problem
+    from mm3.song.request import MM3Request, RequestError
 
     tok, _ = qwen3_setup
     assert tok.max_token_chars >= MAX_TOKEN_CHARS  # the released vocabulary's longest: 128 spaces (bytes here)
