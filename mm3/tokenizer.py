@@ -81,6 +81,9 @@ class MM3Tokenizer:
             pairs.append((parts[0], parts[1]))
         self.vocab = vocab
         self.tokens = list(tokens)
+        # The most characters one token covers: its byte-level string has one character per byte,
+        # and a text character is at least one byte (`mm3.plan.prompt.size_problem`'s bound).
+        self.max_token_chars = max(map(len, tokens), default=1)
         ids = {}
         for role, text in SPECIAL_TOKENS.items():
             if text not in vocab:

@@ -147,6 +147,11 @@ def lora_path(name: str) -> str:
     return folder_paths.get_full_path_or_raise(LORA_FOLDER, name)
 
 
+def lora_folders() -> list[str]:
+    """The folders ComfyUI reads LoRAs from (models/loras and extra_model_paths.yaml's)."""
+    return list(folder_paths.get_folder_paths(LORA_FOLDER))
+
+
 # -- devices and dtype --------------------------------------------------------------------------
 def load_device(kind: str) -> torch.device:
     # The vocoder follows ComfyUI's VAE device (--cpu-vae); everything else the main device.
@@ -321,7 +326,16 @@ def spare_bytes(handles: list[ComponentHandle], need: int = 0) -> int | None:
     device = ps[0].load_device
     if mm.is_device_cpu(device):
         return None
-    return max(0, int(mm.get_free_memory(device) - mm.minimum_inference_memory() - need))
+    return max(0, int(free_memory(ps[0], device) - mm.minimum_inference_memory() - need))
+
+
+def free_memory(model_patcher, device) -> int:
+    """Free memory on `device` as ComfyUI counts it for this model: current ComfyUI's patchers count
+    the memory idle models hold, which it evicts on demand, as free (its global `get_free_memory`
+    leaves that out, and it asks model code not to call it); ComfyUI 0.8.0's patchers lack the
+    method, and there the global count is the one it uses itself."""
+    counted = getattr(model_patcher, "get_free_memory", None)
+    return counted(device) if callable(counted) else mm.get_free_memory(device)
 
 
 def resident() -> list[dict]:

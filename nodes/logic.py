@@ -25,13 +25,14 @@ from mm3.song.numerics import FAST, Numerics
 from mm3.synth.output import atomic_write, write_audio
 from mm3.progress import Progress
 from mm3.lora.use import lora_mismatch
-from mm3.plan.prompt import build_prompt
+from mm3.plan.prompt import build_prompt, lyrics_sent
 from mm3.song.request import MM3Request, RequestError, model_mismatch, plan_fields
 from mm3.song.settings import OutputSettings
 from mm3.song.stages import Conditions, Latents, PromptText, Song, Windows
 from mm3.plan.takes import Takes
 from mm3.tokenizer import MM3Tokenizer
 from .handles import ComponentHandle
+from .validation import prompt_texts
 
 AUDIO_REQUESTS_KEY = "mm3_requests"  # extra key of an AUDIO dict: one replay request per batch item
 log = logging.getLogger("mm3")
@@ -51,8 +52,15 @@ def linked_seed(seed: int, top: int, name: str) -> int:
 
 
 def assemble_prompt(lm: ComponentHandle, caption: str, lyrics: str) -> PromptText:
+    """The prompt of `caption` and `lyrics` (empty: an instrumental, `mm3.plan.prompt.lyrics_sent`, which
+    the replay JSON records as sent). Text no prompt may carry (`validation.prompt_texts`: the
+    caption, and linked lyrics, were not seen when the prompt was queued) is refused first."""
+    problem = prompt_texts(caption=caption, lyrics=lyrics)
+    if problem:
+        raise ValueError(problem)
     tokenizer = MM3Tokenizer.from_component(lm.component())
-    return PromptText(build_prompt(tokenizer, caption, lyrics, max_tokens=MAX_PROMPT_TOKENS), caption, lyrics, lm.file())
+    return PromptText(build_prompt(tokenizer, caption, lyrics, max_tokens=MAX_PROMPT_TOKENS), caption,
+                      lyrics_sent(lyrics), lm.file())
 
 
 def prompt_summary(prompt: PromptText, limit: int) -> str:
@@ -66,17 +74,23 @@ def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandl
                settings: PlanSettings, *, device, dtype: torch.dtype, progress: Progress | None = None,
                weight_budget: int | None = None, takes: Takes = Takes(),
                prior: Song | None = None, numerics: Numerics = FAST) -> tuple[list[Song], list]:
-    """`mm3.song.stages.plan_songs` after the request's checks of these settings (a song to continue
-    must be shorter than the duration, ...); `prior`: the song to continue."""
+    """`mm3.song.stages.plan_songs` after the request's checks of these settings (`check_plan`); `prior`:
+    the song to continue."""
+    check_plan(prompt, settings, takes, prior)
+    return stages.plan_songs(lm_model, depth_model, prompt, depth.file(), settings, takes, device=device, dtype=dtype,
+                             progress=progress, weight_budget=weight_budget,
+                             prefix=None if prior is None else prior.codes.codes, lm=lm.file(), numerics=numerics)
+
+
+def check_plan(prompt: PromptText, settings: PlanSettings, takes: Takes = Takes(), prior: Song | None = None) -> None:
+    """The request's checks of a plan, which need several inputs at once (a min_duration past the
+    duration, a song to continue longer than it, ...): a node calls it before it loads anything."""
     request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, **plan_fields(settings, takes),
                          continue_codes="" if prior is None else prior.codes.to_request_codes())
     try:
         request.validate()
     except RequestError as e:
         raise ValueError(str(e)) from None
-    return stages.plan_songs(lm_model, depth_model, prompt, depth.file(), settings, takes, device=device, dtype=dtype,
-                             progress=progress, weight_budget=weight_budget,
-                             prefix=None if prior is None else prior.codes.codes, lm=lm.file(), numerics=numerics)
 
 
 def read_codes_request(text: str, source: str, lm: ComponentHandle, depth: ComponentHandle):

@@ -28,6 +28,7 @@ from mm3.constants import (
 )
 from mm3.synth.flow import AUTO_SHIFT, MAX_SHIFT, WINDOW_FRAMES
 from mm3.song.numerics import Numerics
+from mm3.plan.prompt import INSTRUMENTAL_LYRICS
 from mm3.song.overlap import Models, plan_and_render
 from mm3.song.request import shaping_of
 from mm3.song.settings import SynthSettings
@@ -40,7 +41,7 @@ from .common import (AUDIO_CODES, CATEGORY, COND, DEPTH, DIT, LM, VAE, interrupt
 from .handles import ar_memory, dit_memory, dtype_bytes, vocoder_memory
 from .node_options import SAMPLING_OPTIONS, SamplingOptions
 from .node_stages import DIT_SEED_MAX, LM_SEED_MAX
-from .validation import out_of_range, plan_durations, prompt_texts, verdict
+from .validation import prompt_texts, verdict
 
 
 class MM3Generate(io.ComfyNode):
@@ -64,7 +65,8 @@ class MM3Generate(io.ComfyNode):
                                 placeholder="Lyrics: [verse], [chorus], [bridge] ... each on its own line, then the "
                                             "sung lines; empty for an instrumental",
                                 tooltip="The words sung, in sections such as [intro], [verse], [chorus], [outro] (the "
-                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental."),
+                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental "
+                                        f"(the model is sent {INSTRUMENTAL_LYRICS})."),
                 io.Float.Input("duration", default=DEFAULT_DURATION, min=1.0 / FRAME_RATE, max=MAX_DURATION, step=1.0,
                                round=0.01, tooltip=f"Longest the song may be, in seconds (up to {MAX_DURATION:g}); "
                                                    "the model may end it sooner by itself. Time grows with it."),
@@ -101,10 +103,11 @@ class MM3Generate(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, caption=None, lyrics=None, duration=None, min_duration=None) -> bool | str:
-        return verdict(prompt_texts(caption=caption, lyrics=lyrics),
-                       out_of_range(MM3Generate, duration=duration, min_duration=min_duration),
-                       plan_durations(duration, min_duration))
+    def validate_inputs(cls, lyrics=None) -> bool | str:
+        """The lyrics alone (ComfyUI shows a verdict on every input named here, and checks the
+        ranges of the others itself); the caption and min_duration against the duration are
+        checked when the node runs, before anything loads."""
+        return verdict(prompt_texts(lyrics=lyrics))
 
     @classmethod
     def execute(cls, lm, depth, cond, dit, vae, caption: str, lyrics: str, duration: float, lm_seed: int, seed: int,
@@ -118,7 +121,9 @@ class MM3Generate(io.ComfyNode):
         synth = SynthSettings(seed, steps, dit_cfg, variations, shift)
         with interruptible():
             prompt = logic.assemble_prompt(lm, caption, lyrics)
-            audio = _render([lm, depth, cond, dit, vae], prompt, settings, Takes(rounds=o.ending_rounds), synth,
+            takes = Takes(rounds=o.ending_rounds)
+            logic.check_plan(prompt, settings, takes)
+            audio = _render([lm, depth, cond, dit, vae], prompt, settings, takes, synth,
                             window_preview(duration))
         song = audio.windows.latents.conditions.song
         show_warnings(audio.windows.warnings)

@@ -18,10 +18,11 @@ from mm3.lora.health import WARN_ABOVE, group_changes, warnings_of
 from mm3.lora.keys import GROUPS, NAMES
 from mm3.lora.use import LoraUse
 
-from .comfy_models import lora_files, lora_path
+from .comfy_models import lora_files, lora_folders, lora_path
 from .common import CATEGORY, DIT, LM
 from .handles import file_fingerprint
 from .lora_handles import AdaptedHandle, adapters_of, base_of
+from .validation import verdict
 
 log = logging.getLogger("mm3")
 MAX_STRENGTH = 2.0
@@ -34,6 +35,27 @@ GROUP_TOOLTIPS = {
     "mlp": "How much of the LoRA reaches the MLP layers, which carry timbre and detail (and most of the damage an "
            "overtrained LoRA does). 1 = as trained; lower it to 0.5 if the sound turns harsh; 0-1.5 is safe.",
 }
+
+
+# The one choice the LoRA list offers while models/loras holds no LoRA of this model: the editor
+# shows it instead of an empty list (which queues as a missing input), and queueing it says where
+# LoRAs go.
+NO_LORA = "(no MiniMax Music 3 LoRA in models/loras)"
+
+
+def lora_name_problem(name) -> str | None:
+    """Why `name` is not a LoRA this node can load, or None (a linked name is not judged here)."""
+    if not isinstance(name, str):
+        return None
+    found = lora_files()
+    if name in found:
+        return None
+    folders = ", ".join(lora_folders())
+    if not found:
+        return (f"no MiniMax Music 3 LoRA was found in models/loras ({folders}): put a LoRA trained for MiniMax "
+                "Music 3 there (a PEFT / diffusers, ComfyUI, kohya or SimpleTuner .safetensors file), then refresh "
+                "the editor (R) and pick it")
+    return f"lora_name {name!r} is not a MiniMax Music 3 LoRA in models/loras ({folders}); found: {', '.join(found)}"
 
 
 class MM3LoadLoRA(io.ComfyNode):
@@ -50,7 +72,7 @@ class MM3LoadLoRA(io.ComfyNode):
                 io.MatchType.Input("model", template=model,
                                    tooltip="The language model (changes the song's plan: melody, words, structure) "
                                            "or the DiT (changes the sound) from its loader or another MM3 Load LoRA."),
-                io.Combo.Input("lora_name", options=lora_files(),
+                io.Combo.Input("lora_name", options=lora_files() or [NO_LORA],
                                tooltip="The LoRA file from models/loras (only LoRAs of MiniMax Music 3 are listed: "
                                        "PEFT / diffusers, ComfyUI, kohya or SimpleTuner files). A language-model "
                                        "LoRA goes after the LM loader, a DiT LoRA after the DiT loader."),
@@ -62,6 +84,10 @@ class MM3LoadLoRA(io.ComfyNode):
             ],
             outputs=[io.MatchType.Output(template=model, display_name="model")],
         )
+
+    @classmethod
+    def validate_inputs(cls, lora_name=None) -> bool | str:
+        return verdict(lora_name_problem(lora_name))
 
     @classmethod
     def execute(cls, model, lora_name: str, strength: float, attn_qk: float = 1.0, attn_vo: float = 1.0,

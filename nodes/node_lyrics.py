@@ -8,14 +8,18 @@ decoder only embeds the codes), which is what its depth input is for.
 
 from __future__ import annotations
 
+import logging
+
 from comfy_api.latest import io
 
-from mm3.plan.lyrics_align import LEAD_SECONDS, MAX_LEAD, LyricHeads
+from mm3.plan.lyrics_align import LEAD_SECONDS, MAX_LEAD, LyricHeads, LyricHeadsError, untimed_warning
 from mm3.song.numerics import Numerics
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress
 from .validation import verdict
+
+log = logging.getLogger("mm3")
 
 
 class MM3LyricTimestamps(io.ComfyNode):
@@ -29,8 +33,9 @@ class MM3LyricTimestamps(io.ComfyNode):
                         "save song.lrc beside the song.",
             inputs=[
                 LM.Input("lm"), DEPTH.Input("depth"),
-                AUDIO_CODES.Input("codes", tooltip="The planned song whose lyrics are timed (MM3 AR Plan or MM3 "
-                                                   "Load Audio Codes)."),
+                AUDIO_CODES.Input("codes", lazy=True,
+                                  tooltip="The planned song whose lyrics are timed (MM3 AR Plan or MM3 Load Audio "
+                                          "Codes)."),
                 io.Float.Input("lead", default=LEAD_SECONDS, min=-MAX_LEAD, max=MAX_LEAD, step=0.05, round=0.01,
                                tooltip=f"Seconds added to every line's time. The model reads a line about "
                                        f"{LEAD_SECONDS:g} s before it is sung, so {LEAD_SECONDS:g} lines the words up "
@@ -49,9 +54,15 @@ class MM3LyricTimestamps(io.ComfyNode):
         return verdict(logic.heads_problem(heads))
 
     @classmethod
+    def check_lazy_status(cls, lm, depth, codes=None, lead: float = LEAD_SECONDS, heads: str = "") -> list[str]:
+        """The heads against the LM before the codes are asked for: a head this LM lacks is refused
+        before the plan upstream runs (the codes input is lazy)."""
+        _heads(lm, heads)
+        return ["codes"] if codes is None else []
+
+    @classmethod
     def execute(cls, lm, depth, codes, lead: float = LEAD_SECONDS, heads: str = "") -> io.NodeOutput:
-        chosen = LyricHeads.parse(heads or "")
-        chosen.resolve(lm.hparams)  # a head this LM lacks: refused before anything loads
+        chosen = _heads(lm, heads)
         with interruptible():
             device = patcher(lm).load_device
             lm_model, depth_model = load([lm, depth])
@@ -59,10 +70,23 @@ class MM3LyricTimestamps(io.ComfyNode):
             text = logic.lyric_timestamps(lm_model, depth_model, depth, codes, chosen, lead, device=device,
                                           dtype=dtype, progress=node_progress(),
                                           numerics=Numerics(compute_dtype=dit_compute_dtype(dtype)))
-        ui = {"text": [text or "(no lyric line was reached)"]}
+        warning = untimed_warning(text, where="this node's heads input")
+        ui = {"text": [text or f"(empty: {warning})"]}
         if text:
             ui["lyrics_lrc"] = [text]  # the live players of this prompt show the lines (web/mm3.js)
+        else:
+            log.warning("MM3 Lyric Timestamps: %s", warning)
         return io.NodeOutput(text, ui=ui)
+
+
+def _heads(lm, heads: str) -> LyricHeads:
+    """The heads this node reads, checked against the LM (an error names the node's heads input)."""
+    chosen = LyricHeads.parse(heads or "")
+    try:
+        chosen.resolve(lm.hparams, where="this node's heads input")
+    except LyricHeadsError as e:
+        raise LyricHeadsError(f"MM3 Lyric Timestamps: heads {str(chosen)!r}: {e}") from None
+    return chosen
 
 
 NODES = [MM3LyricTimestamps]

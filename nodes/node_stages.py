@@ -26,6 +26,7 @@ from mm3.song import stages
 from mm3.plan.ar import PlanSettings
 from mm3.synth.flow import AUTO_SHIFT, MAX_SHIFT
 from mm3.song.numerics import Numerics
+from mm3.plan.prompt import INSTRUMENTAL_LYRICS
 from mm3.song.request import shaping_of
 from mm3.song.settings import DEFAULT_REPAINT_FADE, RepaintSettings, SynthSettings
 from mm3.plan.takes import MAX_TAKES, Takes
@@ -50,7 +51,7 @@ from .common import (
 )
 from .handles import ar_memory, dit_memory, dtype_bytes, vocoder_memory
 from .node_options import SAMPLING_OPTIONS, SamplingOptions
-from .validation import UNSET, out_of_range, plan_durations, prompt_texts, repaint_range, verdict
+from .validation import out_of_range, prompt_texts, repaint_range, verdict
 
 # Seeds of song i / variation j are seed + i / seed + j and must stay in the request's 0..SEED_MAX.
 LM_SEED_MAX = SEED_MAX - (MAX_SONGS - 1)
@@ -81,14 +82,17 @@ class MM3PromptAssemble(io.ComfyNode):
                                 placeholder="Lyrics: [verse], [chorus], [bridge] ... each on its own line, then the "
                                             "sung lines; empty for an instrumental",
                                 tooltip="The words sung, in sections such as [intro], [verse], [chorus], [outro] (the "
-                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental."),
+                                        "song follows their order); ' ^ ' breaks a line. Empty: an instrumental "
+                                        f"(the model is sent {INSTRUMENTAL_LYRICS})."),
             ],
             outputs=[PROMPT.Output("prompt", display_name="prompt")],
         )
 
     @classmethod
-    def validate_inputs(cls, caption=None, lyrics=None) -> bool | str:
-        return verdict(prompt_texts(caption=caption, lyrics=lyrics))
+    def validate_inputs(cls, lyrics=None) -> bool | str:
+        """The lyrics alone (ComfyUI shows a verdict on every input named here); the caption is
+        checked first thing when the node runs (`logic.assemble_prompt`)."""
+        return verdict(prompt_texts(lyrics=lyrics))
 
     @classmethod
     def execute(cls, lm, caption: str, lyrics: str) -> io.NodeOutput:
@@ -139,11 +143,6 @@ class MM3ARPlan(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, duration=None, min_duration=None, prior_codes=UNSET) -> bool | str:
-        return verdict(out_of_range(MM3ARPlan, duration=duration, min_duration=min_duration),
-                       plan_durations(duration, min_duration, prior_codes))
-
-    @classmethod
     def execute(cls, lm, depth, prompt, duration: float, lm_seed: int, lm_cfg: float, songs: int, takes: int = 1,
                 require_ending: bool = False, min_duration: float = 0.0, options: SamplingOptions | None = None,
                 prior_codes=None) -> io.NodeOutput:
@@ -153,6 +152,7 @@ class MM3ARPlan(io.ComfyNode):
         settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=o.lm_top_k, songs=songs,
                                 shaping=shaping_of(o, min_duration))
         rounds = Takes(takes=takes, require_ending=require_ending, rounds=o.ending_rounds)
+        logic.check_plan(prompt, settings, rounds, prior_codes)  # ComfyUI checked each input's range alone
         with interruptible():
             device, dtype = _device_dtype(lm)
             batch = min(MAX_SONGS, songs * takes)

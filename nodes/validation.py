@@ -3,21 +3,31 @@ refused when the prompt is queued, before any upstream node runs, as `/prompt` r
 out of its widget's range.
 
 ComfyUI passes a validator only the values typed in widgets: a linked input arrives as None and an
-optional input left unset not at all, so each check skips what it was not given. ComfyUI also
-skips its own min/max check for every input a validator names, so `out_of_range` repeats it.
+optional input left unset not at all, so each check skips what it was not given; a value ComfyUI
+could not convert (text for a number) arrives as it was sent, and the checks skip it too (ComfyUI
+reports it on its input). ComfyUI reports a validator's verdict on every input the validator
+names, and skips its own min/max check for each of them (so `out_of_range` repeats it): a
+validator names only the one input it judges, and a check that needs two inputs runs when the
+node runs, before any work (`nodes.logic.check_plan`), except MM3 Repaint's range, which must be
+refused before the whole plan upstream of it runs (its verdict shows on start and end).
 """
 
 from __future__ import annotations
 
 import math
 
-from mm3.plan.prompt import text_problem
+from mm3.plan.prompt import size_problem, text_problem
 
 UNSET = object()  # the default of an optional input a validator names: absent from the prompt
 
 
 def _given(value) -> bool:
     return value is not None and value is not UNSET
+
+
+def _number(value) -> bool:
+    """A number typed in a widget (not a link, not unset, not text ComfyUI failed to convert)."""
+    return _given(value) and isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def verdict(*problems: str | None) -> bool | str:
@@ -30,7 +40,7 @@ def out_of_range(node, **values) -> str | None:
     number), or None."""
     inputs = {i.id: i for i in node.define_schema().inputs}
     for name, value in values.items():
-        if not _given(value) or not isinstance(value, (int, float)):
+        if not _number(value):
             continue
         low, high = getattr(inputs[name], "min", None), getattr(inputs[name], "max", None)
         if math.isfinite(value) and (low is None or value >= low) and (high is None or value <= high):
@@ -44,27 +54,18 @@ def out_of_range(node, **values) -> str | None:
 
 def repaint_range(start, end) -> str | None:
     """MM3 Repaint's range must run forwards."""
-    if _given(start) and _given(end) and not start < end:
+    if _number(start) and _number(end) and not start < end:
         return f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)"
     return None
 
 
-def plan_durations(duration, min_duration, prior_codes=UNSET) -> str | None:
-    """AR Plan's min_duration may not pass its duration, unless it continues a song (prior codes
-    linked: the request's rule, mm3.song.request)."""
-    if prior_codes is not UNSET:
-        return None
-    if _given(duration) and _given(min_duration) and min_duration > duration:
-        return (f"MM3 AR Plan: min_duration ({min_duration:g} s) must not be longer than the duration "
-                f"({duration:g} s)")
-    return None
-
-
 def prompt_texts(**texts) -> str | None:
-    """A caption or lyrics no prompt may carry (control characters, unpaired surrogates)."""
+    """A caption or lyrics no prompt may carry: control characters, unpaired surrogates, or more
+    text than the prompt's token budget can hold (`mm3.plan.prompt.size_problem`: a bound that needs no
+    tokenizer and reads nothing past a few megabytes)."""
     for name, text in texts.items():
         if isinstance(text, str):
-            problem = text_problem(name, text)
+            problem = text_problem(name, text) or size_problem(name, text)
             if problem:
                 return f"MM3 Prompt: {problem}"
     return None

@@ -7,15 +7,22 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".ci" / "gpu"
 
 
+def _env(**extra) -> dict[str, str]:
+    """The environment of a run of the script: this interpreter for its steps (PYTHON), whatever
+    `python3` the shell would find."""
+    return {**os.environ, "PYTHON": sys.executable, **extra}
+
+
 def _steps() -> dict[str, list[str]]:
     done = subprocess.run(["bash", str(SCRIPT), "--dry-run", "/nonexistent/out"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+                          timeout=60, cwd=ROOT, env=_env())
     assert done.returncode == 0, done.stderr
     assert not Path("/nonexistent/out").exists()
     return {name: shlex.split(cmd) for name, cmd in (line.split("\t", 1) for line in done.stdout.splitlines())}
@@ -43,12 +50,21 @@ def test_every_step_runs_something_that_exists():
     assert {a.graphs for a in benches.values()} >= {"on", "off"}
     assert {a.kernels for a in benches.values()} >= {"layout", "triton"}
     assert "kernel_tests" in steps and "environment" in steps
+    assert all(steps[name][0] == sys.executable for name in benches)
 
 
 def test_failures_and_timeouts_are_recorded_not_fatal(tmp_path):
     """No GPU here: the steps fail, time out (2 s each) or are skipped once the budget is spent;
-    the JSON still comes, step by step."""
-    env = {**os.environ, "BUDGET": "9", "STEP_CAP": "2", "MIN_STEP": "1", "MM3_GPU_WORK": str(tmp_path / "work")}
+    the JSON still comes, step by step. The steps run this interpreter, not the `python3` first on
+    PATH (here one that cannot run anything, as a system Python without pytest could not)."""
+    shadow = tmp_path / "bin"
+    shadow.mkdir()
+    for name in ("python3", "python"):
+        (shadow / name).write_text("#!/bin/sh\necho 'not this interpreter' >&2\nexit 1\n")
+        (shadow / name).chmod(0o755)
+    env = _env(BUDGET="9", STEP_CAP="2", MIN_STEP="1", MM3_GPU_WORK=str(tmp_path / "work"),
+               PATH=f"{shadow}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("VIRTUAL_ENV", None)
     done = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr

@@ -1,6 +1,6 @@
 """MM3 Lyric Timestamps in a real ComfyUI (tiny models): the LRC of each planned song, saved by
 MM3 Save Song beside it, equal to what `python -m mm3 align` makes of the saved replay JSON; bad
-head lists refused when queued, a head the LM lacks refused when run."""
+head lists refused when queued, a head the LM lacks refused when run, before the plan upstream."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import pytest
 
 from mm3.commands.main import main
+from tests.helpers.comfy_server import executed_nodes
 from tests.helpers.comfyui import CAPTION, LYRICS, audio_entries, needs_comfy, run, tiny_workflow
 
 HEADS = "1:*,0:2"
@@ -64,4 +65,7 @@ def test_bad_lyric_heads_are_refused(comfy):
         ws.close()
     error = [e for e in events if e["type"] == "execution_error"]
     assert error and error[0]["data"]["node_id"] == "20", events[-3:]
-    assert "layer 12 is not in this LM: it has 2 layers (0-1)" in error[0]["data"]["exception_message"]
+    message = error[0]["data"]["exception_message"]
+    assert "layer 12 is not in this LM: it has 2 layers (0-1)" in message
+    assert "name others with this node's heads input" in message and "--lrc-heads" not in message
+    assert "3" not in executed_nodes(events)  # refused before the AR plan ran (the codes input is lazy)

@@ -502,3 +502,41 @@ def test_loader_lists_and_auto_skip_an_unusable_file(tiny, tmp_path):
     assert got["options"] == ["auto", good] and got["unusable"] == [bad.name], got
     assert got["handles"] == [good, good], got
     assert len(got["warnings"]) == 1 and bad.name in got["warnings"][0] and "truncated" in got["warnings"][0], got
+
+
+SPARE_BYTES_SCRIPT = r"""
+import importlib, importlib.util, json, sys, types
+import torch
+sys.path.insert(0, sys.argv[2])
+import comfy.cli_args
+comfy.cli_args.args.cpu = not torch.cuda.is_available()
+import comfy.model_management as mm
+spec = importlib.util.spec_from_file_location("pack", sys.argv[1] + "/__init__.py",
+                                              submodule_search_locations=[sys.argv[1]])
+pack = importlib.util.module_from_spec(spec); sys.modules["pack"] = pack; spec.loader.exec_module(pack)
+cm = importlib.import_module("pack.nodes.comfy_models")
+GiB = 1 << 30
+mm.get_free_memory = lambda dev=None, torch_free_too=False: 1 * GiB  # what is free without evicting
+cm.patcher = lambda handle: handle
+gpu = torch.device("cuda", 0)
+model = types.SimpleNamespace(model_lowvram=False)
+counting = types.SimpleNamespace(load_device=gpu, model=model, get_free_memory=lambda device: 9 * GiB)
+older = types.SimpleNamespace(load_device=gpu, model=model)  # ComfyUI 0.8.0's patcher: no get_free_memory
+reserve = mm.minimum_inference_memory()
+print(json.dumps({"counting": cm.spare_bytes([counting], GiB), "older": cm.spare_bytes([older]), "reserve": reserve}))
+"""
+
+
+@needs_comfy
+def test_spare_bytes_counts_what_comfyui_would_free_for_the_model(tmp_path):
+    """The memory the engine may fill with weight copies: where the model's patcher counts free
+    memory itself (current ComfyUI: what idle models hold, which it evicts on demand, counts as
+    free), that count; on ComfyUI 0.8.0, whose patcher lacks it, the global free memory."""
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    out = subprocess.run([python, "-c", SPARE_BYTES_SCRIPT, str(ROOT), COMFYUI_PATH], capture_output=True, text=True,
+                         timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    gib = 1 << 30
+    assert got["counting"] == max(0, int(9 * gib - got["reserve"] - gib)), got
+    assert got["older"] == max(0, int(gib - got["reserve"])), got

@@ -3,9 +3,10 @@
 Routes: a body past its route's limit is a 413 (with or without a Content-Length), a body that is
 not a JSON object or a field of the wrong type a 400 with the reason and no traceback, the token
 count refuses the control characters MM3 Prompt refuses, and the server keeps answering while
-long texts are counted. Queue time: /prompt refuses a Repaint range that runs backwards, an AR Plan
-min_duration past its duration and a control character in the caption, naming the node, before
-any node runs.
+long texts are counted. Queue time: /prompt refuses a Repaint range that runs backwards, a duration
+out of range or not a number, and a control character or megabytes in the lyrics, one message on
+the input that holds the mistake, before any node runs; the caption and an AR Plan min_duration
+past its duration are refused by the node when it runs, before it loads anything.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import pytest
 
+from tests.helpers.comfy_server import executed_nodes
 from tests.helpers.comfyui import needs_comfy, tiny_workflow
 
 TOKENS_LIMIT = 256 * 1024  # nodes/routes.py TOKENS_BODY_LIMIT
@@ -163,32 +165,78 @@ def messages(errors: dict, node: str) -> str:
     return " | ".join(f"{e['message']}: {e['details']}" for e in errors[node]["errors"])
 
 
-@needs_comfy
-@pytest.mark.parametrize("workflow, node_class, values, reason", [
-    ("repaint_range", "MM3Repaint", {"start": 0.8, "end": 0.4}, "start (0.8 s) must be before end (0.4 s)"),
-    ("repaint_range", "MM3Repaint", {"start": 0.5, "end": 0.5}, "start (0.5 s) must be before end (0.5 s)"),
-    ("repaint_range", "MM3Repaint", {"start": -1.0}, "start must be between 0 and 360, got -1"),
-    ("text_to_song", "MM3ARPlan", {"duration": 1.0, "min_duration": 2.0},
-     "min_duration (2 s) must not be longer than the duration (1 s)"),
-    ("text_to_song", "MM3ARPlan", {"duration": 0.0}, "duration must be between 0.04 and 360, got 0"),
-    ("text_to_song", "MM3PromptAssemble", {"caption": "dark\x1b[31m synth"},
-     "caption contains the control character U+001B at position 4"),
-    ("text_to_song", "MM3PromptAssemble", {"lyrics": "[verse]\nla\x00"},
-     "lyrics contains the control character U+0000"),
-], ids=["repaint-backwards", "repaint-empty", "repaint-negative", "plan-min-duration", "plan-zero",
-        "prompt-escape", "prompt-nul"])
-def test_bad_widget_values_are_refused_when_queued(comfy, workflow, node_class, values, reason):
+def with_values(comfy, workflow: str, node_class: str, values: dict) -> tuple[dict, str]:
+    """A shipped workflow with `values` set on its `node_class` node, without the outputs that do
+    not depend on it; and that node's id."""
     wf = tiny_workflow(comfy, workflow)
     node = node_of(wf, node_class)
     wf[node]["inputs"].update(values)
-    wf = through(wf, node)
+    return through(wf, node), node
+
+
+@needs_comfy
+@pytest.mark.parametrize("workflow, node_class, values, inputs, reason", [
+    ("repaint_range", "MM3Repaint", {"start": 0.8, "end": 0.4}, ["start", "end"],
+     "start (0.8 s) must be before end (0.4 s)"),
+    ("repaint_range", "MM3Repaint", {"start": 0.5, "end": 0.5}, ["start", "end"],
+     "start (0.5 s) must be before end (0.5 s)"),
+    ("repaint_range", "MM3Repaint", {"start": -1.0}, ["start", "end"], "start must be between 0 and 360, got -1"),
+    ("text_to_song", "MM3ARPlan", {"duration": 0.0}, ["duration"], "Value 0.0 smaller than min of 0.04: duration"),
+    ("text_to_song", "MM3ARPlan", {"duration": "abc"}, ["duration"],
+     "Failed to convert an input value to a FLOAT value: duration, abc"),
+    ("text_to_song", "MM3ARPlan", {"min_duration": 400.0}, ["min_duration"], "bigger than max of 360.0: min_duration"),
+    ("text_to_song", "MM3PromptAssemble", {"lyrics": "[verse]\nla\x00"}, ["lyrics"],
+     "lyrics contains the control character U+0000"),
+    ("text_to_song", "MM3PromptAssemble", {"lyrics": lyrics_of(10 * 1024 * 1024)}, ["lyrics"],
+     "characters long; a prompt of at most 5000 tokens holds at most 640,000 characters"),
+    ("generate_in_one_node", "MM3Generate", {"duration": 0.0}, ["duration"], "smaller than min of 0.04: duration"),
+    ("generate_in_one_node", "MM3Generate", {"lyrics": "la\x1b"}, ["lyrics"],
+     "lyrics contains the control character U+001B"),
+], ids=["repaint-backwards", "repaint-empty", "repaint-negative", "plan-zero", "plan-text-for-a-number",
+        "plan-min-duration-range", "prompt-nul", "prompt-10-mb", "generate-zero", "generate-escape"])
+def test_bad_widget_values_are_refused_when_queued(comfy, workflow, node_class, values, inputs, reason):
+    """Refused by /prompt before any node runs, one message per mistake on the input that holds it
+    (MM3 Repaint's range is one relation of two inputs, shown on both); 10 MB of lyrics within a
+    few seconds, without the tokenizer."""
+    wf, node = with_values(comfy, workflow, node_class, values)
     before = comfy.get("/history")
+    start = time.monotonic()
     errors = refused(comfy, wf)
+    assert time.monotonic() - start < 10
     assert set(errors) == {node}, errors
     assert reason in messages(errors, node), errors
+    assert [e["extra_info"]["input_name"] for e in errors[node]["errors"]] == inputs, errors
+    assert all(e["type"] != "exception_during_validation" for e in errors[node]["errors"])
     queue = comfy.get("/queue")
     assert queue["queue_running"] == [] and queue["queue_pending"] == []
     assert comfy.get("/history") == before  # nothing ran
+
+
+@needs_comfy
+@pytest.mark.parametrize("workflow, node_class, values, reason", [
+    ("text_to_song", "MM3PromptAssemble", {"caption": "dark\x1b[31m synth"},
+     "MM3 Prompt: caption contains the control character U+001B at position 4"),
+    ("text_to_song", "MM3ARPlan", {"duration": 1.0, "min_duration": 2.0},
+     "min_duration must be between 0 and the duration 1 s, got 2"),
+    ("generate_in_one_node", "MM3Generate", {"duration": 1.0, "min_duration": 2.0},
+     "min_duration must be between 0 and the duration 1 s, got 2"),
+    ("generate_in_one_node", "MM3Generate", {"caption": "a\x85b"},
+     "MM3 Prompt: caption contains the control character U+0085"),
+], ids=["prompt-caption-escape", "plan-min-duration", "generate-min-duration", "generate-caption-c1"])
+def test_checks_of_the_caption_and_of_two_inputs_refuse_when_the_node_runs(comfy, workflow, node_class, values, reason):
+    """The caption (ComfyUI would show a queue-time verdict on the lyrics too) and min_duration
+    against the duration are refused by the node itself, first thing when it runs: its error, and
+    no node after it ran."""
+    wf, node = with_values(comfy, workflow, node_class, values)
+    ws = comfy.ws()
+    try:
+        events = ws.events(comfy.queue(wf), timeout=120)
+    finally:
+        ws.close()
+    error = [e for e in events if e["type"] == "execution_error"]
+    assert error and error[0]["data"]["node_id"] == node, events[-3:]
+    assert reason in error[0]["data"]["exception_message"]
+    assert executed_nodes(events)[-1] == node
 
 
 @needs_comfy
@@ -207,3 +255,25 @@ def test_checks_pass_what_they_cannot_see(comfy):
     assert status == 200 and got["node_errors"] == {}, got
     post_json(comfy, "/interrupt", {})
     comfy.wait(got["prompt_id"], timeout=120)
+
+
+@needs_comfy
+def test_load_lora_without_a_lora_says_where_to_put_one(comfy):
+    """With no LoRA of this model in models/loras, MM3 Load LoRA offers one choice that says so, and
+    queueing it is refused on lora_name with the folder and what belongs there (not ComfyUI's bare
+    "Required input is missing")."""
+    options = comfy.get("/object_info/MM3LoadLoRA")["MM3LoadLoRA"]["input"]["required"]["lora_name"]
+    assert options[0] == ["(no MiniMax Music 3 LoRA in models/loras)"] or options[1]["options"] == [
+        "(no MiniMax Music 3 LoRA in models/loras)"], options
+    wf = tiny_workflow(comfy, "text_to_song")
+    plan = node_of(wf, "MM3ARPlan")
+    wf["20"] = {"class_type": "MM3LoadLoRA", "inputs": {"model": wf[plan]["inputs"]["lm"],
+                                                      "lora_name": "(no MiniMax Music 3 LoRA in models/loras)",
+                                                      "strength": 1.0, "attn_qk": 1.0, "attn_vo": 1.0, "mlp": 1.0}}
+    wf[plan]["inputs"]["lm"] = ["20", 0]
+    errors = refused(comfy, wf)
+    assert [e["extra_info"]["input_name"] for e in errors["20"]["errors"]] == ["lora_name"], errors
+    text = messages(errors, "20")
+    assert "no MiniMax Music 3 LoRA was found in models/loras (" in text
+    assert str(comfy.base / "models" / "loras") in text
+    assert "kohya" in text and "Required input is missing" not in text

@@ -19,7 +19,6 @@ from mm3.backends.cpu import choice as cpu_choice
 from mm3.plan.ar import PlanSettings, plan
 from mm3.backends.cpu import forms as cpu_forms, int4 as cpu_int4, native as cpu_native
 from mm3.backends import products
-from mm3.weights import layers as gguf_ops
 from mm3.weights.layers import Linear
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.lm import Qwen3LM

@@ -412,3 +412,38 @@ def test_cli_refuses_bad_heads_before_any_work(tiny, tmp_path, capsys):
                  "--out", str(tmp_path / "q.lrc")]) == 2
     assert "layer 2 is not in this LM: it has 2 layers (0-1)" in capsys.readouterr().err
     assert not (tmp_path / "q.lrc").exists()
+
+
+def test_every_stamp_lies_inside_the_song(files):
+    """A line whose start with the lead falls at or after the song's end was never heard: it is left
+    out (None, and no LRC line), so no timestamp lies past the end."""
+    lm, depth, prompt = constructed(files)
+    durations = [10, 3, 12, 7, 20, 1]  # the last line starts at frame 52 of 53 (2.08 s of 2.12 s)
+    line_of_frame = [k for k, n in enumerate(durations) for _ in range(n)]
+    song = replay(lm, depth, prompt, codes_for(line_of_frame), lyric_heads=LyricHeads.parse("0:0"))
+    end = len(line_of_frame) / 25
+    plain = lyric_times(song.lyric_attention, prompt, lead=0.0)
+    assert plain[-1].seconds == 52 / 25  # heard, without the lead
+    led = lyric_times(song.lyric_attention, prompt)  # 2.78 s: past the end
+    assert led[-1].seconds is None and all(t.seconds < end for t in led[:-1])
+    assert all(s < end for s in (t.seconds for t in led) if s is not None)
+    assert prompt.lines[-1].text not in lrc_text(led) and lrc_text(led).count("\n") == len(prompt.lines) - 2
+
+
+def test_an_lrc_that_times_nothing_is_written_with_a_warning(tiny, tmp_path, capsys):
+    """A lead past the song's end leaves every line untimed: the LRC is written empty, and the
+    command line says why rather than leaving an empty file without a word."""
+    from mm3.commands.main import main
+    from mm3.plan.lyrics_align import untimed_warning
+
+    out = tmp_path / "s.wav"
+    capsys.readouterr()
+    assert main(["generate", "--models", str(tiny.gguf), "--device", "cpu", "--quiet", "--caption", CAPTION,
+                 "--lyrics", CLI_LYRICS, "--duration", "1", "--steps", "2", "--lm-seed", "4", "--out", str(out),
+                 "--lrc", "--lrc-heads", "1:*", "--lrc-lead", "9"]) == 0
+    assert (tmp_path / "s.lrc").read_text() == ""
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 's.lrc'}: no lyric line was timed, so the LRC is empty" in err
+    assert "--lrc-heads" in err and err.count("\n") == 1
+    assert untimed_warning("[00:01.00]la\n") is None
+    assert "the heads input" in untimed_warning("", where="the heads input")

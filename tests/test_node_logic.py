@@ -276,3 +276,46 @@ def test_a_linked_seed_past_the_range_wraps_into_it(pack):
     assert seeds[0] == distributed % (top + 1)
     with pytest.raises(Exception, match=r"lm_seed must be 0\.\.\d+, got -3"):
         logic.linked_seed(-3, top, "lm_seed")
+
+
+def test_empty_lyrics_make_an_instrumental_in_the_nodes(pack, tiny):
+    """MM3 Prompt / MM3 Generate with empty lyrics: the prompt of "[instrumental]", and the songs'
+    replay requests record it (the plan's checks accept it)."""
+    logic, hs = pack("nodes.logic"), _handles(pack, tiny)
+    tagged = logic.assemble_prompt(hs["lm"], CAPTION, "[instrumental]")
+    prompt = logic.assemble_prompt(hs["lm"], CAPTION, "")
+    assert torch.equal(prompt.prompt.ids, tagged.prompt.ids) and prompt.lyrics == "[instrumental]"
+    from mm3.song import stages
+
+    (song,), _ = logic.plan_songs(hs["lm"].model(), hs["depth"].model(), hs["lm"], hs["depth"], prompt,
+                                  PlanSettings(duration=0.4, lm_seed=3), device="cpu", dtype=torch.float32)
+    assert stages.replay_requests(song)[0].lyrics == "[instrumental]"
+
+
+def test_node_checks_name_one_input_and_take_any_value(pack, tiny):
+    """What the nodes check without ComfyUI's help: the lyrics' size bound at queue time (fast on
+    megabytes), the caption and the plan's two-input rules when the node runs (before anything
+    loads), and values ComfyUI could not convert (text for a number) passed on for ComfyUI to
+    report rather than raising."""
+    import time
+
+    logic, validation, hs = pack("nodes.logic"), pack("nodes.validation"), _handles(pack, tiny)
+    start = time.perf_counter()
+    problem = validation.prompt_texts(lyrics="[verse]\n" + "la la la " * 1_200_000)
+    assert time.perf_counter() - start < 2
+    assert problem.startswith("MM3 Prompt: lyrics is 10,800,008 characters long; a prompt of at most 5000 tokens")
+    with pytest.raises(ValueError, match="MM3 Prompt: caption contains the control character U\\+001B at position 4"):
+        logic.assemble_prompt(hs["lm"], "dark\x1b[31m synth", LYRICS)
+    prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
+    from mm3.plan.shaping import Shaping
+
+    late = PlanSettings(duration=1.0, lm_seed=1, shaping=Shaping(min_frames=50))
+    with pytest.raises(ValueError, match="min_duration must be between 0 and the duration 1 s, got 2"):
+        logic.check_plan(prompt, late)
+    assert validation.repaint_range("abc", 1.0) is None and validation.repaint_range(0.8, 0.4)
+    from types import SimpleNamespace
+
+    start_input = SimpleNamespace(id="start", min=0.0, max=9.0)
+    node = SimpleNamespace(define_schema=lambda: SimpleNamespace(inputs=[start_input]))
+    assert validation.out_of_range(node, start="abc") is None and "start must be between 0 and 9" in \
+        validation.out_of_range(node, start=-1.0)

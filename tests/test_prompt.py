@@ -181,12 +181,58 @@ def test_control_strings_in_lyrics_stay_text(qwen3_setup):
 
 def test_budget_and_required_inputs(qwen3_setup):
     tok, _ = qwen3_setup
-    with pytest.raises(PromptError, match="caption and lyrics are required"):
+    with pytest.raises(PromptError, match="caption is required: say what the song sounds like"):
         build_prompt(tok, "  ", "x")
-    with pytest.raises(PromptError, match="lyrics empty"):
-        build_prompt(tok, "x", "")
     n = build_prompt(tok, "word " * 50, "la").num_tokens
     with pytest.raises(PromptError, match=f"exceeds the {n - 1} token budget: the assembled prompt has {n} tokens"):
         build_prompt(tok, "word " * 50, "la", max_tokens=n - 1)
     assert build_prompt(tok, "word " * 50, "la", max_tokens=n).num_tokens == n
     assert MAX_PROMPT_TOKENS == 5000
+
+
+def test_empty_lyrics_are_an_instrumental(qwen3_setup):
+    """Empty or blank lyrics send the section tag "[instrumental]" (as HOT-Step does; the reference
+    refuses them): the same prompt as writing the tag, and the count the editor shows is of it."""
+    from mm3.plan.prompt import INSTRUMENTAL_LYRICS, count_tokens, lyrics_sent
+
+    tok, _ = qwen3_setup
+    tagged = build_prompt(tok, "pop", INSTRUMENTAL_LYRICS)
+    for lyrics in ("", "  \n\t", None):
+        p = build_prompt(tok, "pop", lyrics)
+        assert torch.equal(p.ids, tagged.ids) and p.lyrics == "[start]\n[instrumental]"
+        assert count_tokens(tok, "pop", lyrics) == tagged.num_tokens
+        assert lyrics_sent(lyrics) == INSTRUMENTAL_LYRICS
+    assert lyrics_sent(" la ") == " la "  # lyrics with text go as written
+
+
+def test_oversized_text_is_refused_before_the_tokenizer(qwen3_setup, monkeypatch):
+    """Megabytes of caption or lyrics are refused by a bound that needs no tokenizer (no token
+    covers more than 128 characters), in bounded time: the tokenizer never sees them, and the
+    request check (run before any model loads) says the same."""
+    import time
+
+    from mm3.plan.prompt import MAX_TOKEN_CHARS, size_problem
+    from mm3.song.request import MM3Request, RequestError
+
+    tok, _ = qwen3_setup
+    assert tok.max_token_chars >= MAX_TOKEN_CHARS  # the released vocabulary's longest: 128 spaces (bytes here)
+    monkeypatch.setattr(tok, "encode", lambda *a: pytest.fail("the tokenizer saw the text"))
+    monkeypatch.setattr(tok, "encode_with_offsets", lambda *a: pytest.fail("the tokenizer saw the text"))
+    huge = "[verse]\n" + "1234567890 la la dee da ^ " * 400_000  # ~10 MB, as the editor can send
+    big = "[verse]\n" + "la " * 250_000  # 750 k characters: cleaned, then refused
+    for caption, lyrics, message in ((CAPTION_OK, huge, "lyrics is 10,400,008 characters long; a prompt of at most "
+                                      "5000 tokens holds at most 640,000 characters"),
+                                     (huge, "la", "caption is 10,400,008 characters long"),
+                                     (CAPTION_OK, big, "lyrics is too long for the 5000 token budget: 750,016 "
+                                      "characters after normalising")):
+        start = time.perf_counter()
+        with pytest.raises(PromptError, match=message):
+            build_prompt(tok, caption, lyrics)
+        with pytest.raises(RequestError, match=message):
+            MM3Request(caption=caption, lyrics=lyrics).validate()
+        assert time.perf_counter() - start < 5
+    assert size_problem("lyrics", "[verse]\nla la") is None and size_problem("caption", "pop") is None
+    assert size_problem("caption", " " * 700_000) is None  # cleaned away: nothing to refuse
+
+
+CAPTION_OK = "warm synth pop"

@@ -212,3 +212,24 @@ def test_bad_output_format_in_a_request_is_one_error_line(tiny, tmp_path, capsys
     assert rc == 2 and err.startswith("error: Invalid output_format (use: mp3, wav16, wav24, wav32)"), err
     assert "Traceback" not in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_empty_lyrics_make_an_instrumental_everywhere(tiny, tmp_path):
+    """No --lyrics, empty --lyrics and a request with empty lyrics each make the instrumental of
+    lyrics "[instrumental]" (the same file), and the replay JSON records what the model was sent;
+    rendering that JSON gives the track again."""
+    def song(name: str, *argv: str) -> Path:
+        out = tmp_path / f"{name}.wav"
+        assert cli_main(["generate", "--models", str(tiny.gguf), "--out", str(out), "--quiet", "--lm-seed", "5",
+                         "--seed", "9", *FAST, *argv]) == 0
+        assert json.loads(out.with_suffix(".json").read_text())["lyrics"] == "[instrumental]"
+        return out
+
+    request = tmp_path / "ask.json"
+    request.write_text(json.dumps({"caption": CAPTION, "lyrics": ""}))
+    tracks = [song("none", "--caption", CAPTION), song("empty", "--caption", CAPTION, "--lyrics", " \n"),
+              song("request", "--request", str(request)),
+              song("tag", "--caption", CAPTION, "--lyrics", "[instrumental]")]
+    assert len({t.read_bytes() for t in tracks}) == 1
+    assert _render(tiny.gguf, tmp_path / "none.json", tmp_path / "again.wav") == 0
+    assert (tmp_path / "again.wav").read_bytes() == tracks[0].read_bytes()

@@ -3,7 +3,8 @@
 align --request song.json --models DIR [--out song.lrc]: replays the file's codes through the LM
 (no depth decoder, no layer past the deepest one read), reads the frames' attention onto the
 lyrics at the file's `lrc_heads` (or --lrc-heads; default the released LM's) and writes the LRC,
-by default beside the file. align --discover --request a.json b.json ...: every head of every
+by default beside the file: lines the song never reached are left out, and a warning says when no
+line was timed. align --discover --request a.json b.json ...: every head of every
 layer read over those songs and ranked by how sharp, moving and monotonic its frame-to-lyric
 attention is, worst song first (`mm3.plan.lyrics_align.rank_heads`); the best heads are printed as
 an --lrc-heads value.
@@ -18,8 +19,8 @@ from pathlib import Path
 
 from ..plan.codes import count_code_frames
 from ..constants import FRAME_RATE
-from .jobs import Console, _check_targets, _match_models, _pipeline, _request_from_args, add_lrc_flags
-from ..plan.lyrics_align import HeadStats, head_scores, rank_heads, song_lrc
+from .jobs import Console, _check_targets, _match_models, _pipeline, _request_from_args, add_lrc_flags, lrc_of
+from ..plan.lyrics_align import HeadStats, head_scores, rank_heads
 from ..synth.output import FileBatch
 from ..song.request import RequestError
 
@@ -62,7 +63,7 @@ def cmd_align(args) -> int:
             song = pipe.replay(req, console.progress(), lyric_heads=heads, hiddens=False)
     finally:
         pipe.store.release_all()
-    text = song_lrc(song.codes, lead=req.lrc_lead)
+    text = lrc_of(song.codes, req.lrc_lead, out)
     timed = text.count("\n")
     with FileBatch(args.overwrite) as batch:
         batch.add(out, text.encode("utf-8"))

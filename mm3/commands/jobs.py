@@ -19,9 +19,10 @@ from pathlib import Path
 from ..constants import FORMAT_EXTENSIONS, RNG_MODES
 from ..synth.output import FileBatch, OutputError, atomic_write, render
 from ..progress import STAGES, Progress
+from ..plan.prompt import CAPTION_REQUIRED, INSTRUMENTAL_LYRICS
 from ..lora.use import parse_flag
 from ..song.request import MODEL_FIELDS, MM3Request, RequestError, check_output_format
-from ..plan.lyrics_align import LEAD_SECONDS, LyricHeads, check_lead, song_lrc
+from ..plan.lyrics_align import LEAD_SECONDS, LyricHeads, check_lead, song_lrc, untimed_warning
 from ..song.stages import replay_requests
 from ..plan.shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, PENALTIES
 
@@ -82,8 +83,8 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
         overrides["rng"] = args.rng
     overrides |= _lrc_overrides(args)
     req = replace(req, **overrides)
-    if not need_text and req.audio_codes and not (req.caption.strip() and req.lyrics.strip()):
-        raise RequestError("caption and lyrics are required")
+    if not need_text and req.audio_codes and not req.caption.strip():
+        raise RequestError(CAPTION_REQUIRED)
     return req
 
 
@@ -104,6 +105,16 @@ def _lrc_overrides(args) -> dict:
 
 def _lrc_path(path: Path) -> Path:
     return path.with_suffix(".lrc")
+
+
+def lrc_of(codes, lead: float, path: Path) -> str:
+    """The LRC text of a song's codes (`song_lrc`), with a warning on stderr where it times no line
+    (the file `path` is written all the same, empty)."""
+    text = song_lrc(codes, lead=lead)
+    warning = untimed_warning(text)
+    if warning:
+        print(f"warning: {path}: {warning}", file=sys.stderr)
+    return text
 
 
 def _format_for(out: Path, req: MM3Request, explicit: str | None) -> str:
@@ -236,7 +247,7 @@ def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool,
             batch.add(path.with_suffix(".json"), (replay_req.to_json() + "\n").encode())
             if lrc:
                 if track.song not in lrcs:
-                    lrcs[track.song] = song_lrc(track.codes, lead=req.lrc_lead).encode("utf-8")
+                    lrcs[track.song] = lrc_of(track.codes, req.lrc_lead, _lrc_path(path)).encode("utf-8")
                 batch.add(_lrc_path(path), lrcs[track.song])
             seconds = track.audio.shape[-1] / track.sample_rate
             lines.append(f"wrote {path} ({seconds:.1f} s of audio, song {track.song + 1} variation "
@@ -412,7 +423,7 @@ def cmd_plan(args) -> int:
             (replay_req,) = replay_requests(song)
             batch.add(path, (replay_req.to_json() + "\n").encode())
             if heads:
-                batch.add(_lrc_path(path), song_lrc(song.codes, lead=req.lrc_lead).encode("utf-8"))
+                batch.add(_lrc_path(path), lrc_of(song.codes, req.lrc_lead, _lrc_path(path)).encode("utf-8"))
             how = "ended by itself" if song.codes.ended_naturally else "reached the duration cap"
             lines.append(f"wrote {path}: {song.frames} frames ({song.frames / 25:.2f} s, {how}), "
                          f"lm_seed {replay_req.lm_seed}")
@@ -435,7 +446,8 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
     p.add_argument("--request", help="request JSON (minimaxmusic.cpp format); flags override its fields")
     if text:
         p.add_argument("--caption", help="the structured caption")
-        p.add_argument("--lyrics", help="the lyrics (with [tags])")
+        p.add_argument("--lyrics", help=f"the lyrics (with [tags]); left out or empty: an instrumental (the model is "
+                                        f"sent {INSTRUMENTAL_LYRICS}, which the replay JSON records)")
         p.add_argument("--caption-file", help="read the caption from a UTF-8 file")
         p.add_argument("--lyrics-file", help="read the lyrics from a UTF-8 file")
         p.add_argument("--duration", type=float, help="seconds to plan at most (default 60)")
@@ -482,7 +494,8 @@ def _common(p, *, text: bool, synth: bool, out_help: str):
                         "generator drives AR then DiT noise, as the diffusers pipeline); default: the request's "
                         "rng field, else independent")
     add_lrc_flags(p, "also write the lyric timestamps beside each " + ("song's replay JSON" if not synth else "track")
-                  + " (OUT.lrc: each lyric line's start, from the LM's attention)")
+                  + " (OUT.lrc: each lyric line's start, from the LM's attention; lines the song never reached "
+                    "are left out, and a warning says so when none was timed)")
     p.add_argument("--strict", action="store_true",
                    help="refuse a request whose model or LoRA files (named by --request) are missing or differ from "
                         "those that made it, instead of warning")

@@ -10,6 +10,13 @@ import sys
 
 from ..errors import Cancelled, InputError, MM3Error
 
+# What the command line imports from outside the standard library (requirements-cli.txt installs
+# them all); a package missing at run time is named with the command that installs it.
+CLI_PACKAGES = ("torch", "numpy", "safetensors", "gguf", "tokenizers", "lameenc", "tqdm", "huggingface_hub")
+CLI_REQUIREMENTS = "requirements-cli.txt"
+# Packages whose plain install would be wrong: each torchaudio release pins the one torch it was built for.
+PIP_COMMANDS = {"torchaudio": "python -m pip install --no-deps torchaudio==<the version of your torch>"}
+
 # Modules that register a subcommand through `add_cli(subparsers)`.
 TOOLS = ("mm3.commands.jobs", "mm3.commands.align", "mm3.tools.info", "mm3.tools.tiny", "mm3.tools.convert", "mm3.tools.quantize",
          "mm3.tools.download", "mm3.tools.kernels", "mm3.synth.codec", "mm3.commands.demo", "mm3.bench")
@@ -40,11 +47,34 @@ def _show_choices() -> None:
         choice_log.setLevel(logging.INFO)
 
 
+def missing_package(e: ModuleNotFoundError) -> str | None:
+    """The one-line message for a package that is not installed (None: a module of this engine
+    itself is missing, which is a broken checkout rather than an install to make)."""
+    name = (e.name or "").split(".")[0]
+    if not name or name == __package__:
+        return None
+    where = f" (or everything the command line needs: `python -m pip install -r {CLI_REQUIREMENTS}` in the " \
+            "pack's folder)" if name in CLI_PACKAGES else ""
+    command = PIP_COMMANDS.get(name, f"python -m pip install {name}")
+    return f"the Python package {name!r} is not installed: `{command}`{where}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 2 bad input (`InputError`: request, prompt, codes, model files, output
-    paths); 1 a run that failed (`RunError`: NaN/Inf, out of device memory, the LM ended at once);
-    130 cancelled (Ctrl+C). Every failure is one line on stderr; no output file or temporary is
-    left behind."""
+    paths) or a package that is not installed; 1 a run that failed (`RunError`: NaN/Inf, out of
+    device memory, the LM ended at once); 130 cancelled (Ctrl+C). Every failure is one line on
+    stderr; no output file or temporary is left behind."""
+    try:
+        return _run(argv)
+    except ModuleNotFoundError as e:
+        message = missing_package(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _show_choices()
     try:

@@ -74,16 +74,17 @@ class LyricHeads:
     def is_default(self) -> bool:
         return self.pairs == tuple(DEFAULT_HEADS)
 
-    def resolve(self, lm_config: dict) -> dict[int, tuple[int, ...]]:
+    def resolve(self, lm_config: dict, *, where: str = "--lrc-heads") -> dict[int, tuple[int, ...]]:
         """{layer: heads} for an LM of this config, or `LyricHeadsError` naming the first head it
-        lacks (with the LM's layer or head count)."""
+        lacks (with the LM's layer or head count); `where`: what the user names heads with (the
+        command line's flag, or a node's input)."""
         layers, heads = int(lm_config["num_hidden_layers"]), int(lm_config["num_attention_heads"])
         out: dict[int, list[int]] = {}
         for layer, head in self.pairs:
             problem = head_problem(layer, head, layers, heads)
             if problem:
-                default = " (the default heads are the released LM's; name others with --lrc-heads, or find them " \
-                          "with `align --discover`)" if self.is_default else ""
+                default = f" (the default heads are the released LM's; name others with {where}, or find them " \
+                          "with `python -m mm3 align --discover`)" if self.is_default else ""
                 raise LyricHeadsError(f"lyric head {layer}:{'*' if head is None else head}: {problem}{default}")
             out.setdefault(layer, []).extend(range(heads) if head is None else [head])
         return {layer: tuple(sorted(set(h))) for layer, h in sorted(out.items())}
@@ -175,13 +176,16 @@ def line_onsets(shares: np.ndarray) -> list[int | None]:
 def lyric_times(attention: torch.Tensor, prompt: Prompt, *, lead: float = LEAD_SECONDS,
                 frame_rate: float = FRAME_RATE) -> list[LyricTime]:
     """Every lyric line of `prompt` (section tags included) with its start in seconds: its first
-    frame / `frame_rate` + `lead`, at least 0."""
+    frame / `frame_rate` + `lead`, at least 0. A line the song never reached has None: the path
+    ended before it, or its start with the lead falls at or after the song's end (frames /
+    `frame_rate`), so every time given lies inside the song."""
     if attention.ndim != 2 or attention.shape[1] != prompt.lyric_span[1] - prompt.lyric_span[0]:
         raise ValueError(f"lyric attention {list(attention.shape)} does not fit the prompt's "
                          f"{prompt.lyric_span[1] - prompt.lyric_span[0]} lyric tokens")
     onsets = line_onsets(line_shares(attention, prompt))
-    return [LyricTime(line, None if f is None else max(0.0, f / frame_rate + lead))
-            for line, f in zip(prompt.lines, onsets)]
+    end = attention.shape[0] / frame_rate
+    seconds = [None if f is None else max(0.0, f / frame_rate + lead) for f in onsets]
+    return [LyricTime(line, t if t is not None and t < end else None) for line, t in zip(prompt.lines, seconds)]
 
 
 def lrc_stamp(seconds: float) -> str:
@@ -192,7 +196,8 @@ def lrc_stamp(seconds: float) -> str:
 
 
 def lrc_text(times: list[LyricTime]) -> str:
-    """LRC lines "[mm:ss.xx]text" for every timed line but the prepended "[start]"."""
+    """LRC lines "[mm:ss.xx]text" for every timed line but the prepended "[start]"; the lines the
+    song never reached (`lyric_times`) are left out."""
     out = [f"{lrc_stamp(t.seconds)}{t.line.text}\n" for i, t in enumerate(times)
            if t.seconds is not None and not (i == 0 and t.line.text == "[start]")]
     return "".join(out)
@@ -203,6 +208,16 @@ def song_lrc(codes, *, lead: float = LEAD_SECONDS, frame_rate: float = FRAME_RAT
     if codes.lyric_attention is None or codes.prompt is None:
         raise ValueError("these codes carry no lyric attention: replay them with lyric heads first")
     return lrc_text(lyric_times(codes.lyric_attention, codes.prompt, lead=lead, frame_rate=frame_rate))
+
+
+def untimed_warning(lrc: str, *, where: str = "--lrc-heads") -> str | None:
+    """What to say when an LRC times no line at all (it is written, empty), or None. `where`: what
+    the user names heads with."""
+    if lrc.strip():
+        return None
+    return ("no lyric line was timed, so the LRC is empty: the song ended before its first line, or the heads do "
+            "not follow these lyrics (random weights such as the tiny model's, or another LM's heads: name its own "
+            f"with {where}; `python -m mm3 align --discover` finds them)")
 
 
 # -- finding heads --------------------------------------------------------------------------------

@@ -37,6 +37,47 @@ class PromptError(InputError):
     """The caption or lyrics cannot make a prompt (empty, not text, or over the token budget)."""
 
 
+# Empty lyrics make an instrumental: the model is sent this section tag instead, as HOT-Step sends
+# (the reference refuses empty lyrics; the official demos mark instrumental passages with it).
+INSTRUMENTAL_LYRICS = "[instrumental]"
+CAPTION_REQUIRED = "caption is required: say what the song sounds like (empty lyrics make an instrumental)"
+
+
+# No token of the released vocabulary covers more than 128 characters (its longest is a run of 128
+# spaces), so MAX_PROMPT_TOKENS tokens hold at most MAX_PROMPT_TOKENS * 128 characters of cleaned
+# caption and normalised lyrics. Raw text past RAW_TEXT_FACTOR times that is refused without even
+# being cleaned: the check stays bounded in time and memory whatever arrives.
+MAX_TOKEN_CHARS = 128
+RAW_TEXT_FACTOR = 4
+
+
+def size_problem(name: str, text: str, *, max_tokens: int = MAX_PROMPT_TOKENS,
+                 token_chars: int = MAX_TOKEN_CHARS) -> str | None:
+    """Why `text` (the caption, or the lyrics: `name`) cannot fit a prompt of `max_tokens` tokens,
+    judged without the tokenizer, or None. A cheap bound, before the tokenizer sees megabytes: the
+    cleaned caption / normalised lyrics hold more characters than `max_tokens` tokens of at most
+    `token_chars` characters each can cover. Text that passes may still be over the budget; the
+    token count after tokenizing says so (`build_prompt`)."""
+    if not isinstance(text, str):
+        return None
+    limit = max_tokens * token_chars
+    if len(text) > RAW_TEXT_FACTOR * limit:
+        return (f"{name} is {len(text):,} characters long; a prompt of at most {max_tokens} tokens holds at most "
+                f"{limit:,} characters: shorten it")
+    n = len(clean_caption(text) if name == "caption" else normalize_lyrics(lyrics_sent(text)))
+    if n > limit:
+        return (f"{name} is too long for the {max_tokens} token budget: {n:,} characters after "
+                f"{'cleaning' if name == 'caption' else 'normalising'}, and {max_tokens} tokens hold at most "
+                f"{limit:,} (no token covers more than {token_chars}): shorten it")
+    return None
+
+
+def lyrics_sent(lyrics) -> str:
+    """The lyrics the model is given: `lyrics` as written, or `INSTRUMENTAL_LYRICS` where they are
+    empty or blank. What is sent is what a replay request records."""
+    return lyrics if isinstance(lyrics, str) and lyrics.strip() else INSTRUMENTAL_LYRICS
+
+
 # Refused in a caption or lyrics: unpaired surrogates, and C0/C1 control characters except the
 # whitespace the cleaning rules know about (tab, newline, carriage return).
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -260,19 +301,20 @@ def lyric_lines(lyrics: str, offsets: list[tuple[int, int]], first: int) -> tupl
 def count_tokens(tokenizer: MM3Tokenizer, caption: str, lyrics: str) -> int:
     """Tokens of the prompt `build_prompt` would assemble (no checks: for a count while typing)."""
     return len(_assemble(tokenizer, tokenizer.encode(clean_caption(caption or "")),
-                         tokenizer.encode(normalize_lyrics(lyrics or ""))))
+                         tokenizer.encode(normalize_lyrics(lyrics_sent(lyrics)))))
 
 
 def build_prompt(tokenizer: MM3Tokenizer, caption: str, lyrics: str, *,
                  max_tokens: int = MAX_PROMPT_TOKENS) -> Prompt:
-    """Clean, normalise, assemble and tokenize; raises `PromptError` for an empty caption or lyrics
-    (as the reference) or a prompt longer than `max_tokens`."""
-    missing = [name for name, v in (("caption", caption), ("lyrics", lyrics))
-               if not isinstance(v, str) or not v.strip()]
-    if missing:
-        raise PromptError(f"caption and lyrics are required ({' and '.join(missing)} empty)")
+    """Clean, normalise, assemble and tokenize; empty lyrics are an instrumental (`lyrics_sent`).
+    Raises `PromptError` for an empty caption or a prompt longer than `max_tokens`."""
+    if not isinstance(caption, str) or not caption.strip():
+        raise PromptError(CAPTION_REQUIRED)
+    lyrics = lyrics_sent(lyrics)
     for name, text in (("caption", caption), ("lyrics", lyrics)):
-        problem = text_problem(name, text, controls=False)  # control characters pass: the reference keeps them
+        # control characters pass (the reference keeps them); megabytes stop before the tokenizer
+        problem = text_problem(name, text, controls=False) or size_problem(
+            name, text, max_tokens=max_tokens, token_chars=tokenizer.max_token_chars)
         if problem:
             raise PromptError(problem)
     cap, lyr = clean_caption(caption), normalize_lyrics(lyrics)

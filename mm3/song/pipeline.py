@@ -36,7 +36,7 @@ from ..lora.use import check_entries, use_of
 from .numerics import FAST, Numerics
 from ..files.opener import read_component
 from ..progress import Cancelled, Progress
-from ..plan.prompt import Prompt, PromptError, build_prompt
+from ..plan.prompt import Prompt, PromptError, build_prompt, lyrics_sent
 from ..files.registry import Registry
 from .request import MODEL_FIELDS, MM3Request, RequestError, model_mismatch
 from ..plan.sampling import make_generator
@@ -312,7 +312,9 @@ class Pipeline:
             raise RequestError(str(e)) from None
 
     def prompt_text(self, request: MM3Request) -> PromptText:
-        return PromptText(self.prompt(request), request.caption, request.lyrics, self.model_file("lm", request))
+        """The prompt and the texts its replay requests record: the lyrics sent (`lyrics_sent`)."""
+        return PromptText(self.prompt(request), request.caption, lyrics_sent(request.lyrics),
+                          self.model_file("lm", request))
 
     def model_file(self, kind: str, request: MM3Request) -> ModelFile:
         """The file `request` names for `kind`, as a stage records it."""

@@ -154,12 +154,13 @@ class MM3Request:
         """Check the request; returns it unchanged. The prompt-token budget and the model names
         need the LM and the models folder, so the pipeline checks those."""
         self._check_types()
-        if not self.caption.strip() or not self.lyrics.strip():
-            raise RequestError("caption and lyrics are required")
-        from ..plan.prompt import text_problem
+        from ..plan.prompt import CAPTION_REQUIRED, size_problem, text_problem
+
+        if not self.caption.strip():
+            raise RequestError(CAPTION_REQUIRED)
 
         for name in ("caption", "lyrics"):
-            problem = text_problem(name, getattr(self, name))
+            problem = text_problem(name, getattr(self, name)) or size_problem(name, getattr(self, name))
             if problem:
                 raise RequestError(problem)
         if not (self.duration > 0):

@@ -16,7 +16,6 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..formats.diffusers import DIFFUSERS_DEFAULTS
 from .convert import COMPONENTS, convert, expected_tensors
@@ -289,6 +288,8 @@ def build_tiny(out_dir, *, seed: int = 0, vocab: str = "small", with_gguf: bool 
               **(sizes or {}).get("language_model", {})}
     _write_json(root / "language_model" / "config.json", lm_cfg)
     lm = _lm_weights(lm_cfg, gen, code_offset, special_ids["<|audio_end|>"])
+    from safetensors.torch import save_file  # here, so the command line's --help runs without it
+
     save_file(lm, root / "language_model" / "model.safetensors", metadata={"format": "pt"})
 
     weights = {}
