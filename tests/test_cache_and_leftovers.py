@@ -150,3 +150,25 @@ def test_a_killed_builds_temporaries_are_removed_by_the_next_build(tmp_path):
     assert built.stdout.strip() == "True", built.stderr
     assert not any(p.exists() for p in left)
     assert [p.suffix for p in (cache / "native").iterdir()] == [".so"]
+
+
+KILLED_AT_COMMIT = """
+import os, sys
+from mm3 import output
+from mm3.cli import main
+output.FileBatch.commit = lambda self: os.kill(os.getpid(), 9)  # killed with every file staged
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_batch_killed_mid_write_leaves_nothing_after_the_next_run(tiny, tmp_path):
+    """kill -9 with a batch's files written under temporary names: the next run into that folder
+    removes them (their process is gone) and writes its own files."""
+    out = tmp_path / "out"
+    args = ["generate", "--models", str(tiny.gguf), *SONG, "--out", str(out / "song.wav")]
+    killed = run(args, tmp_path / "cache", tmp_path, KILLED_AT_COMMIT)
+    assert killed.returncode == -9
+    assert len([p for p in out.iterdir() if p.name.endswith(".part")]) == 2  # the song and its replay JSON
+    done = run(args, tmp_path / "cache", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["song.json", "song.wav"]
