@@ -4,6 +4,8 @@ warned about; the temporaries of a killed run are removed by the next; an unread
 called unreadable. Runs go through the command line in a process of their own where the engine's
 once-a-process state (the kernel library, the warning) is what is tested."""
 
+import builtins
+import errno
 import json
 import logging
 import os
@@ -15,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from mm3 import cpu_choice
+from mm3.cli import main as cli_main
 from mm3.gguf import cpu_native
+from mm3.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 SONG = ["--caption", "a", "--lyrics", "b", "--duration", "2", "--steps", "2", "--seed", "1", "--lm-seed", "1",
@@ -172,3 +176,41 @@ def test_a_batch_killed_mid_write_leaves_nothing_after_the_next_run(tiny, tmp_pa
     done = run(args, tmp_path / "cache", tmp_path)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["song.json", "song.wav"]
+
+
+# -- files that cannot be read -----------------------------------------------------------------------
+@pytest.fixture
+def denied(monkeypatch):
+    """Opening the paths added to the returned set fails as a file without read permission does
+    (as root a chmod cannot make a file unreadable)."""
+    paths: set[str] = set()
+    real = builtins.open
+
+    def guarded(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)) and os.path.abspath(file) in paths:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+    return paths
+
+
+def test_info_on_a_file_that_cannot_be_read_says_so(tiny, denied, capsys):
+    path = tiny.file("mm3-vae")
+    denied.add(os.path.abspath(path))
+    assert cli_main(["info", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {path}: cannot be read (Permission denied)"]
+
+
+def test_auto_warns_when_it_skips_a_file_that_cannot_be_read(tiny, tmp_path, denied, caplog):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for p in tiny.gguf.glob("*.gguf"):
+        (folder / p.name).symlink_to(p)
+    (folder / "other-vocoder.gguf").write_bytes(tiny.file("mm3-vae").read_bytes())
+    denied.add(str(folder / "other-vocoder.gguf"))
+    with caplog.at_level(logging.WARNING, logger="mm3.registry"):
+        chosen = Registry.scan(folder).resolve("vae", "auto")
+    assert Path(chosen).name == tiny.file("mm3-vae").name
+    assert (f"MM3: auto skips other-vocoder.gguf, as it cannot be read (Permission denied); using "
+            f"{Path(chosen).name}") in caplog.text
