@@ -214,3 +214,89 @@ def test_auto_warns_when_it_skips_a_file_that_cannot_be_read(tiny, tmp_path, den
     assert Path(chosen).name == tiny.file("mm3-vae").name
     assert (f"MM3: auto skips other-vocoder.gguf, as it cannot be read (Permission denied); using "
             f"{Path(chosen).name}") in caplog.text
+
+
+# -- a model file changed while in use ---------------------------------------------------------------
+CHANGED_IN_AR = """
+import os, sys
+from mm3 import jobs_cli
+from mm3.cli import main
+
+target, how = sys.argv[1], sys.argv[2]
+real, done = jobs_cli.Console.on_progress, []
+
+def on_progress(self, stage, *a):
+    if stage == "ar" and not done:  # the LM's first frame planned: its file changes under the mapping
+        done.append(stage)
+        size = os.path.getsize(target)
+        if how == "cut short":
+            os.truncate(target, size // 2)
+        elif how == "rewritten":
+            with open(target, "r+b") as f:
+                f.seek(size - 65536)
+                f.write(bytes(65536))
+        else:  # a new file renamed over it: the mapped one is intact
+            with open(target, "rb") as f, open(target + ".new", "wb") as g:
+                g.write(f.read())
+            os.replace(target + ".new", target)
+    real(self, stage, *a)
+
+jobs_cli.Console.on_progress = on_progress
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("how", ["cut short", "rewritten", "replaced"])
+def test_a_model_file_changed_in_place_while_in_use_is_an_error_for_the_run(tiny, tmp_path, how):
+    """The LM's file cut short or rewritten in place during planning: the run stops with one line
+    naming the file (it ended in SIGBUS, or went on over the changed weights), nothing written; a
+    file replaced by a rename leaves the mapped one intact, and the run completes."""
+    import shutil
+
+    models = tmp_path / "models"
+    models.mkdir()
+    for p in tiny.gguf.glob("*.gguf"):
+        shutil.copy(p, models)
+    lm = next(models.glob("*language_model*.gguf"))
+    size = lm.stat().st_size
+    out = tmp_path / "out"
+    done = run([str(lm), how, "generate", "--models", str(models), *SONG, "--out", str(out / "song.wav")],
+               tmp_path / "cache", tmp_path, CHANGED_IN_AR)
+    if how == "replaced":
+        assert done.returncode == 0, done.stderr
+        return
+    now = f"{size} bytes, now {size // 2}" if how == "cut short" else f"still {size} bytes"
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"error: {lm} changed on disk while in use ({now}): the run stopped; write a new model file beside it "
+        "and rename it over the old one, never into it; nothing was written")
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_a_kept_model_whose_file_changed_between_runs_is_an_error_then_read_again(tiny, tmp_path):
+    """A pipeline keeping its models loaded (as ComfyUI does) whose DiT file is rewritten in place
+    between runs: the next run stops before the DiT reads it, with every model released, and the run
+    after reads the file anew."""
+    import shutil
+
+    from mm3.filewatch import FileChanged
+    from mm3.pipeline import Pipeline
+    from mm3.request import MM3Request
+
+    models = tmp_path / "models"
+    models.mkdir()
+    for p in tiny.gguf.glob("*.gguf"):
+        shutil.copy(p, models)
+    dit = next(models.glob("*transformer*.gguf"))
+    pipe = Pipeline(models, device="cpu", keep_loaded=True)
+    req = MM3Request(caption="a", lyrics="b", duration=0.5, steps=2, seed=3, lm_seed=3)
+    pipe.run(req)
+    with open(dit, "r+b") as f:  # the same bytes written again: the file's time changes
+        f.seek(-4096, os.SEEK_END)
+        block = f.read()
+        f.seek(-4096, os.SEEK_END)
+        f.write(block)
+    with pytest.raises(FileChanged, match=rf"^{dit} changed on disk while in use \(still \d+ bytes\)"):
+        pipe.run(req)
+    assert pipe.store.resident() == []
+    assert pipe.run(req)[0].audio.shape[-1] > 0
