@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -280,12 +281,16 @@ def _load_built(openmp: bool):
     """The library built with or without OpenMP, loaded; a cached one that does not load (cut
     short, damaged) is built again once, with a warning, before the build without OpenMP (one
     thread) is tried."""
+    start = time.time()
     path = build(openmp=openmp)
     if path is None:
         return None
     try:
         return _load_once(path)
     except OSError as e:
+        if _built_since(path, start):  # built just now: building again would not help
+            log.info("cannot load the CPU integer kernel %s (%s)", path.name, e)
+            return None
         log.warning("the CPU integer kernel %s does not load (%s): building it again", path, e)
     path = build(openmp=openmp, again=True)
     if path is None:
@@ -295,6 +300,13 @@ def _load_built(openmp: bool):
     except OSError as e:
         log.warning("cannot load the CPU integer kernel %s (%s)", path, e)
         return None
+
+
+def _built_since(path: Path, start: float) -> bool:
+    try:
+        return path.stat().st_mtime >= start - 1
+    except OSError:
+        return True
 
 
 def _load_once(path: Path):
