@@ -5,7 +5,7 @@ in place (not replaced by a rename: that leaves the mapped version intact) shows
 mapping, and one cut short faults the process (SIGBUS) at the first read past its new end. So every
 mapping is recorded with its file's identity (device, inode, size, mtime), and `check(path)` turns a
 change of that file into a `FileChanged` error for the run: before a model is built, before each
-stage and between its units (`mm3.stages`).
+stage and between its units (`mm3.song.stages`).
 
 What this cannot cover: a file cut short while a unit of work (an AR frame, a DiT step, a vocoder
 window) reads it still faults before the next check; that needs the file to be replaced, not

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from mm3 import cpu_choice
-from mm3.cli import main as cli_main
-from mm3.gguf import cpu_native
-from mm3.registry import Registry
+from mm3.backends.cpu import choice as cpu_choice
+from mm3.commands.main import main as cli_main
+from mm3.backends.cpu import native as cpu_native
+from mm3.files.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 SONG = ["--caption", "a", "--lyrics", "b", "--duration", "2", "--steps", "2", "--seed", "1", "--lm-seed", "1",
@@ -78,12 +78,12 @@ def test_a_damaged_cached_library_is_built_again(tmp_path, damage):
     """A cached kernel library emptied or overwritten is built again under its name; never the
     silent fall back to the one-thread build."""
     cache = tmp_path / "cache"
-    built = run([], cache, tmp_path, "from mm3.gguf import cpu_native; print(cpu_native.build())")
+    built = run([], cache, tmp_path, "from mm3.formats.gguf import cpu_native; print(cpu_native.build())")
     path = Path(built.stdout.strip())
     assert built.returncode == 0 and path.parent == cache / "native"
     path.write_bytes(damage)
     aged(path)  # damaged some time ago (a library built just now that does not load is not built again)
-    again = run([], cache, tmp_path, "from mm3.gguf import cpu_native; print(cpu_native.available())")
+    again = run([], cache, tmp_path, "from mm3.formats.gguf import cpu_native; print(cpu_native.available())")
     assert again.returncode == 0 and again.stdout.strip() == "True", again.stderr
     assert path.stat().st_size > 1000 and list((cache / "native").glob("*.so")) == [path]
     if damage:
@@ -100,7 +100,7 @@ def write_record(cache: Path, entry) -> None:
 def test_a_cached_thread_count_out_of_range_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog, threads):
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
     write_record(tmp_path, {"forms": {"lm": "int4"}, "threads": threads})
-    with caplog.at_level(logging.WARNING, logger="mm3.cpu_choice"):
+    with caplog.at_level(logging.WARNING, logger="mm3.backends.cpu.choice"):
         assert cpu_choice.cached("k") is None
     assert f"(threads {threads}" in caplog.text and "timing again" in caplog.text
     write_record(tmp_path, {"forms": {"lm": "int4"}, "threads": 1})
@@ -110,7 +110,7 @@ def test_a_cached_thread_count_out_of_range_is_ignored_with_a_warning(tmp_path, 
 def test_a_cache_record_that_is_a_folder_leaves_no_temporary(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
     (tmp_path / cpu_choice.CACHE_NAME).mkdir()
-    with caplog.at_level(logging.WARNING, logger="mm3.cpu_choice"):
+    with caplog.at_level(logging.WARNING, logger="mm3.backends.cpu.choice"):
         for _ in range(2):
             cpu_choice.store("k", cpu_choice.Choice({"lm": "int4"}, 1))
     assert sorted(p.name for p in tmp_path.iterdir()) == [cpu_choice.CACHE_NAME]
@@ -151,7 +151,7 @@ def test_a_killed_builds_temporaries_are_removed_by_the_next_build(tmp_path):
     left[1].mkdir()
     (left[1] / ".integer_product-0123.tmp").write_bytes(b"\x7fELF")
     aged(left[1])
-    built = run([], cache, tmp_path, "from mm3.gguf import cpu_native; print(cpu_native.available())")
+    built = run([], cache, tmp_path, "from mm3.formats.gguf import cpu_native; print(cpu_native.available())")
     assert built.stdout.strip() == "True", built.stderr
     assert not any(p.exists() for p in left)
     assert [p.suffix for p in (cache / "native").iterdir()] == [".so"]
@@ -160,7 +160,7 @@ def test_a_killed_builds_temporaries_are_removed_by_the_next_build(tmp_path):
 KILLED_AT_COMMIT = """
 import os, sys
 from mm3 import output
-from mm3.cli import main
+from mm3.commands.main import main
 output.FileBatch.commit = lambda self: os.kill(os.getpid(), 9)  # killed with every file staged
 sys.exit(main(sys.argv[1:]))
 """
@@ -210,7 +210,7 @@ def test_auto_warns_when_it_skips_a_file_that_cannot_be_read(tiny, tmp_path, den
         (folder / p.name).symlink_to(p)
     (folder / "other-vocoder.gguf").write_bytes(tiny.file("mm3-vae").read_bytes())
     denied.add(str(folder / "other-vocoder.gguf"))
-    with caplog.at_level(logging.WARNING, logger="mm3.registry"):
+    with caplog.at_level(logging.WARNING, logger="mm3.files.registry"):
         chosen = Registry.scan(folder).resolve("vae", "auto")
     assert Path(chosen).name == tiny.file("mm3-vae").name
     assert (f"MM3: auto skips other-vocoder.gguf, as it cannot be read (Permission denied); using "
@@ -221,7 +221,7 @@ def test_auto_warns_when_it_skips_a_file_that_cannot_be_read(tiny, tmp_path, den
 CHANGED_IN_AR = """
 import os, sys
 from mm3 import jobs_cli
-from mm3.cli import main
+from mm3.commands.main import main
 
 target, how = sys.argv[1], sys.argv[2]
 real, done = jobs_cli.Console.on_progress, []
@@ -281,8 +281,8 @@ def test_a_kept_model_whose_file_changed_between_runs_is_an_error_then_read_agai
     import shutil
 
     from mm3.filewatch import FileChanged
-    from mm3.pipeline import Pipeline
-    from mm3.request import MM3Request
+    from mm3.song.pipeline import Pipeline
+    from mm3.song.request import MM3Request
 
     models = tmp_path / "models"
     models.mkdir()

@@ -11,7 +11,7 @@ import torch
 
 from ..components import DESCRIPTIONS, Component, check_loadable
 from ..filewatch import check
-from ..gguf.errors import ComponentError, GGUFFormatError
+from ..formats.gguf.errors import ComponentError, GGUFFormatError
 
 
 def _loader(kind: str):
@@ -52,5 +52,5 @@ def build_model(component: Component, *, numerics: str = "fast", with_encoder: b
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RuntimeError) as e:
         raise ComponentError(f"{component.path}: cannot build the {DESCRIPTIONS[component.kind]} from this file "
                              f"({type(e).__name__}: {e})") from e
-    model.source_file = component.path  # whose mapping the weights stay views of (`mm3.stages.watched`)
+    model.source_file = component.path  # whose mapping the weights stay views of (`mm3.song.stages.watched`)
     return model.eval()
