@@ -197,3 +197,70 @@ def test_auto_encodes_with_a_file_that_carries_the_encoder(models, decoder_only,
     out = tmp_path / "a.safetensors"
     assert main(["encode", str(tmp_path / "a.wav"), str(out), "--models", str(folder), "--quiet", *CPU]) == 0
     assert load_latents(out)[1]["vocoder"] == "b_with_encoder.gguf"
+
+
+def write_float_wav(path, x: np.ndarray, rate: int = RATE):
+    """32-bit IEEE float WAV of planar [C, T], the samples as given (NaN and Inf too)."""
+    import struct
+
+    data = np.ascontiguousarray(x.T, dtype="<f4").tobytes()
+    channels, block = x.shape[0], 4 * x.shape[0]
+    header = b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE"
+    header += b"fmt " + struct.pack("<IHHIIHH", 16, 3, channels, rate, rate * block, block, 32)
+    path.write_bytes(header + b"data" + struct.pack("<I", len(data)) + data)
+
+
+@pytest.mark.parametrize("value, at, channel", [(np.nan, 22050, 1), (np.inf, 100, 0), (-np.inf, 44099, 1)])
+def test_encode_refuses_non_finite_samples_naming_where(models, tmp_path, capsys, value, at, channel):
+    """NaN or Inf in a float recording: refused with its time, sample and channel, nothing written
+    (they gave NaN latents, and a decode of them silence, both with exit 0)."""
+    x = np.stack([tone(1.0), tone(1.0, freq=220.0)])
+    x[channel, at] = value
+    write_float_wav(tmp_path / "a.wav", x)
+    out = tmp_path / "a.safetensors"
+    assert main(["encode", str(tmp_path / "a.wav"), str(out), "--models", str(models), *CPU]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: the recording has a non-finite sample ({value}) at {at / RATE:.3f} s (sample {at} of channel "
+        f"{channel}); 1 in all: repair or trim it"]
+    assert not out.exists()
+
+
+def test_the_encoders_own_entry_refuses_non_finite_audio(models):
+    """The node's path (`encode_audio` on audio in memory) refuses it too, before the encoder runs."""
+    from mm3.synth.audio import encode_audio
+    from mm3.errors import InputError
+
+    vocoder = build_model(open_component(next(models.glob("*.gguf")), expect="vae"), with_encoder=True)
+    audio = torch.zeros(2, 1000)
+    audio[0, 10] = float("nan")
+    with pytest.raises(InputError, match=r"non-finite sample \(nan\) at 0\.000 s \(sample 10 of channel 0\)"):
+        encode_audio(vocoder, audio, RATE)
+
+
+@pytest.mark.parametrize("reader", ["PyAV", "the standard library"])
+def test_encode_refuses_a_two_hour_recording_before_reading_it(models, tmp_path, capsys, monkeypatch, reader):
+    """A 2-hour WAV (sparse: its header and no disk) is refused from its header, naming the limit,
+    before its samples are read (it ended out of memory)."""
+    import builtins
+    import struct
+    import time
+
+    if reader != "PyAV":
+        real = builtins.__import__
+        monkeypatch.setattr(builtins, "__import__",
+                            lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name)) if name == "av" else
+                            real(name, *a, **k))
+    seconds, block = 2 * 3600, 4
+    data = seconds * RATE * block
+    path = tmp_path / "long.wav"
+    with open(path, "wb") as f:
+        f.write(b"RIFF" + struct.pack("<I", 36 + data) + b"WAVE" + b"fmt " +
+                struct.pack("<IHHIIHH", 16, 1, 2, RATE, RATE * block, block, 16) + b"data" + struct.pack("<I", data))
+        f.truncate(44 + data)
+    out = tmp_path / "long.safetensors"
+    start = time.perf_counter()
+    assert main(["encode", str(path), str(out), "--models", str(models), *CPU]) == 2
+    assert time.perf_counter() - start < 30
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {path} is 7200 s long; the encoder takes at most 720 s (twice the longest song): trim it"]
+    assert not out.exists()

@@ -269,3 +269,33 @@ def test_a_present_but_unusable_file_is_fetched_again(tmp_path, hub):
     fetch(hub, folder, replace=(name,), log=said.append)
     assert (folder / name).read_bytes() == hub.files[name]
     assert f"{name}: present but unusable, fetching it again" in said
+
+
+def test_a_second_download_into_the_same_folder_is_refused_clearly(tmp_path, hub):
+    """Two downloads of one set into one folder at once (two commands, or the sidebar and a
+    command): the second is refused with a message saying so, never a raw errno or a file both
+    wrote into; the first completes with every file verified."""
+    import threading
+
+    name = file_names("light")[0]
+    big_first(hub, name)
+    started, release = threading.Event(), threading.Event()
+
+    def hold(n, done, total):
+        if n == name and done and not started.is_set():  # the first chunk written: wait here
+            started.set()
+            assert release.wait(30)
+
+    first: dict = {}
+    worker = threading.Thread(target=lambda: first.setdefault("paths", fetch(hub, tmp_path, progress=hold)))
+    worker.start()
+    try:
+        assert started.wait(30)
+        with pytest.raises(DownloadError, match=rf"^{name}: another download is fetching it into {tmp_path} now; "
+                                                "let that one finish \\(or stop it\\), then run again$"):
+            fetch(hub, tmp_path)
+    finally:
+        release.set()
+        worker.join(30)
+    assert [p.read_bytes() for p in first["paths"]] == [hub.files[n] for n in file_names("light")]
+    assert not list(tmp_path.glob("*.part"))

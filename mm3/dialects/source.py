@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
+from ..filewatch import watch
 from ..formats.gguf.errors import GGUFFormatError
 from ..formats.gguf.reader import GGUF_MAGIC, CompressedTensor, GGUFFile
 
@@ -79,6 +80,7 @@ class Source:
             if not header_only:
                 with open(self.path, "rb") as f:
                     self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                    watch(self.path, f.fileno(), self._map)
         else:
             raise GGUFFormatError(f"{self.path}: neither a GGUF nor a safetensors file")
 

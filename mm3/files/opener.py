@@ -81,6 +81,8 @@ def open_component(path: str | os.PathLike, expect: str | None = None, *, header
         if fmt == "gguf":
             raise ComponentError(f"{path}: unknown architecture {arch!r} (expected one of {', '.join(ARCHITECTURES)}, "
                                  "or a ComfyUI or HOT-Step MiniMax Music 3 file)")
+        if why := read_error(path):  # not a file of another format: one that cannot be opened
+            raise GGUFFormatError(f"{path}: {why}")
         raise GGUFFormatError(f"{path}: not a GGUF file, nor a safetensors file in a known MiniMax Music 3 layout")
     what, kinds = found
     kind = expect or kinds[0]
@@ -94,6 +96,16 @@ def open_component(path: str | os.PathLike, expect: str | None = None, *, header
     except BaseException:
         f.close()
         raise
+
+
+def read_error(path) -> str:
+    """Why `path` cannot be read (the system's reason: permission denied, a folder), "" where it can."""
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+        return ""
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
 
 
 def read_component(path: str | os.PathLike, expect: str | None = None) -> Component:

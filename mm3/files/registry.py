@@ -13,7 +13,7 @@ from ..components import ARCH_OF, DESCRIPTIONS, KINDS, check_loadable, is_full_s
 from ..filecache import FileCache
 from ..formats.gguf.errors import ComponentError, GGUFFormatError
 from ..formats.gguf.reader import read_architecture
-from .opener import kinds_of, read_component
+from .opener import kinds_of, read_component, read_error
 
 AUTO = "auto"  # a model name that lets the engine choose the file (`pick_file`)
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class Registry:
     buckets: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
     paths: dict[str, str] = field(default_factory=dict)  # file name -> full path
     foreign: list[tuple[str, str]] = field(default_factory=list)
+    unreadable: list[tuple[str, str, str]] = field(default_factory=list)  # name, path, why it cannot be read
     memory: int | None = None  # bytes a chosen file may take (the device's memory), None: no limit
 
     @classmethod
@@ -139,8 +140,11 @@ class Registry:
                     continue  # the first folder wins, as with ComfyUI's model paths
                 kinds = kinds_of(p)
                 if not kinds:
-                    if p.suffix == ".gguf":  # other safetensors are other models: not worth a line
-                        reg.foreign.append((name, _why_not(p)))
+                    denied = read_error(p)
+                    if denied:  # it may be a component: `auto` says it skipped it
+                        reg.unreadable.append((name, str(p), denied))
+                    if p.suffix == ".gguf" or denied:  # other safetensors are other models: not worth a line
+                        reg.foreign.append((name, denied or _why_not(p)))
                     continue
                 for kind in kinds:  # another tool's file may hold several components
                     reg.buckets[kind].append(name)
@@ -182,7 +186,9 @@ class Registry:
                     skipped += f" (and {len(self.foreign) - 5} more)"
                 raise ComponentError(
                     f"no {ARCH_OF[kind]} ({DESCRIPTIONS[kind]}) file in {where}{note}{skipped}")
-            return pick_usable([self.paths[n] for n in names], self.memory, kind, {self.paths[n]: n for n in names})
+            chosen = pick_usable([self.paths[n] for n in names], self.memory, kind, {self.paths[n]: n for n in names})
+            self._warn_unreadable(self.name_of(chosen))
+            return chosen
         found = self.find(kind, name)  # a bare file name also finds a file in a subfolder
         if found is not None:
             return found
@@ -199,6 +205,19 @@ class Registry:
         listing = ", ".join(names) if names else "none"
         raise ComponentError(
             f"unknown {ARCH_OF[kind]} model {name!r} in {where}{note} (available: {listing})")
+
+    def _warn_unreadable(self, chosen: str) -> None:
+        """One warning per unreadable file (and version) of the folders: `auto` could not know
+        whether it was the better file."""
+        for name, path, why in self.unreadable:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            key = (os.path.abspath(path), "unreadable", st.st_size, st.st_mtime_ns)
+            if key not in _WARNED:
+                _WARNED.add(key)
+                log.warning("MM3: auto skips %s, as it %s; using %s", name, why, chosen)
 
     def report(self) -> str:
         lines = []

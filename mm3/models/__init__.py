@@ -11,6 +11,7 @@ import torch
 
 from .. import backends  # noqa: F401  (installs the back ends' binder: every model's products come from it)
 from ..components import DESCRIPTIONS, Component, check_loadable
+from ..filewatch import check
 from ..formats.gguf.errors import ComponentError, GGUFFormatError
 
 
@@ -38,6 +39,7 @@ def build_model(component: Component, *, numerics: str = "fast", with_encoder: b
     implausible sizes are refused before anything is built, and what the model classes raise about
     inconsistent hyper-parameters (heads that do not divide the width, ...) is re-raised as one."""
     check_loadable(component)
+    check(component.path)  # its tensors are read now: a file changed since it was opened is refused
     load = _loader(component.kind)
     try:
         if component.kind in ("lm", "depth"):
@@ -51,4 +53,5 @@ def build_model(component: Component, *, numerics: str = "fast", with_encoder: b
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RuntimeError) as e:
         raise ComponentError(f"{component.path}: cannot build the {DESCRIPTIONS[component.kind]} from this file "
                              f"({type(e).__name__}: {e})") from e
+    model.source_file = component.path  # whose mapping the weights stay views of (`mm3.song.stages.watched`)
     return model.eval()

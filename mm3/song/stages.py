@@ -18,6 +18,7 @@ from ..plan.ar import PlanSettings, plan
 from ..synth.audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, encode_audio, stitch, stitch_piece
 from ..plan.codes import AudioCodes
 from ..components import MODEL_FIELDS, check_compatible
+from ..filewatch import check
 from ..weights.layers import set_many_rows_bf16
 from ..synth.flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents, windows_from_timeline
 from ..plan.lyrics_align import LyricHeads
@@ -262,6 +263,23 @@ def set_ar_numerics(lm_model, depth_model, numerics: Numerics, *, device, dtype:
     set_many_rows_bf16([lm_model, depth_model], numerics.many_rows_bf16(device, dtype, lm_model))
 
 
+def watched(progress: Progress | None, *models) -> Progress:
+    """`progress` for a stage that reads `models`: whether a file they were built from (and still
+    map) was rewritten in place is checked now, before the stage, and at every poll between its
+    units, ending the stage with `FileChanged` (`mm3.filewatch`) instead of a fault or garbage."""
+    progress = progress or Progress()
+    paths = [path for m in models if (path := getattr(m, "source_file", None))]
+    if not paths:
+        return progress
+    check(*paths)
+
+    def should_stop() -> bool:
+        check(*paths)
+        return progress.should_stop()
+
+    return Progress(progress.on_progress, should_stop)
+
+
 # -- the stages -----------------------------------------------------------------------------------
 @torch.inference_mode()
 def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, settings: PlanSettings,
@@ -279,6 +297,7 @@ def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, sett
     replay) multiply in bfloat16 (`Numerics.many_rows_bf16`). Returns the songs and every take planned."""
     prompt = prompt if lm is None else replace(prompt, lm=lm)
     check_compatible({"lm": prompt.lm, "depth": depth})
+    progress = watched(progress, lm_model, depth_model)
     set_ar_numerics(lm_model, depth_model, numerics, device=device, dtype=dtype)
     kw = dict(device=device, dtype=dtype, progress=progress)
     if generators is not None:
@@ -309,6 +328,7 @@ def replay_song(lm_model, depth_model, prompt: PromptText, depth: ModelFile, cod
         raise ValueError(f"model_check must be one of {', '.join(MODEL_CHECKS)}, got {model_check!r}")
     prompt = prompt if lm is None else replace(prompt, lm=lm)
     check_compatible({"lm": prompt.lm, "depth": depth})
+    progress = watched(progress, lm_model, depth_model)
     set_ar_numerics(lm_model, depth_model, numerics, device=device, dtype=dtype)
     song = replay(lm_model, depth_model, prompt.prompt, codes, device=device, dtype=dtype, progress=progress,
                   lm_seed=lm_seed, lyric_heads=lyric_heads, hiddens=hiddens, tap=tap)
@@ -322,6 +342,7 @@ def encode(cond_model, cond: ModelFile, song: Song, *, device, dtype: torch.dtyp
     if song.codes.frame_hiddens is None:
         raise ValueError("these audio codes carry no frame hiddens; replay them first (Load Audio Codes replays them)")
     _fits(song, cond)
+    progress = watched(progress, cond_model)
     warnings = _file_warnings(song, cond)
     conds = encode_conditions(cond_model, song.codes.frame_hiddens, device=device, dtype=dtype, progress=progress)
     return Conditions(song, [c.to(STORE) for c in conds], int(cond.hparams["output_hop_length"]), cond, warnings)
@@ -335,6 +356,7 @@ def sample(dit_model, dit: ModelFile, conditions: Conditions, synth: SynthSettin
     `generator` (the reference RNG). `weight_cache`: bytes of dequantized DiT weights the sampler
     may keep (None: its own rule); `on_window`: a `WindowStream`."""
     _fits(conditions, dit)
+    progress = watched(progress, dit_model)
     warnings = _file_warnings(conditions.song, dit)
     latents = sample_latents(dit_model, conditions.conds, steps=synth.steps, dit_cfg=synth.dit_cfg,
                              seed=None if generator is not None else synth.seed, generator=generator,
@@ -352,6 +374,7 @@ def repaint(dit_model, dit: ModelFile, conditions: Conditions, source: Latents, 
     the rest kept from `source`'s first variation: latents of the same codes' windows, from a DiT
     run or from a recording (`encode_recording`)."""
     _fits(conditions, dit)
+    progress = watched(progress, dit_model)
     warnings = _file_warnings(conditions.song, dit) + list(source.warnings)
     keep = repaint_keep(conditions.conds, source.latents, settings.start, settings.end, settings.fade,
                         conditions.cond.hparams["output_sampling_rate"], conditions.hop, source.covered)
@@ -373,6 +396,7 @@ def encode_recording(vae_model, vae: ModelFile, wave: torch.Tensor, sample_rate:
     that keeps parts of it; a recording shorter than the song is padded (the repaint samples
     that part anew)."""
     _fits(conditions, vae)
+    watched(None, vae_model)
     if vae_model.encoder is None:
         raise ValueError(f"{vae.name} holds no encoder (encoder.* tensors): convert the vocoder with its encoder "
                          "checkpoint to encode audio")
@@ -386,6 +410,7 @@ def decode(vae_model, vae: ModelFile, latents: Latents, *, device, numerics: Num
            progress=None) -> Windows:
     """`mm3.synth.audio.decode_windows`: each window decoded whole."""
     _fits(latents, vae)
+    progress = watched(progress, vae_model)
     warnings = _file_warnings(latents.conditions.song, vae)
     hop = latents.conditions.hop
     waves = decode_windows(vae_model, latents.latents, hop=hop, device=device, progress=progress,
@@ -404,7 +429,7 @@ class WindowStream:
                  numerics: Numerics = FAST, progress: Progress | None = None):
         _fits(conditions, vae)
         self.vae_model, self.vae, self.on_audio, self.device, self.numerics = vae_model, vae, on_audio, device, numerics
-        self.progress = progress or Progress()
+        self.progress = watched(progress, vae_model)
         self.count, self.hop = len(conditions.conds), conditions.hop
         self.sample_rate = int(vae.hparams["sampling_rate"])
         self.waves: list[torch.Tensor] = []

@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import torch
 
+from ..constants import MAX_DURATION
+from ..errors import InputError
 from ..progress import Cancelled, Progress
 
 CROP_LEFT_LATENTS = 86  # decoders.py _CROP_LEFT_LATENT: dropped at the start of windows 1..
 CROP_RIGHT_LATENTS = 258  # decoders.py _CROP_RIGHT_LATENT: dropped at the end of windows ..n-2
 TIMELINE_WINDOW_LATENTS = 689  # `decode_timeline`'s window: the latents of a 200-frame (8 s) DiT window
+# The longest recording the encoder takes: twice the longest song. The encoder reads a recording
+# whole (its memory grows with the length: hours end out of memory), and windows of it would not
+# give its latents.
+MAX_ENCODE_SECONDS = 2 * MAX_DURATION
 
 
 def as_stereo(wave: torch.Tensor) -> torch.Tensor:
@@ -108,6 +114,27 @@ def decode_timeline(vocoder, latents: torch.Tensor, *, window: int = TIMELINE_WI
 
 
 @torch.inference_mode()
+def too_long(what: str, seconds: float) -> InputError:
+    """The refusal of a recording of `seconds` over MAX_ENCODE_SECONDS."""
+    return InputError(f"{what} is {seconds:.0f} s long; the encoder takes at most {MAX_ENCODE_SECONDS:.0f} s "
+                      "(twice the longest song): trim it")
+
+
+def check_encodable(audio: torch.Tensor, sample_rate: int, what: str = "the recording") -> None:
+    """Refuse (InputError) audio [..., T] at `sample_rate` the encoder cannot take: longer than
+    MAX_ENCODE_SECONDS, or holding a NaN or infinite sample (its latents would be NaN, and their
+    decoding silence), named by its time, sample and channel."""
+    if audio.shape[-1] > MAX_ENCODE_SECONDS * sample_rate:
+        raise too_long(what, audio.shape[-1] / sample_rate)
+    bad = ~torch.isfinite(audio)
+    if bad.any():
+        where = bad.nonzero()[0].tolist()
+        t, channel = where[-1], where[-2] if len(where) > 1 else 0
+        value = audio[tuple(where)].item()
+        raise InputError(f"{what} has a non-finite sample ({value}) at {t / sample_rate:.3f} s (sample {t} of "
+                         f"channel {channel}); {int(bad.sum())} in all: repair or trim it")
+
+
 def encode_audio(vocoder, audio: torch.Tensor, sample_rate: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Stereo audio [2, T] or [B, 2, T] at any rate -> posterior-mean latents [B, C, ceil(T' / hop)].
 
@@ -121,6 +148,7 @@ def encode_audio(vocoder, audio: torch.Tensor, sample_rate: int, *, dtype: torch
     if sample_rate <= 0 or audio.shape[-1] == 0:
         raise ValueError(f"need a positive sample_rate and at least one sample, got {sample_rate} Hz, "
                          f"{audio.shape[-1]} samples")
+    check_encodable(audio, sample_rate)
     if vocoder.encoder is None:
         return vocoder.encode(audio)  # raises: names the file without an encoder
     x = audio.to(device=next(iter(vocoder.encoder.parameters())).device, dtype=torch.float32)

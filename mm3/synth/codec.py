@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .audio import MAX_ENCODE_SECONDS, too_long
 from ..errors import InputError
 
 FORMAT = "mm3-latents"
@@ -60,10 +61,19 @@ def _read_av(av, path: Path) -> tuple[torch.Tensor, int]:
                 raise InputError(f"{path}: no audio stream")
             stream = f.streams.audio[0]
             rate, channels = stream.codec_context.sample_rate, stream.channels
-            frames = []
+            if not rate:
+                raise InputError(f"{path}: the audio stream has no sample rate")
+            seconds = (float(stream.duration * stream.time_base) if stream.duration else
+                       f.duration / av.time_base if f.duration else 0.0)
+            if seconds > MAX_ENCODE_SECONDS:  # from the header: refused before decoding
+                raise too_long(str(path), seconds)
+            frames, samples = [], 0
             for frame in f.decode(streams=stream.index):
                 buf = torch.from_numpy(frame.to_ndarray())
                 frames.append(buf if buf.shape[0] == channels else buf.view(-1, channels).t())
+                samples += frames[-1].shape[-1]
+                if samples > MAX_ENCODE_SECONDS * rate:  # a header that understated it: stopped in bounded memory
+                    raise too_long(str(path), samples / rate)
     except av.error.FFmpegError as e:
         raise InputError(f"{path}: cannot decode the audio ({e})") from None
     if not frames:
@@ -84,6 +94,8 @@ def _read_pcm_wav(path: Path) -> tuple[torch.Tensor, int]:
     try:
         with wave.open(str(path), "rb") as w:
             channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
+            if w.getnframes() > MAX_ENCODE_SECONDS * rate:
+                raise too_long(str(path), w.getnframes() / rate)
             data = w.readframes(w.getnframes())
     except (wave.Error, EOFError) as e:
         raise InputError(f"{path}: not a PCM WAV file the standard library reads ({e}); install PyAV") from None

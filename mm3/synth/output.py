@@ -3,12 +3,16 @@
 Audio arrives as planar stereo float [2, T] at 44100 Hz. Every format but float WAV is first
 normalised to a high percentile of |x| (`peak_clip` parts per million are allowed to clip), which
 also raises quiet audio. Files are written under a temporary name in the target folder and then
-renamed, so an interrupted write never leaves a partial file under the final name.
+renamed, so an interrupted write never leaves a partial file under the final name; the temporaries
+of a process killed while it wrote are removed by the next write into that folder (`_clear_stale`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import socket
 import struct
 import uuid
 from contextlib import contextmanager
@@ -126,8 +130,41 @@ def _output_error(path: Path, e: OSError) -> OutputError:
     return err
 
 
+# A temporary's name: `.<final name>.<host>.<pid>.<random>.part`, the host a short hash of its name,
+# so a folder shared between machines is cleared only of this machine's dead processes' files.
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]
+_TEMP = re.compile(r"\..+\.([0-9a-f]{6})\.([0-9]+)\.[0-9a-f]{8}\.part")
+
+
 def _temp_name(path: Path) -> Path:
-    return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+    return path.parent / f".{path.name}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (one that exists but is not ours counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True
+    return True
+
+
+def _clear_stale(folder: Path) -> None:
+    """Remove the temporaries that processes of this machine no longer running left in `folder`
+    (killed while writing a batch); those of live processes and other machines stay."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = _TEMP.fullmatch(name)
+        if m and m.group(1) == _HOST and int(m.group(2)) != os.getpid() and not _alive(int(m.group(2))):
+            try:
+                os.unlink(folder / name)
+            except OSError:
+                pass
 
 
 def _write_temp(path: Path, data: bytes) -> Path:
@@ -136,6 +173,7 @@ def _write_temp(path: Path, data: bytes) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _output_error(path, e) from None
+    _clear_stale(path.parent)
     tmp = _temp_name(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, as for a plain open

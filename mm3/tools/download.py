@@ -16,9 +16,15 @@ import shutil
 import socket
 import sys
 import urllib.parse
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+try:
+    import fcntl
+except ImportError:  # Windows: downloads into one folder are not locked against each other
+    fcntl = None
 
 from .. import __version__
 from ..errors import Cancelled, MM3Error
@@ -185,14 +191,14 @@ def fetch_file(url: str, remote: RemoteFile, dest: Path, *, headers: dict | None
     http_get = _hub().file_download.http_get
     errors = _hub().errors
     part = dest.with_name(dest.name + PART)
-    have = part.stat().st_size if part.exists() else 0
-    if have > remote.size:
-        part.unlink()
-        have = 0
-    h = _sha256_of(part) if have else hashlib.sha256()
-    reason = ""
-    if have < remote.size:
-        with open(part, "r+b" if have else "wb") as f:
+    with _claimed(part, dest) as f:
+        have = os.fstat(f.fileno()).st_size
+        if have > remote.size:
+            f.truncate(0)
+            have = 0
+        h = _sha256_of(part) if have else hashlib.sha256()
+        reason = ""
+        if have < remote.size:
             f.seek(have)
             sink = _Sink(f, part, remote.size, h, progress, should_stop)
             if progress:
@@ -211,24 +217,59 @@ def fetch_file(url: str, remote: RemoteFile, dest: Path, *, headers: dict | None
                     reason = _reason(e)
                 else:
                     raise
+            f.flush()
             h = sink.h
             hashed = sink.hashed
-        have = part.stat().st_size
-        if hashed != have:  # something wrote to the file by name: hash what is there
-            h = _sha256_of(part)
-    if have != remote.size:
-        why = f" ({reason})" if reason else ""
-        if have > remote.size:
+            have = part.stat().st_size
+            if hashed != have:  # something wrote to the file by name: hash what is there
+                h = _sha256_of(part)
+        if have != remote.size:
+            why = f" ({reason})" if reason else ""
+            if have > remote.size:
+                part.unlink()
+                raise DownloadError(f"{dest.name}: got {have} bytes, expected {remote.size}{why}; the partial file "
+                                    "was removed, run again")
+            raise DownloadError(f"{dest.name}: got {have} bytes, expected {remote.size}{why}; run again to resume")
+        if remote.sha256 and h.hexdigest() != remote.sha256:
             part.unlink()
-            raise DownloadError(f"{dest.name}: got {have} bytes, expected {remote.size}{why}; the partial file was "
-                                "removed, run again")
-        raise DownloadError(f"{dest.name}: got {have} bytes, expected {remote.size}{why}; run again to resume")
-    if remote.sha256 and h.hexdigest() != remote.sha256:
-        part.unlink()
-        raise DownloadError(f"{dest.name}: SHA-256 {h.hexdigest()} does not match the published "
-                            f"{remote.sha256}; the partial file was removed, run again")
-    os.replace(part, dest)
+            raise DownloadError(f"{dest.name}: SHA-256 {h.hexdigest()} does not match the published "
+                                f"{remote.sha256}; the partial file was removed, run again")
+        os.replace(part, dest)  # while it is claimed: no other download writes into it meanwhile
     return dest
+
+
+@contextmanager
+def _claimed(part: Path, dest: Path):
+    """`part` opened for reading and writing (made if absent), locked against another download of
+    the same file into the same folder (another process, or another thread of this one); that one
+    is refused with a DownloadError saying so rather than both writing into one file."""
+    for _ in range(3):
+        try:
+            f = open(os.open(part, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
+        except OSError as e:
+            raise DownloadError(f"{dest.name}: cannot write {part} ({e.strerror or e})") from None
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise DownloadError(f"{dest.name}: another download is fetching it into {dest.parent} now; "
+                                        "let that one finish (or stop it), then run again") from None
+                if not _same_file(f, part):  # the other one finished and renamed it meanwhile: open anew
+                    continue
+            yield f
+            return
+        finally:
+            f.close()
+    raise DownloadError(f"{dest.name}: another download keeps replacing {part}; run again once it is done")
+
+
+def _same_file(f, path: Path) -> bool:
+    try:
+        a, b = os.fstat(f.fileno()), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _in_cache(repo: str, name: str, commit: str, remote: RemoteFile, cache_dir) -> Path | None:

@@ -33,7 +33,7 @@ from typing import Callable, Protocol
 import torch
 
 from ... import switches
-from ...cache_dir import cache_dir
+from ...cache_dir import cache_dir, clear_stale, writable
 from ...progress import Cancelled, Progress
 from ...weights.copies import cache_dequantized, put_back, set_aside
 from ...weights.layers import FLOAT_TYPES, Linear, choose_products, fused_layers
@@ -53,6 +53,7 @@ TURN_FRAMES = 3  # frames per turn; the first settles the switch and is not coun
 KEEP_WITHIN = 1.25  # after PRUNE_AFTER rounds, candidates slower than this times the fastest leave
 SLOW_LIMIT = 3.0  # a turn slower than this times the fastest is cut short
 FEWER_THREADS = 1.1  # fewer threads win when within this factor of the fastest (they stall less when the load rises)
+STALE_SECONDS = 60  # a cache temporary older than this was left by a killed process (writing takes milliseconds)
 PACKED_BYTES_PER_VALUE = 1.25  # the most a packing for int4 or the native kernel takes (two int4 planes and their pairs)
 
 
@@ -107,8 +108,11 @@ class Choice:
                 c not in COMPONENTS or f not in FORMS for c, f in forms.items()):
             raise ValueError(f"forms {forms!r}")
         threads = d.get("threads")
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads {threads!r}")
+        most = max(usable_cores(), torch.get_num_threads())
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"threads {threads!r}: not a count")
+        if threads is not None and threads > most:
+            raise ValueError(f"threads {threads}: more than the {most} this process runs on")
         return cls(dict(forms), threads, source, {str(k): float(v) for k, v in d.get("ms_per_frame", {}).items()},
                    [str(k) for k in d.get("stopped", [])])
 
@@ -208,7 +212,7 @@ def key(models: dict, dtype: torch.dtype, threads: int | None = None) -> str:
 
 def _read() -> dict:
     path = cache_file()
-    if not path.is_file():
+    if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -240,23 +244,31 @@ def cached(cache_key: str) -> Choice | None:
 
 
 def store(cache_key: str, choice: Choice) -> None:
-    """Write `choice` under `cache_key` (atomically; a folder that cannot be written is warned about)."""
+    """Write `choice` under `cache_key` (`store_entry`)."""
     store_entry(cache_key, choice.to_json())
 
 
 def store_entry(cache_key: str, entry: dict) -> None:
-    """Write `entry`, dated, under `cache_key` in the CPU record (atomically; a folder that cannot
-    be written is warned about)."""
+    """Write `entry`, dated, under `cache_key` in the CPU record (the forms' choices and the other
+    CPU measurements, atomically; a folder or file that cannot be written is warned about, and no
+    temporary is left)."""
+    if writable() is None:  # warned once: the measurement holds for this process
+        return
     path = cache_file()
+    if path.exists() and not path.is_file():
+        log.warning("cannot write the CPU record %s (not a file); the measurement holds for this process", path)
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    clear_stale(path.parent, f".{path.name}.*.tmp", STALE_SECONDS)
     try:
         choices = _read()
         choices[cache_key] = {**entry, "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "choices": choices}, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     except OSError as e:
-        log.warning("cannot write the CPU record %s (%s); the measurement holds for this process", path, e)
+        log.warning("cannot write the CPU record %s (%s); the measurement holds for this process", path,
+                    e.strerror or e)
+        tmp.unlink(missing_ok=True)
 
 
 _MEMO: dict[str, Choice] = {}  # this process's choices by key

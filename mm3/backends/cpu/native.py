@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,7 +45,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ... import switches
-from ...cache_dir import cache_dir
+from ...cache_dir import cache_dir, clear_stale, writable
 from ...formats.gguf import quants
 from . import int4 as cpu_int4
 from .matmul import rows_out
@@ -77,6 +78,8 @@ SUPER_COLUMNS = 256
 TILE = 16  # rows the kernel multiplies together: a weight gets zero rows up to a multiple, cut off after
 REPACK_ROWS = 1024  # rows repacked at a time (a multiple of TILE): bounds the temporaries
 BUILD_SECONDS = 120
+STALE_SECONDS = 2 * BUILD_SECONDS  # a build's temporary older than this was left by a killed process
+TEMP_PREFIX = "mm3-native-"  # a build's own folder where the cache folder cannot be written
 _LIBRARY: list = []  # [ctypes library or None], once per process
 _LOCK = threading.Lock()
 
@@ -125,10 +128,12 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 
 
-def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True) -> Path | None:
+def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True, again: bool = False) -> Path | None:
     """The compiled library in the cache folder, built now with `flags` (and OpenMP: without it
-    the kernel runs on one thread) if it is not there; None where it cannot be (no compiler, not
-    x86-64, a failed build), with one log line."""
+    the kernel runs on one thread) if it is not there (or `again`: the one there did not load); None
+    where it cannot be (no compiler, not x86-64, a failed build), with one log line. Where the
+    cache folder cannot be written it is built in a folder of its own (`TEMP_PREFIX`), which the
+    caller removes once it is loaded (`_load_built`)."""
     if platform.machine().lower() not in ("x86_64", "amd64") or os.name != "posix":
         return None
     cc = _compiler()
@@ -144,25 +149,55 @@ def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True) -> Path | None:
     digest = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in SOURCES), version.encode(),
                                          " ".join(flags).encode(),
                                          _machine().encode()])).hexdigest()[:20]
-    out = cache_dir() / "native" / f"integer_product-{digest}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".tmp", dir=out.parent)
-    os.close(handle)
+    name = f"integer_product-{digest}.so"
+    cached = cache_dir() / "native" / name
+    if not again and _whole(cached):
+        return cached
+    clear_stale(Path(tempfile.gettempdir()), f"{TEMP_PREFIX}*", STALE_SECONDS)
+    folder = writable("native")
+    if folder is None:
+        try:
+            folder = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
+        except OSError as e:
+            log.warning("cannot build the CPU integer kernel: no folder to build it in (%s)", e)
+            return None
+    else:
+        clear_stale(folder, ".integer_product-*.tmp", STALE_SECONDS)
+    out = folder / name
     try:
-        done = _run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"])
-        if done.returncode == 0:
-            os.replace(tmp, out)
-            log.info("built the CPU integer kernel with %s%s", Path(cc).name, "" if openmp else " (one thread)")
-            return out
-        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-    except (OSError, subprocess.SubprocessError) as e:
-        why = str(e)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+        handle, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".tmp", dir=folder)
+        os.close(handle)
+    except OSError as e:
+        why, tmp = str(e), None
+    else:
+        try:
+            done = _run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"])
+            if done.returncode == 0:
+                os.replace(tmp, out)
+                log.info("built the CPU integer kernel with %s%s", Path(cc).name, "" if openmp else " (one thread)")
+                return out
+            why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    _remove_own_folder(out)
     log.info("cannot build the CPU integer kernel with %s%s (%s)", cc, "" if openmp else " without OpenMP", why)
     return None
+
+
+def _whole(path: Path) -> bool:
+    """Whether a built library is there and not empty (a zero-byte one is built again)."""
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _remove_own_folder(path: Path) -> None:
+    """Remove the folder of its own a library was built in (`TEMP_PREFIX`), if it was."""
+    if path.parent.name.startswith(TEMP_PREFIX):
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def load(path: Path):
@@ -228,13 +263,8 @@ def _first_that_works():
     if not switches.on(ENV_SWITCH):
         return None
     for openmp in (True, False):
-        path = build(openmp=openmp)
-        if path is None:
-            continue
-        try:
-            lib = load(path)
-        except OSError as e:
-            log.info("cannot load the CPU integer kernel %s (%s)", path.name, e)
+        lib = _load_built(openmp)
+        if lib is None:
             continue
         try:
             right = _probe(lib)
@@ -247,6 +277,46 @@ def _first_that_works():
         return lib
     log.info("the CPU products use torch's kernels alone")
     return None
+
+
+def _load_built(openmp: bool):
+    """The library built with or without OpenMP, loaded; a cached one that does not load (cut
+    short, damaged) is built again once, with a warning, before the build without OpenMP (one
+    thread) is tried."""
+    start = time.time()
+    path = build(openmp=openmp)
+    if path is None:
+        return None
+    try:
+        return _load_once(path)
+    except OSError as e:
+        if _built_since(path, start):  # built just now: building again would not help
+            log.info("cannot load the CPU integer kernel %s (%s)", path.name, e)
+            return None
+        log.warning("the CPU integer kernel %s does not load (%s): building it again", path, e)
+    path = build(openmp=openmp, again=True)
+    if path is None:
+        return None
+    try:
+        return _load_once(path)
+    except OSError as e:
+        log.warning("cannot load the CPU integer kernel %s (%s)", path, e)
+        return None
+
+
+def _built_since(path: Path, start: float) -> bool:
+    try:
+        return path.stat().st_mtime >= start - 1
+    except OSError:
+        return True
+
+
+def _load_once(path: Path):
+    """`load(path)`; a library built in a folder of its own is removed once loaded (or not)."""
+    try:
+        return load(path)
+    finally:
+        _remove_own_folder(path)
 
 
 def available() -> bool:

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ...cache_dir import cache_dir
+from ...cache_dir import cache_dir, clear_stale, writable
 from . import device_layout, kernels, layout_kernels
 from ...formats.gguf.quants import random_blocks
 
 FAMILIES = ("layout", "triton")
 CHOICES_FILE = "choices.json"
+STALE_SECONDS = 60  # a record's temporary older than this was left by a killed process
 TIMED_ROWS = 2  # a decode product (the CFG pair): what the AR stage runs most
 
 
@@ -140,16 +141,18 @@ def _remember(device: torch.device, key: str, value: dict) -> None:
     folder that cannot be written costs only the timing again next time."""
     machine = machine_key(device)
     _records(device)[key] = value
+    if writable() is None:  # warned once
+        return
     path = choices_path()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    clear_stale(path.parent, f"{path.name}.*.tmp", STALE_SECONDS)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         everything = _load()
         everything.setdefault(machine, {})[key] = value
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(everything, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
     except OSError:
-        pass
+        tmp.unlink(missing_ok=True)
 
 
 def forget() -> None:

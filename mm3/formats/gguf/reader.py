@@ -19,6 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ...filecache import FileCache
+from ...filewatch import watch
 from .errors import GGUFFormatError
 
 GGUF_MAGIC = b"GGUF"
@@ -206,6 +207,7 @@ class GGUFFile:
             raise GGUFFormatError(f"{self.path}: not a GGUF file ({size} bytes, too short for a header)")
         with open(p, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            watch(self.path, f.fileno(), self._map)  # a rewrite in place is then an error, not a fault
         self.file_size = size
         try:
             self._parse(header_only)
