@@ -5,7 +5,7 @@ Vocal Details and Arrangement, each followed by one "Label: text" line per aspec
 "Basic Attributes: bpm is 84. key is Eb, and scale is major. Pop / Blues.". `build_caption` writes it
 from the fields a user is likely to set; `parse_caption` reads it back; `caption_warning` says when a
 caption has none of its headings (a tag list is far from anything the model saw). `PRESETS`: field
-values copied from corpus captions (song/caption_presets.json, each with the request it came from).
+values copied from corpus captions (caption_presets.json, each with the request it came from).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ VOCAL_GENDERS = ("male", "female")
 # The corpus spans 68..168 bpm; these bounds only catch typos, not unusual tempos.
 BPM_MIN, BPM_MAX = 40, 250
 
-PRESETS_FILE = Path(__file__).with_name("song/caption_presets.json")
+PRESETS_FILE = Path(__file__).with_name("caption_presets.json")
 
 _KEY_BY_LOWER = {k.lower(): k for k in KEYS}
 # "[Global Metadata]" and "[Global Metadata" occur too (2 corpus captions).
