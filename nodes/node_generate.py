@@ -119,7 +119,7 @@ class MM3Generate(io.ComfyNode):
         with interruptible():
             prompt = logic.assemble_prompt(lm, caption, lyrics)
             audio = _render([lm, depth, cond, dit, vae], prompt, settings, Takes(rounds=o.ending_rounds), synth,
-                            window_preview(duration))
+                            window_preview(duration, noise=vae.is_tiny))
         song = audio.windows.latents.conditions.song
         show_warnings(audio.windows.warnings)
         return io.NodeOutput(logic.audio_output(audio), song, ui={"text": [song.summary(FRAME_RATE)]})
