@@ -46,9 +46,10 @@ def _send_text(text: str):
         pass
 
 
-def window_preview(duration: float | None = None) -> WindowPreview | None:
+def window_preview(duration: float | None = None, noise: bool = False) -> WindowPreview | None:
     """The running node's window sender (`live.WindowPreview`), whose messages go to the client that
-    queued the prompt only; None without one (a prompt queued with no client id)."""
+    queued the prompt only; None without one (a prompt queued with no client id). `noise`: the
+    vocoder is a tiny test model (`ComponentHandle.is_tiny`)."""
     try:
         import folder_paths
         from comfy_execution.utils import get_executing_context
@@ -68,7 +69,8 @@ def window_preview(duration: float | None = None) -> WindowPreview | None:
         except Exception:
             pass
 
-    return WindowPreview(send, folder, ctx.node_id, ctx.prompt_id, song=ctx.list_index or 0, duration=duration)
+    return WindowPreview(send, folder, ctx.node_id, ctx.prompt_id, song=ctx.list_index or 0, duration=duration,
+                         noise=noise)
 
 
 def show_warnings(warnings: list[str]) -> None:

@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from mm3.plan import ar
-from mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable
+from mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable, is_full_size
 from mm3.formats.fingerprint import file_fingerprint as content_fingerprint
 from mm3.formats.gguf.errors import ComponentError
 from mm3.weights.copies import compressed_nbytes
@@ -60,6 +60,12 @@ class ComponentHandle:
             self._component = open_component(self.path, expect=self.kind)
             weakref.finalize(self, self._component.close)
         return self._component
+
+    @property
+    def is_tiny(self) -> bool:
+        """Whether the file is a tiny test model (`python -m mm3 tiny`, far fewer values than the
+        released one): its weights are random, so a vocoder's audio is full-scale noise."""
+        return not is_full_size(read_component(self.path, self.kind))
 
     @property
     def hparams(self) -> dict:

@@ -25,12 +25,13 @@ class WindowPreview:
     """A `mm3.song.stages.WindowStream` / `mm3.song.overlap.plan_and_render` callback that writes each window
     and sends its message with `send(event, data)`. `song`: the song's place in a list (a node run
     once per item); `duration`: the longest the song can be, in seconds (the player's scale until
-    the length is known)."""
+    the length is known); `noise`: the vocoder has random weights (a tiny test model), so the player
+    says the song is noise and plays it quietly."""
 
     def __init__(self, send, folder: Path, node: str, prompt_id: str, *, song: int = 0,
-                 duration: float | None = None):
+                 duration: float | None = None, noise: bool = False):
         self.send, self.folder, self.node, self.prompt_id = send, Path(folder), str(node), str(prompt_id)
-        self.song, self.duration = song, duration
+        self.song, self.duration, self.noise = song, duration, bool(noise)
         self.start: dict[int, int] = {}  # variation -> samples sent so far
         self.failed = False
 
@@ -56,6 +57,7 @@ class WindowPreview:
                 "variations": int(samples.shape[0]), "window": k, "windows": windows,
                 "last": windows is not None and k == windows - 1, "start": start,
                 "samples": int(samples.shape[-1]), "sample_rate": int(sample_rate), "duration": self.duration,
+                "noise": self.noise,
                 "file": {"filename": name, "subfolder": SUBFOLDER, "type": "temp"},
             })
 

@@ -124,7 +124,7 @@ class MM3Generate(io.ComfyNode):
             takes = Takes(rounds=o.ending_rounds)
             logic.check_plan(prompt, settings, takes)
             audio = _render([lm, depth, cond, dit, vae], prompt, settings, takes, synth,
-                            window_preview(duration))
+                            window_preview(duration, noise=vae.is_tiny))
         song = audio.windows.latents.conditions.song
         show_warnings(audio.windows.warnings)
         return io.NodeOutput(logic.audio_output(audio), song, ui={"text": [song.summary(FRAME_RATE)]})

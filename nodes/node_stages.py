@@ -310,7 +310,7 @@ class MM3VocoderDecode(io.ComfyNode):
             longest = max(x.shape[-1] for x in latents.latents)
             need = vocoder_memory(shapes, list(vae.hparams["upsampling_ratios"]), longest)
             (model,) = load([vae], memory_required=need)
-            out = logic.decode_streamed(model, vae.file(), latents, window_preview(), device=device,
+            out = logic.decode_streamed(model, vae.file(), latents, window_preview(noise=vae.is_tiny), device=device,
                                         progress=node_progress())
         show_warnings(out.warnings)
         return io.NodeOutput(out)

@@ -7,15 +7,18 @@ it opens at its saved view with every node in sight in a 1600 x 1000 window, its
 overlap and are wide enough for their widgets. Changing only the DiT seed re-runs
 the synthesis while AR Plan comes from ComfyUI's cache. Typing lyrics updates MM3 Prompt's token
 count before anything runs. The pack's script loads without a console error or warning, and every
-template has its thumbnail. With MM3_SCREENSHOTS=DIR the test also writes screenshots there (each
-workflow at its saved view after its run, and the sidebar: docs/images) and with MM3_THUMBNAILS=DIR
-the templates' thumbnails.
+template has its card, a square picture that says what the workflow makes. With MM3_SCREENSHOTS=DIR
+the test also writes 1600 x 1000 screenshots there (each workflow at its saved view after its run,
+the models sidebar, the pack's cards in the template browser: docs/images). COMFYUI_ARGS adds
+arguments to ComfyUI's command line, e.g. `--front-end-root DIR` for another editor than the one
+its requirements pin (the `comfyui_frontend_package/static` folder of a newer package).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -69,7 +72,9 @@ class Editor:
     def load_template(self, name: str):
         """The workflow as the template browser opens it: the pack's file from its template route."""
         wf = self.page.evaluate(f"""async () => (await fetch("/api/workflow_templates/{PACK}/{name}.json")).json()""")
-        self.page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", wf)
+        # Under its name, as the template browser opens it (the tab says which workflow it is).
+        self.page.evaluate("async ([wf, name]) => { await window.app.loadGraphData(wf, true, true, name); }",
+                           [wf, name])
         self.page.wait_for_timeout(500)
         self.close_dialogs()
 
@@ -78,8 +83,14 @@ class Editor:
         close = self.page.locator(".p-dialog.global-dialog button:not(.pointer-events-none)")
         for _ in range(3):  # its close button (the hidden one beside it is its back button)
             if not close.count():
-                return
+                break
             close.first.click()
+            self.page.wait_for_timeout(400)
+        overlay = self.page.locator("[data-slot='dialog-overlay']")  # newer editors' dialogs: Escape closes
+        for _ in range(3):
+            if not overlay.count():
+                return
+            self.page.keyboard.press("Escape")
             self.page.wait_for_timeout(400)
 
     def queue(self) -> str:
@@ -123,51 +134,37 @@ class Editor:
 
     def saved_view_screenshot(self, name: str):
         """With MM3_SCREENSHOTS set to a folder: the window as it is (the workflow's saved view)."""
-        folder = os.environ.get("MM3_SCREENSHOTS")
-        if folder:
-            Path(folder).mkdir(parents=True, exist_ok=True)
+        if os.environ.get("MM3_SCREENSHOTS"):
             self.page.mouse.move(1592, 600)  # on the bare canvas: no hover highlight or tooltip
             self.page.wait_for_timeout(300)
-            self.page.screenshot(path=str(Path(folder) / name))
+            self.window_screenshot(name)
+
+    def window_screenshot(self, name: str):
+        """With MM3_SCREENSHOTS set to a folder: the 1600 x 1000 window into it, a PNG of at most 256
+        colours (far fewer bytes; the editor's flat colours survive)."""
+        folder = os.environ.get("MM3_SCREENSHOTS")
+        if folder:
+            from PIL import Image
+
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            path = Path(folder) / name
+            # The minimap and the canvas's debug figures hidden for the picture, then put back.
+            hide = {"Comfy.Minimap.Visible": False, "Comfy.Graph.CanvasInfo": False}
+            was = self.page.evaluate("""async (hide) => { const s = window.app.extensionManager.setting, was = {};
+                for (const [k, v] of Object.entries(hide)) { try { was[k] = s.get(k); await s.set(k, v); }
+                    catch (e) { /* a setting this editor lacks */ } }
+                window.app.canvas.setDirty(true, true); return was; }""", hide)
+            self.page.wait_for_timeout(400)
+            self.page.screenshot(path=str(path))
+            self.page.evaluate("""async (was) => { const s = window.app.extensionManager.setting;
+                for (const [k, v] of Object.entries(was)) await s.set(k, v); }""", was)
+            with Image.open(path) as img:
+                small = img.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+            small.save(path, optimize=True)
 
     def pack_messages(self) -> list[str]:
         return [m for m in self.console if m.startswith(("warning", "error", "pageerror"))
                 and any(k in m for k in PACK_WARNINGS)]
-
-    def fit(self, least: float):
-        """Zoom the canvas so that every node is in view, but not below `least` (the editor draws
-        no text below about 0.6)."""
-        # The window's size (the canvas follows it a frame later), less the side bar and the top bar.
-        self.page.evaluate("""(least) => { const c = window.app.canvas, ns = window.app.graph._nodes;
-            const x0 = Math.min(...ns.map((n) => n.pos[0])), y0 = Math.min(...ns.map((n) => n.pos[1] - 40));
-            const x1 = Math.max(...ns.map((n) => n.pos[0] + n.size[0])), y1 = Math.max(...ns.map((n) => n.pos[1] + n.size[1]));
-            const left = 80, top = 110, w = window.innerWidth - left - 20, h = window.innerHeight - top - 20;
-            const scale = Math.max(least, Math.min(w / (x1 - x0), h / (y1 - y0), 1));
-            const dx = Math.max(0, (w - (x1 - x0) * scale) / 2), dy = Math.max(0, (h - (y1 - y0) * scale) / 2);
-            c.ds.scale = scale; c.ds.offset = [(left + dx) / scale - x0, (top + dy) / scale - y0];
-            c.setDirty(true, true); }""", least)
-        self.page.wait_for_timeout(300)
-
-    def screenshot(self, env: str, name: str, size=(2700, 1000), least: float = 0.65, **kw):
-        """With `env` set to a folder: the whole graph at `size` (viewport pixels) into it."""
-        folder = os.environ.get(env)
-        if not folder:
-            return
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        before = self.page.viewport_size
-        self.page.set_viewport_size({"width": size[0], "height": size[1]})
-        self.page.wait_for_timeout(500)
-        self.close_dialogs()
-        minimap = self.page.evaluate("""async () => { try { const s = window.app.extensionManager.setting;
-            const was = s.get("Comfy.Minimap.Visible"); await s.set("Comfy.Minimap.Visible", false); return was; }
-            catch (e) { return null; } }""")  # it would cover the graph's right end
-        self.fit(least)
-        self.page.screenshot(path=str(Path(folder) / name), **kw)
-        if minimap is not None:
-            self.page.evaluate("""async (was) => { await window.app.extensionManager.setting.set(
-                "Comfy.Minimap.Visible", was); }""", minimap)
-        self.page.set_viewport_size(before)
-        self.page.wait_for_timeout(300)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +173,8 @@ def comfy():
     (two busy-waiting torch threads against a rendering browser slow a run down many times)."""
     if not COMFYUI_PATH:
         pytest.skip("COMFYUI_PATH is not set (a ComfyUI checkout to run)")
-    server = ComfyServer(COMFYUI_PATH, os.environ.get("COMFYUI_PYTHON"), env={"OMP_NUM_THREADS": "1"}).start()
+    server = ComfyServer(COMFYUI_PATH, os.environ.get("COMFYUI_PYTHON"), env={"OMP_NUM_THREADS": "1"},
+                         extra_args=tuple(shlex.split(os.environ.get("COMFYUI_ARGS", "")))).start()
     yield server
     server.stop()
 
@@ -234,7 +232,7 @@ def test_each_workflow_runs_as_shipped_with_only_the_tiny_files(editor, comfy):
                    for w in n["widgets"] if w[0].endswith(("model_name", "_model"))]
         assert loaders and all(v == "auto" for _, v in loaders), (name, loaders)
         wired = editor.page.evaluate("""() => window.app.graph._nodes.flatMap((n) => (n.widgets || [])
-            .filter((w) => w.linkedWidgets && n.inputs?.find((i) => i.widget?.name === w.name)?.link != null)
+            .filter((w) => w.linkedWidgets && n.isInputConnected(n.inputs?.findIndex((i) => i.widget?.name === w.name)))
             .map((w) => [n.type, w.name, !!w.linkedWidgets[0].hidden]))""")
         assert all(hidden for _, _, hidden in wired), (name, wired)
         if name == "rerender_from_codes":  # the file's seed is wired into the sampler
@@ -244,13 +242,33 @@ def test_each_workflow_runs_as_shipped_with_only_the_tiny_files(editor, comfy):
         nodes = editor.nodes()
         assert not _overlaps(nodes) and not editor.hidden_nodes(), (name, _overlaps(nodes), editor.hidden_nodes())
         editor.saved_view_screenshot(f"{name}.png")
-        editor.screenshot("MM3_THUMBNAILS", f"{name}.jpg", size=(960, 540), least=0.1, type="jpeg", quality=70)
     assert not editor.pack_messages(), editor.pack_messages()
     thumbs = [f for f in editor.failed if "workflow_templates" in f or "/extensions/" in f]
     assert not thumbs, thumbs
-    for name in TEMPLATES:  # the template browser's thumbnails, as it asks for them
+    for name in TEMPLATES:  # the template browser's cards, as it asks for them
         thumb = comfy.get(f"/api/workflow_templates/{PACK}/{name}.jpg")
         assert thumb[:3] == b"\xff\xd8\xff", name  # a JPEG
+
+
+@needs_comfy
+def test_template_browser_shows_a_card_for_each_workflow(editor, comfy):
+    """The template browser's page of the pack: a card for each workflow, its picture loaded and
+    square (drawn whole: the browser fits it into a square)."""
+    editor.close_dialogs()
+    editor.page.evaluate("""async () => { await window.app.extensionManager.command.execute("Comfy.BrowseTemplates"); }""")
+    editor.page.get_by_text(PACK, exact=True).first.click()
+    shown = {}
+    for name in TEMPLATES:  # a card's title is the workflow's name, its picture's alt text too
+        editor.page.get_by_text(name, exact=True).first.scroll_into_view_if_needed()  # drawn once in sight
+        picture = f"""() => {{ const i = [...document.querySelectorAll("img")].find((i) => i.alt === "{name}");
+            return i && i.complete && i.naturalWidth ? [i.naturalWidth, i.naturalHeight] : null; }}"""
+        editor.page.wait_for_function(picture, timeout=20000)
+        shown[name] = editor.page.evaluate(picture)
+    assert all(w == h for w, h in shown.values()), shown
+    editor.page.evaluate("() => document.querySelectorAll('*').forEach((e) => { if (e.scrollTop) e.scrollTop = 0; })")
+    editor.page.mouse.move(800, 20)  # no card under the pointer (it would zoom)
+    editor.page.wait_for_timeout(500)
+    editor.window_screenshot("template_cards.png")
 
 
 @needs_comfy
@@ -285,18 +303,23 @@ def test_typing_lyrics_updates_the_token_count(editor, comfy):
 
 @needs_comfy
 def test_model_sidebar_lists_the_components(editor, comfy):
-    editor.close_dialogs()  # a first visit opens the template browser over the side bar
-    editor.page.locator(".mm3-models-tab-button").first.click()
+    editor.load_template("text_to_song")  # beside the sidebar in the screenshot; closes the template browser
+    # The tab's button: its class in the 0.8.0 editor, its label in newer ones.
+    editor.page.locator(".mm3-models-tab-button, button.side-bar-button:has-text('MM3 models')").first.click()
     editor.page.wait_for_selector("text=MiniMax Music 3 models", timeout=20000)
     text = editor.page.inner_text("body")
     for title in ("Language model", "Depth decoder", "Condition encoder", "DiT", "Vocoder", "q8", "light", "native"):
         assert title in text, title
     assert "about 28.6 GB; to download: about" in text and " GB free in " in text, text  # before the click
     assert " KiB)" in text and "(F32, 0.0 MiB)" not in text, text  # the tiny files' sizes
-    folder = os.environ.get("MM3_SCREENSHOTS")
-    if folder:  # the sidebar, not the canvas
-        editor.page.screenshot(path=str(Path(folder) / "models_sidebar.png"), clip={"x": 0, "y": 0, "width": 900,
-                                                                                   "height": 1000})
+    # Nothing runs past the sidebar's right edge (long folder paths and file names wrap).
+    wide = editor.page.evaluate("""() => { const h = [...document.querySelectorAll("h3")]
+            .find((e) => e.textContent === "MiniMax Music 3 models"), root = h.parentElement;
+        const edge = root.getBoundingClientRect().right + 1;
+        return [...root.querySelectorAll("*")].filter((e) => e.getBoundingClientRect().right > edge)
+            .map((e) => e.textContent.slice(0, 60)); }""")
+    assert not wide, wide
+    editor.window_screenshot("models_sidebar.png")
     assert not editor.pack_messages(), editor.pack_messages()
 
 
@@ -304,8 +327,9 @@ def test_model_sidebar_lists_the_components(editor, comfy):
 def test_generate_plays_each_window_on_its_node(editor, comfy):
     """MM3 Generate opened from its template (a short song): the player on the node receives each
     window, schedules them back to back on its audio clock, knows when the song is complete, draws
-    the time, and shows an LRC text's lines with the current one lit; the layout holds with the
-    player and nothing of the pack reaches the console."""
+    the time, and shows an LRC text's lines with the current one lit; the tiny model's song is said
+    to be noise and played at a tenth of the volume; the layout holds with the player and nothing of
+    the pack reaches the console."""
     editor.load_template("generate_in_one_node")
     editor.page.evaluate("""() => { const n = window.app.graph._nodes.find((n) => n.type === "MM3Generate");
         for (const [k, v] of [["duration", 9], ["steps", 2]]) n.widgets.find((w) => w.name === k).value = v; }""")
@@ -324,7 +348,9 @@ def test_generate_plays_each_window_on_its_node(editor, comfy):
         v.setLrc("[00:00.00]first line\\n[00:04.00]second line"); v.player.seek(5); v.draw();
         return v.lineEls.map((e) => [e.textContent, e.style.fontWeight]); }""")
     assert lit == [["first line", ""], ["second line", "700"]], lit
-    editor.screenshot("MM3_THUMBNAILS", "generate_in_one_node.jpg", size=(960, 540), least=0.1, type="jpeg", quality=70)
+    noise = editor.page.evaluate("""() => { const v = window.app.graph._nodes.find((n) => n.type === "MM3Generate").mm3Player;
+        return [v.noise, v.note.offsetHeight > 0, v.note.textContent, v.gain.gain.value]; }""")
+    assert noise[:2] == [True, True] and noise[2].startswith("Noise:") and noise[3] == pytest.approx(0.1), noise
     nodes = editor.nodes()
     assert not _overlaps(nodes) and not editor.hidden_nodes(), (_overlaps(nodes), editor.hidden_nodes())
     assert not editor.pack_messages(), editor.pack_messages()

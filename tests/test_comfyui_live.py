@@ -83,6 +83,7 @@ def test_windows_reach_the_client_as_they_are_decoded_and_join_to_the_song(serve
     for node, saved in (("6", "8"), ("10", "11")):
         mine = [w["data"] for w in windows if w["data"]["node"] == node]
         assert {m["variation"] for m in mine} == {0, 1} and all(m["sample_rate"] == 44100 for m in mine)
+        assert all(m["noise"] is True for m in mine)  # the tiny vocoder: the player says noise, plays it quietly
         files = entry["outputs"][saved]["audio"]
         for j, file in enumerate(files):
             pieces = sorted((m for m in mine if m["variation"] == j), key=lambda m: m["window"])

@@ -1,7 +1,7 @@
 """Every command the project writes down for users parses as written.
 
-Commands are collected from the READMEs (fenced shell blocks and inline code), the workflow files'
-notes, and the docstrings and messages of the Python sources. Each is run up to argument parsing
+Commands are collected from the READMEs and docs/ (fenced shell blocks and inline code), the
+workflow files' notes, and the docstrings and messages of the Python sources. Each is run up to argument parsing
 (the program's own parser, stopped right after it parsed): an unknown subcommand, flag or choice,
 or a stray positional argument fails the test. Full commands (shell blocks, workflow notes) must
 parse completely; a synopsis in running text (`python -m mm3 info FILE...`) may leave out
@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["README.md", "workflows/README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("workflows/*.json")),
+SOURCES = ["README.md", "workflows/README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md")),
+           *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("workflows/*.json")),
            *sorted(str(p.relative_to(ROOT)) for d in ("mm3", "nodes", "workflows", "tests")
                    for p in (ROOT / d).rglob("*.py") if p.name != Path(__file__).name)]
 PROGRAM = re.compile(r"python3? (?:-m [\w.]+|[\w./-]+\.py)")

@@ -33,8 +33,11 @@ class El { constructor() { this.style = {}; this.listeners = {}; }
   addEventListener(k, f) { (this.listeners[k] ??= []).push(f); } }
 globalThis.document = { createElement: () => new El() };
 const loader = { widgets: [{ name: "model_name", value: "lm-q8.gguf" }] };
+const deprecated = []; // what the newest editor warns about when it is read
+const textWidget = (name, value) => { const element = new El();
+  return { name, value, element, get inputEl() { deprecated.push("widget.inputEl"); return element; } }; };
 class Node { constructor() { this.inputs = [{ name: "lm" }];
-    this.widgets = [{ name: "caption", value: "x", inputEl: new El() }, { name: "lyrics", value: "y" }]; }
+    this.widgets = [textWidget("caption", "x"), textWidget("lyrics", "y")]; }
   getInputNode(slot) { return slot === 0 ? loader : null; }
   addDOMWidget(name, type, element, options) {
     const w = { name, type, element, options, get value() { return options.getValue(); },
@@ -48,11 +51,11 @@ node.onNodeCreated();
 await settle(); await settle();
 const first = node.widgets.at(-1).value;
 node.widgets[0].value = "a much longer caption";
-node.widgets[0].inputEl.listeners.input[0]();
+node.widgets[0].element.listeners.input[0]();
 await settle(); await settle();
 const over = node.widgets.at(-1).value;
 node.widgets[0].value = "bad\\u001b";
-node.widgets[0].inputEl.listeners.input[0]();
+node.widgets[0].element.listeners.input[0]();
 await settle(); await settle();
 const refused = [node.widgets.at(-1).value, node.widgets.at(-1).element.style.color];
 node.onExecuted({ text: ["a", "b"] });
@@ -60,7 +63,7 @@ const info = node.widgets.at(-1);
 console.log(JSON.stringify({ name: ext.name, audioUI: save.input.required.audioUI, first, over, refused,
   tab: app.extensionManager.tabs.map((t) => t.id), calls: api.calls.map((c) => [c[0], c[1]?.lm_model]),
   widgets: node.widgets.map((w) => w.name), info: [info.value, info.serialize, info.options.serialize,
-  info.element.readOnly] }));
+  info.element.readOnly], deprecated }));
 """
 
 
@@ -89,8 +92,10 @@ def run_web_harness(tmp_path, script: str, api_js: str = JS_API) -> dict:
 def test_web_extension_shows_node_text(tmp_path):
     """web/mm3.js against stand-ins for the editor's app and api modules (needs node.js): the info
     text is the node's last widget and is neither sent with the prompt nor saved; typing recounts the
-    prompt's tokens with the LM the upstream loader names; the sidebar tab is registered."""
+    prompt's tokens with the LM the upstream loader names; the sidebar tab is registered. The text
+    boxes are reached through `widget.element`, never the deprecated `widget.inputEl`."""
     got = run_web_harness(tmp_path, JS_HARNESS)
+    assert got["deprecated"] == []
     assert got["audioUI"] == ["AUDIO_UI", {}]  # Save Song gets ComfyUI's audio player
     assert got["widgets"] == ["caption", "lyrics", "mm3_info"]
     assert got["info"] == ["a\nb", False, False, True]
@@ -116,17 +121,22 @@ const old = (knobs) => ({ last_node_id: 4, last_link_id: 2, links: [[1, 1, 0, 3,
 const plain = upgradeWorkflow(old({}));
 const tuned = upgradeWorkflow(old({ top_k: 7, rounds: 2 }));
 // A seed widget with its control, on a node whose seed input is wired, then unwired.
+// Connectivity through node.isInputConnected(slot): reading an input's `link` is deprecated.
+const deprecated = [];
 class Node { constructor() { const control = { name: "control_after_generate", value: "fixed" };
   this.widgets = [{ name: "seed", value: 1, linkedWidgets: [control] }, control];
-  this.inputs = [{ name: "seed", widget: { name: "seed" }, link: 5 }]; } }
+  this.wired = [5]; const node = this;
+  this.inputs = [{ name: "seed", widget: { name: "seed" }, get link() { deprecated.push("input.link");
+    return node.wired[0]; } }]; }
+  isInputConnected(slot) { return this.wired[slot] != null; } }
 await ext.beforeRegisterNodeDef(Node, { name: "MM3FlowSampler",
   input: { required: { seed: ["INT", { control_after_generate: true }] } } });
 const node = new Node();
 node.onConfigure();
 const wired = node.widgets[1].hidden;
-node.inputs[0].link = null;
+node.wired[0] = null;
 node.onConnectionsChange();
-console.log(JSON.stringify({ plain, tuned, wired, unwired: node.widgets[1].hidden }));
+console.log(JSON.stringify({ plain, tuned, wired, unwired: node.widgets[1].hidden, deprecated }));
 """
 
 
@@ -134,7 +144,8 @@ def test_web_extension_upgrades_old_plans_and_hides_wired_seed_controls(tmp_path
     """web/mm3.js (needs node.js): an editor workflow saved with the old AR Plan (16 widget values)
     loads with the new AR Plan's values; knobs off their defaults come back on an MM3 Sampling
     Options node wired into `options`; at the defaults no node is added. A seed's "control after
-    generate" is hidden while the seed is wired in, and shown again once it is not."""
+    generate" is hidden while the seed is wired in, and shown again once it is not (read through
+    `node.isInputConnected`, not the deprecated `input.link`)."""
     got = run_web_harness(tmp_path, JS_UPGRADE)
     plan = [n for n in got["plain"]["nodes"] if n["type"] == "MM3ARPlan"][0]
     assert plan["widgets_values"] == [120, 42, "fixed", 1.5, 1, 4, True, 30]
@@ -149,6 +160,7 @@ def test_web_extension_upgrades_old_plans_and_hides_wired_seed_controls(tmp_path
     assert got["tuned"]["links"][-1] == [3, 5, 0, 3, 2, "MM3_SAMPLING_OPTIONS"]
     assert options[0]["outputs"][0]["links"] == [3] and got["tuned"]["last_link_id"] == 3
     assert got["wired"] is True and got["unwired"] is False
+    assert got["deprecated"] == []
 
 
 def test_shipped_workflows_fit_the_window_at_their_saved_view():
@@ -190,15 +202,19 @@ const inv = { folders: ["/models/mm3"], free: 10e9,
   set_sizes: { native: { total: 28.6e9, to_fetch: 28.6e9 }, light: { total: 8.8e9, to_fetch: 4.2e9 } } };
 const root = new El("div");
 renderInventory(root, inv);
-console.log(JSON.stringify(root.text()));
+console.log(JSON.stringify({ text: root.text(), style: root.style.cssText,
+  folders: root.children[1].children.map((c) => c.textContent) }));
 """
 
 
 def test_web_sidebar_says_sizes_free_space_and_each_problem_once(tmp_path):
     """The MM3 models sidebar (web/mm3.js, needs node.js): each set's published size and what is
     left to download against the free space, a problem said once (later mentions point to it),
-    small files in KiB."""
-    text = run_web_harness(tmp_path, JS_SIDEBAR)
+    small files in KiB. Each folder on a line of its own; long paths and file names wrap at any
+    character instead of running past the sidebar's edge."""
+    got = run_web_harness(tmp_path, JS_SIDEBAR)
+    text = got["text"]
+    assert "overflow-wrap: anywhere" in got["style"] and got["folders"] == ["/models/mm3"]
     assert text.count("truncated") == 1, text
     assert "MiniMax-Music3-vocoder-F32.gguf: unusable (see above)" in text
     assert "tiny-lm.gguf (F32, 3 KiB)" in text and "(4 KiB so far)" in text
@@ -225,8 +241,10 @@ await import("./extensions/pack/mm3.js");
 class Ctx { constructor(rate) { this.currentTime = 0; this.sampleRate = rate; this.started = []; this.destination = {}; }
   createBuffer(n, length, sampleRate) { const chans = Array.from({ length: n }, () => new Float32Array(length));
     return { length, sampleRate, duration: length / sampleRate, chans, copyToChannel(d, c) { chans[c].set(d); } }; }
-  createBufferSource() { const ctx = this; return { connect() {}, stop() { this.stopped = true; },
-    start(when, offset) { ctx.started.push({ at: ctx.currentTime, when, offset, n: this.buffer.length }); } }; }
+  createBufferSource() { const ctx = this; return { connect(to) { this.to = to; }, stop() { this.stopped = true; },
+    start(when, offset) { ctx.started.push({ at: ctx.currentTime, when, offset, n: this.buffer.length,
+                                             to: this.to }); } }; }
+  createGain() { return (this.gainNode = { gain: { value: 1 }, connect(to) { this.to = to; } }); }
   resume() {} }
 const round = (x) => Math.round(x * 1e9) / 1e9;
 const starts = (ctx) => ctx.started.splice(0).map((s) => [round(s.when), round(s.offset), s.n]);
@@ -317,3 +335,88 @@ def test_live_player_schedules_windows_back_to_back_and_follows_lrc(tmp_path):
     assert torch.equal(torch.tensor(view["left"]), whole[0]) and torch.equal(torch.tensor(view["right"]), whole[1])
     assert got["seek"] == [0.2, 1, "700", ""]
     assert got["listens"] == ["executed", "mm3.window"]
+
+
+JS_SUBGRAPH_HARNESS = """import { readFileSync } from "node:fs";
+class El { constructor(tag) { this.tag = tag; this.style = {}; this.children = []; this.textContent = ""; }
+  append(...c) { this.children.push(...c); } replaceChildren(...c) { this.children = c; } }
+globalThis.document = { createElement: (tag) => new El(tag) };
+globalThis.requestAnimationFrame = () => 0;
+const { app } = await import("./scripts/app.js");
+const { api } = await import("./scripts/api.js");
+const { graphNode, onWindow, onExecuted, playerOf } = await import("./extensions/pack/mm3.js");
+const contexts = [];
+class Ctx { constructor(rate) { this.currentTime = 0; this.destination = { speakers: true }; this.sources = [];
+    contexts.push(this); }
+  createBuffer(n, length, sampleRate) { return { length, sampleRate, copyToChannel() {} }; }
+  createBufferSource() { const s = { connect(to) { s.to = to; }, start() {}, stop() {} }; this.sources.push(s);
+    return s; }
+  createGain() { return (this.gainNode = { gain: { value: 1 }, connect(to) { this.to = to; } }); }
+  resume() {} }
+globalThis.AudioContext = Ctx;
+const live = (name) => ({ comfyClass: "MM3Generate", name, widgets: [], size: [400, 100],
+  computeSize() { return [400, playerOf(this).height()]; }, setSize(s) { this.size = s; },
+  addDOMWidget(n, type, element, options) { const w = { name: n, element, options }; this.widgets.push(w); return w; } });
+// Node 12 is a subgraph holding node 5; the root graph has a node 5 of its own.
+const inner = live("inner"), outer = live("root 5");
+const sub = { nodes: [inner], getNodeById: (id) => (id === 5 ? inner : null) };
+const holder = { id: 12, subgraph: sub };
+app.rootGraph = { nodes: [outer, holder], getNodeById: (id) => ({ 5: outer, 12: holder })[id] ?? null };
+const out = { lookup: [graphNode("12:5")?.name, graphNode("5")?.name, graphNode(5)?.name, graphNode("12:9"),
+                       graphNode("7:5")] };
+const messages = JSON.parse(readFileSync("messages.json", "utf8"));
+for (const m of messages) await onWindow(m);
+const view = inner.mm3Player, ctx = contexts[0];
+out.player = [!!view, outer.mm3Player === undefined, view.tracks.size];
+out.noise = [view.noise, view.note.style.display, view.note.textContent, ctx.gainNode.gain.value,
+             ctx.gainNode.to === ctx.destination, ctx.sources.every((s) => s.to === ctx.gainNode),
+             inner.size[1] >= view.height()];
+view.setVolume(0.5);
+out.volume = ctx.gainNode.gain.value;
+onExecuted({ prompt_id: messages[0].prompt_id, output: { lyrics_lrc: ["[00:00.00]one"] } });
+out.lrc = view.lineEls.map((r) => r.textContent);
+await onWindow({ ...messages[0], prompt_id: "prompt-2", noise: false });
+out.music = [view.noise, view.note.style.display, ctx.gainNode.gain.value];
+console.log(JSON.stringify(out));
+"""
+
+
+def test_live_player_finds_nodes_inside_subgraphs_and_plays_noise_quietly(tmp_path):
+    """web/mm3.js (needs node.js): a window message for a node inside a subgraph (its execution id
+    "12:5") reaches that node's player, not the root graph's node 5, and an LRC text reaches it too.
+    The messages of a tiny (random-weight) vocoder say so: the player shows that the song is noise
+    and plays it at a tenth of the volume slider's level, through one gain; a later prompt of a real
+    model plays at the slider's level again."""
+    from tests.helpers.comfyui import import_pack
+
+    live = import_pack("nodes.live")
+    messages = []
+    preview = live.WindowPreview(lambda event, data: messages.append(data), tmp_path / "files", "12:5", "prompt-1",
+                                 duration=1.0, noise=True)
+    preview(0, 1, torch.zeros(1, 2, 100), 1000)
+    (tmp_path / "messages.json").write_text(json.dumps(messages))
+    got = run_web_harness(tmp_path, JS_SUBGRAPH_HARNESS, JS_PLAYER_API)
+    assert got["lookup"] == ["inner", "root 5", "root 5", None, None]
+    assert got["player"] == [True, True, 1]
+    noise, shown, note, gain, to_speakers, through_gain, room = got["noise"]
+    assert noise is True and shown == "" and note.startswith("Noise: this vocoder has random weights")
+    assert gain == 0.1 and to_speakers and through_gain and room
+    assert got["volume"] == 0.05 and got["lrc"] == ["one"]
+    assert got["music"] == [False, "none", 0.5]
+
+
+def test_every_template_has_a_card_that_says_what_it_makes():
+    """Each editor workflow has its template-browser card (tests/helpers/template_cards.py): a title
+    and a line in CARDS, and workflows/NAME.jpg, a square JPEG (the browser fits pictures into a
+    square) as the script draws it; no card for a workflow that is gone."""
+    from PIL import Image
+
+    from tests.helpers.template_cards import CARDS, SIZE
+
+    names = sorted(p.stem for p in (ROOT / "workflows").glob("*.json"))
+    assert sorted(CARDS) == names
+    for name in names:
+        title, line, _ = CARDS[name]
+        assert title and line and len(title) <= 26, name  # two lines of large type at most
+        with Image.open(ROOT / "workflows" / f"{name}.jpg") as img:
+            assert img.format == "JPEG" and img.size == (SIZE, SIZE), (name, img.format, img.size)

@@ -204,7 +204,8 @@ def test_generate_with_auto_skips_a_truncated_file(tiny, tmp_path):
 def test_demo_writes_the_tiny_model_once_and_says_where_the_song_is(tmp_path, capsys):
     """`python -m mm3 demo`: the tiny model is written where its five components are not all
     present (found by architecture, whatever the files are called), then a song is generated and
-    its path printed."""
+    its path printed; before and after, the demo says that the song is loud noise from random
+    weights."""
     from mm3.commands.demo import has_model
 
     folder = tmp_path / "demo"
@@ -213,6 +214,8 @@ def test_demo_writes_the_tiny_model_once_and_says_where_the_song_is(tmp_path, ca
     captured = capsys.readouterr()
     assert "wrote the tiny random-weight model" in captured.err
     assert f"the song: {folder / 'song.mp3'}" in captured.out
+    assert "its song is loud noise (full scale), not music: turn the volume down" in captured.err
+    assert "it is noise from random weights" in captured.out
     assert has_model(folder) and (folder / "song.mp3").read_bytes()[:1] in (b"I", b"\xff")
     assert json.loads((folder / "song.json").read_text())["audio_codes"]
     for i, p in enumerate(sorted(folder.glob("*.gguf"))):  # other names: still the model, not rebuilt

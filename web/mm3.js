@@ -77,9 +77,36 @@ export function playerOf(node, makeContext = audioContext) {
   return view;
 }
 
-function graphNode(id) {
-  const g = app.graph;
-  return g?.getNodeById?.(Number(id)) ?? g?.getNodeById?.(id) ?? null;
+// The node a message names by its execution id: "7" on the root graph, "12:5" node 5 inside the
+// subgraph of node 12 (each part a node of the graph the part before it opens).
+export function graphNode(id) {
+  let graph = app.rootGraph ?? app.graph, node = null;
+  for (const part of String(id ?? "").split(":")) {
+    if (!graph) return null;
+    node = graph.getNodeById?.(Number(part)) ?? graph.getNodeById?.(part) ?? null;
+    if (!node) return null;
+    graph = node.subgraph;
+  }
+  return node;
+}
+
+// Every node of the workflow, those inside subgraphs too (each subgraph once).
+export function allNodes(graph = app.rootGraph ?? app.graph, seen = new Set()) {
+  const out = [];
+  if (!graph || seen.has(graph)) return out;
+  seen.add(graph);
+  for (const node of graph.nodes ?? []) {
+    out.push(node);
+    if (node.subgraph) out.push(...allNodes(node.subgraph, seen));
+  }
+  return out;
+}
+
+// The node grown to the player's height (room for the lyric lines, the line that says it is noise).
+function fitHeight(node) {
+  const need = node.computeSize?.()[1];
+  if (need > node.size?.[1]) node.setSize?.([node.size[0], need]);
+  node.setDirtyCanvas?.(true, true);
 }
 
 // A "mm3.window" message: its WAV fetched and decoded in arrival order, then handed to the node's player.
@@ -92,7 +119,7 @@ export function onWindow(message) {
     const r = await api.fetchApi(`/view?${query}`);
     if (!r.ok) throw new Error(`${message.file.filename}: ${r.status}`);
     view.add(message, readWav(await r.arrayBuffer()));
-    node.setDirtyCanvas?.(true, true);
+    fitHeight(node);
   }).catch((e) => console.warn(`MM3 live player: ${e}`));
   return view.queue;
 }
@@ -102,13 +129,11 @@ export function onExecuted(detail) {
   const lrc = detail?.output?.lyrics_lrc;
   if (!lrc) return;
   const text = Array.isArray(lrc) ? lrc.join("\n") : String(lrc);
-  for (const node of app.graph?.nodes ?? []) {
+  for (const node of allNodes()) {
     const view = node.mm3Player;
     if (view && (view.promptId === detail.prompt_id || view.promptId === null)) {
       view.setLrc(text);
-      const need = node.computeSize?.()[1]; // room for the lyric lines
-      if (need > node.size?.[1]) node.setSize?.([node.size[0], need]);
-      node.setDirtyCanvas?.(true, true);
+      fitHeight(node);
     }
   }
 }
@@ -159,8 +184,7 @@ function watchPrompt(node) {
       scheduleCount(node);
       return callback?.apply(this, arguments);
     };
-    const el = widget.inputEl ?? widget.element;
-    el?.addEventListener?.("input", () => scheduleCount(node));
+    widget.element?.addEventListener?.("input", () => scheduleCount(node));
   }
   const changed = node.onConnectionsChange;
   node.onConnectionsChange = function () {
@@ -181,8 +205,8 @@ function syncSeedControls(node) {
   for (const w of node.widgets ?? []) {
     const control = w.linkedWidgets?.find((c) => c.name === "control_after_generate");
     if (!control) continue;
-    const input = node.inputs?.find((i) => i.widget?.name === w.name);
-    const wired = input?.link != null;
+    const slot = node.inputs?.findIndex((i) => i.widget?.name === w.name) ?? -1;
+    const wired = slot >= 0 && !!node.isInputConnected?.(slot);
     if (!!control.hidden !== wired) {
       control.hidden = wired;
       changed = true;
@@ -265,9 +289,13 @@ const STATE_TEXT = { present: "present", partial: "partly downloaded", missing: 
 
 export function renderInventory(root, inv) {
   root.replaceChildren();
-  root.style.cssText = "padding: 8px; font-size: 13px; overflow-y: auto; height: 100%;";
+  // Long folder paths and file names wrap at any character rather than run past the sidebar's edge.
+  root.style.cssText = "padding: 8px; font-size: 13px; overflow-y: auto; height: 100%; box-sizing: border-box; " +
+    "overflow-wrap: anywhere;";
   root.append(cell("h3", "MiniMax Music 3 models", "margin: 4px 0 8px;"));
-  root.append(cell("div", `Folders: ${inv.folders.join(", ")}`, "opacity: 0.7; margin-bottom: 8px;"));
+  const folders = cell("div", inv.folders.length > 1 ? "Folders:" : "Folder:", "opacity: 0.7; margin-bottom: 8px;");
+  for (const f of inv.folders) folders.append(cell("div", f, "font-family: monospace; font-size: 12px;"));
+  root.append(folders);
   const table = document.createElement("table");
   table.style.cssText = "width: 100%; border-collapse: collapse;";
   for (const [kind, files] of Object.entries(inv.components)) {

@@ -2,7 +2,9 @@
 // arrives as the engine decodes it (the "mm3.window" event names a 32-bit float WAV in ComfyUI's temp
 // folder) and is scheduled on one Web Audio clock right after the previous one, so the song plays
 // without gaps while it is still being made; a waveform drawn as the windows arrive, the position, and
-// optional LRC lyrics ("[mm:ss.xx]line") with the current line lit and click-to-seek.
+// optional LRC lyrics ("[mm:ss.xx]line") with the current line lit and click-to-seek. A volume slider;
+// a song from a vocoder with random weights (a tiny test model: full-scale noise) is said to be noise
+// and played at a tenth of the volume.
 //
 // The parts that decide what plays when (WAV reading, LRC parsing, the schedule, seeking) are plain
 // functions and a class over an injected AudioContext, so they run under node.js in the tests.
@@ -12,6 +14,10 @@ export const PEAKS_PER_SECOND = 50; // waveform resolution
 export const WAVE_HEIGHT = 40; // pixels of the waveform
 export const LYRICS_HEIGHT = 96; // pixels of the lyric lines (shown with an LRC text)
 export const PLAYER_HEIGHT = 76; // the widget without lyrics: the controls and the waveform
+export const NOTE_HEIGHT = 36; // pixels of the line that says a song is noise
+export const QUIET = 0.1; // the gain of noise from random weights, times the volume slider's
+export const NOISE_NOTE = "Noise: this vocoder has random weights (a tiny test model), so it is played quietly. " +
+  "The real model files make music (MM3 models sidebar).";
 
 // -- WAV ----------------------------------------------------------------------------------------
 // A RIFF WAVE file (32-bit float or 16-bit PCM, any channel count) -> { sampleRate, channels: [Float32Array] }.
@@ -131,10 +137,12 @@ export function peaksOf(channels, sampleRate) {
   return out;
 }
 
-// One track (a song's variation) heard as its pieces come, on `ctx` (an AudioContext).
+// One track (a song's variation) heard as its pieces come, on `ctx` (an AudioContext), through `output`
+// (the view's volume; the speakers by default).
 export class LivePlayer {
-  constructor(ctx) {
+  constructor(ctx, output = ctx.destination) {
     this.ctx = ctx;
+    this.output = output;
     this.pieces = []; // { start, duration, buffer, peaks }, in song order
     this.sources = [];
     this.playing = false;
@@ -244,7 +252,7 @@ export class LivePlayer {
   _source({ index, when, offset }) {
     const src = this.ctx.createBufferSource();
     src.buffer = this.pieces[index].buffer;
-    src.connect(this.ctx.destination);
+    src.connect(this.output);
     src.start(when, offset);
     this.sources.push(src);
     src.onended = () => { this.sources = this.sources.filter((s) => s !== src); };
@@ -273,6 +281,8 @@ export class PlayerView {
     this.promptId = null;
     this.lrc = "";
     this.autoplay = true; // the first window starts playing (where the browser allows sound)
+    this.volume = 1; // the slider's value
+    this.noise = false; // this prompt's vocoder has random weights
     const el = (tag, css = "") => {
       const e = document.createElement(tag);
       if (css) e.style.cssText = css;
@@ -289,7 +299,12 @@ export class PlayerView {
     this.choice = el("select", "display: none; max-width: 140px;");
     this.choice.title = "Which song and variation to hear";
     this.choice.onchange = () => this.select(this.choice.value);
-    bar.append(this.button, this.time, this.choice);
+    this.slider = el("input", "width: 70px; margin-left: auto;");
+    Object.assign(this.slider, { type: "range", min: "0", max: "1", step: "0.05", value: "1", title: "Volume" });
+    this.slider.oninput = () => this.setVolume(Number(this.slider.value));
+    bar.append(this.button, this.time, this.choice, this.slider);
+    this.note = el("div", "display: none; color: var(--error-text, #f66); line-height: 1.3;");
+    this.note.textContent = NOISE_NOTE;
     this.canvas = el("canvas", `width: 100%; height: ${WAVE_HEIGHT}px; cursor: pointer; background: rgba(0,0,0,0.25);`);
     this.canvas.height = WAVE_HEIGHT;
     this.canvas.title = "Click to jump there";
@@ -300,7 +315,7 @@ export class PlayerView {
       this.draw();
     };
     this.lyrics = el("div", `max-height: ${LYRICS_HEIGHT}px; overflow-y: auto; display: none; line-height: 1.4;`);
-    this.root.append(bar, this.canvas, this.lyrics);
+    this.root.append(bar, this.note, this.canvas, this.lyrics);
   }
 
   get player() {
@@ -309,17 +324,41 @@ export class PlayerView {
 
   // The widget's height: the controls and the waveform, and the lyrics while there are some.
   height() {
-    return PLAYER_HEIGHT + (this.lineEls?.length ? LYRICS_HEIGHT + 4 : 0);
+    return PLAYER_HEIGHT + (this.lineEls?.length ? LYRICS_HEIGHT + 4 : 0) + (this.noise ? NOTE_HEIGHT : 0);
+  }
+
+  // What the speakers get: the slider's volume, a tenth of it for noise.
+  get gainValue() {
+    return this.volume * (this.noise ? QUIET : 1);
+  }
+
+  setVolume(volume) {
+    this.volume = Math.min(Math.max(0, volume), 1);
+    this.slider.value = String(this.volume);
+    if (this.gain) this.gain.gain.value = this.gainValue;
+  }
+
+  // Whether the prompt's song is noise from random weights: said, and played quietly.
+  setNoise(noise) {
+    this.noise = !!noise;
+    this.note.style.display = this.noise ? "" : "none";
+    this.setVolume(this.volume);
   }
 
   // One "mm3.window" message with its decoded audio; a new prompt starts over.
   add(message, decoded) {
     if (message.prompt_id !== this.promptId) this.reset(message.prompt_id);
+    if (message.noise && !this.noise) this.setNoise(true); // before a sound is made
     const key = `${message.song}.${message.variation}`;
     let track = this.tracks.get(key);
     if (!track) {
-      this.ctx ??= this.makeContext(decoded.sampleRate);
-      track = new LivePlayer(this.ctx);
+      if (!this.ctx) {
+        this.ctx = this.makeContext(decoded.sampleRate);
+        this.gain = this.ctx.createGain();
+        this.gain.connect(this.ctx.destination);
+        this.setVolume(this.volume);
+      }
+      track = new LivePlayer(this.ctx, this.gain);
       track.setLrc(this.lrc);
       this.tracks.set(key, track);
       this._options();
@@ -339,6 +378,7 @@ export class PlayerView {
     this.tracks.clear();
     this.selected = null;
     this.promptId = promptId;
+    this.setNoise(false);
     this._options();
   }
 

@@ -26,6 +26,17 @@ def has_model(folder: Path) -> bool:
     return all(registry.buckets[kind] for kind in KINDS)
 
 
+def random_weights(folder: Path) -> bool:
+    """Whether the song of `folder`'s models is noise: a component the engine picks there is a tiny
+    test model (random weights; `components.is_full_size`)."""
+    from ..components import KINDS, is_full_size
+    from ..files.opener import read_component
+    from ..files.registry import Registry
+
+    registry = Registry.scan(folder)
+    return any(not is_full_size(read_component(registry.resolve(kind), kind)) for kind in KINDS)
+
+
 def run(args) -> int:
     from .main import build_parser
     from ..tools.tiny import build_tiny
@@ -37,6 +48,10 @@ def run(args) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         build_tiny(folder)
         print(f"wrote the tiny random-weight model to {folder}", file=sys.stderr)
+    noise = random_weights(folder)
+    if noise:
+        print("note: the tiny model's weights are random, so its song is loud noise (full scale), not music: "
+              "turn the volume down before you play it", file=sys.stderr)
     out = folder / "song.mp3"
     generate = build_parser().parse_args(
         ["generate", "--models", str(folder), "--caption", CAPTION, "--lyrics", LYRICS,
@@ -44,8 +59,10 @@ def run(args) -> int:
          "--out", str(out), "--overwrite", *(["--quiet"] if args.quiet else []),
          *(["--device", args.device] if args.device else [])])
     generate.func(generate)
-    print(f"the song: {out} (and its replay request {out.with_suffix('.json')}); the tiny model's weights are "
-          "random, so it sounds like noise; `python -m mm3 download --set q8 --dir models/mm3` gets the real ones")
+    print(f"the song: {out} (and its replay request {out.with_suffix('.json')})")
+    if noise:
+        print("it is noise from random weights, played loud: every stage ran, but only the real model files make "
+              "music (`python -m mm3 download --set q8 --dir models/mm3` gets them)")
     return 0
 
 
