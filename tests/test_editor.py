@@ -229,14 +229,16 @@ export const api = { listeners: {}, fetched: [], addEventListener(type, f) { (th
   async fetchApi(path) { this.fetched.push(path); const q = new URLSearchParams(path.split("?")[1]);
     const bytes = readFileSync(`files/${q.get("filename")}`);
     return { ok: true, arrayBuffer: async () => bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.length) }; } };"""
-JS_PLAYER_HARNESS = """import { readFileSync } from "node:fs";
+# The page the player scripts run in under node.js: a bare DOM and the editor's app and api.
+JS_PAGE = """import { readFileSync } from "node:fs";
 class El { constructor(tag) { this.tag = tag; this.style = {}; this.children = []; this.textContent = ""; }
   append(...c) { this.children.push(...c); } replaceChildren(...c) { this.children = c; } }
 globalThis.document = { createElement: (tag) => new El(tag) };
 globalThis.requestAnimationFrame = () => 0;
 const { app } = await import("./scripts/app.js");
 const { api } = await import("./scripts/api.js");
-const P = await import("./extensions/pack/mm3_player.js");
+"""
+JS_PLAYER_HARNESS = JS_PAGE + """const P = await import("./extensions/pack/mm3_player.js");
 await import("./extensions/pack/mm3.js");
 class Ctx { constructor(rate) { this.currentTime = 0; this.sampleRate = rate; this.started = []; this.destination = {}; }
   createBuffer(n, length, sampleRate) { const chans = Array.from({ length: n }, () => new Float32Array(length));
@@ -337,14 +339,7 @@ def test_live_player_schedules_windows_back_to_back_and_follows_lrc(tmp_path):
     assert got["listens"] == ["executed", "mm3.window"]
 
 
-JS_SUBGRAPH_HARNESS = """import { readFileSync } from "node:fs";
-class El { constructor(tag) { this.tag = tag; this.style = {}; this.children = []; this.textContent = ""; }
-  append(...c) { this.children.push(...c); } replaceChildren(...c) { this.children = c; } }
-globalThis.document = { createElement: (tag) => new El(tag) };
-globalThis.requestAnimationFrame = () => 0;
-const { app } = await import("./scripts/app.js");
-const { api } = await import("./scripts/api.js");
-const { graphNode, onWindow, onExecuted, playerOf } = await import("./extensions/pack/mm3.js");
+JS_SUBGRAPH_HARNESS = JS_PAGE + """const { graphNode, onWindow, onExecuted, playerOf } = await import("./extensions/pack/mm3.js");
 const contexts = [];
 class Ctx { constructor(rate) { this.currentTime = 0; this.destination = { speakers: true }; this.sources = [];
     contexts.push(this); }
