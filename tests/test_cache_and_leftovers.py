@@ -29,8 +29,8 @@ needs_compiler = pytest.mark.skipif(cpu_native.build() is None,
 
 
 def run(args, cache, tmp_path, code=None):
-    """`python -m mm3 ARGS` (or the script `code` with ARGS) with the cache folder `cache`, the
-    CPU forms timed (so a choice is measured and stored) and a temporary folder of its own."""
+    """The command line with arguments `args` (or the script `code` with them) with the cache folder
+    `cache`, the CPU forms timed (so a choice is measured and stored) and a temporary folder of its own."""
     env = {**os.environ, "MM3_CACHE_DIR": str(cache), "MM3_CPU_PRODUCT": "auto", "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir(exist_ok=True)
     cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "mm3", *args]
@@ -78,12 +78,12 @@ def test_a_damaged_cached_library_is_built_again(tmp_path, damage):
     """A cached kernel library emptied or overwritten is built again under its name; never the
     silent fall back to the one-thread build."""
     cache = tmp_path / "cache"
-    built = run([], cache, tmp_path, "from mm3.formats.gguf import cpu_native; print(cpu_native.build())")
+    built = run([], cache, tmp_path, "from mm3.backends.cpu import native as cpu_native; print(cpu_native.build())")
     path = Path(built.stdout.strip())
     assert built.returncode == 0 and path.parent == cache / "native"
     path.write_bytes(damage)
     aged(path)  # damaged some time ago (a library built just now that does not load is not built again)
-    again = run([], cache, tmp_path, "from mm3.formats.gguf import cpu_native; print(cpu_native.available())")
+    again = run([], cache, tmp_path, "from mm3.backends.cpu import native as cpu_native; print(cpu_native.available())")
     assert again.returncode == 0 and again.stdout.strip() == "True", again.stderr
     assert path.stat().st_size > 1000 and list((cache / "native").glob("*.so")) == [path]
     if damage:
@@ -151,7 +151,7 @@ def test_a_killed_builds_temporaries_are_removed_by_the_next_build(tmp_path):
     left[1].mkdir()
     (left[1] / ".integer_product-0123.tmp").write_bytes(b"\x7fELF")
     aged(left[1])
-    built = run([], cache, tmp_path, "from mm3.formats.gguf import cpu_native; print(cpu_native.available())")
+    built = run([], cache, tmp_path, "from mm3.backends.cpu import native as cpu_native; print(cpu_native.available())")
     assert built.stdout.strip() == "True", built.stderr
     assert not any(p.exists() for p in left)
     assert [p.suffix for p in (cache / "native").iterdir()] == [".so"]
@@ -159,7 +159,7 @@ def test_a_killed_builds_temporaries_are_removed_by_the_next_build(tmp_path):
 
 KILLED_AT_COMMIT = """
 import os, sys
-from mm3 import output
+from mm3.synth import output
 from mm3.commands.main import main
 output.FileBatch.commit = lambda self: os.kill(os.getpid(), 9)  # killed with every file staged
 sys.exit(main(sys.argv[1:]))
@@ -220,7 +220,7 @@ def test_auto_warns_when_it_skips_a_file_that_cannot_be_read(tiny, tmp_path, den
 # -- a model file changed while in use ---------------------------------------------------------------
 CHANGED_IN_AR = """
 import os, sys
-from mm3 import jobs_cli
+from mm3.commands import jobs as jobs_cli
 from mm3.commands.main import main
 
 target, how = sys.argv[1], sys.argv[2]

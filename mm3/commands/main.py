@@ -51,7 +51,7 @@ def missing_package(e: ModuleNotFoundError) -> str | None:
     """The one-line message for a package that is not installed (None: a module of this engine
     itself is missing, which is a broken checkout rather than an install to make)."""
     name = (e.name or "").split(".")[0]
-    if not name or name == __package__:
+    if not name or name == __package__.split(".")[0]:
         return None
     where = f" (or everything the command line needs: `python -m pip install -r {CLI_REQUIREMENTS}` in the " \
             "pack's folder)" if name in CLI_PACKAGES else ""
