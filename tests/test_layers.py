@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "mm3"
 
 LAYERS = (
-    ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress", "mm3.cache_dir")),
+    ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress", "mm3.cache_dir", "mm3.bounded")),
     ("formats", ("mm3.formats", "mm3.gguf", "mm3.gguf.errors", "mm3.gguf.reader", "mm3.gguf.writer",
                  "mm3.gguf.quants", "mm3.gguf.encode", "mm3.fingerprint", "mm3.lora")),
     ("numerics", ("mm3.matmul", "mm3.cpu_bf16", "mm3.device", "mm3.gguf.kernels", "mm3.gguf.triton_gguf",
