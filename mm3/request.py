@@ -309,8 +309,11 @@ class MM3Request:
             check_lead(self.lrc_lead)
         except InputError as e:
             raise RequestError(f"lrc_lead: {e}") from None
-        if self.lm_take < -1:
-            raise RequestError(f"lm_take must be -1 (none) or a take number, got {self.lm_take}")
+        from .takes import MAX_ENDING_ROUNDS, MAX_TAKES
+
+        last = MAX_SONGS * MAX_TAKES * MAX_ENDING_ROUNDS - 1  # takes are numbered over the songs and rounds
+        if not -1 <= self.lm_take <= last:
+            raise RequestError(f"lm_take must be -1 (none) or a take number 0..{last}, got {self.lm_take}")
         if self.continue_codes:
             if self.audio_codes:
                 raise RequestError("a request has either audio_codes (render them) or continue_codes (plan after "

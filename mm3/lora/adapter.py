@@ -242,8 +242,13 @@ def _alpha_patterns(config: dict, path: str) -> list[tuple[re.Pattern, float]]:
         why = pattern_problem(pattern)
         if why:
             raise AdapterError(f"{path}: alpha_pattern {pattern!r} {why}")
-        out.append((re.compile(rf"(.*\.)?({pattern})$"), float(value)))
+        out.append((re.compile(_anchored(pattern)), float(value)))
     return out
+
+
+def _anchored(pattern: str) -> str:
+    """A pattern as PEFT matches it against a module name: the name's whole tail after a dot."""
+    return rf"(.*\.)?({pattern})$"
 
 
 def pattern_problem(pattern: str) -> str:
@@ -252,11 +257,12 @@ def pattern_problem(pattern: str) -> str:
     if len(pattern) > MAX_PATTERN_CHARS:
         return f"is {len(pattern)} characters long (at most {MAX_PATTERN_CHARS})"
     try:
-        parsed = sre_parse.parse(pattern)
+        sre_parse.parse(pattern)
+        parsed = sre_parse.parse(_anchored(pattern))  # as PEFT matches it; "(?i)x" parses alone only
     except (re.error, RecursionError, OverflowError) as e:
         return f"is not a regular expression ({e})"
     try:
-        repeats = _repeats(parsed, inside=False)
+        repeats = _repeats(parsed, inside=False) - 1  # the prefix's own .*
     except ValueError as e:
         return str(e)
     if repeats > MAX_REPEATS:
