@@ -141,7 +141,7 @@ def _entries(path: str) -> dict:
     try:
         return file_entries(Path(path))
     except (ValueError, KeyError, OSError) as e:
-        raise AdapterError(f"{path}: not a readable safetensors file ({e})") from None
+        raise AdapterError(f"{path}: not a readable safetensors file ({str(e).removeprefix(f'{path}: ')})") from None
 
 
 def _read(path: str) -> Adapter:
