@@ -1,5 +1,5 @@
 """`python -m mm3 ...`: the command-line tools."""
 
-from .cli import main
+from .commands.main import main
 
 raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The five components: the one table that names them, an opened component file, its
 hyper-parameters read from metadata, and the checks that a set of components fits together and that
-a file can be built into a model. Opening and classifying files is `mm3.opener`."""
+a file can be built into a model. Opening and classifying files is `mm3.files.opener`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .formats.published import FULL_SIZE_SHARE, RELEASED_VALUES
-from .gguf.errors import ComponentError
-from .gguf.reader import GGUFFile
+from .formats.gguf.errors import ComponentError
+from .formats.gguf.reader import GGUFFile
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def check_loadable(component: Component) -> None:
     """Before a model is built from `component`: every tensor has a type the engine dequantizes,
     and no size in the metadata is beyond what the file's tensors can hold (a corrupt header must
     not make the model constructor loop over millions of layers or allocate huge tables)."""
-    from .gguf.quants import SUPPORTED_TYPES
+    from .formats.gguf.quants import SUPPORTED_TYPES
 
     infos = component.file.tensor_infos()
     for name, _, qtype in infos:

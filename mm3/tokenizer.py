@@ -4,7 +4,7 @@ As the reference (transformers `Qwen2Tokenizer`): NFC, the Qwen2 split regex (ea
 GPT-2 byte-to-unicode mapping, BPE merges by rank. One deliberate difference: no added or special
 token is ever matched inside user text (the reference would turn a literal "<|im_start|>" in the
 lyrics into the control token); special ids, found by their strings in `tokenizer.ggml.tokens`,
-enter only through the template (`mm3.prompt`). Semantic code c is LM token `code_offset + c`.
+enter only through the template (`mm3.plan.prompt`). Semantic code c is LM token `code_offset + c`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .constants import SEMANTIC_VOCAB_SIZE
 from .filecache import FileCache
-from .gguf.errors import ComponentError
+from .formats.gguf.errors import ComponentError
 
 # Qwen2 pre-tokenizer split (transformers `PRETOKENIZE_REGEX`): each digit alone.
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -118,7 +118,7 @@ class MM3Tokenizer:
 
     @classmethod
     def from_gguf(cls, path) -> "MM3Tokenizer":
-        from .opener import open_component
+        from .files.opener import open_component
 
         comp = open_component(path, expect="lm", header_only=True)  # the tokenizer is metadata
         try:

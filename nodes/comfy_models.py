@@ -25,12 +25,12 @@ import folder_paths
 import torch
 
 from mm3.components import ARCH_OF, DESCRIPTIONS, GROUPS
-from mm3.gguf.weight_copies import compressed_nbytes
-from mm3.overlap import fits_together
+from mm3.weights.copies import compressed_nbytes
+from mm3.song.overlap import fits_together
 from mm3.lora.adapter import adapter_kinds
 from mm3.lora.attach import attach
 from mm3.lora.keys import KINDS as LORA_KINDS
-from mm3.registry import AUTO, MODEL_SUFFIXES, file_problem, pick_usable
+from mm3.files.registry import AUTO, MODEL_SUFFIXES, file_problem, pick_usable
 from .handles import ComponentHandle, classify
 from .lora_handles import adapters_of, base_of
 
@@ -90,7 +90,7 @@ def _comfy_files() -> list[tuple[str, str]]:
 def files_of(kind: str, usable: bool = True) -> list[str]:
     """Names of the files holding component `kind`: the mm3 folders' files by name, then ComfyUI's
     own MiniMax Music 3 files as "<folder>/<name>" (headers read once, cached). `usable`: only
-    those the component can use (`mm3.registry.file_problem`, as the model sidebar marks them):
+    those the component can use (`mm3.files.registry.file_problem`, as the model sidebar marks them):
     a truncated or unreadable file is not offered, and hides no other."""
     out = []
     for name in folder_paths.get_filename_list(FOLDER):
@@ -115,7 +115,7 @@ def full_path(name: str) -> str:
 def chosen_file(kind: str, name: str) -> str:
     """The file a loader's name means: itself, or for "auto" a usable file of `kind`, full-size
     before tiny, the most precise that fits the memory of the device its model runs on
-    (`mm3.registry.pick_usable`: an unusable file is skipped with one warning)."""
+    (`mm3.files.registry.pick_usable`: an unusable file is skipped with one warning)."""
     if name != AUTO:
         return name
     names = files_of(kind, usable=False)
@@ -293,7 +293,7 @@ def _adapter_bytes(handles: list[ComponentHandle]) -> int:
 
 def fit_together(handles: list[ComponentHandle], memory_required: int = 0) -> bool:
     """Whether every model of `handles` (both groups) can be resident at once with `memory_required`
-    bytes of activations: on the CPU the engine's rule (`mm3.overlap.fits_together`, free RAM), on a
+    bytes of activations: on the CPU the engine's rule (`mm3.song.overlap.fits_together`, free RAM), on a
     device its total memory (ComfyUI unloads other models to make room) less what it keeps free."""
     device = load_device(handles[0].kind)
     if any(load_device(h.kind) != device for h in handles):

@@ -2,7 +2,7 @@
 
 A loader node returns a `ComponentHandle`: the file is classified (header read, cached) but nothing
 is built until a stage node asks for the model. The stage nodes pass the engine's stage results
-(`mm3.stages`), whose tensors wait on the CPU while ComfyUI caches them.
+(`mm3.song.stages`), whose tensors wait on the CPU while ComfyUI caches them.
 
 No ComfyUI import here: the node layer's tests use it directly.
 """
@@ -13,14 +13,14 @@ import os
 import weakref
 import torch
 
-from mm3 import ar
+from mm3.plan import ar
 from mm3.components import ARCH_OF, DESCRIPTIONS, GROUP_OF, Component, check_loadable
-from mm3.fingerprint import file_fingerprint as content_fingerprint
-from mm3.gguf.errors import ComponentError
-from mm3.gguf.weight_copies import compressed_nbytes
+from mm3.formats.fingerprint import file_fingerprint as content_fingerprint
+from mm3.formats.gguf.errors import ComponentError
+from mm3.weights.copies import compressed_nbytes
 from mm3.models import build_model, dit, vocoder
-from mm3.opener import kinds_of, open_component, read_component
-from mm3.stages import ModelFile
+from mm3.files.opener import kinds_of, open_component, read_component
+from mm3.song.stages import ModelFile
 
 
 def classify(path: str) -> tuple[str, ...]:
@@ -74,7 +74,7 @@ class ComponentHandle:
 
     @property
     def fingerprint(self) -> str:
-        """The file's content fingerprint, recorded in replay requests (`mm3.fingerprint`)."""
+        """The file's content fingerprint, recorded in replay requests (`mm3.formats.fingerprint`)."""
         return content_fingerprint(self.path)
 
     def file(self) -> ModelFile:
@@ -108,7 +108,7 @@ def file_fingerprint(path: str) -> tuple:
 
 # -- memory estimates for ComfyUI's loader (bytes of activations beyond the weights) --------------
 def ar_memory(lm_hp: dict, prompt_tokens: int, frames: int, songs: int, lm_cfg: float, device, elem: int) -> int:
-    """The AR stage's, for the rows its songs take (`mm3.ar.activation_bytes`; the nodes run the
+    """The AR stage's, for the rows its songs take (`mm3.plan.ar.activation_bytes`; the nodes run the
     fast numerics)."""
     return ar.activation_bytes(lm_hp, prompt_tokens, frames, songs, lm_cfg, device, elem)
 

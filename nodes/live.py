@@ -14,7 +14,7 @@ import logging
 import re
 from pathlib import Path
 
-from mm3.output import atomic_write, render
+from mm3.synth.output import atomic_write, render
 
 EVENT = "mm3.window"
 SUBFOLDER = "mm3_live"  # in ComfyUI's temp folder (emptied when ComfyUI starts)
@@ -22,7 +22,7 @@ log = logging.getLogger("mm3")
 
 
 class WindowPreview:
-    """A `mm3.stages.WindowStream` / `mm3.overlap.plan_and_render` callback that writes each window
+    """A `mm3.song.stages.WindowStream` / `mm3.song.overlap.plan_and_render` callback that writes each window
     and sends its message with `send(event, data)`. `song`: the song's place in a list (a node run
     once per item); `duration`: the longest the song can be, in seconds (the player's scale until
     the length is known)."""

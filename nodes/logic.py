@@ -1,7 +1,7 @@
 """What the MM3 nodes do besides their schemas and one engine call, without ComfyUI: the prompt from
 a loaded LM, a plan's checks before it runs, a replay file read and checked, a recording from
 ComfyUI's AUDIO, the AUDIO handed on and the files written. The stage results are the engine's
-(`mm3.stages`); each node calls one stage there, as `mm3.pipeline.Pipeline` does.
+(`mm3.song.stages`); each node calls one stage there, as `mm3.song.pipeline.Pipeline` does.
 """
 
 from __future__ import annotations
@@ -12,24 +12,24 @@ from pathlib import Path
 
 import torch
 
-from mm3 import stages
-from mm3.ar import PlanSettings
-from mm3.audio import as_stereo
-from mm3.captions import caption_warning
-from mm3.codes import parse_audio_codes
+from mm3.song import stages
+from mm3.plan.ar import PlanSettings
+from mm3.synth.audio import as_stereo
+from mm3.song.captions import caption_warning
+from mm3.plan.codes import parse_audio_codes
 from mm3.components import check_compatible
 from mm3.constants import MAX_PROMPT_TOKENS
 from mm3.errors import InputError
-from mm3.lyrics_align import LyricHeads, song_lrc
-from mm3.numerics import FAST, Numerics
-from mm3.output import atomic_write, write_audio
+from mm3.plan.lyrics_align import LyricHeads, song_lrc
+from mm3.song.numerics import FAST, Numerics
+from mm3.synth.output import atomic_write, write_audio
 from mm3.progress import Progress
 from mm3.lora.use import lora_mismatch
-from mm3.prompt import build_prompt
-from mm3.request import MM3Request, RequestError, model_mismatch, plan_fields
-from mm3.settings import OutputSettings
-from mm3.stages import Conditions, Latents, PromptText, Song, Windows
-from mm3.takes import Takes
+from mm3.plan.prompt import build_prompt
+from mm3.song.request import MM3Request, RequestError, model_mismatch, plan_fields
+from mm3.song.settings import OutputSettings
+from mm3.song.stages import Conditions, Latents, PromptText, Song, Windows
+from mm3.plan.takes import Takes
 from mm3.tokenizer import MM3Tokenizer
 from .handles import ComponentHandle
 
@@ -66,7 +66,7 @@ def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandl
                settings: PlanSettings, *, device, dtype: torch.dtype, progress: Progress | None = None,
                weight_budget: int | None = None, takes: Takes = Takes(),
                prior: Song | None = None, numerics: Numerics = FAST) -> tuple[list[Song], list]:
-    """`mm3.stages.plan_songs` after the request's checks of these settings (a song to continue
+    """`mm3.song.stages.plan_songs` after the request's checks of these settings (a song to continue
     must be shorter than the duration, ...); `prior`: the song to continue."""
     request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, **plan_fields(settings, takes),
                          continue_codes="" if prior is None else prior.codes.to_request_codes())
@@ -116,7 +116,7 @@ def codes_file_problems(request: MM3Request, lm: ComponentHandle, depth: Compone
 def replay_codes(lm_model, depth_model, depth: ComponentHandle, request: MM3Request, prompt: PromptText,
                  codes: torch.Tensor, *, device, dtype: torch.dtype, progress: Progress | None = None,
                  model_check: str = "warn", numerics: Numerics = FAST) -> Song:
-    """The song of a replay file (`mm3.stages.replay_song`). The file's request travels on as the
+    """The song of a replay file (`mm3.song.stages.replay_song`). The file's request travels on as the
     song's origin, so later stages check their files against those it records (`model_check`)."""
     return stages.replay_song(lm_model, depth_model, prompt, depth.file(), codes, lm_seed=request.lm_seed,
                               device=device, dtype=dtype, progress=progress,
@@ -138,7 +138,7 @@ def heads_problem(heads) -> str | None:
 def lyric_timestamps(lm_model, depth_model, depth: ComponentHandle, song: Song, heads: LyricHeads, lead: float, *,
                      device, dtype: torch.dtype, progress: Progress | None = None, numerics: Numerics = FAST) -> str:
     """The LRC of a planned song: its codes replayed through the LM alone with the lyric heads
-    (`mm3.stages.replay_song`, no frame hiddens), then timed (`mm3.lyrics_align`)."""
+    (`mm3.song.stages.replay_song`, no frame hiddens), then timed (`mm3.plan.lyrics_align`)."""
     timed = stages.replay_song(lm_model, depth_model, song.prompt, depth.file(), song.codes.codes,
                                lm_seed=song.codes.lm_seed, device=device, dtype=dtype, progress=progress,
                                lyric_heads=heads, hiddens=False, numerics=numerics)
@@ -147,7 +147,7 @@ def lyric_timestamps(lm_model, depth_model, depth: ComponentHandle, song: Song, 
 
 def encode_recording(vae_model, vae: ComponentHandle, audio: dict, condition: Conditions, *, device) -> Latents:
     """A recording (ComfyUI AUDIO, first item; mono doubled) -> latents laid out as the windows of
-    `condition`'s song, for MM3 Repaint (`mm3.stages.encode_recording`)."""
+    `condition`'s song, for MM3 Repaint (`mm3.song.stages.encode_recording`)."""
     wave = audio["waveform"]
     if wave.dim() != 3 or wave.shape[0] < 1:
         raise ValueError(f"expected AUDIO waveform [batch, channels, samples], got {list(wave.shape)}")
@@ -156,8 +156,8 @@ def encode_recording(vae_model, vae: ComponentHandle, audio: dict, condition: Co
 
 
 def decode_streamed(vae_model, vae, latents: Latents, on_audio, *, device, progress: Progress | None = None) -> Windows:
-    """`mm3.stages.decode`, each window's audio handed to `on_audio(k, windows, samples,
-    sample_rate)` as soon as it is decoded (`mm3.stages.WindowStream`; None: `decode` itself)."""
+    """`mm3.song.stages.decode`, each window's audio handed to `on_audio(k, windows, samples,
+    sample_rate)` as soon as it is decoded (`mm3.song.stages.WindowStream`; None: `decode` itself)."""
     if on_audio is None:
         return stages.decode(vae_model, vae, latents, device=device, progress=progress)
     stream = stages.WindowStream(vae_model, vae, latents.conditions, on_audio, device=device, progress=progress)

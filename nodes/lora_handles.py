@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mm3.lora.attach import Applied
-from mm3.stages import ModelFile
+from mm3.song.stages import ModelFile
 
 from .handles import ComponentHandle
 

@@ -1,6 +1,6 @@
 """MM3 Caption Builder: a caption in the layout the model was trained on, from a preset and fields.
 
-The writing is the engine's (`mm3.captions`); this node maps its widgets onto the fields: "auto",
+The writing is the engine's (`mm3.song.captions`); this node maps its widgets onto the fields: "auto",
 0 and empty text mean "the preset's value, or left out without a preset".
 """
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from mm3.captions import BPM_MAX, KEYS, PRESET_SOURCES, PRESETS, SCALES, VOCAL_GENDERS, build_caption, caption_fields
+from mm3.song.captions import (
+    BPM_MAX, KEYS, PRESET_SOURCES, PRESETS, SCALES, VOCAL_GENDERS, build_caption, caption_fields)
 from .common import CATEGORY
 
 NO_PRESET = "none"

@@ -11,9 +11,9 @@ from comfy_api.latest import io, ui
 
 from mm3.constants import DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, MAX_PEAK_CLIP, MP3_BITRATES, OUTPUT_FORMATS
 from mm3.filecache import FileCache
-from mm3.numerics import Numerics
-from mm3.output import atomic_write
-from mm3.stages import MODEL_CHECKS, request_of
+from mm3.song.numerics import Numerics
+from mm3.synth.output import atomic_write
+from mm3.song.stages import MODEL_CHECKS, request_of
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress

@@ -1,7 +1,7 @@
 """MM3 Generate: caption and lyrics to a song in one node, heard while it is made.
 
 Where the five models fit in memory together (`comfy_models.fit_together`), the song's windows are
-rendered as soon as the AR has planned their frames (`mm3.overlap.plan_and_render`); otherwise the
+rendered as soon as the AR has planned their frames (`mm3.song.overlap.plan_and_render`); otherwise the
 stages run one after another, one model group loaded at a time. Either way each window plays on the
 node as soon as it is decoded, and the AUDIO and codes are those of the separate stage nodes with
 the same settings.
@@ -13,8 +13,8 @@ import math
 
 from comfy_api.latest import io
 
-from mm3 import stages
-from mm3.ar import PlanSettings
+from mm3.song import stages
+from mm3.plan.ar import PlanSettings
 from mm3.constants import (
     DEFAULT_DIT_CFG,
     DEFAULT_DURATION,
@@ -28,12 +28,12 @@ from mm3.constants import (
     MAX_STEPS,
     MAX_VARIATIONS,
 )
-from mm3.flow import AUTO_SHIFT, MAX_SHIFT, WINDOW_FRAMES
-from mm3.numerics import Numerics
-from mm3.overlap import Models, plan_and_render
-from mm3.request import shaping_of
-from mm3.settings import SynthSettings
-from mm3.takes import Takes
+from mm3.synth.flow import AUTO_SHIFT, MAX_SHIFT, WINDOW_FRAMES
+from mm3.song.numerics import Numerics
+from mm3.song.overlap import Models, plan_and_render
+from mm3.song.request import shaping_of
+from mm3.song.settings import SynthSettings
+from mm3.plan.takes import Takes
 from . import logic
 from .comfy_models import (compute_dtype, dit_compute_dtype, fit_together, load, load_device, load_together, patcher,
                            spare_bytes)

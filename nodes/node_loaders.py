@@ -9,7 +9,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from mm3.components import ARCH_OF, COMPONENTS, DESCRIPTIONS, KINDS
-from mm3.registry import AUTO
+from mm3.files.registry import AUTO
 
 from .comfy_models import chosen_file, files_of, full_path
 from .common import ADVANCED, CATEGORY, COMPONENT_TYPES

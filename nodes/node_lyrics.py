@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from mm3.lyrics_align import LEAD_SECONDS, MAX_LEAD, LyricHeads
-from mm3.numerics import Numerics
+from mm3.plan.lyrics_align import LEAD_SECONDS, MAX_LEAD, LyricHeads
+from mm3.song.numerics import Numerics
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress

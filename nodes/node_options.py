@@ -13,9 +13,9 @@ from dataclasses import field, make_dataclass
 from comfy_api.latest import io
 
 from mm3.constants import MAX_AUDIO_FRAMES, SEMANTIC_VOCAB_SIZE
-from mm3.request import MM3Request
-from mm3.shaping import MAX_TEMPERATURE, PENALTIES
-from mm3.takes import MAX_ENDING_ROUNDS
+from mm3.song.request import MM3Request
+from mm3.plan.shaping import MAX_TEMPERATURE, PENALTIES
+from mm3.plan.takes import MAX_ENDING_ROUNDS
 from .common import CATEGORY
 
 SAMPLING_OPTIONS = io.Custom("MM3_SAMPLING_OPTIONS")
@@ -29,7 +29,7 @@ log = logging.getLogger("mm3")
 KEYS = ("lm_top_k", "lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",
         "lm_dry_min_match", "ending_rounds")
 DEFAULTS = {k: getattr(MM3Request, k) for k in KEYS} | {"lm_penalty_strength": 1.1}
-# The expert settings of the AR sampling, named as the request names them (`mm3.request.shaping_of`).
+# The expert settings of the AR sampling, named as the request names them (`mm3.song.request.shaping_of`).
 SamplingOptions = make_dataclass("SamplingOptions", [(k, type(v), field(default=v)) for k, v in DEFAULTS.items()],
                                  frozen=True, namespace={"__module__": __name__})
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from mm3.codes import AudioCodesError, count_code_frames
-from mm3.request import MM3Request, RequestError
-from mm3.stages import MODEL_CHECKS
+from mm3.plan.codes import AudioCodesError, count_code_frames
+from mm3.song.request import MM3Request, RequestError
+from mm3.song.stages import MODEL_CHECKS
 from . import song_cards
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM
 from .node_files import replay_codes_text

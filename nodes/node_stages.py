@@ -24,13 +24,13 @@ from mm3.constants import (
     MAX_VARIATIONS,
     SEED_MAX,
 )
-from mm3 import stages
-from mm3.ar import PlanSettings
-from mm3.flow import AUTO_SHIFT, MAX_SHIFT
-from mm3.numerics import Numerics
-from mm3.request import shaping_of
-from mm3.settings import DEFAULT_REPAINT_FADE, RepaintSettings, SynthSettings
-from mm3.takes import MAX_TAKES, Takes
+from mm3.song import stages
+from mm3.plan.ar import PlanSettings
+from mm3.synth.flow import AUTO_SHIFT, MAX_SHIFT
+from mm3.song.numerics import Numerics
+from mm3.song.request import shaping_of
+from mm3.song.settings import DEFAULT_REPAINT_FADE, RepaintSettings, SynthSettings
+from mm3.plan.takes import MAX_TAKES, Takes
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher, spare_bytes
 from .common import (

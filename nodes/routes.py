@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mm3.constants import MAX_PROMPT_TOKENS
 from mm3.errors import MM3Error
-from mm3.inventory import scan
-from mm3.prompt import count_tokens, text_problem
+from mm3.files.inventory import scan
+from mm3.plan.prompt import count_tokens, text_problem
 from mm3.formats.published import SETS
 from mm3.tools.download import download_set
 

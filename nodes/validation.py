@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from mm3.prompt import text_problem
+from mm3.plan.prompt import text_problem
 
 UNSET = object()  # the default of an optional input a validator names: absent from the prompt
 
@@ -51,7 +51,7 @@ def repaint_range(start, end) -> str | None:
 
 def plan_durations(duration, min_duration, prior_codes=UNSET) -> str | None:
     """AR Plan's min_duration may not pass its duration, unless it continues a song (prior codes
-    linked: the request's rule, mm3.request)."""
+    linked: the request's rule, mm3.song.request)."""
     if prior_codes is not UNSET:
         return None
     if _given(duration) and _given(min_duration) and min_duration > duration:

@@ -14,11 +14,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Whether the DiT computes in bfloat16 on the CPU depends on the processor (mm3.cpu_bf16); the
+# Whether the DiT computes in bfloat16 on the CPU depends on the processor (mm3.backends.cpu.bf16); the
 # parity tests compare float32 runs, so the suite pins it off and tests/test_cpu_bf16.py turns it on.
 os.environ["MM3_CPU_BF16"] = "off"
 
-# The CPU product form of the AR stage is measured on the machine (mm3.cpu_choice) and decides the
+# The CPU product form of the AR stage is measured on the machine (mm3.backends.cpu.choice) and decides the
 # fast numerics' rounding; the suite names one and keeps its cache out of the user's folder.
 os.environ["MM3_CPU_PRODUCT"] = "int4"
 os.environ["MM3_CACHE_DIR"] = tempfile.mkdtemp(prefix="mm3-test-cache-")
@@ -45,7 +45,7 @@ class Tiny:
         self.gguf = self.root
 
     def file(self, arch: str) -> Path:
-        from mm3.gguf import read_architecture
+        from mm3.formats.gguf import read_architecture
 
         for p in sorted(self.gguf.glob("*.gguf")):
             if read_architecture(p) == arch:
@@ -118,7 +118,7 @@ def comfy():
     if not COMFYUI_PATH:
         pytest.skip("COMFYUI_PATH is not set (a ComfyUI checkout to run)")
     server = ComfyServer(COMFYUI_PATH, os.environ.get("COMFYUI_PYTHON")).start()
-    from mm3.gguf import read_architecture
+    from mm3.formats.gguf import read_architecture
 
     server.files = {read_architecture(server.base / "models" / "mm3" / n): n for n in server.model_names}
     yield server

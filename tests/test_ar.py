@@ -9,18 +9,18 @@ import types
 import pytest
 import torch
 
-from mm3.ar import PlanSettings, ZeroFramesError, max_frames_for, plan
-from mm3.replay import replay
+from mm3.plan.ar import PlanSettings, ZeroFramesError, max_frames_for, plan
+from mm3.plan.replay import replay
 from mm3.constants import MAX_AUDIO_FRAMES
-from mm3.codes import AudioCodes, AudioCodesError, parse_audio_codes
-from mm3.opener import open_component
-from mm3.gguf import ops as gguf_ops
-from mm3.gguf.reader import compressed_from_torch
+from mm3.plan.codes import AudioCodes, AudioCodesError, parse_audio_codes
+from mm3.files.opener import open_component
+from mm3.weights import layers as gguf_ops
+from mm3.formats.gguf.reader import compressed_from_torch
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.lm import Qwen3LM, set_numerics
 from mm3.progress import Cancelled, Progress
-from mm3.prompt import build_prompt
-from mm3.sampling import draw, exponential_draws, exponential_tail, make_generator, top_k_probs
+from mm3.plan.prompt import build_prompt
+from mm3.plan.sampling import draw, exponential_draws, exponential_tail, make_generator, top_k_probs
 from mm3.tokenizer import MM3Tokenizer
 
 CAPTION = "a bright synth pop song with warm female vocals"
@@ -84,7 +84,7 @@ def test_plan_fast_path_matches_reference(ours, ref, one_thread, song):
 def test_the_fast_plans_draws_are_the_kernel_librarys_and_torchs_alike(ours, one_thread, monkeypatch):
     """On the CPU the fast numerics draw each code in one call of the kernel library
     (`cpu_steps.top_k_draw`); with it refused, torch's operations give the same song."""
-    from mm3.gguf import cpu_native, cpu_steps
+    from mm3.backends.cpu import native as cpu_native, steps as cpu_steps
 
     if not cpu_native.available():
         pytest.skip("the native kernel library cannot be built here")
@@ -101,9 +101,9 @@ def test_the_fast_plans_draws_are_the_kernel_librarys_and_torchs_alike(ours, one
 
 
 def test_replay_matches_sampled_hiddens(ours, ref, one_thread, monkeypatch):
-    import mm3.replay
+    import mm3.plan.replay
 
-    monkeypatch.setattr(mm3.replay, "REPLAY_CHUNK", 64)  # several passes over this song's frames
+    monkeypatch.setattr(mm3.plan.replay, "REPLAY_CHUNK", 64)  # several passes over this song's frames
     rr = ref.runs["long"]
     rp = replay(ours.lm, ours.depth, ours.prompt, rr.codes)
     assert rp.frames == rr.frame_hiddens.shape[0] and torch.equal(rp.codes, rr.codes)
@@ -300,11 +300,11 @@ def test_quantized_weights_equal_their_dequantized_floats(tiny, ours, one_thread
     product of the fast numerics rounds inputs to bfloat16: off here, tested in test_cpu_int4.)"""
     import gguf
 
-    from mm3.gguf import cpu_int4
+    from mm3.backends.cpu import int4 as cpu_int4
 
     monkeypatch.setattr(cpu_int4, "serves", lambda *a: False)
 
-    from mm3.gguf.reader import CompressedTensor
+    from mm3.formats.gguf.reader import CompressedTensor
 
     q8 = gguf.GGMLQuantizationType.Q8_0
     models = {}

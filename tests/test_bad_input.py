@@ -14,8 +14,8 @@ import gguf
 import numpy as np
 import pytest
 
-from mm3 import output
-from mm3.cli import main as cli_main
+from mm3.synth import output
+from mm3.commands.main import main as cli_main
 from tests.helpers.gguf_util import models_with, rewrite
 
 Q = gguf.GGMLQuantizationType

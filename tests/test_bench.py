@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mm3.bench import cli as bench
-from mm3.cli import build_parser
+from mm3.commands.main import build_parser
 
 
 def _args(tmp, *extra):
@@ -64,7 +64,7 @@ def test_ours_computes_what_the_reference_computes(report):
 def test_quantized_weights_are_compared_on_the_same_values(work, monkeypatch):
     """The CPU product forms are timed afresh (not from the cache) and every candidate reported."""
     pytest.importorskip("diffusers")
-    from mm3 import cpu_choice
+    from mm3.backends.cpu import choice as cpu_choice
 
     monkeypatch.setenv("MM3_CPU_PRODUCT", "auto")
     monkeypatch.setattr(cpu_choice, "store", lambda *a: pytest.fail("the bench wrote the cache"))
@@ -74,7 +74,7 @@ def test_quantized_weights_are_compared_on_the_same_values(work, monkeypatch):
     assert products["source"] == "measured" and products["threads"] == 1  # --threads 1 is the user's
     assert {"int4 x1", "dequant-linear x1", "copy-linear x1"} <= set(products["candidates_ms_per_frame"])
     assert products["chosen"] in products["candidates_ms_per_frame"]
-    from mm3.gguf import cpu_native
+    from mm3.backends.cpu import native as cpu_native
 
     native = cpu_native.available()
     assert ("native x1" in products["candidates_ms_per_frame"]) == native
@@ -84,7 +84,7 @@ def test_quantized_weights_are_compared_on_the_same_values(work, monkeypatch):
 
 
 def test_a_bfloat16_dit_is_timed_and_compared_beside_the_float32_one(work, monkeypatch):
-    """Where the engine computes the DiT in bfloat16 on the CPU (mm3.cpu_bf16), "ours" is that run,
+    """Where the engine computes the DiT in bfloat16 on the CPU (mm3.backends.cpu.bf16), "ours" is that run,
     the bench's float32 run is reported beside it, and the error is set against the reference's own
     bfloat16 forward."""
     pytest.importorskip("diffusers")
@@ -93,9 +93,9 @@ def test_a_bfloat16_dit_is_timed_and_compared_beside_the_float32_one(work, monke
     assert r["compute_dtype"] == "bfloat16" and r["ours_float32_ms_per_step"] > 0 and r["ours_ms_per_step"] > 0
     assert r["float32_rel_diff_vs_diffusers"] < 1e-5
     assert 0 < r["rel_diff_vs_diffusers"] <= 1.25 * r["diffusers_bfloat16_rel_diff"]
-    assert "bfloat16 (mm3.cpu_bf16); in float32" in bench.summary({**_summary_base(), "dit": r})
+    assert "bfloat16 (mm3.backends.cpu.bf16); in float32" in bench.summary({**_summary_base(), "dit": r})
     alone = {k: v for k, v in r.items() if k != "ours_float32_ms_per_step"}  # released sizes: ours alone
-    assert "(mm3.cpu_bf16)\n" in bench.summary({**_summary_base(), "dit": alone}) + "\n"
+    assert "(mm3.backends.cpu.bf16)\n" in bench.summary({**_summary_base(), "dit": alone}) + "\n"
     named = bench.run(_args(work, "--quant", "Q8_0", "--stages", "dit", "--dtype", "float32"))["dit"]
     assert named["compute_dtype"] == "float32" and named["rel_diff_vs_diffusers"] < 1e-5
 
@@ -125,7 +125,7 @@ def test_directly_written_random_files(tmp_path):
     from mm3.bench import ar, synth
     from mm3.bench.checkpoints import build_direct
     from mm3.bench.context import Context
-    from mm3.gguf.quants import dequantize
+    from mm3.formats.gguf.quants import dequantize
 
     ckpt = build_direct("tiny", tmp_path, "Q8_0", seed=3)  # tiny rows of 64 hold no 256-value K-quant block
     assert ckpt.diffusers is None and len(list(ckpt.models.glob("*.gguf"))) == 4
@@ -161,7 +161,7 @@ def test_random_blocks_have_the_spread_of_the_fan_in(qtype):
     import gguf
 
     from mm3.bench.random_models import random_tensor
-    from mm3.gguf.quants import dequantize
+    from mm3.formats.gguf.quants import dequantize
 
     t = gguf.GGMLQuantizationType[qtype]
     raw = torch.from_numpy(random_tensor("w", (64, 1024), t, torch.Generator().manual_seed(0)))

@@ -10,9 +10,9 @@ import torch
 from mm3.bench import cli as bench_cli
 from mm3.bench.measure import copy_bandwidth, matmul_tflops, read_bytes
 from mm3.bench.synth import dit_flops
-from mm3.gguf.weight_copies import cache_dequantized, compressed_nbytes, release_dequantized
+from mm3.weights.copies import cache_dequantized, compressed_nbytes, release_dequantized
 from mm3.models import build_model
-from mm3.opener import open_component
+from mm3.files.opener import open_component
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def dit(tiny):
 def test_dit_operations_per_step(dit):
     """2 x tokens x in x out per linear layer plus the attention's two products per block, for the
     CFG pair of a window of L latents (L + 1 tokens with the time token)."""
-    from mm3.gguf.ops import Linear
+    from mm3.weights.layers import Linear
 
     hp, L = dit.hp, 10
     tokens = 2 * (L + 1)

@@ -1,4 +1,4 @@
-"""Captions in the trained layout (`mm3.captions`): the builder's exact text, the presets against the
+"""Captions in the trained layout (`mm3.song.captions`): the builder's exact text, the presets against the
 demo captions they were copied from, heading detection on corpus and tag captions, the Prompt node's
 warning, the Caption Builder node (in ComfyUI's interpreter, COMFYUI_PATH), and the shipped
 workflows' default captions (layout and token budget)."""
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm3.captions import (KEYS, LABELS, LAYERING, PRESET_SOURCES, PRESETS, SECTIONS, CaptionError, CaptionFields,
-                          build_caption, caption_fields, caption_warning, has_format_headings, parse_caption,
-                          split_genres)
+from mm3.song.captions import (
+    KEYS, LABELS, LAYERING, PRESET_SOURCES, PRESETS, SECTIONS, CaptionError, CaptionFields, build_caption,
+    caption_fields, caption_warning, has_format_headings, parse_caption, split_genres)
 from mm3.constants import MAX_PROMPT_TOKENS
-from mm3.prompt import Prompt, clean_caption, count_tokens, normalize_lyrics
+from mm3.plan.prompt import Prompt, clean_caption, count_tokens, normalize_lyrics
 from tests.helpers.comfyui import CAPTION as HELPER_CAPTION
 from tests.helpers.comfyui import COMFYUI_PATH, import_pack, needs_comfy
 
@@ -172,7 +172,7 @@ def test_no_warning_for_an_empty_caption():
 # -- MM3 Prompt's summary ------------------------------------------------------------------------
 @pytest.mark.parametrize("caption, warned", [(OLD_DEFAULT, True), (FULL_TEXT, False)])
 def test_prompt_summary_warns_about_a_caption_without_headings(caption, warned):
-    from mm3 import stages
+    from mm3.song import stages
 
     logic = import_pack("nodes.logic")
     prompt = Prompt(torch.zeros(2, 7, dtype=torch.long), clean_caption(caption), normalize_lyrics("la"), None)
@@ -256,7 +256,7 @@ def test_workflow_defaults_are_in_the_trained_layout():
 
 def test_workflow_defaults_fit_the_token_budget(tiny_qwen3):
     """Counted with the released Qwen3 vocabulary; the corpus captions take 822..1112 tokens."""
-    from mm3.opener import open_component
+    from mm3.files.opener import open_component
     from mm3.tokenizer import MM3Tokenizer
 
     comp = open_component(tiny_qwen3.file("mm3-lm"), expect="lm")

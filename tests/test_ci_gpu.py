@@ -27,7 +27,7 @@ def test_the_script_parses():
 
 
 def test_every_step_runs_something_that_exists():
-    from mm3.cli import build_parser
+    from mm3.commands.main import build_parser
 
     steps = _steps()
     benches = {}

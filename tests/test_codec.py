@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from mm3.audio import decode_timeline, stitched_length, timeline_windows
-from mm3.cli import main
-from mm3.codec import load_latents, read_audio
-from mm3.opener import open_component
-from mm3.fingerprint import file_fingerprint
+from mm3.synth.audio import decode_timeline, stitched_length, timeline_windows
+from mm3.commands.main import main
+from mm3.synth.codec import load_latents, read_audio
+from mm3.files.opener import open_component
+from mm3.formats.fingerprint import file_fingerprint
 from mm3.models import build_model
 
 RATE = 44100
@@ -71,7 +71,7 @@ def vocoder(models, with_encoder=True):
 def test_latents_equal_the_nodes_encode(models, tmp_path):
     """Stereo at the vocoder's rate and mono at 32 kHz (resampled, doubled): the file's latents are
     those MM3 Vocoder Encode's engine call makes, and the metadata names the rate and length."""
-    from mm3.stages import Conditions
+    from mm3.song.stages import Conditions
     from nodes import logic
     from nodes.handles import handle_for
 
@@ -173,8 +173,8 @@ def test_encode_reads_mp3_as_comfyui_does(models, tmp_path):
     """An MP3 is decoded with PyAV (ComfyUI's Load Audio reader): the latents are those of its
     decoded samples, at their length."""
     pytest.importorskip("av")
-    from mm3.audio import encode_audio
-    from mm3.output import mp3_bytes
+    from mm3.synth.audio import encode_audio
+    from mm3.synth.output import mp3_bytes
 
     (tmp_path / "a.mp3").write_bytes(mp3_bytes(np.stack([tone(0.5), 0 * tone(0.5)])))
     out = tmp_path / "a.safetensors"

@@ -97,7 +97,7 @@ def test_comfyui_files_make_the_audio_of_our_files(comfy_foreign):
 
 
 def _arch(server, name: str) -> str:
-    from mm3.gguf import read_architecture
+    from mm3.formats.gguf import read_architecture
 
     return read_architecture(server.base / "models" / "mm3" / name)
 

@@ -57,7 +57,7 @@ def _prompt() -> dict:
 
 
 def _wav(server, entry: dict, tmp_path) -> torch.Tensor:
-    from mm3.codec import read_audio
+    from mm3.synth.codec import read_audio
 
     path = tmp_path / entry["filename"]
     path.write_bytes(server.view(entry))

@@ -10,10 +10,10 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from mm3.gguf import GGUFFile
-from mm3.output import render
-from mm3.pipeline import Pipeline
-from mm3.request import MM3Request
+from mm3.formats.gguf import GGUFFile
+from mm3.synth.output import render
+from mm3.song.pipeline import Pipeline
+from mm3.song.request import MM3Request
 from tests.helpers.comfyui import CAPTION, LYRICS, audio_entries, needs_comfy, run, tiny_workflow
 from tests.helpers.lora_files import dit_modules, lm_modules, write_lora
 

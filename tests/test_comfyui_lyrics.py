@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from mm3.cli import main
+from mm3.commands.main import main
 from tests.helpers.comfyui import CAPTION, LYRICS, audio_entries, needs_comfy, run, tiny_workflow
 
 HEADS = "1:*,0:2"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from mm3.pipeline import Pipeline
-from mm3.request import MM3Request
+from mm3.song.pipeline import Pipeline
+from mm3.song.request import MM3Request
 from tests.helpers.comfy_server import cached_nodes, executed_nodes
 from tests.helpers.comfy_workflows import api_from_ui, schema_problems
 from tests.helpers.comfyui import (API_DIR, CAPTION, COMFYUI_PATH, LOADER_ARCH, LYRICS, OWN_WORKFLOWS, SET_KEYS,
@@ -167,7 +167,7 @@ def test_ui_workflows_convert_to_the_api_ones(comfy):
 def test_text_to_song_equals_the_command_line(comfy):
     """text_to_song with 2 songs x 2 variations (a list of plans) gives the pipeline's four tracks,
     float WAV bit for bit; each file gets its replay request beside it."""
-    from mm3.output import render
+    from mm3.synth.output import render
 
     wf = tiny_workflow(comfy, "text_to_song", fmt="wav32", **{"2": {"caption": CAPTION, "lyrics": LYRICS},
                                                               "3": {"lm_seed": 21, "songs": 2},
@@ -273,7 +273,7 @@ def test_saved_codes_rerender_like_the_original_run(comfy):
     """A plan kept by Save Audio Codes (variations_from_one_plan), loaded by Load Audio Codes and
     rendered with the same DiT settings, gives the original run's first variation byte for byte;
     the codes file names the LM and depth files with their fingerprints and the RNG mode."""
-    from mm3.fingerprint import file_fingerprint
+    from mm3.formats.fingerprint import file_fingerprint
 
     first, _ = run(comfy, tiny_workflow(comfy, "variations_from_one_plan", **{
         "7": {"lm_seed": 606}, "8": {"filename_prefix": "mm3/keep_plan"}, "10": {"seed": 31},
@@ -474,7 +474,7 @@ class Keep(logging.Handler):
     def emit(self, record):
         warnings.append(record.getMessage())
 logging.getLogger("mm3").addHandler(Keep(logging.WARNING))
-from mm3.inventory import scan
+from mm3.files.inventory import scan
 dit_loader = next(c for c in loaders.NODES if c.__name__ == "MM3LoadDiT")
 options = dit_loader.define_schema().inputs[0].options
 handles = [dit_loader.execute("auto").args[0].name, loaders.MM3LoadModelSet.execute().args[3].name]

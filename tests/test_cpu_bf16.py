@@ -1,4 +1,4 @@
-"""The DiT in bfloat16 on the CPU (mm3.cpu_bf16): when it is chosen, and that it is as close to the
+"""The DiT in bfloat16 on the CPU (mm3.backends.cpu.bf16): when it is chosen, and that it is as close to the
 float32 reference as the reference's own bfloat16 forward is; the AR stage's many-row products
 (prefill, replay) in bfloat16 on the same processors.
 
@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm3 import cpu_bf16
-from mm3.opener import open_component
-from mm3.flow import encode_conditions, sample_latents
+from mm3.backends.cpu import bf16 as cpu_bf16
+from mm3.files.opener import open_component
+from mm3.synth.flow import encode_conditions, sample_latents
 from mm3.models.cond import ConditionEncoder
 from mm3.models.dit import FlowDiT
-from mm3.pipeline import Pipeline
+from mm3.song.pipeline import Pipeline
 from tests.helpers.comfyui import COMFYUI_PATH, needs_comfy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,8 @@ def test_many_rows_of_an_ar_layer_multiply_in_bfloat16_when_set(qtype):
     that rounding of float32; a frame's few rows keep their measured form; the reference numerics
     stay float32."""
     from gguf import GGMLQuantizationType as Q
-    from mm3.gguf import ops as gguf_ops, products
+    from mm3.weights import layers as gguf_ops
+    from mm3.backends import products
     from tests.test_cpu_int4 import _layer
 
     layer, values = _layer(Q[qtype], 64, 256, 1)
@@ -161,7 +162,7 @@ def test_many_rows_of_an_ar_layer_multiply_in_bfloat16_when_set(qtype):
 def test_the_ar_stage_multiplies_many_rows_as_the_dit_computes(monkeypatch, processor):
     """bfloat16 where the DiT's forward is (the processor's rule, or a caller's pin of it), in
     the fast numerics of a float32 stage on the CPU only."""
-    from mm3.numerics import FAST, Numerics
+    from mm3.song.numerics import FAST, Numerics
 
     monkeypatch.setenv("MM3_CPU_BF16", "auto")
     processor(True)
@@ -177,11 +178,11 @@ def test_the_ar_stage_multiplies_many_rows_as_the_dit_computes(monkeypatch, proc
 def test_pipeline_sets_the_ar_models_as_its_dit(tiny, monkeypatch, processor):
     """`generate` sets the LM's and depth decoder's many-row products as its DiT computes: in
     bfloat16 by the processor's rule, in float32 where the user named float32."""
-    from mm3.gguf.ops import Linear
+    from mm3.weights.layers import Linear
 
     monkeypatch.setenv("MM3_CPU_BF16", "auto")
     processor(True)
-    from mm3.request import MM3Request
+    from mm3.song.request import MM3Request
 
     for named, want in ((None, True), ("float32", False)):
         pipe = Pipeline(tiny.gguf, device="cpu", dtype=named, keep_loaded=True)
@@ -222,7 +223,7 @@ def test_automatic_choice_in_the_sampler(monkeypatch, processor, models, conditi
 
 def test_quantized_weight_copies_in_the_compute_dtype(monkeypatch, models, conditions):
     """Weight copies the sampler keeps are made in the DiT's compute dtype (half the memory in bf16)."""
-    import mm3.flow as flow
+    import mm3.synth.flow as flow
 
     _, dit = models
     seen = []
@@ -248,7 +249,7 @@ def test_pipeline_named_dtype_pins_the_dit(tiny, monkeypatch, processor):
 def test_pipeline_reference_rng_stays_float32(tiny, monkeypatch):
     """--rng reference renders the reference's audio: the DiT stays float32 where bfloat16 is on, and
     the independent mode does use it."""
-    from mm3.request import MM3Request
+    from mm3.song.request import MM3Request
 
     request = MM3Request(caption="dark synth", lyrics="[verse]\nla la", duration=0.6, steps=2, seed=3, lm_seed=3,
                          output_format="wav32")
@@ -292,7 +293,7 @@ def test_comfyui_fp32_switches_pin_the_dit():
 
 
 def test_command_line_says_when_the_dit_is_bfloat16(tiny, tmp_path, monkeypatch, capsys):
-    from mm3.cli import main as cli_main
+    from mm3.commands.main import main as cli_main
 
     def generate(*extra):
         capsys.readouterr()

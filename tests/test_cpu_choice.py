@@ -1,4 +1,4 @@
-"""The AR stage's CPU product forms, measured on the machine (`mm3.cpu_choice`): timed in whole frames
+"""The AR stage's CPU product forms, measured on the machine (`mm3.backends.cpu.choice`): timed in whole frames
 at the first plan and cached on disk by processor, cores, torch, dtype, threads and weight types;
 reused without timing, timed again for another processor, named by MM3_CPU_PRODUCT, a damaged
 cache ignored with a warning; the timing leaves the song as a run with the choice given; the forms
@@ -15,15 +15,16 @@ import types
 import pytest
 import torch
 
-from mm3 import cpu_choice
-from mm3.ar import PlanSettings, plan
-from mm3.gguf import cpu_forms, cpu_int4, cpu_native, products
-from mm3.gguf import ops as gguf_ops
-from mm3.gguf.ops import Linear
+from mm3.backends.cpu import choice as cpu_choice
+from mm3.plan.ar import PlanSettings, plan
+from mm3.backends.cpu import forms as cpu_forms, int4 as cpu_int4, native as cpu_native
+from mm3.backends import products
+from mm3.weights import layers as gguf_ops
+from mm3.weights.layers import Linear
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.lm import Qwen3LM
-from mm3.opener import open_component
-from mm3.prompt import build_prompt
+from mm3.files.opener import open_component
+from mm3.plan.prompt import build_prompt
 from mm3.tokenizer import MM3Tokenizer
 from mm3.tools.quantize import quantize_file
 
@@ -150,7 +151,7 @@ def test_the_named_form_serves_without_timing(q8, form, timing, monkeypatch):
 
 def test_an_unknown_name_is_warned_about_and_the_forms_timed(q8, timing, monkeypatch, caplog):
     monkeypatch.setenv("MM3_CPU_PRODUCT", "fastest please")
-    with caplog.at_level(logging.WARNING, logger="mm3.cpu_choice"):
+    with caplog.at_level(logging.WARNING, logger="mm3.backends.cpu.choice"):
         _plan(q8, *_models(q8))
     assert "MM3_CPU_PRODUCT='fastest please' is not one of auto, int4, native, dequant-linear" in caplog.text
     assert len(timing) == 1
@@ -165,7 +166,7 @@ def test_a_damaged_cache_is_ignored_with_a_warning(q8, timing, damage, caplog):
         key = cpu_choice.key({"lm": lm, "depth": depth}, torch.float32, 1)
         damage = json.dumps({"version": cpu_choice.CACHE_VERSION, "choices": {key: {"forms": {"lm": "magic"}}}})
     path.write_text(damage)
-    with caplog.at_level(logging.WARNING, logger="mm3.cpu_choice"):
+    with caplog.at_level(logging.WARNING, logger="mm3.backends.cpu.choice"):
         _plan(q8, lm, depth)
     assert "ignoring" in caplog.text and "timing again" in caplog.text
     assert len(timing) == 1
@@ -420,8 +421,8 @@ def test_fewer_threads_win_a_near_tie():
 def test_weights_that_are_no_product_keep_their_copies():
     """Norm vectors and convolutions have no CPU form: a copy in another dtype (the bfloat16 DiT's)
     is kept for them as before."""
-    from mm3.gguf import ops as gguf_ops
-    from mm3.gguf.weight_copies import cache_dequantized
+    from mm3.weights import layers as gguf_ops
+    from mm3.weights.copies import cache_dequantized
 
     holder = torch.nn.Module()
     holder.norm, holder.conv = gguf_ops.Vector(8), gguf_ops.Conv1d(8, 8, 3)
@@ -435,7 +436,7 @@ def test_weights_that_are_no_product_keep_their_copies():
 def test_a_mixed_candidate_reads_copies_only_where_its_form_does(q8):
     """While the LM is timed with copies and the depth decoder with the int4 product, only the LM's
     copies are in use (a depth copy at hand would serve in place of the int4 product)."""
-    from mm3.gguf.weight_copies import cache_dequantized, dequantized_nbytes, set_aside
+    from mm3.weights.copies import cache_dequantized, dequantized_nbytes, set_aside
 
     lm, depth = _models(q8)
     models = {"lm": lm, "depth": depth}

@@ -1,4 +1,4 @@
-"""Quantized weights on the CPU through torch's int4 product (`mm3.gguf.cpu_int4`): the repacking of
+"""Quantized weights on the CPU through torch's int4 product (`mm3.backends.cpu.int4`): the repacking of
 every type it takes (Q4_0, Q4_1, Q4_K as they are; Q8_0, Q5_0, Q5_1, Q5_K, Q6_K as two 4-bit planes)
 against the torch dequantization, odd row counts, and the layers that use it (fast numerics only,
 no float copy kept)."""
@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from mm3.bench.random_models import random_tensor
-from mm3.gguf import cpu_int4
-from mm3.gguf import ops as gguf_ops
-from mm3.gguf import weight_copies
-from mm3.gguf.quants import dequantize
+from mm3.backends.cpu import int4 as cpu_int4
+from mm3.weights import layers as gguf_ops
+from mm3.weights import copies as weight_copies
+from mm3.formats.gguf.quants import dequantize
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this torch has no CPU int4 product")

@@ -1,4 +1,4 @@
-"""The integer kernel built on the machine (`mm3.gguf.cpu_native`): its products for every type it
+"""The integer kernel built on the machine (`mm3.backends.cpu.native`): its products for every type it
 reads (8-bit values, 4-bit values, with and without offsets) against gguf-py's dequantization, its packing, the layers and forms that use it, its build cache, and what happens
 where it cannot be built (no compiler, switched off, a wrong product): torch's kernels serve."""
 
@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from mm3.bench.random_models import random_tensor
-from mm3.gguf import cpu_forms, cpu_int4, cpu_native, products
-from mm3.gguf import ops as gguf_ops
-from mm3.gguf.cpu_forms import FORMS, Serving
+from mm3.backends.cpu import forms as cpu_forms, int4 as cpu_int4, native as cpu_native
+from mm3.backends import products
+from mm3.weights import layers as gguf_ops
+from mm3.backends.cpu.forms import FORMS, Serving
 
 Q = gguf.GGMLQuantizationType
 needs_kernel = pytest.mark.skipif(not cpu_native.available(),
@@ -333,7 +334,7 @@ def test_the_build_is_cached_per_source_compiler_and_machine(monkeypatch, tmp_pa
 def test_without_a_compiler_torchs_kernels_serve(monkeypatch, tmp_path, rebuilt, caplog):
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with caplog.at_level(logging.INFO, logger="mm3.gguf.cpu_native"):
+    with caplog.at_level(logging.INFO, logger="mm3.backends.cpu.native"):
         assert not cpu_native.available() and cpu_native.vector_bits() == -1
     assert "torch's kernels alone" in caplog.text
     q8 = _layer(Q.Q8_0, 32, 256, 11)
@@ -351,7 +352,7 @@ def test_the_switch_keeps_it_from_being_built(monkeypatch, rebuilt):
 def test_a_kernel_that_multiplies_wrong_is_not_used(monkeypatch, rebuilt, caplog):
     monkeypatch.setattr(cpu_native, "product",
                         lambda x2, packed, lib=None: torch.zeros(x2.shape[0], packed.weight.shape[0] * 16))
-    with caplog.at_level(logging.WARNING, logger="mm3.gguf.cpu_native"):
+    with caplog.at_level(logging.WARNING, logger="mm3.backends.cpu.native"):
         assert not cpu_native.available()
     assert "computes wrong products" in caplog.text
 

@@ -1,4 +1,4 @@
-"""An AR decode step's small operations in the kernel library (`mm3.gguf.cpu_steps`): each against
+"""An AR decode step's small operations in the kernel library (`mm3.backends.cpu.steps`): each against
 torch's operations (bit for bit where the library promises it, else up to rounding), in the layers
 that use them, and left to torch where the library cannot serve (no library looked up)."""
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from mm3.bench.random_models import random_tensor
-from mm3.gguf import cpu_native, cpu_steps
-from mm3.gguf import ops as gguf_ops
+from mm3.backends.cpu import native as cpu_native, steps as cpu_steps
+from mm3.weights import layers as gguf_ops
 
 Q = gguf.GGMLQuantizationType
 needs_kernel = pytest.mark.skipif(not cpu_native.available(),
@@ -162,7 +162,7 @@ def test_the_depth_decoders_fast_attention_matches_its_reference_step_by_step(mo
 def _served_natively(model, types: dict, component: str, seed: int):
     """`model` with random weights, each product's in types[its name] (Q8_0 by default) and served
     by the native kernel, its norms and tables float32, in the fast numerics."""
-    from mm3.gguf.cpu_forms import FORMS, Serving
+    from mm3.backends.cpu.forms import FORMS, Serving
     from mm3.models.lm import set_numerics
 
     g = torch.Generator().manual_seed(seed)
@@ -246,7 +246,7 @@ def test_packings_dropped_are_freed_and_the_blocks_parts_made_again():
 @needs_kernel
 def test_depth_blocks_with_an_adapter_run_block_by_block(monkeypatch):
     """An adapter beside a product (not the kernel's alone): every block runs itself."""
-    from mm3.gguf.products import LowRank
+    from mm3.backends.products import LowRank
 
     model = _native_depth({})
     served = []
@@ -274,7 +274,7 @@ def test_depth_blocks_the_library_cannot_take_are_left_to_torch():
 
 def _semantic_draw(logits, r, cfg, k, q, excluded):
     """FrameSampler's semantic draw by torch's operations (no shaping)."""
-    from mm3.sampling import draw, guide, kth_largest, top_k_probs
+    from mm3.plan.sampling import draw, guide, kth_largest, top_k_probs
 
     c, u = (logits[0::2], logits[1::2]) if r == 2 else (logits, logits)
     if excluded is not None:
@@ -290,7 +290,7 @@ def _semantic_draw(logits, r, cfg, k, q, excluded):
 def test_the_librarys_draws_are_torchs(gate):
     """Guided or not, one song or several, top-k below or above the width, many ties (rounded
     logits), infinite and NaN logits, excluded columns: the same index as torch's operations."""
-    from mm3.sampling import draw, exponential_draws, guide, top_k_probs
+    from mm3.plan.sampling import draw, exponential_draws, guide, top_k_probs
 
     g = torch.Generator().manual_seed(int(gate))
     for trial in range(400):
@@ -319,7 +319,7 @@ def test_the_librarys_draws_are_torchs(gate):
 def test_a_draw_from_raw_draws_is_torchs_draw():
     """Shaped probabilities' draw (the semantic code's with shaping) from raw draws: the same index
     as torch's over the Exponential values, zero draws and NaN probabilities included."""
-    from mm3.sampling import draw, make_generator
+    from mm3.plan.sampling import draw, make_generator
 
     g = make_generator(9)
     for trial in range(300):
@@ -341,7 +341,7 @@ def test_a_draw_from_raw_draws_is_torchs_draw():
 def test_raw_draws_are_torchs_exponential_draws_bit_for_bit():
     """The library's draws from the generator's raw 64-bit values: each the Exponential(1) value
     torch makes of it, the generator consumed alike."""
-    from mm3.sampling import make_generator
+    from mm3.plan.sampling import make_generator
 
     assert cpu_steps.raw_draws_exact()
     a, b = make_generator(5), make_generator(5)
@@ -355,7 +355,7 @@ def test_raw_draws_are_torchs_exponential_draws_bit_for_bit():
 @needs_kernel
 @pytest.mark.parametrize("count", [1, 2, 311, 312, 313, 623, 624, 625, 10_000, 183_600])
 def test_a_skip_leaves_the_generator_where_as_many_draws_leave_it(count):
-    from mm3.sampling import make_generator
+    from mm3.plan.sampling import make_generator
 
     for lead in (0, 1, 155, 311):  # the generator partway through its words
         a, b = make_generator(count + lead), make_generator(count + lead)
@@ -370,7 +370,7 @@ def test_a_skip_leaves_the_generator_where_as_many_draws_leave_it(count):
 def test_without_the_librarys_draw_arithmetic_the_draws_are_torchs(monkeypatch):
     """Where the check fails (another torch's generator), nothing is skipped by the library and the
     semantic draw's tail is still exact."""
-    from mm3.sampling import exponential_draws, exponential_tail, make_generator
+    from mm3.plan.sampling import exponential_draws, exponential_tail, make_generator
 
     monkeypatch.setattr(cpu_steps, "raw_draws_exact", lambda: False)
     g = make_generator(1)
@@ -476,7 +476,7 @@ def test_the_lms_decode_step_in_two_library_calls_matches_its_layer_step_by_step
 def test_an_lm_step_whose_layer_does_not_fit_writes_nothing():
     """lm_enter checks the whole layer's products (the second half's too) before it writes the
     cache, so a step it takes is one lm_leave finishes."""
-    from mm3.gguf import products
+    from mm3.backends import products
     from mm3.models.lm import KVCache
 
     layer = _native_lm_layer({})
@@ -508,7 +508,7 @@ def test_decode_steps_the_library_cannot_take_are_left_to_torch():
 def test_a_shape_whose_skip_is_not_exact_is_drawn_whole(monkeypatch):
     """The library's twists skip only where this shape's skip was found exact: a torch whose
     Exponential draws of some size consume its generator otherwise draws them all."""
-    from mm3 import sampling
+    from mm3.plan import sampling
 
     monkeypatch.setattr(sampling, "_skip_is_exact", lambda n, start: False)
     g = sampling.make_generator(1)

@@ -7,10 +7,11 @@ import gguf
 import pytest
 import torch
 
-from mm3 import device as mm3_device
-from mm3.gguf import kernels, products
-from mm3.gguf import ops as gguf_ops
-from mm3.gguf.kernels import indexed_device
+from mm3.backends import device as mm3_device
+from mm3.backends.gpu import kernels
+from mm3.backends import products
+from mm3.weights import layers as gguf_ops
+from mm3.backends.gpu.kernels import indexed_device
 
 Q = gguf.GGMLQuantizationType
 
@@ -32,7 +33,7 @@ def test_indexed_device(current_cuda_is_one):
 def test_a_kernel_is_checked_once_per_device_however_it_is_named(module, monkeypatch, current_cuda_is_one):
     if module == "layout_kernels":
         pytest.importorskip("triton", reason="this torch installation has no Triton")
-        from mm3.gguf import layout_kernels as target
+        from mm3.backends.gpu import layout_kernels as target
     else:
         target = kernels
     checked = []

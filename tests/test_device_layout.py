@@ -1,4 +1,4 @@
-"""The device layout (`mm3.gguf.device_layout`): GGUF blocks to planes and back bit for bit, its
+"""The device layout (`mm3.backends.gpu.device_layout`): GGUF blocks to planes and back bit for bit, its
 dequantization equal to gguf-py's, every plane 16-byte aligned with row strides that are
 multiples of 16 words, at the file's bits per weight."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from mm3.gguf import device_layout as dl
+from mm3.backends.gpu import device_layout as dl
 
 Q = gguf.GGMLQuantizationType
 TYPES = sorted(dl.LAYOUT_TYPES, key=int)
@@ -38,7 +38,7 @@ def test_dequantization_equals_gguf_py(qtype):
     block, size = GGML_QUANT_SIZES[qtype]
     n, k = 6, 512
     raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=g)
-    from mm3.gguf.quants import SCALE_OFFSETS
+    from mm3.formats.gguf.quants import SCALE_OFFSETS
 
     for offset in SCALE_OFFSETS[qtype]:  # finite scales: NaN never equals NaN
         raw[:, offset:offset + 2] = (torch.rand(raw.shape[0], generator=g) * 0.1).half().view(torch.uint8).view(-1, 2)

@@ -124,7 +124,7 @@ def _main_of(program: str):
     if program.startswith("-m "):
         name = program[3:]
         if name == "mm3":
-            from mm3.cli import build_parser
+            from mm3.commands.main import build_parser
             return lambda argv: build_parser().parse_args(argv)
         module = importlib.import_module(name)
         return _argv_main(module)
@@ -201,7 +201,7 @@ def test_documented_command_parses(where, command, full):
     ("python -m mm3 frobnicate", False),
     ("python -m mm3 generate --models m", True),
     ("python tests/helpers/comfy_lowvram_check.py COMFYUI_PATH", True),  # a required argument left out
-    ("python -m mm3.registry", True),  # a module without a command line
+    ("python -m mm3.files.registry", True),  # a module without a command line
 ])
 def test_bad_commands_are_caught(command, full):
     assert parse_error(command, full) is not None
@@ -217,7 +217,7 @@ def _api_example():
 def test_api_example_shows_the_nodes_warnings():
     """The warning MM3 Prompt shows for a caption without the format's headings reaches the
     script's user, naming the node; other text stays out."""
-    from mm3.captions import caption_warning
+    from mm3.song.captions import caption_warning
 
     warning = caption_warning("Dreamy synth-pop, female vocal, 100 BPM")
     workflow = {"2": {"class_type": "MM3PromptAssemble"}, "3": {"class_type": "MM3ARPlan"}}
@@ -228,7 +228,7 @@ def test_api_example_shows_the_nodes_warnings():
 
 def test_documented_example_captions_have_the_format_headings():
     """The captions the READMEs and the script's help pass with --caption draw no format warning."""
-    from mm3.captions import caption_warning
+    from mm3.song.captions import caption_warning
 
     captions = [shlex.split(c)[shlex.split(c).index("--caption") + 1] for _, c, _ in COMMANDS if "--caption" in c]
     assert captions

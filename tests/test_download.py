@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from mm3.cli import main as cli_main
+from mm3.commands.main import main as cli_main
 from mm3.errors import Cancelled
 from mm3.tools import download as dl
 from mm3.tools.download import DownloadError, download_set, file_names

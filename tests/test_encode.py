@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from mm3.gguf.encode import WRITABLE_TYPES, quantize
-from mm3.gguf.quants import UnsupportedQuantType, dequantize
+from mm3.formats.gguf.encode import WRITABLE_TYPES, quantize
+from mm3.formats.gguf.quants import UnsupportedQuantType, dequantize
 
 Q = gguf.GGMLQuantizationType
 SIZES = gguf.GGML_QUANT_SIZES
@@ -137,7 +137,7 @@ def test_bytes_load_through_gguf_writer_and_reader(tmp_path):
 def test_threads_write_the_same_bytes(qtype, monkeypatch):
     """The K-quant search runs its chunks on several threads: the bytes are those of one thread,
     whatever the chunking (each sub-block's arithmetic is its own)."""
-    from mm3.gguf import encode
+    from mm3.formats.gguf import encode
 
     x = np.random.default_rng(5).standard_normal((9, 1024)).astype(np.float32)
     x[2, :300] = 0  # a zero super-block and part of the next

@@ -14,23 +14,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mm3 import ar
-from mm3 import device as budget
-from mm3.ar import PlanSettings, ZeroFramesError, plan
-from mm3.opener import open_component
-from mm3.flow import encode_conditions, sample_latents
-from mm3.gguf import cpu_native, cpu_steps
-from mm3.gguf import ops as gguf_ops
-from mm3.gguf import weight_copies
-from mm3.gguf.encode import quantize
-from mm3.gguf.reader import CompressedTensor, compressed_from_torch
-from mm3.matmul import weight_major_linear
+from mm3.plan import ar
+from mm3.backends import device as budget
+from mm3.plan.ar import PlanSettings, ZeroFramesError, plan
+from mm3.files.opener import open_component
+from mm3.synth.flow import encode_conditions, sample_latents
+from mm3.backends.cpu import native as cpu_native, steps as cpu_steps
+from mm3.weights import layers as gguf_ops
+from mm3.weights import copies as weight_copies
+from mm3.formats.gguf.encode import quantize
+from mm3.formats.gguf.reader import CompressedTensor, compressed_from_torch
+from mm3.backends.cpu.matmul import weight_major_linear
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.dit import FlowDiT
 from mm3.models.lm import Qwen3LM, set_numerics
 from mm3.progress import Cancelled, Progress
-from mm3.prompt import build_prompt
-from mm3.sampling import exponential_draws, exponential_tail, make_generator
+from mm3.plan.prompt import build_prompt
+from mm3.plan.sampling import exponential_draws, exponential_tail, make_generator
 from mm3.tokenizer import MM3Tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -135,7 +135,7 @@ def test_exponential_tail_skips_exactly():
 def test_raw_frame_draws_are_the_exponential_ones():
     """A frame's draws as raw 64-bit values (the kernel library's draws): torch's Exponential ones
     once made, the generators consumed alike, an ended song's rows placeholders of either kind."""
-    from mm3.gguf import cpu_steps
+    from mm3.backends.cpu import steps as cpu_steps
 
     if not cpu_steps.raw_draws_exact():
         pytest.skip("no kernel library on this machine (no C compiler): the frame's draws are torch's")
@@ -393,7 +393,7 @@ def test_rms_norm_is_the_references_arithmetic_bit_for_bit():
 def test_scratch_made_in_inference_mode_is_replaced_outside_it():
     """The stages run in inference mode; a dequantization into the scratch buffer after them,
     outside it, must get a buffer it can write."""
-    from mm3.matmul import Scratch
+    from mm3.backends.cpu.matmul import Scratch
 
     scratch = Scratch()
     with torch.inference_mode():

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from mm3 import jobs_cli
-from mm3.cli import main as cli_main
-from mm3.flow import NonFiniteError
+from mm3.commands import jobs as jobs_cli
+from mm3.commands.main import main as cli_main
+from mm3.synth.flow import NonFiniteError
 from mm3.models.dit import FlowDiT
 from mm3.models.lm import Qwen3LM
 from mm3.models.vocoder import Vocoder
-from mm3.pipeline import DeviceOutOfMemory, Pipeline
-from mm3.request import MM3Request
+from mm3.song.pipeline import DeviceOutOfMemory, Pipeline
+from mm3.song.request import MM3Request
 from tests.helpers.gguf_util import models_with, rewrite
 
 FAST = ["--steps", "2", "--seed", "1", "--lm-seed", "1", "--quiet"]
@@ -65,7 +65,7 @@ def test_ctrl_c_in_each_stage(tiny, tmp_path, capsys, monkeypatch, spy, stage, f
     """SIGINT after the first unit of `stage`: no further unit of anything runs, exit 130, nothing
     written, no model left loaded; the next command in the same process works."""
     if stage == "replay":
-        monkeypatch.setattr("mm3.replay.REPLAY_CHUNK", 16)
+        monkeypatch.setattr("mm3.plan.replay.REPLAY_CHUNK", 16)
     events = []
     real = jobs_cli.Console.on_progress
 
@@ -173,7 +173,7 @@ def test_out_of_memory_names_the_stage_and_recovers(tiny, monkeypatch, expected,
     req, audio = expected
     pipe = Pipeline(tiny.gguf, device="cpu", keep_loaded=keep_loaded)
     if target[1] is None:  # loading: fail when the DiT is built
-        from mm3 import store
+        from mm3.files import store
         real = store.build_model
         monkeypatch.setattr(store, "build_model", lambda c, **kw: _oom() if c.kind == "dit" else real(c, **kw))
     else:

@@ -73,8 +73,10 @@ def test_errors_are_not_stored_and_missing_files_raise(tmp_path):
 def test_file_caches_are_bounded(tmp_path):
     """Every per-file cache of the engine is a bounded FileCache (the fingerprint and architecture
     caches grew without limit over a long run scanning many files)."""
-    from mm3 import fingerprint, registry, tokenizer
-    from mm3.gguf import reader
+    from mm3.formats import fingerprint
+    from mm3.files import registry
+    from mm3 import tokenizer
+    from mm3.formats.gguf import reader
 
     for cache in (fingerprint._FINGERPRINTS, reader._ARCHITECTURES, registry._PROBLEMS, tokenizer._TOKENIZERS):
         assert isinstance(cache, FileCache) and cache.size >= 1

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm3.opener import kinds_of, open_component
+from mm3.files.opener import kinds_of, open_component
 from mm3.dialects.comfy import hadamard
-from mm3.gguf.errors import ComponentError
-from mm3.pipeline import Pipeline
-from mm3.registry import Registry
-from mm3.request import MM3Request
+from mm3.formats.gguf.errors import ComponentError
+from mm3.song.pipeline import Pipeline
+from mm3.files.registry import Registry
+from mm3.song.request import MM3Request
 from tests.helpers import foreign_layouts as F
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,11 +240,11 @@ def test_composer_lm_says_its_guidance(tiny_foreign, tmp_path, caplog):
     guidance runs, with a warning naming both."""
     files = F.hotstep_files(tiny_foreign.diffusers, tmp_path, lm_cfg=1.0)
     assert open_component(files["lm"], "lm").hparams["trained_lm_cfg"] == 1.0
-    with caplog.at_level("WARNING", logger="mm3.pipeline"):
+    with caplog.at_level("WARNING", logger="mm3.song.pipeline"):
         Pipeline(str(tmp_path), device="cpu").run(MM3Request(**{**REQUEST, "duration": 0.8}))
     assert "was made for lm_cfg 1 " in caplog.text and "asks for 1.5" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="mm3.pipeline"):
+    with caplog.at_level("WARNING", logger="mm3.song.pipeline"):
         Pipeline(str(tmp_path), device="cpu").run(MM3Request(**{**REQUEST, "duration": 0.8, "lm_cfg": 1.0}))
     assert "was made for" not in caplog.text
 
@@ -252,7 +252,7 @@ def test_composer_lm_says_its_guidance(tiny_foreign, tmp_path, caplog):
 def test_info_describes_each_component_of_a_file(layouts, capsys):
     import json
 
-    from mm3.cli import main as cli_main
+    from mm3.commands.main import main as cli_main
 
     te = layouts["comfy_pruned"] / "text_encoders" / "minimax_music3_text_encoder_pruned_bf16.safetensors"
     assert cli_main(["info", str(te), str(layouts["hotstep_bundle"] / "mm3-synth-f32.gguf"), "--json"]) == 0
@@ -275,8 +275,8 @@ def test_unaligned_safetensors_parts_copy_only_themselves(layouts):
 def test_incomplete_files_are_component_errors(layouts, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from mm3.opener import read_component
-    from mm3.inventory import scan
+    from mm3.files.opener import read_component
+    from mm3.files.inventory import scan
 
     sd = load_file(layouts["comfy"] / "diffusion_models" / "minimax_music3_dit_fp32.safetensors")
     del sd["cond_layer_scale"]

@@ -1,6 +1,6 @@
 """The AR frame step compiled and replayed from graphs: `torch.compile(fullgraph=True)` traces the
 step through the layout kernels (custom ops, run by Triton's interpreter here) with no graph break
-and gives the eager codes; the CUDA-graph runner (`mm3.frame_graphs`) keeps a graph only when its
+and gives the eager codes; the CUDA-graph runner (`mm3.backends.gpu.frame_graphs`) keeps a graph only when its
 first frame agrees with an eager one and otherwise warns, naming the device, and runs eagerly, with
 the eager codes either way. Without a GPU the capture is simulated: these test the decision, not
 the driver."""
@@ -10,14 +10,14 @@ import warnings
 import pytest
 import torch
 
-from mm3 import frame_graphs
-from mm3.ar import PlanSettings, plan
+from mm3.backends.gpu import frame_graphs
+from mm3.plan.ar import PlanSettings, plan
 import torch.nn.functional as F
 
-from mm3.gguf import kernels, layout_kernels, placement
-from mm3.gguf import device_layout as dl
-from mm3.opener import open_component
-from mm3.prompt import build_prompt
+from mm3.backends.gpu import kernels, layout_kernels, placement
+from mm3.backends.gpu import device_layout as dl
+from mm3.files.opener import open_component
+from mm3.plan.prompt import build_prompt
 from mm3.tokenizer import MM3Tokenizer
 
 

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from mm3.components import check_loadable
-from mm3.opener import read_component
-from mm3.gguf import ComponentError, GGUFFile, GGUFFormatError
-from mm3.registry import Registry
-from mm3.store import ModelStore
+from mm3.files.opener import read_component
+from mm3.formats.gguf import ComponentError, GGUFFile, GGUFFormatError
+from mm3.files.registry import Registry
+from mm3.files.store import ModelStore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

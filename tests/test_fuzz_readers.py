@@ -24,12 +24,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mm3 import cpu_choice
+from mm3.backends.cpu import choice as cpu_choice
 from mm3.errors import InputError
 from mm3.formats.safetensors_raw import file_entries
-from mm3.gguf import GGUFFile, GGUFFormatError, read_architecture
+from mm3.formats.gguf import GGUFFile, GGUFFormatError, read_architecture
 from mm3.lora.adapter import AdapterError, read_adapter
-from mm3.request import MM3Request
+from mm3.song.request import MM3Request
 from tests.helpers.gguf_util import gguf_string, write_gguf, write_safetensors
 
 EXAMPLES = int(os.environ.get("MM3_FUZZ_EXAMPLES", "300"))

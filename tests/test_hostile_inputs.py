@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from mm3 import cpu_choice
-from mm3.cli import main as cli_main
-from mm3.gguf import GGUFFile, GGUFFormatError
-from mm3.inventory import scan as inventory_scan
+from mm3.backends.cpu import choice as cpu_choice
+from mm3.commands.main import main as cli_main
+from mm3.formats.gguf import GGUFFile, GGUFFormatError
+from mm3.files.inventory import scan as inventory_scan
 from mm3.lora.adapter import AdapterError, pattern_problem, read_adapter
-from mm3.registry import Registry
-from mm3.request import MM3Request, RequestError
-from mm3.settings import OutputSettings, SynthSettings
+from mm3.files.registry import Registry
+from mm3.song.request import MM3Request, RequestError
+from mm3.song.settings import OutputSettings, SynthSettings
 from tests.helpers.gguf_util import (
     models_with,
     nested_array_gguf,
@@ -86,7 +86,7 @@ def test_malformed_file_does_not_stop_a_run(spoiled, tmp_path, named):
 def test_malformed_file_does_not_stop_encode(spoiled, tmp_path):
     import numpy as np
 
-    from mm3.output import render
+    from mm3.synth.output import render
 
     wav = tmp_path / "in.wav"
     wav.write_bytes(render(np.zeros((2, 44100), np.float32) + 0.1, "wav16"))

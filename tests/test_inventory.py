@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType
 
 from mm3.components import BY_FOLDER
 from mm3.formats.published import PUBLISHED_SIZES, SETS, published_name
-from mm3.gguf import ComponentError
-from mm3.inventory import scan
-from mm3.registry import AUTO, Registry, bits_per_weight, file_problem, pick_file
+from mm3.formats.gguf import ComponentError
+from mm3.files.inventory import scan
+from mm3.files.registry import AUTO, Registry, bits_per_weight, file_problem, pick_file
 from mm3.tools.quantize import quantize_file
 from tests.helpers.gguf_util import published_size_copy
 

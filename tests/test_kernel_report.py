@@ -1,4 +1,4 @@
-"""The static kernel report (`mm3.gguf.kernel_report`, `python -m mm3 kernels --report`): its PTX
+"""The static kernel report (`mm3.backends.gpu.kernel_report`, `python -m mm3 kernels --report`): its PTX
 reading on hand-written PTX, and the kernels themselves compiled for sm_80 / sm_89 / sm_90 with
 Triton's bundled compilers (no GPU): the decode kernels over the device layout load at least 90 % of
 the weight's bytes with 8-byte or wider loads, spill nothing and fill at least two waves at the
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mm3.gguf.kernel_report import LoadFacts, global_loads, occupancy
+from mm3.backends.gpu.kernel_report import LoadFacts, global_loads, occupancy
 
 PTX = """
 .visible .entry k(

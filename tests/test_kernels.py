@@ -1,4 +1,4 @@
-"""The fused dequantize-and-multiply kernels (`mm3.gguf.kernels`) against the torch dequantization
+"""The fused dequantize-and-multiply kernels (`mm3.backends.gpu.kernels`) against the torch dequantization
 (itself bit-exact against gguf-py): every type they read, odd row counts, 1-40 input rows, tails of
 K, bias, half-precision inputs; the layers and the AR stage running on them; their compilation for
 real GPUs. On a machine with CUDA they run natively; elsewhere through Triton's interpreter on the
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mm3.gguf import kernels
-from mm3.gguf import ops as gguf_ops
-from mm3.gguf import weight_copies
-from mm3.gguf.quants import SCALE_OFFSETS, dequantize
+from mm3.backends.gpu import kernels
+from mm3.weights import layers as gguf_ops
+from mm3.weights import copies as weight_copies
+from mm3.formats.gguf.quants import SCALE_OFFSETS, dequantize
 
 triton = pytest.importorskip("triton", reason="this torch installation has no Triton")
 
@@ -165,12 +165,12 @@ def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeyp
     """The tiny model with Q8_0 LM and depth: the AR stage on the kernels gives the codes of the torch
     path (dequantize, then multiply: the CPU int4 product, which rounds to bfloat16, is off), hiddens
     within float rounding, and keeps no dequantized copy. With CUDA the models run there."""
-    from mm3.ar import PlanSettings, plan
-    from mm3.gguf import cpu_int4
-    from mm3.opener import open_component
+    from mm3.plan.ar import PlanSettings, plan
+    from mm3.backends.cpu import int4 as cpu_int4
+    from mm3.files.opener import open_component
     from mm3.models.depth import RVQDepthDecoder
     from mm3.models.lm import Qwen3LM, set_numerics
-    from mm3.prompt import build_prompt
+    from mm3.plan.prompt import build_prompt
     from mm3.tokenizer import MM3Tokenizer
     lm_c, d_c = open_component(tiny.file("mm3-lm"), expect="lm"), open_component(tiny.file("mm3-depth"), expect="depth")
     try:
@@ -183,11 +183,11 @@ def test_ar_stage_on_the_kernels_keeps_no_float_copies(tiny, one_thread, monkeyp
         monkeypatch.setattr(cpu_int4, "serves", lambda *a: False)
         want = plan(lm, depth, prompt, settings, weight_budget=0, graphs=False)[0]
         kernels.configure("triton")
-        for model in (lm, depth):  # the layers choose their products again (mm3.gguf.products)
+        for model in (lm, depth):  # the layers choose their products again (mm3.backends.products)
             set_numerics(model, "fast")
         assert kernels.works(Q.Q8_0, torch.float32, DEVICE)
         kept = []
-        monkeypatch.setattr("mm3.ar.cache_dequantized", lambda *a, **kw: kept.append(a) or 0)
+        monkeypatch.setattr("mm3.plan.ar.cache_dequantized", lambda *a, **kw: kept.append(a) or 0)
         calls = []
         real = kernels.fused_linear
         monkeypatch.setattr(kernels, "fused_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -205,8 +205,8 @@ class _Requantized:
     """An opened component whose float matrices are served as Q8_0 blocks (vectors stay float)."""
 
     def __init__(self, component):
-        from mm3.gguf.encode import quantize
-        from mm3.gguf.reader import CompressedTensor
+        from mm3.formats.gguf.encode import quantize
+        from mm3.formats.gguf.reader import CompressedTensor
 
         self._component = component
         self.tensors = {}
@@ -225,7 +225,7 @@ _COMPILE = """
 import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from mm3.gguf import kernels, triton_gguf
+from mm3.formats.gguf import kernels, triton_gguf
 arch = int(sys.argv[1])
 base = {"b_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "x_stride": "i32",
         "y_stride": "i32", "w_stride": "i32"}

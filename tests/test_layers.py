@@ -25,22 +25,22 @@ ROOT = Path(__file__).resolve().parent.parent / "mm3"
 
 LAYERS = (
     ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress", "mm3.cache_dir", "mm3.bounded")),
-    ("formats", ("mm3.formats", "mm3.gguf", "mm3.gguf.errors", "mm3.gguf.reader", "mm3.gguf.writer",
-                 "mm3.gguf.quants", "mm3.gguf.encode", "mm3.fingerprint", "mm3.lora")),
-    ("numerics", ("mm3.matmul", "mm3.cpu_bf16", "mm3.device", "mm3.gguf.kernels", "mm3.gguf.triton_gguf",
-                  "mm3.gguf.cpu_int4", "mm3.gguf.cpu_native", "mm3.gguf.cpu_steps", "mm3.gguf.cpu_forms", "mm3.gguf.custom_ops", "mm3.gguf.device_layout", "mm3.gguf.kernel_choice", "mm3.gguf.kernel_report", "mm3.gguf.layout_kernels",
-                  "mm3.gguf.layout_triton", "mm3.gguf.placement", "mm3.gguf.ops", "mm3.gguf.products", "mm3.gguf.weight_copies", "mm3.sampling",
-                  "mm3.shaping")),
+    ("formats", ("mm3.formats", "mm3.formats.gguf", "mm3.formats.gguf.errors", "mm3.formats.gguf.reader", "mm3.formats.gguf.writer",
+                 "mm3.formats.gguf.quants", "mm3.formats.gguf.encode", "mm3.formats.fingerprint", "mm3.lora")),
+    ("numerics", ("mm3.backends.cpu.matmul", "mm3.backends.cpu.bf16", "mm3.backends.device", "mm3.backends.gpu.kernels", "mm3.backends.gpu.triton_gguf",
+                  "mm3.backends.cpu.int4", "mm3.backends.cpu.native", "mm3.backends.cpu.steps", "mm3.backends.cpu.forms", "mm3.backends.gpu.custom_ops", "mm3.backends.gpu.device_layout", "mm3.backends.gpu.kernel_choice", "mm3.backends.gpu.kernel_report", "mm3.backends.gpu.layout_kernels",
+                  "mm3.backends.gpu.layout_triton", "mm3.backends.gpu.placement", "mm3.weights.layers", "mm3.backends.products", "mm3.weights.copies", "mm3.plan.sampling",
+                  "mm3.plan.shaping")),
     ("table", ("mm3.components",)),
     ("dialects", ("mm3.dialects",)),
-    ("opener", ("mm3.opener", "mm3.tokenizer")),
+    ("opener", ("mm3.files.opener", "mm3.tokenizer")),
     ("models", ("mm3.models", "mm3.lora.attach", "mm3.lora.health")),
-    ("files", ("mm3.registry", "mm3.inventory", "mm3.store")),
-    ("stages", ("mm3.prompt", "mm3.lyrics_align", "mm3.codes", "mm3.cpu_choice", "mm3.frame_graphs", "mm3.replay", "mm3.ar", "mm3.flow",
-                "mm3.audio", "mm3.takes", "mm3.captions",
-                "mm3.output", "mm3.numerics", "mm3.settings")),
-    ("front", ("mm3.request", "mm3.stages", "mm3.overlap", "mm3.pipeline", "mm3.codec")),
-    ("tools", ("mm3.tools", "mm3.cli", "mm3.jobs_cli", "mm3.align_cli", "mm3.playback", "mm3.demo", "mm3.__main__")),
+    ("files", ("mm3.files.registry", "mm3.files.inventory", "mm3.files.store")),
+    ("stages", ("mm3.plan.prompt", "mm3.plan.lyrics_align", "mm3.plan.codes", "mm3.backends.cpu.choice", "mm3.backends.gpu.frame_graphs", "mm3.plan.replay", "mm3.plan.ar", "mm3.synth.flow",
+                "mm3.synth.audio", "mm3.plan.takes", "mm3.song.captions",
+                "mm3.synth.output", "mm3.song.numerics", "mm3.song.settings")),
+    ("front", ("mm3.song.request", "mm3.song.stages", "mm3.song.overlap", "mm3.song.pipeline", "mm3.synth.codec")),
+    ("tools", ("mm3.tools", "mm3.commands.main", "mm3.commands.jobs", "mm3.commands.align", "mm3.commands.playback", "mm3.commands.demo", "mm3.__main__")),
     ("bench", ("mm3.bench",)),
 )
 
@@ -132,5 +132,5 @@ def test_a_new_module_needs_a_layer():
 
 def test_the_walker_sees_function_level_imports():
     g = graph()
-    assert "mm3.pipeline" in g["mm3.jobs_cli"]  # imported inside a function only
-    assert "mm3.gguf.ops" in g["mm3.models.lm"]  # `from ..gguf import ops as default_ops`
+    assert "mm3.song.pipeline" in g["mm3.commands.jobs"]  # imported inside a function only
+    assert "mm3.weights.layers" in g["mm3.models.lm"]  # `from ..gguf import ops as default_ops`

@@ -1,4 +1,4 @@
-"""The kernels over the device layout (`mm3.gguf.layout_kernels`) against the torch dequantization
+"""The kernels over the device layout (`mm3.backends.gpu.layout_kernels`) against the torch dequantization
 (itself bit-exact against gguf-py): every type, the decode kernel (1-5 input rows, K split over
 programs, bias) and the tiled one (more rows), their expansion of the weight bit for bit, half
 precision inputs. On a machine with CUDA natively; elsewhere through Triton's interpreter."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mm3.gguf import device_layout as dl
-from mm3.gguf import layout_kernels as lk
-from mm3.gguf.quants import SCALE_OFFSETS, dequantize
+from mm3.backends.gpu import device_layout as dl
+from mm3.backends.gpu import layout_kernels as lk
+from mm3.formats.gguf.quants import SCALE_OFFSETS, dequantize
 
 triton = pytest.importorskip("triton", reason="this torch installation has no Triton")
 

@@ -1,4 +1,4 @@
-"""LoRA adapters on the LM and the DiT (`mm3.lora`, `mm3.gguf.products`).
+"""LoRA adapters on the LM and the DiT (`mm3.lora`, `mm3.backends.products`).
 
 The oracle for the runtime application is the same change merged into the checkpoint offline and
 converted with `mm3 convert` (float32, within 1e-5), or on a quantized base the dequantized weights
@@ -19,16 +19,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from mm3.cli import main as cli_main
-from mm3.gguf import ops
-from mm3.gguf.products import ByRows, LowRank, Separate, Split, WithLowRank
+from mm3.commands.main import main as cli_main
+from mm3.weights import layers as ops
+from mm3.backends.products import ByRows, LowRank, Separate, Split, WithLowRank
 from mm3.lora.adapter import AdapterError, read_adapter
 from mm3.lora.attach import Applied, attach
 from mm3.lora.health import group_changes
 from mm3.lora.keys import group_of, target_of
 from mm3.lora.use import LoraUse, check_entry, parse_flag
 from mm3.models import build_model
-from mm3.opener import open_component
+from mm3.files.opener import open_component
 from tests.helpers.lora_files import dit_modules, lm_modules, merged, write_lora
 
 Q = gguf.GGMLQuantizationType
@@ -82,7 +82,7 @@ def test_flag_and_entry_checks():
 # -- one layer, every product -------------------------------------------------------------------
 def _quantized(qtype, n, k, seed):
     from mm3.bench.random_models import random_tensor
-    from mm3.gguf.quants import dequantize
+    from mm3.formats.gguf.quants import dequantize
 
     g = torch.Generator().manual_seed(seed)
     raw = torch.from_numpy(random_tensor("w", (n, k), qtype, g))
@@ -113,7 +113,7 @@ def _delta(terms):
 
 @pytest.fixture
 def triton_kernels():
-    from mm3.gguf import kernels
+    from mm3.backends.gpu import kernels
 
     kernels.configure("triton")
     yield
@@ -124,8 +124,9 @@ def triton_kernels():
 def test_a_layers_adapters_sit_beside_whatever_product_serves_its_weight(case, request):
     """Two adapters on one layer add sum s B A x to its product, whatever product that is; detached,
     the layer gives its plain product bit for bit."""
-    from mm3.gguf import cpu_int4, kernels
-    from mm3.gguf.weight_copies import cache_dequantized
+    from mm3.backends.cpu import int4 as cpu_int4
+    from mm3.backends.gpu import kernels
+    from mm3.weights.copies import cache_dequantized
 
     if case == "kernel":
         request.getfixturevalue("triton_kernels")
@@ -172,7 +173,8 @@ def test_fused_parts_carry_their_own_adapters(case, request):
     """q, k, v as one product: each part's adapters added to its own output (here only k and v
     have any), through the stacked float product, the int4 one, parts of mixed types, unfused
     parts, or the kernel."""
-    from mm3.gguf import cpu_int4, kernels
+    from mm3.backends.cpu import int4 as cpu_int4
+    from mm3.backends.gpu import kernels
 
     if case == "kernel":
         request.getfixturevalue("triton_kernels")
@@ -469,8 +471,8 @@ def test_the_reference_pipeline_with_peft_merged_adapters_gives_our_codes_and_au
     from diffusers import ModularPipeline
     from peft import PeftModel
 
-    from mm3.pipeline import Pipeline
-    from mm3.request import MM3Request
+    from mm3.song.pipeline import Pipeline
+    from mm3.song.request import MM3Request
     from tests.helpers.reference_ar import patched_constants
 
     caption, lyrics, seed, duration, steps = "dark synth pop", "[verse]\nneon lights", 4, 3.0, 3

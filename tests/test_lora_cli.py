@@ -10,7 +10,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from mm3.cli import main as cli_main
+from mm3.commands.main import main as cli_main
 from tests.helpers.lora_files import dit_modules, lm_modules, write_lora
 
 CAPTION = "## Mood\n- **dark** synth pop\n<|bpm 120|>"

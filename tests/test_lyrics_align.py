@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-import mm3.replay
-from mm3.ar import PlanSettings, plan, plan_and_replay
-from mm3.replay import replay
+import mm3.plan.replay
+from mm3.plan.ar import PlanSettings, plan, plan_and_replay
+from mm3.plan.replay import replay
 from mm3.errors import InputError
-from mm3.lyrics_align import (DEFAULT_HEADS, HeadStats, LyricHeads, LyricHeadsError, LyricTime, check_lead,
-                              head_scores, line_onsets, lrc_stamp, lrc_text, lyric_times, rank_heads, song_lrc)
+from mm3.plan.lyrics_align import (
+    DEFAULT_HEADS, HeadStats, LyricHeads, LyricHeadsError, LyricTime, check_lead, head_scores, line_onsets,
+    lrc_stamp, lrc_text, lyric_times, rank_heads, song_lrc)
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.lm import Qwen3LM
-from mm3.opener import open_component
-from mm3.prompt import LyricLine, build_prompt
+from mm3.files.opener import open_component
+from mm3.plan.prompt import LyricLine, build_prompt
 from mm3.tokenizer import MM3Tokenizer
 
 CAPTION = "a bright synth pop song"
@@ -113,7 +114,7 @@ def expected_onsets(line_of_frame, lines):
 # -- the constructed alignment ---------------------------------------------------------------------
 @pytest.mark.parametrize("durations", [[10, 3, 12, 7, 1, 20], [4, 9, 30, 6]], ids=["every line", "ends early"])
 def test_constructed_attention_gives_the_constructed_timestamps(files, durations, monkeypatch):
-    monkeypatch.setattr(mm3.replay, "REPLAY_CHUNK", 16)  # several passes over the frames
+    monkeypatch.setattr(mm3.plan.replay, "REPLAY_CHUNK", 16)  # several passes over the frames
     lm, depth, prompt = constructed(files)
     line_of_frame = [k for k, n in enumerate(durations) for _ in range(n)]
     song = replay(lm, depth, prompt, codes_for(line_of_frame), lyric_heads=LyricHeads.parse("0:0"))
@@ -167,14 +168,14 @@ def test_replay_hiddens_are_bit_identical_with_the_tap(files, numerics, monkeypa
     prompt = build_prompt(files[2], CAPTION, LYRICS)
     (song,) = plan(lm, depth, prompt, PlanSettings(duration=3.0, lm_seed=3), keep_hiddens=False)
     for chunk in (7, 512):
-        monkeypatch.setattr(mm3.replay, "REPLAY_CHUNK", chunk)
+        monkeypatch.setattr(mm3.plan.replay, "REPLAY_CHUNK", chunk)
         plain = replay(lm, depth, prompt, song.codes)
         tapped = replay(lm, depth, prompt, song.codes, lyric_heads=LyricHeads.parse("0:*,1:1"))
         assert plain.lyric_attention is None and tapped.lyric_attention is not None
         assert torch.equal(plain.frame_hiddens, tapped.frame_hiddens)
     # attention only: no depth passes, no layer past the deepest tapped one; the same attention
     heads = LyricHeads.parse("0:1,0:3")
-    monkeypatch.setattr(mm3.replay, "REPLAY_CHUNK", 7)
+    monkeypatch.setattr(mm3.plan.replay, "REPLAY_CHUNK", 7)
     whole = replay(lm, depth, prompt, song.codes, lyric_heads=heads)
     alone = replay(lm, depth, prompt, song.codes, lyric_heads=heads, hiddens=False)
     assert alone.frame_hiddens is None and torch.equal(whole.lyric_attention, alone.lyric_attention)
@@ -350,7 +351,7 @@ def _lrc_lines(path):
 
 
 def test_generate_lrc_and_align_end_to_end(tiny, tmp_path, capsys):
-    from mm3.cli import main
+    from mm3.commands.main import main
 
     out = tmp_path / "s.wav"
     args = ["--models", str(tiny.gguf), "--device", "cpu", "--quiet"]
@@ -388,7 +389,7 @@ def _stamps(path):
 
 
 def test_cli_refuses_bad_heads_before_any_work(tiny, tmp_path, capsys):
-    from mm3.cli import main
+    from mm3.commands.main import main
 
     args = ["--models", str(tiny.gguf), "--device", "cpu", "--quiet", "--caption", CAPTION, "--lyrics", CLI_LYRICS,
             "--duration", "1", "--steps", "2"]

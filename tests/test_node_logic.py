@@ -1,5 +1,5 @@
 """The ComfyUI node logic without ComfyUI: the stages chained as the nodes chain them give the same
-audio and the same replay JSON as `mm3.pipeline.Pipeline.run` (itself checked against diffusers),
+audio and the same replay JSON as `mm3.song.pipeline.Pipeline.run` (itself checked against diffusers),
 the loaders refuse what the command line refuses, and Save Song's files read back right."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm3.ar import PlanSettings
-from mm3.codes import AudioCodes
-from mm3.gguf.errors import ComponentError
-from mm3.pipeline import Pipeline
-from mm3.request import MM3Request
-from mm3.settings import SynthSettings
+from mm3.plan.ar import PlanSettings
+from mm3.plan.codes import AudioCodes
+from mm3.formats.gguf.errors import ComponentError
+from mm3.song.pipeline import Pipeline
+from mm3.song.request import MM3Request
+from mm3.song.settings import SynthSettings
 from tests.helpers.comfyui import CAPTION, LYRICS, import_pack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_node_chain_matches_pipeline(pack, tiny):
     pipeline's tracks bit for bit (2 songs x 2 variations) with the same replay JSON, and each
     replay request renders its track."""
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
-    from mm3 import stages
+    from mm3.song import stages
 
     m = {k: h.model() for k, h in hs.items()}
     prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
@@ -70,7 +70,7 @@ def test_split_synthesis_matches_pipeline_over_windows(pack, tiny):
     sampler fed from them, windows decoded one by one and then stitched, equal the pipeline's
     synthesis (overlap carry, crops and all). Frame hiddens are random: no AR needed."""
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
-    from mm3 import stages
+    from mm3.song import stages
 
     m = {k: h.model() for k, h in hs.items() if k in ("cond", "dit", "vae")}
     dp = hs["depth"].hparams
@@ -95,8 +95,8 @@ def test_vocoder_decode_sends_each_window_as_a_wav_and_a_message(pack, tiny, tmp
     song in samples; the WAVs joined are the stitched song. A folder that cannot be written
     leaves the render alone (no preview, a warning)."""
     logic, live, hs = pack("nodes.logic"), pack("nodes.live"), _handles(pack, tiny)
-    from mm3 import stages
-    from mm3.codec import read_audio
+    from mm3.song import stages
+    from mm3.synth.codec import read_audio
 
     m = {k: h.model() for k, h in hs.items() if k in ("cond", "dit", "vae")}
     dp = hs["depth"].hparams
@@ -164,7 +164,7 @@ def test_loaded_codes_check_the_files_that_made_them(pack, tiny, tmp_path):
     import shutil
 
     logic, hs, handles = pack("nodes.logic"), _handles(pack, tiny), pack("nodes.handles")
-    from mm3 import stages
+    from mm3.song import stages
 
     m = {k: hs[k].model() for k in ("lm", "depth", "cond")}
     prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
@@ -221,7 +221,7 @@ def test_prompt_over_the_budget_is_refused_with_the_count(pack, tiny):
 def test_a_plan_continues_a_song_from_the_graph(pack, tiny):
     """AR Plan with prior codes: the new song starts with the prior's codes, its replay request
     holds them all (no continue_codes left), and it is planned past the prior's length."""
-    from mm3 import stages
+    from mm3.song import stages
 
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
     m = {k: hs[k].model() for k in ("lm", "depth")}
@@ -241,7 +241,7 @@ def test_lyric_timestamps_of_a_planned_song(pack, tiny, tmp_path):
     """MM3 Lyric Timestamps' engine call: the LRC of a planned song equals the one the command
     line's run makes from the same codes; Save Song writes it beside the song; a bad head list is
     said in words at queue time."""
-    from mm3.lyrics_align import LyricHeads, song_lrc
+    from mm3.plan.lyrics_align import LyricHeads, song_lrc
 
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
     m = {k: hs[k].model() for k in ("lm", "depth")}

@@ -9,10 +9,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.helpers.gguf_util import write_gguf
-from mm3.gguf import ComponentError, GGUFFile
-from mm3.gguf import ops
-from mm3.gguf.ops import load_tensors
-from mm3.gguf.weight_copies import compressed_nbytes
+from mm3.formats.gguf import ComponentError, GGUFFile
+from mm3.weights import layers as ops
+from mm3.weights.layers import load_tensors
+from mm3.weights.copies import compressed_nbytes
 
 Q = gguf.GGMLQuantizationType
 
@@ -139,8 +139,8 @@ def test_a_layers_product_is_chosen_once_per_placement(monkeypatch):
     """`forward` calls the product chosen on the first use; filling, moving, keeping or dropping a
     float copy, or setting the numerics chooses again (and only then), for a layer and for a fused
     pair alike."""
-    from mm3.gguf import products
-    from mm3.gguf.weight_copies import cache_dequantized, release_dequantized
+    from mm3.backends import products
+    from mm3.weights.copies import cache_dequantized, release_dequantized
 
     chosen = []
     for name in ("for_linear", "for_fused"):

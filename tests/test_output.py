@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from mm3 import output
-from mm3.output import normalize_peak, render, write_audio
+from mm3.synth import output
+from mm3.synth.output import normalize_peak, render, write_audio
 
 RATE = 44100
 

@@ -1,4 +1,4 @@
-"""Planning and synthesis overlapped (`mm3.overlap`): a window is rendered as soon as its frames are
+"""Planning and synthesis overlapped (`mm3.song.overlap`): a window is rendered as soon as its frames are
 planned, and the audio, codes and replay requests are the staged run's bit for bit; runs that
 cannot overlap (takes, the reference RNG, models that do not fit together) are rendered by stages."""
 
@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 
-from mm3 import overlap
-from mm3.replay import REPLAY_CHUNK, Replayer, replay
-from mm3.flow import WINDOW_FRAMES, WINDOW_HOP, settled_windows, window_bounds
-from mm3.pipeline import Pipeline
+from mm3.song import overlap
+from mm3.plan.replay import REPLAY_CHUNK, Replayer, replay
+from mm3.synth.flow import WINDOW_FRAMES, WINDOW_HOP, settled_windows, window_bounds
+from mm3.song.pipeline import Pipeline
 from mm3.progress import Progress
-from mm3.request import MM3Request
+from mm3.song.request import MM3Request
 from tests.helpers.comfyui import CAPTION, LYRICS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # several hundred frames: one thread is the quickest here
@@ -174,7 +174,7 @@ def test_overlap_with_quantized_weights_and_their_copies(tiny, tmp_path):
 def test_overlapped_songs_keep_their_lyric_attention(tiny):
     """With lyric heads, a streamed run that overlaps the stages gives each song the lyric attention
     of the staged run (the LRC of `generate --lrc --stream-dir`), bit for bit."""
-    from mm3.lyrics_align import LyricHeads
+    from mm3.plan.lyrics_align import LyricHeads
 
     pipe = Pipeline(str(tiny.gguf), device="cpu", keep_loaded=True)
     request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=9.0, lm_seed=4, seed=2, steps=2)

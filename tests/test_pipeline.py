@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm3.cli import main as cli_main
-from mm3.gguf import ComponentError
-from mm3.pipeline import Pipeline
+from mm3.commands.main import main as cli_main
+from mm3.formats.gguf import ComponentError
+from mm3.song.pipeline import Pipeline
 from mm3.progress import Cancelled, Progress
-from mm3.request import MM3Request
+from mm3.song.request import MM3Request
 
 REPO = Path(__file__).resolve().parents[1]
 CAPTION = "## Mood\n- **dark** synth pop\n<|bpm 120|>"
@@ -87,7 +87,7 @@ def test_corpus_request_renders(tiny_qwen3, tmp_path, corpus):
     assert (replay["caption"], replay["lyrics"], replay["output_format"]) == (data["caption"], data["lyrics"], "mp3")
     frames = len(replay["audio_codes"].split(",")) // 8 - 1
     assert 1 <= frames <= 12  # 0.5 s at 25 frames per second
-    from mm3.opener import open_component
+    from mm3.files.opener import open_component
     from mm3.models.cond import ConditionEncoder
 
     samples = 512 * ConditionEncoder.load(open_component(tiny.file("mm3-cond"), "cond")).latent_length(frames)
@@ -205,7 +205,7 @@ def test_demo_writes_the_tiny_model_once_and_says_where_the_song_is(tmp_path, ca
     """`python -m mm3 demo`: the tiny model is written where its five components are not all
     present (found by architecture, whatever the files are called), then a song is generated and
     its path printed."""
-    from mm3.demo import has_model
+    from mm3.commands.demo import has_model
 
     folder = tmp_path / "demo"
     args = ["demo", "--dir", str(folder), "--duration", "1", "--steps", "2", "--quiet"]
@@ -228,8 +228,8 @@ def test_numerics_follow_the_rng_mode_not_the_generator(tiny):
     DiT noise does not switch a render to the reference's numerics."""
     from dataclasses import replace
 
-    from mm3.numerics import Numerics
-    from mm3.sampling import make_generator
+    from mm3.song.numerics import Numerics
+    from mm3.plan.sampling import make_generator
 
     pipe = Pipeline(str(tiny.gguf))
     assert pipe.numerics("reference") == Numerics("reference", pipe.dtype)
@@ -244,7 +244,7 @@ def test_numerics_follow_the_rng_mode_not_the_generator(tiny):
 
 
 def test_numerics_choice():
-    from mm3.numerics import FAST, Numerics
+    from mm3.song.numerics import FAST, Numerics
 
     ref = Numerics("reference", torch.float32)
     assert (ref.cfg_batch, ref.exact, ref.models, ref.shift(2)) == (False, True, "reference", 1.0)

@@ -1,5 +1,5 @@
-"""Where the device layout replaces the blocks (`mm3.gguf.placement`) and which kernels serve a
-weight (`mm3.gguf.kernel_choice`, `MM3_KERNELS`): one copy of the weight in the form its products
+"""Where the device layout replaces the blocks (`mm3.backends.gpu.placement`) and which kernels serve a
+weight (`mm3.backends.gpu.kernel_choice`, `MM3_KERNELS`): one copy of the weight in the form its products
 read, the file's blocks back bit for bit when it leaves, memory counted as held, products routed to
 the layout kernels (fused parts stacked as views), and the measured choice kept on disk per machine.
 The layout runs on CUDA where there is one, else on CPU tensors through Triton's interpreter
@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from mm3.cache_dir import cache_dir
-from mm3.gguf import device_layout as dl
-from mm3.gguf import kernel_choice, kernels, layout_kernels, placement, products
-from mm3.gguf import ops as gguf_ops
-from mm3.gguf.weight_copies import compressed_nbytes
+from mm3.backends.gpu import device_layout as dl
+from mm3.backends.gpu import kernel_choice, kernels, layout_kernels, placement
+from mm3.backends import products
+from mm3.weights import layers as gguf_ops
+from mm3.weights.copies import compressed_nbytes
 from tests.test_layout_kernels import DEVICE
 from tests.test_layout_kernels import weight as layout_weight
 
@@ -35,12 +36,12 @@ def layout_mode():
 
 
 def _blocks(qtype, n, k, seed):
-    from mm3.gguf.quants import dequantize
+    from mm3.formats.gguf.quants import dequantize
 
     g = torch.Generator().manual_seed(seed)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=g)
-    from mm3.gguf.quants import SCALE_OFFSETS
+    from mm3.formats.gguf.quants import SCALE_OFFSETS
 
     for offset in SCALE_OFFSETS[qtype]:
         raw[:, offset:offset + 2] = (torch.rand(raw.shape[0], generator=g) * 0.02 + 1e-3).half().view(

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from mm3 import playback
-from mm3.cli import main
+from mm3.commands import playback
+from mm3.commands.main import main
 from tests.helpers.comfyui import CAPTION, LYRICS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,7 +28,7 @@ def _args(tiny, out, *extra):
 
 
 class _Device(types.ModuleType):
-    """sounddevice as far as `mm3.playback` uses it; its stream pulls 256 samples every millisecond."""
+    """sounddevice as far as `mm3.commands.playback` uses it; its stream pulls 256 samples every millisecond."""
 
     def __init__(self, fail: Exception | None = None):
         super().__init__("sounddevice")
@@ -91,7 +91,7 @@ def test_play_without_an_output_device_is_refused_before_work(tiny, tmp_path, mo
 def test_play_hands_the_device_the_track_as_it_is_rendered(tiny, tmp_path, monkeypatch):
     """Two songs: the device plays the first one's windows back to back, starting before the
     render is done (the second song's are not played); silence only where the render lagged."""
-    from mm3.codec import read_audio
+    from mm3.synth.codec import read_audio
 
     device = _Device()
     monkeypatch.setitem(sys.modules, "sounddevice", device)

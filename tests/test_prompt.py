@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mm3.opener import open_component
+from mm3.files.opener import open_component
 from mm3.constants import MAX_PROMPT_TOKENS
-from mm3.prompt import Prompt, PromptError, build_prompt, clean_caption, normalize_lyrics
+from mm3.plan.prompt import Prompt, PromptError, build_prompt, clean_caption, normalize_lyrics
 from mm3.tokenizer import MM3Tokenizer
 
 CAPTIONS = [

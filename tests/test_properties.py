@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mm3.codes import AudioCodes, AudioCodesError, count_code_frames, parse_audio_codes
-from mm3.prompt import PromptError, build_prompt, clean_caption, normalize_lyrics
-from mm3.request import MM3Request, RequestError
+from mm3.plan.codes import AudioCodes, AudioCodesError, count_code_frames, parse_audio_codes
+from mm3.plan.prompt import PromptError, build_prompt, clean_caption, normalize_lyrics
+from mm3.song.request import MM3Request, RequestError
 
 enc = pytest.importorskip("diffusers.modular_pipelines.minimax_music3.encoders")
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from tests.helpers.gguf_util import COND_KV, cond_tensors, write_gguf
-from mm3.cli import main as cli_main
-from mm3.gguf import ComponentError, GGUFFile
+from mm3.commands.main import main as cli_main
+from mm3.formats.gguf import ComponentError, GGUFFile
 from mm3.tools.quantize import quantize_file
 
 Q = gguf.GGMLQuantizationType
@@ -124,7 +124,7 @@ def test_tiny_lm_without_merges_quantizes(tiny, tmp_path):
 
 def test_empty_merges_array_survives_the_copy(tmp_path):
     """A file from an earlier convert (empty merges array written) keeps its empty typed array."""
-    from mm3.gguf.writer import Writer
+    from mm3.formats.gguf.writer import Writer
 
     path = tmp_path / "lm.gguf"
     w = Writer(str(path), "mm3-lm")

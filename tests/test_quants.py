@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from mm3.gguf import quants
-from mm3.gguf.quants import (SCALE_OFFSETS, SUPPORTED_TYPES, UnsupportedQuantType, dequantize, dequantize_rows,
-                             row_nbytes)
+from mm3.formats.gguf import quants
+from mm3.formats.gguf.quants import (
+    SCALE_OFFSETS, SUPPORTED_TYPES, UnsupportedQuantType, dequantize, dequantize_rows, row_nbytes)
 
 Q = gguf.GGMLQuantizationType
 SIZES = gguf.GGML_QUANT_SIZES

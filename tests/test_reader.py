@@ -9,9 +9,9 @@ import torch
 
 from tests.helpers.gguf_util import COND_KV, cond_tensors, write_gguf
 from mm3.components import check_compatible
-from mm3.opener import open_component
-from mm3.gguf import ComponentError, GGUFFile, GGUFFormatError, read_architecture
-from mm3.registry import Registry
+from mm3.files.opener import open_component
+from mm3.formats.gguf import ComponentError, GGUFFile, GGUFFormatError, read_architecture
+from mm3.files.registry import Registry
 
 Q = gguf.GGMLQuantizationType
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from mm3 import output, request
-from mm3.cli import main as cli_main
-from mm3.fingerprint import file_fingerprint, is_fingerprint
-from mm3.request import MM3Request, RequestError
+from mm3.synth import output
+from mm3.song import request
+from mm3.commands.main import main as cli_main
+from mm3.formats.fingerprint import file_fingerprint, is_fingerprint
+from mm3.song.request import MM3Request, RequestError
 
 CAPTION = "dark synth pop, 120 bpm"
 LYRICS = "[verse]\nneon lights ^ falling rain"
@@ -168,8 +169,8 @@ def test_fingerprint_covers_the_header_and_first_data_only(tmp_path):
     import numpy as np
     from tests.helpers.gguf_util import write_gguf
 
-    from mm3.fingerprint import DATA_BYTES
-    from mm3.gguf.reader import GGUFFile
+    from mm3.formats.fingerprint import DATA_BYTES
+    from mm3.formats.gguf.reader import GGUFFile
 
     src = write_gguf(tmp_path / "big.gguf", "mm3-cond", {}, {"w": np.zeros(DATA_BYTES, np.float32)})  # 4 MiB of data
     with GGUFFile(src, header_only=True) as g:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mm3.request import MM3Request, RequestError, check_codes_syntax
+from mm3.song.request import MM3Request, RequestError, check_codes_syntax
 
 BASE = {"caption": "dark synth", "lyrics": "[verse]\nhello"}
 
@@ -90,7 +90,7 @@ def test_one_seed_resolver(monkeypatch):
     same resolver, over the same range 0..SEED_MAX."""
     import secrets
 
-    from mm3.sampling import resolve_seed
+    from mm3.plan.sampling import resolve_seed
 
     monkeypatch.setattr(secrets, "randbelow", lambda n: n - 1)
     r = req(seed=-1, lm_seed=-1, repaint_seed=-1).resolve_seeds()
@@ -103,7 +103,7 @@ def test_plan_fields_invert_plan_settings():
     again, are the request's own fields; the nodes' sampling options map through the same code."""
     from types import SimpleNamespace
 
-    from mm3.request import plan_fields, shaping_of
+    from mm3.song.request import plan_fields, shaping_of
 
     r = req(duration=12.0, lm_seed=4, lm_cfg=2.5, lm_top_k=50, lm_temperature=0.9, lm_top_p=0.95, lm_penalty="dry",
             lm_penalty_strength=1.1, lm_penalty_window=300, lm_dry_min_match=20, min_duration=6.0, takes=3,

@@ -11,7 +11,7 @@ import gc
 import psutil
 import pytest
 
-from mm3.cli import main as cli_main
+from mm3.commands.main import main as cli_main
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # thread count: stable timing on a shared CPU
               pytest.mark.slow]

@@ -7,19 +7,20 @@ import types
 import pytest
 import torch
 
-from mm3.ar import PlanSettings, plan
-from mm3.replay import replay
-from mm3.cli import main as cli_main
-from mm3.opener import open_component
-from mm3.flow import (AUTO_SHIFT, Keep, encode_conditions, flow_sigmas, repaint_keep, sample_latents,
-                      schedule_shift, timeline_length, window_offsets, windows_from_timeline)
+from mm3.plan.ar import PlanSettings, plan
+from mm3.plan.replay import replay
+from mm3.commands.main import main as cli_main
+from mm3.files.opener import open_component
+from mm3.synth.flow import (
+    AUTO_SHIFT, Keep, encode_conditions, flow_sigmas, repaint_keep, sample_latents, schedule_shift, timeline_length,
+    window_offsets, windows_from_timeline)
 from mm3.models import build_model
 from mm3.models.depth import RVQDepthDecoder
 from mm3.models.lm import Qwen3LM
-from mm3.prompt import build_prompt
-from mm3.request import MM3Request, RequestError
-from mm3.shaping import SemanticShaper, Shaping, nucleus
-from mm3.takes import NoEndingError, Takes, plan_takes
+from mm3.plan.prompt import build_prompt
+from mm3.song.request import MM3Request, RequestError
+from mm3.plan.shaping import SemanticShaper, Shaping, nucleus
+from mm3.plan.takes import NoEndingError, Takes, plan_takes
 from mm3.tokenizer import MM3Tokenizer
 
 

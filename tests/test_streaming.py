@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from mm3 import stages
-from mm3.codes import AudioCodes
-from mm3.matmul import _flag
-from mm3.pipeline import Pipeline
-from mm3.request import MM3Request
+from mm3.song import stages
+from mm3.plan.codes import AudioCodes
+from mm3.backends.cpu.matmul import _flag
+from mm3.song.pipeline import Pipeline
+from mm3.song.request import MM3Request
 from tests.helpers.comfyui import CAPTION, LYRICS
 
 
@@ -56,8 +56,8 @@ def test_run_streams_every_song(tiny):
 def test_window_callback_runs_outside_the_samplers_float32_setting(tiny):
     """The sampler's oneDNN float32 setting (forced on here) holds inside each window only: a
     vocoder window decoded from the callback computes as it would alone."""
-    from mm3.flow import sample_latents
-    from mm3.opener import open_component
+    from mm3.synth.flow import sample_latents
+    from mm3.files.opener import open_component
     from mm3.models import build_model
 
     flags = _flag()
@@ -74,8 +74,8 @@ def test_cli_stream_dir_writes_each_window_as_it_comes(tiny, tmp_path, capsys):
     """`generate --stream-dir`: one float WAV per window and track, which joined are the track's
     samples (the final wav32 file holds the same float samples), and a line saying when the first
     came."""
-    from mm3.cli import main
-    from mm3.codec import read_audio
+    from mm3.commands.main import main
+    from mm3.synth.codec import read_audio
 
     out, live = tmp_path / "song.wav", tmp_path / "live"
     args = ["generate", "--models", str(tiny.gguf), "--caption", CAPTION, "--lyrics", LYRICS, "--duration", "0.8",
@@ -92,7 +92,7 @@ def test_cli_stream_dir_writes_each_window_as_it_comes(tiny, tmp_path, capsys):
 
 
 def test_cli_stream_dir_that_cannot_be_made_is_refused_before_work(tiny, tmp_path, capsys):
-    from mm3.cli import main
+    from mm3.commands.main import main
 
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from mm3.audio import decode_windows, encode_audio, stitch, stitched_length
-from mm3.opener import open_component
-from mm3.flow import NonFiniteError, encode_conditions, flow_sigmas, sample_latents, window_bounds
-from mm3.gguf.errors import ComponentError
-from mm3.gguf.ops import load_tensors
-from mm3.gguf.reader import compressed_from_torch
+from mm3.synth.audio import decode_windows, encode_audio, stitch, stitched_length
+from mm3.files.opener import open_component
+from mm3.synth.flow import NonFiniteError, encode_conditions, flow_sigmas, sample_latents, window_bounds
+from mm3.formats.gguf.errors import ComponentError
+from mm3.weights.layers import load_tensors
+from mm3.formats.gguf.reader import compressed_from_torch
 from mm3.models.cond import ConditionEncoder
 from mm3.models.dit import FlowDiT
 from mm3.models.vocoder import Vocoder, channels_last

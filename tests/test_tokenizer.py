@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mm3.opener import open_component
-from mm3.gguf.errors import ComponentError
-from mm3.prompt import normalize_lyrics
+from mm3.files.opener import open_component
+from mm3.formats.gguf.errors import ComponentError
+from mm3.plan.prompt import normalize_lyrics
 from mm3.constants import SEMANTIC_VOCAB_SIZE
 from mm3.tokenizer import SPECIAL_TOKENS, MM3Tokenizer
 

@@ -5,7 +5,7 @@ the frame back. Each side runs the same prompt ids, seed and weights (`Context`)
 is taken between the first and the last frame of a run, so the prompt prefill is left out. Ours runs
 with the models loaded for the fast numerics (the default) and for the reference numerics; the
 codes of the fast run are compared with the reference's. On the CPU the product forms are timed
-first, as the first plan on a machine times them (`mm3.cpu_choice`, here always afresh and not
+first, as the first plan on a machine times them (`mm3.backends.cpu.choice`, here always afresh and not
 cached): every candidate's ms per frame and the one chosen are reported, and the AR's weight
 bandwidth beside the machine's (a copy of a 1 GiB tensor).
 """
@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from .. import cpu_choice
-from ..ar import PlanSettings, ScratchFrames, plan
+from ..backends.cpu import choice as cpu_choice
+from ..plan.ar import PlanSettings, ScratchFrames, plan
 from ..constants import FRAME_RATE
-from ..gguf.cpu_forms import FORMS
-from ..numerics import Numerics
+from ..backends.cpu.forms import FORMS
+from ..song.numerics import Numerics
 from ..progress import Progress
-from ..stages import set_ar_numerics
+from ..song.stages import set_ar_numerics
 from .measure import PeakMemory, host_copy_bandwidth, ratio, sync
 from .reference import run_ar
 
@@ -47,7 +47,7 @@ def _ours(ctx, frames: int, numerics: str = "fast", **kwargs):
 
 def _reference(ctx, frames: int):
     """(seconds per frame, codes) of one run of the reference's AR block."""
-    from ..sampling import make_generator
+    from ..plan.sampling import make_generator
 
     stamps, codes = [], []
 
@@ -63,10 +63,10 @@ def _reference(ctx, frames: int):
 
 
 def cpu_products(ctx) -> dict | None:
-    """The CPU product forms timed afresh on the bench's models (`mm3.cpu_choice.serve`), kept for
+    """The CPU product forms timed afresh on the bench's models (`mm3.backends.cpu.choice.serve`), kept for
     this process: each candidate's ms per frame and the chosen one, and the vector width the
     native kernel was built for where it was a candidate; None off the CPU."""
-    from ..device import ar_weight_budget
+    from ..backends.device import ar_weight_budget
 
     lm, depth = ctx.ours("lm"), ctx.ours("depth")
     settings = PlanSettings(duration=1.0, lm_seed=ctx.seed)
@@ -75,7 +75,7 @@ def cpu_products(ctx) -> dict | None:
                               budget=ar_weight_budget(ctx.device), fresh=True)
     if choice is None:
         return None
-    from ..gguf import cpu_native
+    from ..backends.cpu import native as cpu_native
 
     return {"chosen": choice.label, "forms": choice.forms, "threads": choice.threads, "source": choice.source,
             "candidates_ms_per_frame": choice.ms_per_frame, "candidates_cut_short": choice.stopped,
@@ -89,7 +89,7 @@ def _timed_forms(choice) -> set[str]:
 
 def measure(ctx, frames: int) -> dict:
     """ms per frame for each side (best of ctx.repeat interleaved runs of `frames` frames)."""
-    from ..device import ar_weight_budget
+    from ..backends.device import ar_weight_budget
 
     products = cpu_products(ctx)
     runs = {"ours": lambda n: _ours(ctx, n, compile=ctx.compile, graphs=ctx.graphs)}
@@ -146,7 +146,7 @@ def frame_weight_bytes(lm, depth, head_rows: int) -> int:
     """Bytes of weights, as stored, that one frame reads: the LM layers, the head rows of the
     candidates, and per depth step (7) the depth layers, the projection and one audio head
     (the bandwidth floor of a frame is this over the memory bandwidth)."""
-    from ..gguf.weight_copies import compressed_nbytes
+    from ..weights.copies import compressed_nbytes
 
     head = lm.model.embed_tokens if lm.tied else lm.lm_head
     row = compressed_nbytes(head) // (lm.vocab_size if lm.tied else head.out_features)  # a GGUF row is whole blocks

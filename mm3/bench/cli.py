@@ -9,7 +9,7 @@ the reference from the same tensors (dequantized where ours are quantized), and 
   ar        ms per frame (LM step + 7 depth steps + sampling), steady state, prefill excluded
   dit       ms per step of one window (the CFG pair; ours one batch of 2, the reference two calls)
   vocoder   seconds per minute of audio (one window, both stereo sides)
-  e2e       seconds per minute of audio for a whole song (ours: mm3.pipeline; reference: its AR,
+  e2e       seconds per minute of audio for a whole song (ours: mm3.song.pipeline; reference: its AR,
             denoise and decode blocks driven with the same prompt ids); with --stream, ours alone with
             the windows handed on as they are decoded: seconds to the first audio and to the whole song
 
@@ -57,7 +57,7 @@ def _direct(name: str, device: torch.device, asked: bool = False) -> bool:
 
 
 def _kernel_mode() -> str:
-    from ..gguf import kernels
+    from ..backends.gpu import kernels
 
     return kernels.mode()
 
@@ -83,7 +83,7 @@ def _check_room(name: str, ckpt_cfgs: dict, lm_cfg: dict, device: torch.device, 
     if free < need:
         raise SystemExit(f"config real needs about {need / 2**30:.0f} GiB of free GPU memory, {device} has "
                          f"{free / 2**30:.0f} GiB")
-    from ..device import free_bytes
+    from ..backends.device import free_bytes
 
     ram, lm_ram = free_bytes(torch.device("cpu")), param_bytes({}, lm_cfg, 6)  # f32 draws + bf16 copy
     if ram is not None and ram < lm_ram:
@@ -126,13 +126,13 @@ def run(args) -> dict:
     finally:
         torch.set_num_threads(threads)
         if getattr(args, "kernels", None):
-            from ..gguf import kernels
+            from ..backends.gpu import kernels
 
             kernels.configure()
 
 
 def _run(args) -> dict:
-    from ..device import pick_device, pick_dtype
+    from ..backends.device import pick_device, pick_dtype
 
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
@@ -161,7 +161,7 @@ def _run(args) -> dict:
     _check_room(args.config, {k: {**DIFFUSERS_DEFAULTS[k], **c[k]} for k in COMPONENTS}, lm_cfg, device,
                 Path(args.work or tempfile.gettempdir()), quant, stages, args.direct)
     if args.kernels:  # before any model is placed: the form a weight takes on the device follows it
-        from ..gguf import kernels
+        from ..backends.gpu import kernels
 
         kernels.configure(args.kernels)
     root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="mm3-bench-"))
@@ -266,7 +266,7 @@ def summary(report: dict) -> str:
                          f"{100 * r['weight_bandwidth_share']:.1f} % of a 1 GiB copy's {r['machine_copy_gb_per_s']:.1f} GB/s")
         if stage == "dit" and r.get("compute_dtype", report["dtype"]) != report["dtype"]:
             same = r.get(f"ours_{report['dtype']}_ms_per_step")
-            lines.append(f"           ours computes the DiT in {r['compute_dtype']} (mm3.cpu_bf16)"
+            lines.append(f"           ours computes the DiT in {r['compute_dtype']} (mm3.backends.cpu.bf16)"
                          + ("" if same is None else f"; in {report['dtype']} {fmt(same)} ms/step"))
     roof = report.get("roofline")
     if roof:

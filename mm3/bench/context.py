@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..opener import open_component
+from ..files.opener import open_component
 
 class Context:
     def __init__(self, ckpt, device: torch.device, dtype: torch.dtype, have_reference: bool, repeat: int, seed: int):
@@ -44,7 +44,7 @@ class Context:
         return self._ours[key]
 
     def prompt(self):
-        from ..prompt import build_prompt
+        from ..plan.prompt import build_prompt
         from ..tokenizer import MM3Tokenizer
         from .checkpoints import CAPTION, LYRICS
 

@@ -3,7 +3,7 @@
     python -m mm3.bench.dequant [--mib 64] [--threads 1] [--device cpu] [--types Q8_0,Q4_K] [--json]
 
 For each type it builds random blocks (finite f16 scales) whose float32 expansion is `--mib` MiB,
-times `mm3.gguf.quants.dequantize` (median of `--repeat` runs; allocating its output, and again
+times `mm3.formats.gguf.quants.dequantize` (median of `--repeat` runs; allocating its output, and again
 writing into a reused `out=` buffer) and gguf-py's `gguf.quants.dequantize` on the same bytes,
 checks the two agree bit for bit, and reports GB/s of float32 output written ("speedup" compares
 the allocating torch call with numpy, which also allocates). F32 is left out: it dequantizes to a
@@ -23,8 +23,8 @@ import gguf
 import numpy as np
 import torch
 
-from ..cpu_choice import processor
-from ..gguf.quants import SCALE_OFFSETS, SUPPORTED_TYPES, dequantize
+from ..backends.cpu.choice import processor
+from ..formats.gguf.quants import SCALE_OFFSETS, SUPPORTED_TYPES, dequantize
 
 QT = gguf.GGMLQuantizationType
 ROW = 4096  # values per row of the benchmark tensors (a multiple of every block size)

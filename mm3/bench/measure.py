@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..cpu_choice import processor
+from ..backends.cpu.choice import processor
 
 MIB = 1 << 20
 
@@ -150,8 +150,8 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> fl
 
 def read_bytes(module: torch.nn.Module) -> int:
     """Bytes of weights one forward of `module` reads: each slot's kept float copy where one is
-    kept (`mm3.gguf.weight_copies`), else the slot as held (blocks or device layout)."""
-    from ..gguf.ops import WeightSlots
+    kept (`mm3.weights.copies`), else the slot as held (blocks or device layout)."""
+    from ..weights.layers import WeightSlots
 
     total = 0
     for sub in module.modules():

@@ -1,6 +1,6 @@
 """Where our AR frame goes: a few eager frames under torch's profiler (`bench --profile N`).
 
-The frames run one after another on scratch state (`mm3.ar.ScratchFrames`, the prompt prefilled
+The frames run one after another on scratch state (`mm3.plan.ar.ScratchFrames`, the prompt prefilled
 before the profile starts), eagerly: on CUDA without graphs, so every kernel is seen with its own
 time on the device. Reported per frame: the wall time under the profiler, the operations (or, on
 CUDA, kernels) that took the most time, and the sum of all of them. On the CPU the profiler's own
@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from ..ar import PlanSettings, ScratchFrames
-from ..numerics import Numerics
-from ..stages import set_ar_numerics
+from ..plan.ar import PlanSettings, ScratchFrames
+from ..song.numerics import Numerics
+from ..song.stages import set_ar_numerics
 from .measure import sync
 
 TOP = 20  # entries kept

@@ -22,8 +22,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..components import BY_FOLDER
-from ..gguf.quants import SCALE_OFFSETS, dequantize
-from ..gguf.writer import Writer, write_streaming
+from ..formats.gguf.quants import SCALE_OFFSETS, dequantize
+from ..formats.gguf.writer import Writer, write_streaming
 from ..formats.diffusers import tokenizer_arrays
 from ..tools.convert import COMPONENTS, component_metadata, expected_tensors
 from ..tools.quantize import MIXES, QUANTIZATION_VERSION, choose_type

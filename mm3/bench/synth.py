@@ -11,13 +11,13 @@ import time
 
 import torch
 
-from ..flow import WINDOW_FRAMES
+from ..synth.flow import WINDOW_FRAMES
 from ..progress import Progress
 from .context import Context
 from .measure import PeakMemory, best_of, ratio, read_bytes, sync
 from .reference import run_song
 
-LATENT_WINDOW_FRAMES = 200  # a full DiT window (mm3.flow.WINDOW_FRAMES): 689 latents at the released rates
+LATENT_WINDOW_FRAMES = 200  # a full DiT window (mm3.synth.flow.WINDOW_FRAMES): 689 latents at the released rates
 
 
 def _window_inputs(ctx: Context):
@@ -36,17 +36,17 @@ def _window_inputs(ctx: Context):
 
 @torch.no_grad()
 def measure_dit(ctx: Context) -> dict:
-    """ms per DiT step of one full window (the CFG pair). "ours" is what mm3.flow.sample_latents
+    """ms per DiT step of one full window (the CFG pair). "ours" is what mm3.synth.flow.sample_latents
     runs by default (weights kept dequantized within the budget, oneDNN products on the CPU, the
-    forward in bfloat16 where `mm3.cpu_bf16` picks it), timed in turns with the reference;
+    forward in bfloat16 where `mm3.backends.cpu.bf16` picks it), timed in turns with the reference;
     "ours_mkl" the same with torch's default CPU GEMM (where the forward is in the bench's dtype);
     in passes of their own before those, "ours_per_step_dequant" in the bench's dtype with no
     weight copies and "ours_<dtype>" in the bench's dtype with its own copies, where the forward's
     dtype differs."""
-    from ..cpu_bf16 import dit_dtype
-    from ..device import dit_weight_budget
-    from ..gguf.weight_copies import cache_dequantized, release_dequantized
-    from ..matmul import onednn_matmul, pays_for
+    from ..backends.cpu.bf16 import dit_dtype
+    from ..backends.device import dit_weight_budget
+    from ..weights.copies import cache_dequantized, release_dequantized
+    from ..backends.cpu.matmul import onednn_matmul, pays_for
 
     dit = ctx.ours("dit")
     x, t, cond = _window_inputs(ctx)
@@ -124,7 +124,7 @@ def dit_flops(dit, latents: int, batch: int = 2) -> int:
     """Floating-point operations of one DiT forward of `batch` windows of `latents` (the CFG pair):
     every linear product over the tokens (the latents and the time token) and the attention's two
     products per block."""
-    from ..gguf.ops import Linear
+    from ..weights.layers import Linear
 
     tokens = batch * (latents + 1)
     linear = sum(2 * tokens * m.in_features * m.out_features for m in dit.modules() if isinstance(m, Linear))
@@ -171,20 +171,20 @@ def measure_vocoder(ctx: Context) -> dict:
 
 
 def measure_e2e(ctx: Context, seconds: float, steps: int, stream: bool = False) -> dict:
-    """A whole song of `seconds`: ours through mm3.pipeline (plan, replay, DiT, vocoder), the
+    """A whole song of `seconds`: ours through mm3.song.pipeline (plan, replay, DiT, vocoder), the
     reference through its AR, denoise and decode blocks on the same prompt ids and seeds. `stream`:
     ours with each window handed on as it is decoded (planning and synthesis overlapped where
     `Pipeline.can_overlap`), timing the first window's audio against the whole song; no reference
     run (it has no stream to compare with)."""
-    from ..pipeline import Pipeline
-    from ..request import MM3Request
+    from ..song.pipeline import Pipeline
+    from ..song.request import MM3Request
     from .checkpoints import CAPTION, LYRICS
 
     pipe = Pipeline(ctx.ckpt.models, device=ctx.device, keep_loaded=True,
                     dtype=str(ctx.dtype).removeprefix("torch.") if ctx.dtype_named else None)
     request = MM3Request(caption=CAPTION, lyrics=LYRICS, duration=seconds, steps=steps, seed=ctx.seed,
                          lm_seed=ctx.seed, output_format="wav32")
-    from ..gguf.weight_copies import compressed_nbytes
+    from ..weights.copies import compressed_nbytes
 
     weights = sum(compressed_nbytes(pipe.store.model(kind)) for kind in ("lm", "depth", "cond", "dit", "vae"))
     # (loading is not part of the timed run)
@@ -238,7 +238,7 @@ def measure_e2e(ctx: Context, seconds: float, steps: int, stream: bool = False) 
 
 def _reference_song(ctx: Context, ids: torch.Tensor, seconds: float, steps: int):
     """The reference's three stages as its pipeline chains them: (audio [1, 2, T], seconds per stage)."""
-    from ..sampling import make_generator
+    from ..plan.sampling import make_generator
 
     comps = {n: ctx.reference(n) for n in ("language_model", "rvq_depth_decoder", "condition_encoder",
                                            "transformer", "vocoder", "scheduler")}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..filecache import FileCache
-from ..gguf.errors import ComponentError
+from ..formats.gguf.errors import ComponentError
 from . import comfy, hotstep
 from .mapped import MappedFile
 from .source import Source, file_format

@@ -16,7 +16,7 @@ import re
 import torch
 
 from ..formats.diffusers import rename_dav_key, tokenizer_arrays
-from ..gguf.errors import ComponentError
+from ..formats.gguf.errors import ComponentError
 from . import mapped as M
 from .source import Source
 

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from ..gguf.errors import ComponentError
+from ..formats.gguf.errors import ComponentError
 from . import mapped as M
 from .source import Source
 
@@ -78,7 +78,7 @@ def _lm(src: Source):
     for i in range(layers):
         plans += [M.same(src, f"model.layers.{i}.{ours}.weight", f"blk.{i}.{theirs}.weight")
                   for theirs, ours in names.items()]
-    cfg = src.metadata.get("mm3.ar.cfg_scale")
+    cfg = src.metadata.get("mm3.plan.ar.cfg_scale")
     if isinstance(cfg, float) and cfg > 0:
         config["trained_lm_cfg"] = _f32(cfg)  # the guidance the file was made for (1.0: a distilled composer LM)
     metadata = {"mm3.config_json": json.dumps(config), "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens}

@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..gguf.errors import ComponentError, GGUFFormatError
-from ..gguf.reader import CompressedTensor, compressed_from_torch
+from ..formats.gguf.errors import ComponentError, GGUFFormatError
+from ..formats.gguf.reader import CompressedTensor, compressed_from_torch
 from .source import Source, TensorInfo, aligned
 
 

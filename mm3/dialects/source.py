@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from ..gguf.errors import GGUFFormatError
-from ..gguf.reader import GGUF_MAGIC, CompressedTensor, GGUFFile
+from ..formats.gguf.errors import GGUFFormatError
+from ..formats.gguf.reader import GGUF_MAGIC, CompressedTensor, GGUFFile
 
 SAFETENSORS_FLOATS = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16,
                       "BF16": GGMLQuantizationType.BF16}

@@ -25,7 +25,7 @@ import torch
 from ..bounded import BoundError, loads, read_bytes
 from ..errors import InputError
 from ..filecache import FileCache
-from ..fingerprint import file_fingerprint
+from ..formats.fingerprint import file_fingerprint
 from ..formats.safetensors_raw import file_entries, read_metadata
 from .keys import Target, group_of, split_key, target_of
 

@@ -1,5 +1,5 @@
 """Adapters set on a built LM or DiT: each layer an adapter changes gets its low-rank terms
-(`mm3.gguf.products.LowRank`), which its product carries beside the weight.
+(`mm3.backends.products.LowRank`), which its product carries beside the weight.
 
 `attach(model, kind, applied)` makes the model's adapters exactly `applied` (none: every layer
 back to its plain product, bit for bit): the command line sets them per request, the ComfyUI nodes
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ..gguf.ops import Linear
-from ..gguf.products import LowRank
+from ..weights.layers import Linear
+from ..backends.products import LowRank
 from .adapter import Adapter, AdapterError, Module
 from .keys import NAMES
 from .use import LoraUse

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..fingerprint import file_fingerprint
+from ..formats.fingerprint import file_fingerprint
 from .adapter import SUFFIX
 
 

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..fingerprint import is_fingerprint
+from ..formats.fingerprint import is_fingerprint
 from .keys import GROUPS, KINDS, NAMES, group_of
 
 ENTRY_KEYS = ("file", "fingerprint", "component", "strength", "groups")

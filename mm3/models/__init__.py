@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..components import DESCRIPTIONS, Component, check_loadable
-from ..gguf.errors import ComponentError, GGUFFormatError
+from ..formats.gguf.errors import ComponentError, GGUFFormatError
 
 
 def _loader(kind: str):

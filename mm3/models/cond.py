@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..gguf import ops as default_ops
-from ..gguf.errors import ComponentError
-from ..gguf.ops import WeightSlots, load_tensors
+from ..weights import layers as default_ops
+from ..formats.gguf.errors import ComponentError
+from ..weights.layers import WeightSlots, load_tensors
 
 
 def latent_length(num_frames: int, hp: dict) -> int:

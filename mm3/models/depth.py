@@ -16,9 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gguf import cpu_forms, cpu_steps, products
-from ..gguf import ops as default_ops
-from ..gguf.ops import Fused, load_tensors
+from ..backends.cpu import forms as cpu_forms, steps as cpu_steps
+from ..backends import products
+from ..weights import layers as default_ops
+from ..weights.layers import Fused, load_tensors
 from .lm import rms_norm, set_numerics
 
 NORM_EPS = 1e-6  # diffusers RMSNorm(eps=1e-6) in the depth decoder

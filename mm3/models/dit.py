@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gguf import ops as default_ops
-from ..gguf.ops import WeightSlots, load_tensors
+from ..weights import layers as default_ops
+from ..weights.layers import WeightSlots, load_tensors
 
 ROPE_THETA = 10000.0  # MiniMaxMusic3RotaryEmbedding default (diffusers 0.42.1)
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm default, used by the reference blocks

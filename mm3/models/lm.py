@@ -16,10 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gguf import cpu_forms, cpu_steps, products
-from ..gguf import ops as default_ops
-from ..gguf.errors import ComponentError
-from ..gguf.ops import Fused, Linear, fused_layers, load_tensors
+from ..backends.cpu import forms as cpu_forms, steps as cpu_steps
+from ..backends import products
+from ..weights import layers as default_ops
+from ..formats.gguf.errors import ComponentError
+from ..weights.layers import Fused, Linear, fused_layers, load_tensors
 
 NUMERICS = ("fast", "reference")
 
@@ -63,7 +64,7 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
 
 
 def activation_bytes(cfg: dict, prompt_tokens: int, frames: int, rows: int, elem: int) -> int:
-    """Bytes beyond the weights for `rows` sequences (`mm3.ar.rows_per_song` per song) of a prompt
+    """Bytes beyond the weights for `rows` sequences (`mm3.plan.ar.rows_per_song` per song) of a prompt
     and `frames` more positions, `elem` bytes a value: the KV cache plus the prefill's widest
     activation (float32, a few temporaries deep)."""
     length = prompt_tokens + frames + 1

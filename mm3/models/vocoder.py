@@ -15,9 +15,9 @@ import threading
 import torch
 import torch.nn as nn
 
-from ..gguf import ops as default_ops
-from ..gguf.errors import ComponentError
-from ..gguf.ops import WeightSlots, load_tensors
+from ..weights import layers as default_ops
+from ..formats.gguf.errors import ComponentError
+from ..weights.layers import WeightSlots, load_tensors
 
 SNAKE_EPS = 1e-9  # MiniMaxMusic3Snake1d (diffusers 0.42.1)
 DILATIONS = (1, 3, 9)  # residual units of every block, decoder and encoder alike

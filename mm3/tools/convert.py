@@ -23,7 +23,7 @@ import torch
 from ..components import BY_FOLDER
 from ..formats.diffusers import DIFFUSERS_DEFAULTS, U32_KEYS, rename_dav_key, tokenizer_arrays
 from ..formats.safetensors_raw import TensorEntry, load_entries
-from ..gguf.writer import Writer, write_streaming
+from ..formats.gguf.writer import Writer, write_streaming
 
 logger = logging.getLogger(__name__)
 

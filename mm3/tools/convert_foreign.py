@@ -23,11 +23,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..components import ARCH_OF, COMPONENTS, DESCRIPTIONS, KINDS
 from ..dialects import describe
 from ..formats.diffusers import U32_KEYS
-from ..gguf.errors import ComponentError
-from ..gguf.reader import CompressedTensor
-from ..gguf.writer import Writer, write_streaming
-from ..opener import open_component
-from ..registry import MODEL_SUFFIXES
+from ..formats.gguf.errors import ComponentError
+from ..formats.gguf.reader import CompressedTensor
+from ..formats.gguf.writer import Writer, write_streaming
+from ..files.opener import open_component
+from ..files.registry import MODEL_SUFFIXES
 
 logger = logging.getLogger(__name__)
 

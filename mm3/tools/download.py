@@ -288,7 +288,7 @@ def download_set(set_name: str, folder, *, endpoint: str | None = None, repo: st
     Hugging Face cache to take files from (None: the default; False: do not look). `progress(name,
     done, total)` reports bytes; `should_stop()` True stops with `Cancelled`, keeping the .part.
     `replace`: names fetched again even when a file of the published size has them (one that
-    cannot be used: `mm3.inventory` says which)."""
+    cannot be used: `mm3.files.inventory` says which)."""
     names = file_names(set_name)
     hub = _hub()
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or hub.constants.ENDPOINT).rstrip("/")
@@ -343,7 +343,7 @@ def download_set(set_name: str, folder, *, endpoint: str | None = None, repo: st
 
 
 def run(args) -> int:
-    from ..inventory import scan
+    from ..files.inventory import scan
 
     paths = download_set(args.set, args.dir, endpoint=args.endpoint, revision=args.revision, token=args.token,
                          log=lambda m: print(m, file=sys.stderr),

@@ -16,7 +16,7 @@ from ..lora.attach import Applied
 from ..lora.health import WARN_ABOVE, group_changes, warnings_of
 from ..lora.keys import NAMES
 from ..lora.use import LoraUse
-from ..opener import kinds_of, open_component
+from ..files.opener import kinds_of, open_component
 
 
 def describe(path: str) -> list[dict]:

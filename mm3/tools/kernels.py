@@ -2,7 +2,7 @@
 
 Needs Triton (its bundled compilers), not a GPU. Per kernel (family, weight type, decode or
 prefill): the share of the weight's bytes loaded by each load width, registers, spills, shared
-memory, and the grid and waves it gets at the released sizes (`mm3.gguf.kernel_report`).
+memory, and the grid and waves it gets at the released sizes (`mm3.backends.gpu.kernel_report`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ..formats.diffusers import DIFFUSERS_DEFAULTS
 from .tiny import RELEASED_LM_CONFIG
 
 FAMILIES = ("triton", "layout")
-PREFILL_ROWS_PER_WINDOW = 689  # latents of a 200-frame DiT window at the released rates (mm3.audio)
+PREFILL_ROWS_PER_WINDOW = 689  # latents of a 200-frame DiT window at the released rates (mm3.synth.audio)
 
 
 def released_launches():
@@ -25,7 +25,7 @@ def released_launches():
     song's AR frame (the CFG pair: 2 rows) through the LM (fused q/k/v and gate/up, as the fast
     numerics run them), its head's candidate rows and the depth decoder; prefill is a DiT window
     (the CFG pair of a window's latents)."""
-    from ..gguf.kernel_report import Launch
+    from ..backends.gpu.kernel_report import Launch
 
     lm, depth, dit = RELEASED_LM_CONFIG, DIFFUSERS_DEFAULTS["rvq_depth_decoder"], DIFFUSERS_DEFAULTS["transformer"]
     h, hd = lm["hidden_size"], lm["head_dim"]
@@ -52,11 +52,11 @@ def specs(families=FAMILIES, weight_types=None, shapes=None) -> list:
     decode, prefill = released_launches()
     out = []
     if "triton" in families:
-        from ..gguf import kernels
+        from ..backends.gpu import kernels
 
         out += kernels.report_specs(decode, prefill)
     if "layout" in families:
-        from ..gguf import layout_kernels
+        from ..backends.gpu import layout_kernels
 
         out += layout_kernels.report_specs(decode, prefill)
     return [s for s in out if (weight_types is None or s.weight_type in weight_types)
@@ -79,14 +79,14 @@ def report(arch: int, families=FAMILIES, weight_types=None, shapes=None) -> list
         if done.returncode != 0:
             raise RuntimeError(f"the kernel report for sm_{arch} failed: {done.stderr[-3000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
-    from ..gguf.kernel_report import report as compile_report
+    from ..backends.gpu.kernel_report import report as compile_report
 
     return compile_report(specs(families, weight_types, shapes), arch)
 
 
 def _cli(args) -> int:
     from ..errors import InputError
-    from ..gguf.kernel_report import ARCH_SMS, table
+    from ..backends.gpu.kernel_report import ARCH_SMS, table
 
     if not args.report:
         raise InputError("kernels: nothing to do; pass --report")

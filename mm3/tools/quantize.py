@@ -20,10 +20,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..components import ARCHITECTURES, DESCRIPTIONS
-from ..gguf.errors import ComponentError
-from ..gguf.ops import FLOAT_TYPES
-from ..gguf.reader import GGUFFile
-from ..gguf.writer import Writer, copy_metadata, write_streaming
+from ..formats.gguf.errors import ComponentError
+from ..weights.layers import FLOAT_TYPES
+from ..formats.gguf.reader import GGUFFile
+from ..formats.gguf.writer import Writer, copy_metadata, write_streaming
 
 Q = GGMLQuantizationType
 
@@ -115,7 +115,7 @@ def _encode(t, qtype: GGMLQuantizationType) -> np.ndarray:
     values = t.dequantize(torch.float32).numpy()
     if qtype == Q.F32:
         return values.reshape(-1).view(np.uint8)
-    from ..gguf.encode import quantize
+    from ..formats.gguf.encode import quantize
 
     return quantize(values, qtype).reshape(-1)
 
@@ -140,7 +140,7 @@ def quantize_file(src_path, dst_path, mix: str, *, progress=None, overwrite: boo
         if already:
             raise ComponentError(
                 f"{src_path} is already quantized ({', '.join(already)}); quantize from the native file")
-        from ..gguf.encode import WRITABLE_TYPES
+        from ..formats.gguf.encode import WRITABLE_TYPES
 
         block_count = src.metadata.get(f"{src.architecture}.block_count", 0)
         block_count = block_count if isinstance(block_count, int) else 0

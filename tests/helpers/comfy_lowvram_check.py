@@ -5,7 +5,7 @@ so the check drives the same calls `load_models_gpu` makes in those modes (`mode
 byte budget: a fraction of the model for --lowvram, 0.1 for --novram; `model_unload` with bytes
 to free, then in full) with the `meta` device standing in for the GPU: any op that mixed the CPU
 weights ComfyUI left behind with device tensors would raise. ComfyUI's own ModelPatcher code moves
-the weights. With the LM partly resident, one AR frame runs through `mm3.ar.FrameSampler.step`,
+the weights. With the LM partly resident, one AR frame runs through `mm3.plan.ar.FrameSampler.step`,
 the function the command line's pipeline runs for every frame (it is counted in both). Prints one
 JSON line of findings.
 
@@ -41,11 +41,11 @@ def check(comfy_path: str, models_dir: str) -> dict:
     spec.loader.exec_module(pack)
     cm = importlib.import_module("mm3pack.nodes.comfy_models")
     handles = importlib.import_module("mm3pack.nodes.handles")
-    from mm3 import ar
-    from mm3.ar import PlanSettings
-    from mm3.gguf.reader import read_architecture
-    from mm3.pipeline import Pipeline
-    from mm3.request import MM3Request
+    from mm3.plan import ar
+    from mm3.plan.ar import PlanSettings
+    from mm3.formats.gguf.reader import read_architecture
+    from mm3.song.pipeline import Pipeline
+    from mm3.song.request import MM3Request
 
     steps = {"count": 0}
     real_step = ar.FrameSampler.step

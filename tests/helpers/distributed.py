@@ -85,7 +85,7 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-        from mm3.gguf import read_architecture
+        from mm3.formats.gguf import read_architecture
 
         files = {read_architecture(self.models / n): n for n in self.master.model_names}
         for s in self.servers:

@@ -281,7 +281,7 @@ def _hotstep_lm(root: Path, w, lm_cfg: float = 1.5) -> dict[str, torch.Tensor]:
     w.add_uint32(q + "vocab_size", vocab)
     w.add_uint32("mm3.semantic_vocab_offset", offset)
     w.add_uint32("mm3.semantic_vocab_size", 16384)
-    w.add_float32("mm3.ar.cfg_scale", lm_cfg)
+    w.add_float32("mm3.plan.ar.cfg_scale", lm_cfg)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "qwen2")
     names = tokens + [f"<|audio_code_{i - offset}|>" if i < offset + 16384 else f"[PAD{i}]" for i in range(offset, vocab)]

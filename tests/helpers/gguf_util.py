@@ -9,8 +9,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from mm3.gguf.reader import GGUFFile
-from mm3.gguf.writer import Writer, copy_metadata
+from mm3.formats.gguf.reader import GGUFFile
+from mm3.formats.gguf.writer import Writer, copy_metadata
 
 
 def add_kv(w, key, value):

@@ -1,0 +1,274 @@
+"""Products over the device layout: `linear(x, planes, qtype, k, bias)` = x @ W.T (+ bias), W held
+as `mm3.backends.gpu.device_layout` planes (or, for F16/BF16/F32 weights, as the float tensor itself).
+
+Decode-shaped inputs (up to `GEMV_MAX_ROWS` rows) go to `layout_triton.gemv_kernel`: groups of up
+to 4 input rows, `Config.block_n` weight rows and `Config.block_c` chunks (256 values) per program,
+K split over programs until the grid has `TARGET_WAVES` programs per multiprocessor (partial sums
+then added in a fixed order, so results do not depend on timing). Wider inputs (a prefill, the DiT)
+go to `layout_triton.gemm_kernel`. `MM3_KERNELS` and the product choice live in
+`mm3.backends.products`; `works` checks a kernel once per (type, dtype, device) before a layer uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from . import device_layout as dl
+from .kernels import CODES, FLOAT_DTYPES as FLOATS  # the kernels' type codes, shared
+from .kernels import indexed_device
+
+GEMV_MAX_ROWS = 16  # beyond: the tiled GEMM
+TARGET_WAVES = 4  # decode programs per multiprocessor the K split aims for
+REFERENCE_SMS = 132  # the grid's target when the device cannot say (an H100 / H200)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A kernel's tiles: weight rows and chunks per program, warps, and for the GEMM input rows."""
+
+    block_n: int
+    block_c: int
+    num_warps: int
+    block_m: int = 0
+    num_stages: int = 3
+
+
+# Tiles chosen from the static report (`python -m mm3 kernels --report`): no spills, no layout
+# conversions (a decode tile of 4 rows x 8 chunks over 2 warps puts 4 words of every plane in each
+# thread), 16-byte loads of every weight byte.
+DECODE = Config(block_n=4, block_c=8, num_warps=2)
+PREFILL = Config(block_n=64, block_c=1, num_warps=4, block_m=64)
+PREFILL_F32 = Config(block_n=32, block_c=1, num_warps=4, block_m=32)  # float32 inputs: FMA products
+# Under Triton's interpreter (tests on the CPU) a program costs the same whatever its tile: wide
+# tiles, few programs. The arithmetic of each output is the same.
+INTERPRETED = (Config(block_n=64, block_c=8, num_warps=2), Config(block_n=64, block_c=1, num_warps=4, block_m=64))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def chunks_of(k: int) -> int:
+    return -(-k // dl.CHUNK)
+
+
+def decode_tiles(k: int, config: Config | None = None) -> int:
+    """Chunks per decode tile: the configured count or the largest power of two below it that
+    divides the row's chunks (a tile never runs past a row, so no chunk needs a mask)."""
+    chunks, c = chunks_of(k), (config or DECODE).block_c
+    while chunks % c:
+        c //= 2
+    return c
+
+
+def decode_grid(m: int, n: int, k: int, sms: int, config: Config | None = None) -> tuple[int, int, int, int, int]:
+    """(block_m, block_c, row groups, weight-row tiles, K splits) of a decode product: K is split
+    (in whole tiles) until the grid holds TARGET_WAVES programs per multiprocessor or every split
+    has one tile."""
+    config = config or DECODE
+    block_m = 1 if m == 1 else 2 if m == 2 else 4
+    block_c = decode_tiles(k, config)
+    groups, tiles = -(-m // block_m), -(-n // config.block_n)
+    k_tiles = chunks_of(k) // block_c
+    splits = 1
+    while groups * tiles * splits < TARGET_WAVES * sms and splits * 2 <= k_tiles:
+        splits *= 2
+    return block_m, block_c, groups, tiles, splits
+
+
+_SMS: dict = {}
+
+
+def multiprocessors(device: torch.device) -> int:
+    if device not in _SMS:
+        try:
+            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        except Exception:  # the interpreter, or a device torch cannot describe
+            _SMS[device] = REFERENCE_SMS
+    return _SMS[device]
+
+
+def planes(weight: torch.Tensor, qtype: QT, k: int) -> tuple:
+    """(q, qh, s, s2) kernel arguments: the layout's planes as int32 [rows, words] views (unused
+    ones repeat q), or the float weight itself."""
+    if qtype in FLOATS:
+        return weight, weight, weight, weight
+    lay = dl.layout_of(qtype, k)
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != lay.row_bytes:
+        raise ValueError(f"a {qtype.name} layout of rows of {k} values is [n, {lay.row_bytes}] uint8, got "
+                         f"{weight.dtype} {list(weight.shape)}")
+    q = lay.plane(weight, "q")
+    get = lambda name: lay.plane(weight, name) if name in lay.offsets else q  # noqa: E731
+    if qtype == QT.Q6_K:
+        return q, get("qh"), get("sc"), get("d")
+    if qtype in (QT.Q4_K, QT.Q5_K):
+        return q, get("qh"), get("hdr"), q
+    return q, get("qh"), get("d"), get("m")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, bias: torch.Tensor | None = None,
+           config: Config | None = None) -> torch.Tensor:
+    """x [..., k] @ W.T (+ bias) -> [..., n] in x's dtype; W as the layout [n, row_bytes] uint8
+    (a float tensor [n, k] for F16/BF16/F32) on x's device."""
+    import triton
+
+    from .layout_triton import gemm_kernel, gemv_kernel, split_sum_kernel
+
+    if x.shape[-1] != k:
+        raise ValueError(f"inputs of {x.shape[-1]} values for a weight with rows of {k}")
+    q, qh, s, s2 = planes(weight, qtype, k)
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if not (m and n):
+        return y.view(*x.shape[:-1], n)
+    code, chunks = CODES[qtype], chunks_of(k)
+    strides = (q.stride(0), qh.stride(0), s.stride(0), s2.stride(0))
+    b = bias if bias is not None else y
+    if m <= GEMV_MAX_ROWS:
+        config = config or (INTERPRETED[0] if _interpreted() else DECODE)
+        block_m, block_c, groups, tiles, splits = decode_grid(m, n, k, multiprocessors(x.device), config)
+        split_chunks = -(-chunks // (splits * block_c)) * block_c
+        splits = -(-chunks // split_chunks)
+        out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        gemv_kernel[(groups, tiles, splits)](
+            x2, q, qh, s, s2, b, out, m, n, k, x2.stride(0), y.stride(0), *strides, chunks, split_chunks,
+            QTYPE=code, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
+            BLOCK_C=block_c, num_warps=config.num_warps)
+        if splits > 1:
+            block = 1024
+            split_sum_kernel[(triton.cdiv(m * n, block),)](out, b, y, m, n, y.stride(0), splits,
+                                                            HAS_BIAS=bias is not None, BLOCK=block)
+    else:
+        config = config or (INTERPRETED[1] if _interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
+        grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
+        gemm_kernel[grid](x2, q, qh, s, s2, b, y, m, n, k, x2.stride(0), y.stride(0), *strides, chunks,
+                          QTYPE=code, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                          BLOCK_C=config.block_c, num_warps=config.num_warps, num_stages=config.num_stages)
+    return y.view(*x.shape[:-1], n)
+
+
+def supports(qtype: QT, in_features: int) -> bool:
+    """Whether these kernels read weights of `qtype` with rows of `in_features` values."""
+    if qtype in FLOATS:
+        return True
+    if qtype not in dl.LAYOUT_TYPES:
+        return False
+    try:
+        dl.layout_of(qtype, in_features)
+    except ValueError:
+        return False
+    return True
+
+
+_WORKS: dict[tuple, bool] = {}
+
+
+def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the layout kernels for this type and input dtype compile on `device` and agree with
+    the torch dequantization on a small product (decode and prefill shapes), checked once per
+    process; a kernel that fails is left out with a warning."""
+    device = indexed_device(device)
+    key = (qtype, dtype, device)
+    if key not in _WORKS:
+        _WORKS[key] = _check(qtype, dtype, device)
+    return _WORKS[key]
+
+
+def _check(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
+    from ...formats.gguf.quants import dequantize, random_blocks
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 40, 512
+    if qtype in FLOATS:
+        weight = torch.randn(n, k, generator=g).to(FLOATS[qtype])
+        values = weight.float()
+    else:
+        raw = random_blocks(qtype, n, k, generator=g)
+        values = dequantize(raw, qtype, (n, k))
+        weight = dl.to_planes(raw, qtype, k)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    try:
+        for rows in (2, GEMV_MAX_ROWS + 1):
+            x = torch.randn(rows, k, generator=g)
+            want = x.to(dtype).double() @ values.to(dtype).double().T
+            got = linear(x.to(device, dtype), weight.to(device), qtype, k).double().cpu()
+            error = float((got - want).norm() / want.norm())
+            if not error < tolerance:
+                warnings.warn(f"the layout {qtype.name} kernel computes wrongly on {device} for {dtype} inputs "
+                              f"({rows} rows: relative error {error:.1e}); using another product", stacklevel=3)
+                return False
+    except Exception as e:  # a compiler or driver that cannot build it
+        warnings.warn(f"the layout {qtype.name} kernel cannot run on {device} ({type(e).__name__}: {e}); "
+                      "using another product", stacklevel=3)
+        return False
+    return True
+
+
+_PLANE_TYPES = {qtype: ("*i32",) * 4 for qtype in dl.LAYOUT_TYPES}  # (q, qh, s, s2) pointer types
+_PLANE_TYPES.update({QT.F16: ("*fp16",) * 4, QT.BF16: ("*bf16",) * 4})
+
+
+def report_specs(decode: list, prefill: list) -> list:
+    """The layout kernels as `mm3.backends.gpu.kernel_report` compiles them, with bfloat16 inputs (the CUDA
+    compute dtype; BF16 weights, which bfloat16 compute multiplies with torch, with float32): per
+    weight type the decode kernel for two input rows (the CFG pair) and the prefill kernel, with the
+    arguments the launcher passes at the first product of `decode` / `prefill` (specialised as
+    Triton's JIT does: pointers 16-byte aligned, integers that are multiples of 16)."""
+    from .kernel_report import KernelSpec
+    from .layout_triton import gemm_kernel, gemv_kernel
+
+    specs = []
+    for qtype, plane_types in _PLANE_TYPES.items():
+        x_type = "fp32" if qtype == QT.BF16 else "bf16"
+        for shape, launches in (("decode", decode), ("prefill", prefill)):
+            first = launches[0]
+            k, n, rows = first.k, first.n, first.rows
+            q, qh, s, s2 = planes(_empty_weight(qtype, n, k), qtype, k)
+            ints = {"M": rows, "N": n, "K": k, "x_stride": k, "y_stride": n, "q_stride": q.stride(0),
+                    "qh_stride": qh.stride(0), "s_stride": s.stride(0), "s2_stride": s2.stride(0),
+                    "chunks": chunks_of(k)}
+            pointers = {"x_ptr": "*" + x_type, "q_ptr": plane_types[0], "qh_ptr": plane_types[1],
+                        "s_ptr": plane_types[2], "s2_ptr": plane_types[3], "b_ptr": "*" + x_type,
+                        "y_ptr": "*" + x_type}
+            if shape == "decode":
+                block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
+                ints["split_chunks"] = -(-chunks_of(k) // (splits * block_c)) * block_c
+                fn, config = gemv_kernel, DECODE
+                constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
+                              "BLOCK_N": config.block_n, "BLOCK_C": block_c}
+
+                def programs(launch, sms):
+                    _, _, groups, tiles, splits = decode_grid(launch.rows, launch.n, launch.k, sms)
+                    return groups * tiles * splits
+            else:
+                fn, config = gemm_kernel, PREFILL_F32 if x_type == "fp32" else PREFILL
+                constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "BLOCK_M": config.block_m,
+                              "BLOCK_N": config.block_n, "BLOCK_C": config.block_c}
+
+                def programs(launch, sms, config=config):
+                    return -(-launch.rows // config.block_m) * -(-launch.n // config.block_n)
+            signature = {**pointers, **{a: "i32" for a in ints}, **dict.fromkeys(constexprs, "constexpr")}
+            signature = {a: signature[a] for a in fn.arg_names}
+            aligned = tuple(pointers) + tuple(a for a, v in ints.items() if v % 16 == 0)
+            specs.append(KernelSpec(
+                name=f"layout/{qtype.name}/{shape}", family="layout", weight_type=qtype.name, shape=shape, fn=fn,
+                signature=signature, constexprs=constexprs, aligned=aligned,
+                weight_args=("q_ptr", "qh_ptr", "s_ptr", "s2_ptr"), programs=programs, num_warps=config.num_warps,
+                num_stages=config.num_stages, launches=list(launches)))
+    return specs
+
+
+def _empty_weight(qtype: QT, n: int, k: int) -> torch.Tensor:
+    """A weight's stored form without its data (meta tensors): what `planes` reads the strides from."""
+    if qtype in FLOATS:
+        return torch.empty(n, k, dtype=FLOATS[qtype], device="meta")
+    return torch.empty(n, dl.layout_of(qtype, k).row_bytes, dtype=torch.uint8, device="meta")

@@ -1,0 +1,247 @@
+"""The Triton kernels over the device layout (`mm3.backends.gpu.device_layout`), launched by
+`mm3.backends.gpu.layout_kernels` (imported only where Triton can run).
+
+A program takes a tile of weight rows and chunks (256 values). Every plane of the tile is loaded
+once as an int32 [rows, chunks, 32] tensor, 4 consecutive words per thread, so all of them (and the
+inputs, [1, chunks, 32]) share one register layout: a scale word is picked from the thread's own 4
+words (`_word`), never moved between threads. The tile is then expanded one slice (32 values of
+each chunk) at a time to float32 with the arithmetic of `mm3.formats.gguf.quants` (the same products in the
+same order) and multiplied with the inputs' 32 matching values. `gemv_kernel` (decode: a few input
+rows) accumulates with FMAs in float32 and may split K over programs (partial sums added in a
+fixed order by `split_sum_kernel`); `gemm_kernel` (prefill, the DiT) multiplies input and weight
+tiles with `tl.dot`.
+
+QTYPE codes: 0 float weights, 1 Q8_0, 2 Q4_0, 3 Q4_1, 4 Q5_0, 5 Q5_1, 6 Q4_K, 7 Q5_K, 8 Q6_K.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _word(t, e, R: tl.constexpr, C: tl.constexpr):
+    """Word e (0-3; a scalar or a tensor broadcasting to [1, C, 1, 1]) of each group of 4 lanes of
+    t [R, C, 32]: [R, C, 8] (each thread holds its group's 4 words: no data moves between threads)."""
+    t4 = tl.reshape(t, (R, C, 8, 4))
+    v = tl.arange(0, 4)[None, None, None, :]
+    return tl.sum(tl.where(v == e, t4, 0), axis=3)
+
+
+@triton.jit
+def _lanes(s, R: tl.constexpr, C: tl.constexpr):
+    """[R, C, 8] -> [R, C, 32]: each value for its group's 4 lanes."""
+    return tl.reshape(tl.broadcast_to(s[:, :, :, None], (R, C, 8, 4)), (R, C, 32))
+
+
+@triton.jit
+def _half(w, upper):
+    """The float16 in the low (upper = 0) or high 16 bits of int32 words, as float32."""
+    return ((w >> (16 * upper)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _plane(p, r3, stride, c3, E: tl.constexpr, lane):
+    """Words of a plane with E words per chunk: [R, C, 32], lane j reading word c * E + lane(j)."""
+    return tl.load(p + r3 * stride + c3 * E + lane)
+
+
+@triton.jit
+def _tile(q_ptr, qh_ptr, s_ptr, s2_ptr, rows, cs, q_stride, qh_stride, s_stride, s2_stride,
+          QTYPE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """The planes of rows [R] x chunks [C] a k-tile reads once, each int32 [R, C, 32]:
+    (quant words, second quant words (Q8_0) or fifth / top bits, scales A, scales B)."""
+    j = tl.arange(0, 32)[None, None, :]
+    r3 = rows[:, None, None].to(tl.int64)
+    c3 = cs[None, :, None]
+    wq = tl.zeros((1, 1, 1), tl.int32)
+    wh = tl.zeros((1, 1, 1), tl.int32)
+    sa = tl.zeros((1, 1, 1), tl.int32)
+    sb = tl.zeros((1, 1, 1), tl.int32)
+    if QTYPE == 1:  # Q8_0: slices 0-3, then 4-7
+        wq = _plane(q_ptr, r3, q_stride, c3, 64, j)
+        wh = _plane(q_ptr, r3, q_stride, c3, 64, 32 + j)
+    elif QTYPE >= 2:
+        wq = _plane(q_ptr, r3, q_stride, c3, 32, j)
+    if QTYPE == 4 or QTYPE == 5 or QTYPE == 7:
+        wh = _plane(qh_ptr, r3, qh_stride, c3, 8, 4 * (j // 16) + j % 4)
+    if QTYPE == 8:
+        wh = _plane(qh_ptr, r3, qh_stride, c3, 16, 4 * (j // 8) + j % 4)
+    if QTYPE >= 1:  # d (32-value types), hdr (Q4_K, Q5_K), sc (Q6_K): 4 words per chunk
+        sa = _plane(s_ptr, r3, s_stride, c3, 4, j % 4)
+    if QTYPE == 3 or QTYPE == 5:  # m
+        sb = _plane(s2_ptr, r3, s2_stride, c3, 4, j % 4)
+    if QTYPE == 8:  # d: 4 words per 8 chunks
+        sb = tl.load(s2_ptr + r3 * s2_stride + (c3 // 8) * 4 + j % 4)
+    return wq, wh, sa, sb
+
+
+@triton.jit
+def _byte(w, b):
+    """Signed byte b (0-3) of int32 words."""
+    return (w << (24 - 8 * b)) >> 24
+
+
+@triton.jit
+def _exact(q, offset: tl.constexpr):
+    """float32(q - offset) for 0 <= q < 2 ** 22, exactly, without an int-to-float conversion (a
+    slow instruction): q's bits under the exponent of 2 ** 23, minus 2 ** 23 + offset."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+
+@triton.jit
+def _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE: tl.constexpr, R: tl.constexpr,
+           C: tl.constexpr):
+    """Slice i (values 32 i + j of each chunk) of the tile as float32 [R, C, 32]."""
+    j = tl.arange(0, 32)[None, None, :]
+    if QTYPE == 0:  # float weights [N, K]: columns c * 256 + 32 i + j
+        col = cs[None, :, None] * 256 + 32 * i + j
+        w = tl.load(q_ptr + rows[:, None, None].to(tl.int64) * q_stride + col, mask=col < K, other=0.0)
+        w = w.to(tl.float32)
+    elif QTYPE == 1:  # Q8_0
+        q = _exact(((tl.where(i < 4, wq, wh) >> (8 * (i % 4))) & 255) ^ 128, 128)  # int8 = unsigned ^ 128 - 128
+        w = q * _lanes(_half(_word(sa, i // 2, R, C), i % 2), R, C)
+    elif QTYPE == 6 or QTYPE == 7:  # Q4_K, Q5_K: d * sc * q - dmin * m from the 16-byte header
+        q = (wq >> (4 * i)) & 15
+        if QTYPE == 7:
+            q = q | (((_lanes(_word(wh, i // 2, R, C), R, C) >> (16 * (i % 2) + j % 16)) & 1) << 4)
+        head = _word(sa, 0, R, C)
+        s1, s2, s3 = _word(sa, 1, R, C), _word(sa, 2, R, C), _word(sa, 3, R, C)
+        t = 8 * (i % 4)
+        low = i < 4
+        sc = tl.where(low, (s1 >> t) & 63, ((s3 >> t) & 15) | (((s1 >> (t + 6)) & 3) << 4))
+        mn = tl.where(low, (s2 >> t) & 63, ((s3 >> (t + 4)) & 15) | (((s2 >> (t + 6)) & 3) << 4))
+        f0 = _lanes(_half(head, 0) * sc.to(tl.float32), R, C)
+        f1 = _lanes(_half(head, 1) * mn.to(tl.float32), R, C)
+        w = _exact(q, 0) * f0 - f1
+    elif QTYPE == 8:  # Q6_K: d * the int8 scale of group 2 i + j // 16
+        q = (wq >> (4 * i)) & 15
+        q = q | (((_lanes(_word(wh, i // 2, R, C), R, C) >> (16 * (i % 2) + 2 * (j % 8))) & 3) << 4)
+        scales = _word(sa, i // 2, R, C)
+        d = _half(_word(sb, ((cs % 8) // 2)[None, :, None, None], R, C), (cs % 2)[None, :, None])
+        lo = _lanes(d * _byte(scales, 2 * (i % 2)).to(tl.float32), R, C)
+        hi = _lanes(d * _byte(scales, 2 * (i % 2) + 1).to(tl.float32), R, C)
+        w = _exact(q, 32) * tl.where(j < 16, lo, hi)
+    else:  # Q4_0, Q4_1, Q5_0, Q5_1
+        q = (wq >> (4 * i)) & 15
+        if QTYPE == 4 or QTYPE == 5:
+            q = q | (((_lanes(_word(wh, i // 2, R, C), R, C) >> (16 * (i % 2) + j % 16)) & 1) << 4)
+        d = _lanes(_half(_word(sa, i // 2, R, C), i % 2), R, C)
+        if QTYPE == 2:
+            w = _exact(q, 8) * d
+        elif QTYPE == 4:
+            w = _exact(q, 16) * d
+        else:
+            w = _exact(q, 0) * d + _lanes(_half(_word(sb, i // 2, R, C), i % 2), R, C)
+    return w
+
+
+@triton.jit
+def _x_slice(x_ptr, m, M, x_stride, cs, K, i):
+    """Input row m's values 32 i + j of chunks cs: float32 [1, C, 32] (zeros past K or M)."""
+    col = cs[None, :, None] * 256 + 32 * i + tl.arange(0, 32)[None, None, :]
+    return tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=(col < K) & (m < M), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr,
+                M, N, K, x_stride, y_stride, q_stride, qh_stride, s_stride, s2_stride, chunks, split_chunks,
+                QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y[m, n] = sum_k x[m, k] W[n, k] for BLOCK_M (1, 2 or 4) input rows, BLOCK_N weight rows and
+    the chunks [pid_k * split_chunks, + split_chunks) (whole tiles of BLOCK_C). PARTIAL: the sums
+    go to y_ptr as float32 [splits, M, N] for `split_sum_kernel`."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # clamped: every weight load is in bounds
+    m0 = pid_m * BLOCK_M
+    acc0 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
+    c_lo = pid_k * split_chunks
+    c_hi = tl.minimum(chunks, c_lo + split_chunks)
+    for c0 in range(c_lo, c_hi, BLOCK_C):
+        cs = c0 + tl.arange(0, BLOCK_C)
+        wq, wh, sa, sb = _tile(q_ptr, qh_ptr, s_ptr, s2_ptr, rows, cs, q_stride, qh_stride, s_stride, s2_stride,
+                               QTYPE, BLOCK_N, BLOCK_C)
+        for i in range(8):
+            w = _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
+            acc0 += w * _x_slice(x_ptr, m0, M, x_stride, cs, K, i)
+            if BLOCK_M > 1:
+                acc1 += w * _x_slice(x_ptr, m0 + 1, M, x_stride, cs, K, i)
+            if BLOCK_M > 2:
+                acc2 += w * _x_slice(x_ptr, m0 + 2, M, x_stride, cs, K, i)
+                acc3 += w * _x_slice(x_ptr, m0 + 3, M, x_stride, cs, K, i)
+    n_ok = offs_n < N
+    _store_row(acc0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+    if BLOCK_M > 1:
+        _store_row(acc1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+    if BLOCK_M > 2:
+        _store_row(acc2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+        _store_row(acc3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _store_row(acc, m, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS: tl.constexpr,
+               PARTIAL: tl.constexpr):
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    ok = n_ok & (m < M)
+    if PARTIAL:
+        tl.store(y_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m.to(tl.int64) * y_stride + offs_n, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def split_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, y_stride, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, n] = sum over s in order of part[s, m, n] (+ bias[n]), in y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0)
+    m = offs // N
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * y_stride + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def gemm_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr,
+                M, N, K, x_stride, y_stride, q_stride, qh_stride, s_stride, s2_stride, chunks,
+                QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y [M, N] = x [M, K] @ W.T (+ bias) by tiles: per slice of each chunk tile, a `tl.dot` of
+    the inputs' [BLOCK_M, BLOCK_C * 32] values with the weight's expanded in x's dtype (float32
+    inputs at IEEE precision, no TF32)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)
+    m_ok = offs_m < M
+    flat = tl.arange(0, BLOCK_C * 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c0 in range(0, chunks, BLOCK_C):
+        cs = tl.minimum(c0 + tl.arange(0, BLOCK_C), chunks - 1)  # clamped; their inputs are masked to zero
+        wq, wh, sa, sb = _tile(q_ptr, qh_ptr, s_ptr, s2_ptr, rows, cs, q_stride, qh_stride, s_stride, s2_stride,
+                               QTYPE, BLOCK_N, BLOCK_C)
+        for i in range(8):
+            w = _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
+            col = (c0 + flat // 32) * 256 + 32 * i + flat % 32
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + col[None, :],
+                        mask=m_ok[:, None] & (col[None, :] < K) & (c0 + flat[None, :] // 32 < chunks), other=0.0)
+            wt = tl.reshape(w, (BLOCK_N, BLOCK_C * 32)).to(x.dtype)
+            if x.dtype == tl.float32:
+                acc = tl.dot(x, tl.trans(wt), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(wt), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + offs_m[:, None].to(tl.int64) * y_stride + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < N))

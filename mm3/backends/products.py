@@ -1,0 +1,369 @@
+"""How a layer multiplies: one product strategy per layer, chosen when its weights or numerics change.
+
+A product is a callable `product(x [..., K], bias [N] | None) -> [..., N]` (a list of outputs for a
+`Fused` layer) that serves inputs of one dtype on one device. `choose(layer, dtype, device)`
+picks it from what the layer holds at that moment: a float weight at hand (`FloatWeight`: a kept
+copy or a stored float of that dtype), the Triton kernels over the device layout the weight was
+placed in (`LayoutProduct`, `mm3.backends.gpu.placement`), the Triton kernel reading the GGUF blocks
+(`KernelProduct`), a CPU kernel over the weight packed for it for decode-shaped inputs (the int4
+planes or the native integer kernel: `PackedProduct` within `ByRows`),
+or a dequantization per use (`FloatWeight` over a fresh weight each time; in bfloat16,
+`Bf16Product`, for the inputs of many rows of a layer set to, `Linear.many_rows_bf16`). On the CPU the layer's
+form (`cpu_forms`, measured on the machine by `mm3.backends.cpu.choice`) says which of those serves its
+few-row products and whether a float one is weight-major. The layer keeps the choice until its
+weights are filled or moved, float copies are kept or dropped, adapters are attached, or its
+numerics or form change (`Linear.decode_products`, `Linear.fused_kernels`, `Linear.cpu_form`,
+`Linear.many_rows_bf16`, `Fused.fuse`); forward only calls it.
+
+Adapters (LoRA) attached to a layer (`Linear.low_rank`, a `LowRank`) are a side product beside
+whichever of these serves the weight (`WithLowRank`; a `Fused` layer's over its stacked output),
+so a quantized weight stays quantized; a `LowRank` marked `merge` is added into a float copy of
+the weight instead, as PEFT merges an adapter (the reference's numbers). Without adapters nothing
+wraps the product.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cpu.matmul import DECODE_MAX_ROWS, weight_major_linear
+from .cpu import forms as cpu_forms, int4 as cpu_int4, native as cpu_native, steps as cpu_steps
+from .gpu import custom_ops, kernels, layout_kernels
+
+Weight = Callable[[], torch.Tensor]  # the weight a product reads, on the input's device
+
+
+class FloatWeight:
+    """torch's product over a float weight in the input's dtype: `major` multiplies few rows
+    weight-major (`mm3.backends.cpu.matmul.weight_major_linear`), else `F.linear` (the reference's). `after`
+    runs after each product (an int4 layer's blocks read again give back their pages)."""
+
+    def __init__(self, weight: Weight, major: bool, after: Callable[[], None] | None = None):
+        self.weight, self.major, self.after = weight, major, after
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight()
+        y = weight_major_linear(x, w, bias) if self.major else F.linear(x, w, bias)
+        if self.after is not None:
+            self.after()
+        return y
+
+
+class Bf16Product:
+    """torch's product in bfloat16 over a weight given in bfloat16, for inputs of another float
+    dtype (their rows cast, the output cast back, a bias added in the inputs' dtype): the
+    many-row products of a layer set to (`Linear.many_rows_bf16`). `after` as `FloatWeight`'s."""
+
+    def __init__(self, weight: Weight, after: Callable[[], None] | None = None):
+        self.weight, self.after = weight, after
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight()).to(x.dtype)
+        if self.after is not None:
+            self.after()
+        return y if bias is None else y + bias
+
+
+class KernelProduct:
+    """The fused Triton kernel over the stored weight (GGUF blocks, or floats of another dtype)."""
+
+    def __init__(self, weight: Weight, qtype):
+        self.weight, self.qtype = weight, qtype
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return custom_ops.block_linear(x, self.weight(), self.qtype, bias)
+
+
+class LayoutProduct:
+    """The Triton kernels over the weight held in the device layout (`mm3.backends.gpu.layout_kernels`)."""
+
+    def __init__(self, weight: Weight, qtype, in_features: int):
+        self.weight, self.qtype, self.in_features = weight, qtype, in_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return custom_ops.layout_linear(x, self.weight(), self.qtype, self.in_features, bias)
+
+
+KERNELS = {"int4": cpu_int4, "native": cpu_native}  # a CPU kernel (`cpu_forms.PACKED`) -> its module
+
+
+class PackedProduct:
+    """A CPU kernel's product (`kernel`: "int4", torch's int4 product over the `cpu_int4` planes;
+    "native", the `cpu_native` integer kernel) over the weight packed for it, made at the first call
+    (a replay that only multiplies many rows never packs) or by `ready`, then held: a call then
+    reads nothing but its tensors, so a compiled step traces it whole."""
+
+    def __init__(self, kernel: str, packing: Callable[[str], object], out_features: int):
+        self.kernel, self.packing, self.out_features = kernel, packing, out_features
+        self.packed = self.bound = None
+
+    def ready(self) -> None:
+        if self.packed is None:
+            self.packed = self.packing(self.kernel)
+            bind = getattr(KERNELS[self.kernel], "bind", None)  # the packing checked once, where the kernel can
+            self.bound = bind(self.packed, self.out_features) if bind else None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is None:
+            self.ready()
+        if self.bound is not None:
+            return self.bound(x, bias)
+        return KERNELS[self.kernel].linear(x, self.packed, self.out_features, bias)
+
+
+class ByRows:
+    """Decode-shaped inputs (up to `DECODE_MAX_ROWS` rows) to `decode`, wider ones (a prefill) to `wide`."""
+
+    def __init__(self, decode, wide):
+        self.decode, self.wide = decode, wide
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None):
+        few = x.numel() <= DECODE_MAX_ROWS * x.shape[-1]
+        return (self.decode if few else self.wide)(x, bias)
+
+
+@dataclass(frozen=True, eq=False)
+class LowRank:
+    """Adapters attached to one layer: `terms` ((down A [r, in], up B [out, r], scale s), ...) add
+    `sum s B (A x)` to its output (tensors of any dtype, on any device; `merge`: into a float copy
+    of the weight instead, `merged`)."""
+
+    terms: tuple
+    merge: bool = False
+
+    def side(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down [R, in], up [out, R]) of every term together, in `dtype` on `device`, the scales in
+        `up` (scaled in float32): one product pair serves any number of adapters."""
+        down = torch.cat([d.to(device=device, dtype=dtype) for d, _, _ in self.terms])
+        up = torch.cat([(u.to(device=device, dtype=torch.float32) * s).to(dtype) for _, u, s in self.terms], dim=1)
+        return down, up
+
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` plus every term, term by term as PEFT merges one (W += (B @ A) * s, in float32),
+        in the weight's dtype."""
+        out = weight.to(torch.float32, copy=True)
+        for d, u, s in self.terms:
+            out += (u.to(out.device, torch.float32) @ d.to(out.device, torch.float32)) * s
+        return out.to(weight.dtype)
+
+
+class WithLowRank:
+    """`base(x, bias) + (x A^T) B^T`: attached adapters beside the product that serves the weight.
+    `down_t` A^T [in, R] and each block's B^T [r, n] are held contiguous (a few rows multiply
+    them row-major, faster on the CPU than A and B as stored); `blocks` ((first,
+    last output column, first, last rank, B^T), ...): each up factor adds into its own columns of
+    the output (a `Fused` layer's parts, over its stacked output), in place."""
+
+    def __init__(self, base, down_t: torch.Tensor, blocks: list[tuple]):
+        self.base, self.down_t, self.blocks = base, down_t, blocks
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.base(x, bias)
+        y2 = y.reshape(-1, y.shape[-1])  # a view of the product's fresh output, or a copy of it
+        t = torch.mm(x.reshape(-1, x.shape[-1]), self.down_t)
+        for c0, c1, r0, r1, up_t in self.blocks:
+            y2[:, c0:c1].addmm_(t[:, r0:r1], up_t)
+        return y2.view(y.shape)
+
+
+def ready(product) -> None:
+    """Make now what `product` (any product of this module, wrapped or not) would make at its
+    first call: a step about to be compiled then only calls it."""
+    if isinstance(product, PackedProduct):
+        product.ready()
+    for inner in (getattr(product, name, None) for name in ("decode", "wide", "product", "base")):
+        if inner is not None:
+            ready(inner)
+
+
+def side_product(base, low_ranks: list[LowRank | None], sizes: list[int], dtype: torch.dtype,
+                 device: torch.device) -> WithLowRank:
+    """`base` (over the outputs of `sizes` rows each, stacked) with each part's adapters beside it."""
+    downs, blocks, row, rank = [], [], 0, 0
+    for low_rank, n in zip(low_ranks, sizes):
+        if low_rank is not None:
+            down, up = low_rank.side(dtype, device)
+            downs.append(down)
+            blocks.append((row, row + n, rank, rank + down.shape[0], up.t().contiguous()))
+            rank += down.shape[0]
+        row += n
+    return WithLowRank(base, torch.cat(downs).t().contiguous(), blocks)
+
+
+class Split:
+    """One product over stacked weight rows, split into each part's output."""
+
+    def __init__(self, product, sizes: list[int]):
+        self.product, self.sizes = product, sizes
+
+    def __call__(self, x: torch.Tensor, bias: None = None) -> list[torch.Tensor]:
+        return self.product(x).split_with_sizes(self.sizes, dim=-1)
+
+
+class Separate:
+    """Each part its own product (the reference's op shapes, or parts of mixed kinds)."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor, bias: None = None) -> list[torch.Tensor]:
+        return [p(x) for p in self.parts]
+
+
+def kernel_reads(layer, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel computes this `Linear`'s product for inputs of `dtype` on `device`: it
+    runs there and reads the type, and no float weight of that dtype is at hand (a kept copy, or a
+    float tensor already in that dtype, goes to torch's product)."""
+    qtype = layer.qtype("weight")
+    if not layer.fused_kernels or qtype is None or layer.form("weight") is not None or \
+            not kernels.available(device.type):
+        return False
+    if (qtype in kernels.FLOAT_DTYPES and kernels.FLOAT_DTYPES[qtype] == dtype) or layer.keeps_copy(dtype, device):
+        return False
+    return kernels.supports(qtype, layer.in_features) and kernels.works(qtype, dtype, device)
+
+
+def layout_reads(layer, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the layout kernels compute this `Linear`'s product: its weight is held in the device
+    layout on `device` (`mm3.backends.gpu.placement`), no float copy of `dtype` is kept there, and the
+    kernels compute right for `dtype` inputs."""
+    if layer.form("weight") != "layout" or not layer.fused_kernels or layer.keeps_copy(dtype, device):
+        return False
+    return layer.stored("weight").device == device and layout_kernels.works(layer.qtype("weight"), dtype, device)
+
+
+def many_rows_bf16(layer, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this `Linear`'s products over many rows multiply in bfloat16: it is set to
+    (`Linear.many_rows_bf16`, in the fast numerics) and its float32 inputs are on the CPU."""
+    return (layer.many_rows_bf16 and layer.decode_products and dtype == torch.float32 and device.type == "cpu")
+
+
+def packed_takes(layer, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The CPU kernel over a packing ("int4", "native") that this `Linear`'s decode-shaped products
+    on `device` go to (its form, `cpu_forms.packed_kernel`, with no kept float copy and the weight
+    on the CPU), or None."""
+    if layer.form("weight") is not None:
+        return None
+    kernel = cpu_forms.packed_kernel(layer, layer.qtype("weight"), device)
+    if kernel is None or layer.keeps_copy(dtype, device) or layer.stored("weight").device.type != "cpu":
+        return None
+    return kernel
+
+
+def for_linear(layer, dtype: torch.dtype, device: torch.device):
+    """The product of a `mm3.weights.layers.Linear` for inputs of `dtype` on `device`, with its attached
+    adapters (`layer.low_rank`) beside it or merged into a float copy."""
+    low_rank = layer.low_rank
+    if low_rank is not None and low_rank.merge:
+        merged = low_rank.merged(layer.get("weight", dtype, device))
+        return FloatWeight(lambda: merged, cpu_forms.weight_major(layer, device))
+    product = _base_for_linear(layer, dtype, device)
+    return product if low_rank is None else side_product(product, [low_rank], [layer.out_features], dtype, device)
+
+
+def _base_for_linear(layer, dtype: torch.dtype, device: torch.device):
+    qtype = layer.qtype("weight")
+    stored = layer.stored("weight")
+    if layout_reads(layer, dtype, device):
+        return LayoutProduct(lambda: stored, qtype, layer.in_features)
+    if kernel_reads(layer, dtype, device):
+        return KernelProduct(_resident(stored, device) or (lambda: layer.fetch("weight", device)), qtype)
+    major = cpu_forms.weight_major(layer, device)
+    at_hand = layer.float_at_hand(dtype, device)
+    if at_hand is not None:
+        return cpu_forms.timed(layer, FloatWeight(lambda: at_hand, major))
+    per_use = FloatWeight(lambda: layer.get("weight", dtype, device, scratch=True), major, after=layer.blocks_read)
+    wide = per_use
+    if many_rows_bf16(layer, dtype, device):
+        wide = Bf16Product(lambda: layer.get("weight", torch.bfloat16, device, scratch=True), after=layer.blocks_read)
+    kernel = packed_takes(layer, dtype, device)
+    if kernel is not None:
+        return cpu_forms.timed(layer, ByRows(PackedProduct(kernel, layer.packing, layer.out_features), wide))
+    return cpu_forms.timed(layer, per_use if wide is per_use else ByRows(per_use, wide))
+
+
+def for_fused(fused, dtype: torch.dtype, device: torch.device):
+    """The product of a `mm3.weights.layers.Fused` for inputs of `dtype` on `device`; the parts' attached
+    adapters beside each stacked product (a part's own product carries its own), or each part its
+    own product where one is merged."""
+    parts = fused.parts
+    low_ranks = [p.low_rank for p in parts]
+    if not fused.fuse or any(r is not None and r.merge for r in low_ranks):
+        return Separate(parts)
+
+    plain = all(r is None for r in low_ranks)
+
+    def split(product):  # the stacked product, with the parts' adapters beside it, split into the parts
+        return Split(product if plain else side_product(product, low_ranks, fused.sizes, dtype, device), fused.sizes)
+
+    qtype = parts[0].qtype("weight")
+    same = all(p.qtype("weight") == qtype for p in parts)
+    held = [layout_reads(p, dtype, device) for p in parts]
+    if all(held) and same:
+        return split(LayoutProduct(fused.stacked_stored_source(device), qtype, fused.in_features))
+    if any(p.form("weight") is not None for p in parts):  # a part in the layout among others (another type,
+        return Separate(parts)  # another kernel family): each its own product, never a stack dequantized per call
+    if kernels.available(device.type) and same and all(kernel_reads(p, dtype, device) for p in parts):
+        return split(KernelProduct(fused.stacked_stored_source(device), qtype))
+    packed = [packed_takes(p, dtype, device) for p in parts]
+    floats = split(FloatWeight(fused.stacked_weight_source(dtype, device), cpu_forms.weight_major(parts[0], device),
+                               after=fused.blocks_read))
+    wide = floats
+    if all(many_rows_bf16(p, dtype, device) and p.float_at_hand(dtype, device) is None for p in parts):
+        wide = split(Bf16Product(fused.stacked_weight_source(torch.bfloat16, device), after=fused.blocks_read))
+    if packed[0] is not None and same and len(set(packed)) == 1:
+        return cpu_forms.timed(parts[0], ByRows(split(PackedProduct(packed[0], fused.packing, sum(fused.sizes))), wide))
+    if any(packed):  # a mix raised some parts to another type (v_proj in Q6_K): each part its own way
+        return ByRows(Separate(parts), cpu_forms.timed(parts[0], wide))
+    return cpu_forms.timed(parts[0], floats if wide is floats else ByRows(floats, wide))
+
+
+def native_parts(product, dtype: torch.dtype, device: torch.device) -> list | None:
+    """The native integer kernel's bound products (`cpu_native.Bound`) that serve a layer's
+    decode-shaped inputs: the stacked packing's one, or each part's own where the parts multiply
+    apart; None where anything else serves (another kernel or form, adapters beside it, a float
+    copy). A block made of such layers can then run whole in the kernel library."""
+    if isinstance(product, cpu_forms.Timed):
+        product = product.product
+    if isinstance(product, ByRows):
+        product = product.decode
+    if isinstance(product, Split):
+        product = product.product
+    if isinstance(product, Separate):
+        out = []
+        for part in product.parts:
+            got = native_parts(part.product_for(dtype, device), dtype, device)
+            if got is None:
+                return None
+            out += got
+        return out
+    if isinstance(product, PackedProduct) and product.kernel == "native":
+        product.ready()
+        return None if product.bound is None else [product.bound]
+    return None
+
+
+def native_blocks(held: tuple | None, blocks: list[tuple], dtype: torch.dtype, device: torch.device) -> tuple:
+    """Blocks of layers (each block's layers with products in their order of use) as the kernel
+    library reads them: (the products chosen, held weakly, and their `cpu_steps.BlockParts`, or None
+    where anything but the native kernel serves one of them). `held`, the pair made before, is
+    returned while every layer keeps the product it had and every part is still there."""
+    chosen = [layer.product_for(dtype, device) for block in blocks for layer in block]
+    if held is not None and len(held[0]) == len(chosen) and all(ref() is c for ref, c in zip(held[0], chosen)) and \
+            (held[1] is None or held[1].alive()):
+        return held
+    refs = tuple(weakref.ref(product) for product in chosen)
+    parts = [native_parts(product, dtype, device) for product in chosen]
+    if None in parts or not parts:
+        return refs, None
+    per = len(blocks[0])
+    return refs, cpu_steps.BlockParts([parts[i:i + per] for i in range(0, len(parts), per)])
+
+
+def _resident(stored: torch.Tensor, device: torch.device) -> Weight | None:
+    return (lambda: stored) if stored.device == device else None

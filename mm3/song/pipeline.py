@@ -1,0 +1,627 @@
+"""The command line's job: a request in, tracks out, as a composition of the stages (`mm3.song.stages`).
+
+It loads what the request names, one model group at a time, and turns an out-of-memory error into
+one that names the stage. `rng="independent"` (default) draws the AR stage from `lm_seed + song`
+and the DiT noise from `seed + variation`; `rng="reference"` drives both from one generator, as
+the diffusers pipeline, with the reference numerics (`mm3.song.numerics`), to reproduce its audio.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import overlap, stages
+from ..plan.ar import max_frames_for, plan
+from ..plan.codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
+from ..components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
+from ..constants import FRAME_RATE
+from ..backends.cpu.bf16 import dit_dtype
+from ..backends.device import empty_cache, pick_device, pick_dtype, total_bytes
+from ..errors import RunError
+from ..formats.fingerprint import file_fingerprint
+from ..plan.lyrics_align import LyricHeads
+from ..lora.adapter import read_adapter
+from ..lora.attach import Applied, attach, layer_terms
+from ..lora.files import find_lora
+from ..lora.health import base_shapes, group_changes, warnings_of
+from ..lora.keys import KINDS as LORA_KINDS, NAMES as LORA_NAMES
+from ..lora.use import check_entries, use_of
+from .numerics import FAST, Numerics
+from ..files.opener import open_component, read_component
+from ..progress import Cancelled, Progress
+from ..plan.prompt import Prompt, PromptError, build_prompt
+from ..files.registry import Registry
+from .request import MODEL_FIELDS, MM3Request, RequestError, model_mismatch
+from ..plan.sampling import make_generator
+from .stages import ModelFile, PromptText, Song
+from ..files.store import ModelStore
+
+log = logging.getLogger(__name__)
+
+# What each stage is called in error messages, and the components it runs.
+STAGE_NAMES = {"ar": "planning (LM + depth decoder)", "replay": "replaying codes (LM + depth decoder)",
+               "dit": "DiT sampling (condition encoder + DiT)", "vae": "vocoder decoding",
+               "overlap": "planning and synthesis together (all five models)"}
+STAGE_KINDS = {"ar": ("lm", "depth"), "replay": ("lm", "depth"), "dit": ("cond", "dit"), "vae": ("vae",),
+               "overlap": KINDS}
+
+
+class DeviceOutOfMemory(RunError):
+    """The device ran out of memory in a stage. Every model was released before this was raised,
+    so the same Pipeline (or process) can run the next request."""
+
+
+def _is_oom(e: BaseException) -> bool:
+    # CUDA / ROCm raise torch.OutOfMemoryError; MPS and XPU a RuntimeError that says so.
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
+
+
+class _Stage:
+    """`with pipeline._stage("dit"):` turns an out-of-memory error into `DeviceOutOfMemory` naming
+    the stage, where in it, and what to change; the failed stage's frames are cleared and every
+    model released so that the memory is really free again for the next run."""
+
+    def __init__(self, pipe: "Pipeline", stage: str):
+        self.pipe, self.stage = pipe, stage
+
+    def __enter__(self):
+        self.pipe._last.pop(self.stage, None)
+        self.pipe.store.loading = None
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not _is_oom(exc):
+            return False
+        where = self.pipe._where(self.stage)
+        loading = self.pipe.store.loading
+        traceback.clear_frames(tb)  # drop the tensors the failed frames still reference ...
+        exc.__traceback__ = tb = None  # ... and the frames themselves (closures can hold models)
+        self.pipe.store.release_all()
+        gc.collect()
+        empty_cache(self.pipe.device)
+        raise DeviceOutOfMemory(self.pipe._oom_message(self.stage, where, loading, exc)) from None
+
+
+@dataclass
+class Track:
+    """One rendered song variation: planar stereo audio [2, T] float32 (CPU) at `sample_rate`."""
+
+    audio: torch.Tensor
+    sample_rate: int
+    request: MM3Request  # the replay request: codes + exact seeds, batch sizes 1
+    song: int
+    variation: int
+    codes: AudioCodes
+
+
+@dataclass
+class Timings:
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stage: str, seconds: float):
+        self.stages[stage] = self.stages.get(stage, 0.0) + seconds
+
+    def summary(self) -> str:
+        total = sum(self.stages.values())
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in self.stages.items())
+        return f"{parts}; total {total:.2f} s"
+
+
+def _warn_lm_cfg(lm, request: MM3Request) -> None:
+    trained = lm.cfg.get("trained_lm_cfg")
+    if trained is not None and trained != request.lm_cfg:
+        log.warning("%s was made for lm_cfg %g%s; this request asks for %g", request.lm_model or "the LM",
+                    trained, " (its guidance is distilled)" if trained == 1.0 else "", request.lm_cfg)
+
+
+def _warn_lora_health(applied, path: str, kind: str) -> None:
+    """The health warnings of the adapters on one model (`mm3.lora.health`): the weights read once."""
+    comp = open_component(path, kind)
+    try:
+        changes = group_changes(applied, comp)
+    finally:
+        comp.close()
+    what = applied[0].adapter.name if len(applied) == 1 else f"the {len(applied)} LoRAs together"
+    for w in warnings_of(changes, what):
+        log.warning("%s", w)
+
+
+class Pipeline:
+    """Models from `models_dir` (one folder or several), on `device` in `dtype` (auto by default)."""
+
+    def __init__(self, models_dir, *, device: str | torch.device | None = None, dtype: str | None = None,
+                 keep_loaded: bool = False):
+        folders = models_dir if isinstance(models_dir, (list, tuple)) else [models_dir]
+        self.registry = Registry.scan(*folders)
+        self.device = pick_device(device)
+        self.registry.memory = total_bytes(self.device)  # "" / "auto" names: the most precise file that fits
+        self.dtype = pick_dtype(self.device, dtype)
+        # The DiT's forward: a named dtype; automatic, bfloat16 on a CPU that multiplies it natively.
+        self.dit_dtype = dit_dtype(self.device, self.dtype) if dtype in (None, "", "auto") else self.dtype
+        self.store = ModelStore(self.registry, self.device, keep_loaded=keep_loaded)
+        self.timings = Timings()
+        self._last: dict[str, tuple[int, int, dict]] = {}  # stage -> its latest progress report
+        self.candidates = []  # the takes of the latest plan (`mm3.plan.takes.Candidate`)
+        self.overlap = True  # a streamed run plans and synthesises together where it can (`can_overlap`)
+        self.lora_folders = list(self.registry.folders)  # where a LoRA named by a request is looked for
+
+    # -- checks before any model is loaded -----------------------------------------------------------
+    def preflight(self, request: MM3Request, kinds: tuple[str, ...] = KINDS,
+                  lyric_heads: LyricHeads | None = None) -> Prompt:
+        """Everything that can be refused without loading a model: the model names, each file's
+        header and tensor table (readable, not truncated, supported tensor types, plausible sizes),
+        that the files fit together, the prompt (tokenizer only), the duration against the LM
+        context, `audio_codes` against the code ranges, and `lyric_heads` against the LM. Returns
+        the prompt. Missing or mis-shaped tensors are found when the model is built."""
+        comps = {}
+        for kind in kinds:
+            comps[kind] = read_component(self.registry.resolve(kind, getattr(request, MODEL_FIELDS[kind])), kind)
+            check_loadable(comps[kind])
+        check_compatible(comps)
+        if lyric_heads is not None and "lm" in comps:
+            lyric_heads.resolve(comps["lm"].hparams)
+        for kind in LORA_KINDS:  # each adapter fits its model's layers (header shapes), and is warned about
+            if kind in comps:  # as `info --base` and the Load LoRA node warn
+                applied = self.loras(request, kind)
+                layer_terms(applied, base_shapes(comps[kind]))
+                if applied:
+                    _warn_lora_health(applied, comps[kind].path, kind)
+        prompt = self.prompt(request)
+        context = comps["lm"].hparams["max_position_embeddings"] if "lm" in comps else None
+        if request.audio_codes:
+            depth = comps.get("depth")
+            if depth is not None and depth.hparams["num_codebooks"] != REQUEST_CODES_PER_FRAME:
+                raise RequestError(f"{depth.name} makes {depth.hparams['num_codebooks']} codes per frame; "
+                                   f"request audio_codes hold {REQUEST_CODES_PER_FRAME}")
+            vocab = depth.hparams["audio_vocab_size"] if depth is not None else 1 << 62
+            try:
+                codes = parse_audio_codes(request.audio_codes, prompt.codes.num_semantic, vocab)
+            except AudioCodesError as e:
+                raise RequestError(str(e)) from None
+            frames = codes.shape[0] - 1
+            for text in (request.source_codes, request.continue_codes):
+                if text:
+                    try:
+                        parse_audio_codes(text, prompt.codes.num_semantic, vocab)
+                    except AudioCodesError as e:
+                        raise RequestError(str(e)) from None
+            if context is not None and prompt.num_tokens + frames > context:
+                raise RequestError(f"audio_codes hold {frames} frames; after the {prompt.num_tokens}-token prompt the "
+                                   f"LM context of {context} positions leaves room for {context - prompt.num_tokens}")
+        elif context is not None:
+            try:
+                max_frames_for(request.duration, prompt.num_tokens, context)
+                if request.continue_codes:
+                    depth = comps.get("depth")
+                    vocab = depth.hparams["audio_vocab_size"] if depth is not None else 1 << 62
+                    parse_audio_codes(request.continue_codes, prompt.codes.num_semantic, vocab)
+            except (ValueError, AudioCodesError) as e:
+                raise RequestError(str(e)) from None
+        return prompt
+
+    def pin_models(self, request: MM3Request, kinds: tuple[str, ...] = KINDS) -> MM3Request:
+        """`request` naming the file each of `kinds` resolves to (its name in the models folder)
+        with that file's fingerprint, as a replay request records them, and its adapters one entry
+        per component with their files' fingerprints."""
+        files = [self.model_file(kind, request) for kind in kinds]
+        prints = dict(request.model_fingerprints) | {f.request_field: f.fingerprint for f in files}
+        loras = [a.use.to_dict() for kind in LORA_KINDS for a in self.loras(request, kind)]
+        return replace(request, **{f.request_field: f.name for f in files}, model_fingerprints=prints, loras=loras)
+
+    # -- adapters ---------------------------------------------------------------------------------
+    def loras(self, request: MM3Request, kind: str) -> list[Applied]:
+        """The adapters `request` sets on the `kind` model, in order: each entry's file (found by
+        `mm3.lora.files.find_lora` in `lora_folders`) on the components its entry names, else on
+        every one it changes."""
+        if kind not in LORA_KINDS:
+            return []
+        try:
+            entries = check_entries(request.loras)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        out = []
+        for entry in entries:
+            path, _ = find_lora(entry["file"], entry.get("fingerprint"), self.lora_folders)
+            if path is None:
+                raise RequestError(f"LoRA {entry['file']} not found (also looked in {', '.join(self.lora_folders)})")
+            adapter = read_adapter(path)
+            adapter.check_usable()
+            if "component" in entry and entry["component"] not in adapter.kinds:
+                held = " and ".join(LORA_NAMES[k] for k in adapter.kinds)
+                raise RequestError(f"LoRA {entry['file']} changes the {held}, not the {LORA_NAMES[entry['component']]} "
+                                   "its entry names")
+            if entry.get("component", kind) == kind and kind in adapter.kinds:
+                out.append(Applied(adapter, use_of(entry, kind, adapter.fingerprint)))
+        return out
+
+    def match_loras(self, request: MM3Request, *, strict: bool = False) -> tuple[MM3Request, list[str]]:
+        """Reconcile the adapters a replay request records with the files at hand: one found elsewhere
+        by name or fingerprint is used from there; a missing one is left out; one whose fingerprint
+        differs is used as it is. Each such case is a warning, or with `strict` a `RequestError`."""
+        try:
+            entries = check_entries(request.loras)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        kept, warnings = [], []
+        for entry in entries:
+            path, how = find_lora(entry["file"], entry.get("fingerprint"), self.lora_folders)
+            if path is None:
+                warnings.append(f"LoRA {entry['file']} is not found (looked in {', '.join(self.lora_folders)}); "
+                                "rendering without it, so the audio can differ")
+                continue
+            found = file_fingerprint(path)
+            if how == "fingerprint":
+                warnings.append(f"LoRA {entry['file']} is not found; using {path}, which has the same fingerprint")
+            elif entry.get("fingerprint") and found != entry["fingerprint"]:
+                warnings.append(f"LoRA {entry['file']}: {path} (fingerprint {found}) is not the file that made this "
+                                f"song (fingerprint {entry['fingerprint']}); the audio can differ")
+            kept.append({**entry, "file": path if how != "path" else entry["file"]})
+        if strict and warnings:
+            raise RequestError(warnings[0] + " (refused with --strict)")
+        return replace(request, loras=kept), warnings
+
+    def _adapted(self, model, kind: str, request: MM3Request, numerics: Numerics):
+        """`model` with the request's adapters set (merged as PEFT merges them in the reference
+        numerics, beside the weights in the fast ones)."""
+        attach(model, self.loras(request, kind), merge=numerics.reference)
+        return model
+
+    def match_models(self, request: MM3Request, *, recorded: tuple[str, ...] = tuple(MODEL_FIELDS.values()),
+                     strict: bool = False, kinds: tuple[str, ...] = KINDS,
+                     loras_recorded: bool = False) -> tuple[MM3Request, list[str]]:
+        """Reconcile the files a replay request names with the models folder.
+
+        For each `*_model` field in `recorded` (names read from a request file, not typed by the
+        user): a named file that is missing is looked for by its fingerprint (a renamed copy), else
+        replaced by the file an empty name picks; a file whose fingerprint differs from the recorded
+        one is used as it is. `loras_recorded`: the adapters too (`match_loras`). Each such case is a
+        warning, or with `strict` a `RequestError`. Returns the request pinned to the files that
+        will be used, and the warnings."""
+        warnings, names = [], {}
+        if loras_recorded:
+            request, warnings = self.match_loras(request)
+        for kind in kinds:
+            field = MODEL_FIELDS[kind]
+            name, want = getattr(request, field), request.model_fingerprints.get(field)
+            if field not in recorded or not name or self.registry.find(kind, name) is not None:
+                names[field] = name
+                if want and field in recorded and name:
+                    problem = model_mismatch(request, field, name, file_fingerprint(self.registry.resolve(kind, name)))
+                    warnings += [problem] if problem else []
+                continue
+            same = [n for n in self.registry.buckets[kind] if want and file_fingerprint(self.registry.paths[n]) == want]
+            if same:
+                names[field] = same[0]
+                warnings.append(f"{field} {name} is not in {self._folders()}; using {same[0]}, which has the same "
+                                "fingerprint")
+                continue
+            fallback = self.registry.name_of(self.registry.resolve(kind, ""))
+            names[field] = fallback
+            warnings.append(f"{field} {name} is not in {self._folders()}; using {fallback} instead, so the audio can "
+                            f"differ ({ARCH_OF[kind]} files there: {', '.join(self.registry.buckets[kind])})")
+        if strict and warnings:
+            raise RequestError(warnings[0] + " (refused with --strict)")
+        return self.pin_models(replace(request, **names), kinds), warnings
+
+    def _folders(self) -> str:
+        return ", ".join(self.registry.folders)
+
+    def numerics(self, rng: str) -> Numerics:
+        """The numerics of random-stream mode `rng`: the reference's (the DiT in `dtype`) for
+        "reference", else the fast ones (the DiT in `dit_dtype`)."""
+        return Numerics.for_rng(rng, dtype=self.dtype, fast_dtype=self.dit_dtype)
+
+    # -- stages -----------------------------------------------------------------------------------
+    def prompt(self, request: MM3Request) -> Prompt:
+        tokenizer = self.store.tokenizer(request.lm_model)
+        try:
+            return build_prompt(tokenizer, request.caption, request.lyrics)
+        except PromptError as e:
+            raise RequestError(str(e)) from None
+
+    def prompt_text(self, request: MM3Request) -> PromptText:
+        return PromptText(self.prompt(request), request.caption, request.lyrics, self.model_file("lm", request))
+
+    def model_file(self, kind: str, request: MM3Request) -> ModelFile:
+        """The file `request` names for `kind`, as a stage records it."""
+        path = self.registry.resolve(kind, getattr(request, MODEL_FIELDS[kind]))
+        return ModelFile(kind, self.registry.name_of(path), file_fingerprint(path), read_component(path, kind).hparams,
+                         tuple(a.use for a in self.loras(request, kind)))
+
+    def _ar_models(self, request: MM3Request, numerics: Numerics = FAST):
+        return (self._adapted(self.store.model("lm", request.lm_model, numerics.models), "lm", request, numerics),
+                self.store.model("depth", request.depth_model, numerics.models))
+
+    def plan(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None,
+             lyric_heads: LyricHeads | None = None) -> tuple[list[Song], list[torch.Generator] | None]:
+        """Sample the request's songs (`rng` overrides `request.rng`). Independent streams: each
+        song's hiddens are then those its codes replay to (`plan_and_replay`), so its replay request
+        renders the same audio. The reference mode samples with the reference's op shapes (its exact
+        hiddens) and also returns each song's generator, left where the AR stage stopped drawing
+        (the DiT noise continues from there). `lyric_heads`: each song also carries its lyric
+        attention (`mm3.plan.lyrics_align`)."""
+        rng = request.rng if rng is None else rng
+        numerics = self.numerics(rng)
+        prompt = self.prompt_text(request)
+        progress = self._track(progress)
+        settings = request.plan_settings()
+        takes = request.takes_setting()
+        if rng == "reference" and (not takes.is_plain or request.continue_codes):
+            raise RequestError("the reference RNG plans one take per song from the prompt alone: use rng independent "
+                               "for takes, require_ending or continue_codes")
+        with self._stage("ar"):
+            lm, depth = self._ar_models(request, numerics)
+            _warn_lm_cfg(lm, request)
+            prefix = None
+            if request.continue_codes:
+                prefix = parse_audio_codes(request.continue_codes, prompt.prompt.codes.num_semantic,
+                                           depth.audio_vocab)
+            start = time.perf_counter()
+            gens = ([make_generator(request.lm_seed + i) for i in range(request.lm_batch_size)]
+                    if rng == "reference" else None)
+            songs, self.candidates = stages.plan_songs(
+                lm, depth, prompt, self.model_file("depth", request), settings, takes, device=self.device,
+                dtype=self.dtype, progress=progress, prefix=prefix, generators=gens, origin=request,
+                lyric_heads=lyric_heads, numerics=self.numerics(rng))
+        self.timings.add("plan", time.perf_counter() - start)
+        return songs, gens
+
+    def replay(self, request: MM3Request, progress: Progress | None = None,
+               codes: torch.Tensor | None = None, lm_seed: int | None = None, *,
+               lyric_heads: LyricHeads | None = None, hiddens: bool = True, tap=None) -> Song:
+        """Frame hiddens of known codes by teacher forcing (no sampling): `codes` [F + 1, 8], or
+        the request's `audio_codes` text. `lyric_heads`, `tap`, `hiddens` False: the lyric
+        attention, another attention tap, the attention alone (`mm3.plan.replay.replay`)."""
+        prompt = self.prompt_text(request)
+        progress = self._track(progress)
+        with self._stage("replay"):
+            lm, depth = self._ar_models(request)
+            if codes is None:
+                try:
+                    codes = parse_audio_codes(request.audio_codes, prompt.prompt.codes.num_semantic,
+                                              depth.audio_vocab)
+                except AudioCodesError as e:
+                    raise RequestError(str(e)) from None
+            if codes.shape[1] != depth.num_codebooks:
+                raise RequestError(f"audio_codes has {codes.shape[1]} codes per frame, the depth decoder "
+                                   f"makes {depth.num_codebooks}")
+            start = time.perf_counter()
+            song = stages.replay_song(lm, depth, prompt, self.model_file("depth", request), codes,
+                                      lm_seed=request.lm_seed if lm_seed is None else lm_seed, device=self.device,
+                                      dtype=self.dtype, progress=progress, origin=request,
+                                      lyric_heads=lyric_heads, hiddens=hiddens, tap=tap,
+                                      numerics=self.numerics(request.rng))
+        self.timings.add("replay", time.perf_counter() - start)
+        return song
+
+    def replan_range(self, request: MM3Request, start: float, end: float, lm_seed: int,
+                     progress: Progress | None = None) -> str:
+        """The request's audio_codes with the frames of seconds [start, end) sampled anew from
+        `lm_seed` (after the frames before them, END held off until the range is full); the frames
+        after the range are kept. Returns the new codes text."""
+        prompt = self.prompt(request)
+        with self._stage("ar"):
+            lm, depth = self._ar_models(request)
+            codes = parse_audio_codes(request.audio_codes, prompt.codes.num_semantic, depth.audio_vocab)
+            n = codes.shape[0] - 1
+            a, b = int(start * FRAME_RATE), min(n, int(end * FRAME_RATE))
+            if not 0 <= a < b:
+                raise RequestError(f"the range {start:g}..{end:g} s holds no frame of this {n / FRAME_RATE:.2f} s song")
+            settings = replace(request.plan_settings(), duration=(b + 0.5) / FRAME_RATE, lm_seed=lm_seed, songs=1,
+                               shaping=replace(request.shaping(), min_frames=b))
+            stages.set_ar_numerics(lm, depth, self.numerics(request.rng), device=self.device, dtype=self.dtype)
+            (song,) = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
+                           progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)
+        return AudioCodes(torch.cat([song.codes, codes[b + 1:]]), None, prompt).to_request_codes()
+
+    def _resample(self, request: MM3Request, progress,
+                  lyric_heads: LyricHeads | None = None) -> tuple[list[Song], list[torch.Generator]]:
+        """Reference mode for known codes: sample again from lm_seed (same generator, same codes)
+        so the DiT noise continues from the same generator state; the codes must agree, and the
+        songs stand for the given codes (no plan of their own)."""
+        songs, gens = self.plan(request, progress, "reference", lyric_heads)
+        wanted = parse_audio_codes(request.audio_codes, songs[0].prompt.prompt.codes.num_semantic, 1 << 62)
+        if not torch.equal(songs[0].codes.codes, wanted):
+            raise RequestError(f"lm_seed {request.lm_seed} does not sample these audio_codes on this device and "
+                               "dtype, so the reference RNG cannot continue from it; render it with --rng independent")
+        return [replace(s, plan=None) for s in songs], gens
+
+    def synthesize(self, request: MM3Request, song: Song, progress: Progress | None = None,
+                   generator: torch.Generator | None = None, source: Song | None = None,
+                   numerics: Numerics | None = None, on_audio=None) -> stages.Audio:
+        """`request.synth_batch_size` variations of `song`. The DiT noise comes from `generator`
+        where given (the reference RNG), else from `request.seed`; `numerics` default to those of
+        `request.rng`. A repaint keeps the latents of `source` (default: `song`) rendered with
+        `request.seed`. `on_audio(k, windows, samples, sample_rate)`: each window's audio as soon
+        as it is decoded (`mm3.song.stages.WindowStream`); the result is the same."""
+        numerics = self.numerics(request.rng) if numerics is None else numerics
+        progress = self._track(progress)
+        synth = request.synth_settings()
+        run = dict(device=self.device, dtype=self.dtype, numerics=numerics, progress=progress)
+        with self._stage("dit"):
+            cond, dit = self.store.model("cond", request.cond_model), self.store.model("dit", request.dit_model)
+            dit = self._adapted(dit, "dit", request, numerics)
+            cond_file, dit_file = self.model_file("cond", request), self.model_file("dit", request)
+            start = time.perf_counter()
+            conditions = stages.encode(cond, cond_file, song, device=self.device, dtype=self.dtype, progress=progress)
+            stream = None
+            if on_audio is not None:
+                stream = stages.WindowStream(self.store.model("vae", request.vae_model), self.model_file("vae", request),
+                                             conditions, on_audio, device=self.device, numerics=numerics,
+                                             progress=progress)
+            if request.repaints:
+                kept_from = conditions if source is None else stages.encode(cond, cond_file, source, device=self.device,
+                                                                            dtype=self.dtype, progress=progress)
+                kept = stages.sample(dit, dit_file, kept_from, replace(synth, seed=request.seed, variations=1), **run)
+                try:
+                    latents = stages.repaint(dit, dit_file, conditions, kept, request.repaint_settings(),
+                                             replace(synth, seed=request.repaint_seed), on_window=stream, **run)
+                except ValueError as e:
+                    raise RequestError(str(e)) from None
+            else:
+                latents = stages.sample(dit, dit_file, conditions, synth, generator=generator, on_window=stream,
+                                        **run)
+        self.timings.add("dit", time.perf_counter() - start)
+        with self._stage("vae"):
+            vae = self.store.model("vae", request.vae_model)
+            start = time.perf_counter()
+            windows = stream.windows(latents) if stream is not None else stages.decode(
+                vae, self.model_file("vae", request), latents, device=self.device, numerics=numerics,
+                progress=progress)
+            audio = stages.stitch_windows(windows)
+        self.timings.add("vae", time.perf_counter() - start)
+        return audio
+
+    # -- the whole job ------------------------------------------------------------------------
+    def run(self, request: MM3Request, progress: Progress | None = None, rng: str | None = None,
+            on_audio=None, lyric_heads: LyricHeads | None = None) -> list[Track]:
+        """Every track of the request, song-major (song 0 variation 0, 0/1, ..., 1/0, ...).
+        `on_audio(song, k, windows, samples [V, 2, T_k], sample_rate)`: each window's audio of each
+        song as soon as it is decoded; where the run plans and synthesises together (`can_overlap`)
+        the windows come while the songs are planned, `windows` None until a song's length is known.
+        `lyric_heads`: each track's codes also carry their lyric attention (`mm3.plan.lyrics_align.song_lrc`
+        makes its LRC).
+
+        `rng` overrides the request's random-stream mode (`request.rng`). Each track's replay
+        request names the files used, with their fingerprints. Bad input fails before any model is
+        loaded (`preflight`). Any failure, Ctrl+C included, leaves no model loaded (with
+        `keep_loaded`, a cancelled run keeps them)."""
+        if rng is not None:
+            request = replace(request, rng=rng)
+        request = request.validate().resolve_seeds()
+        rng = request.rng
+        if rng == "reference" and request.synth_batch_size != 1:
+            raise RequestError("the reference RNG renders one variation per song (synth_batch_size 1)")
+        self.preflight(request, lyric_heads=lyric_heads)
+        request = self.pin_models(request)
+        try:
+            tracks = self._run(request, progress, rng, on_audio, lyric_heads)
+        except BaseException as e:
+            # The finished stage frames in the traceback still reference models and activations;
+            # clear their locals so a caller that keeps the exception does not keep the memory.
+            traceback.clear_frames(e.__traceback__)
+            if not (isinstance(e, Cancelled) and self.store.keep_loaded):
+                self.store.release_all()
+            raise
+        if not self.store.keep_loaded:
+            self.store.release_all()
+        return tracks
+
+    def _run(self, request: MM3Request, progress, rng: str, on_audio=None, lyric_heads=None) -> list[Track]:
+        source = None
+        if request.audio_codes:
+            if request.repaints and rng == "reference":
+                raise RequestError("a repaint draws its noise from seed and repaint_seed: use rng independent")
+            if rng == "reference":
+                songs, gens = self._resample(request, progress, lyric_heads)
+            else:
+                songs, gens = [self.replay(request, progress, lyric_heads=lyric_heads)], None
+            if request.source_codes:
+                source = self.replay(request, progress, codes=parse_audio_codes(
+                    request.source_codes, songs[0].prompt.prompt.codes.num_semantic, 1 << 62))
+        elif on_audio is not None and self.can_overlap(request):
+            return self._overlapped(request, progress, on_audio, lyric_heads)
+        else:
+            songs, gens = self.plan(request, progress, rng, lyric_heads)
+        tracks = []
+        numerics = self.numerics(rng)
+        for i, song in enumerate(songs):
+            heard = None if on_audio is None else (lambda *piece, song=i: on_audio(song, *piece))
+            audio = self.synthesize(request, song, progress, generator=gens[i] if gens else None, source=source,
+                                    numerics=numerics, on_audio=heard)
+            tracks += [Track(audio.waveform[j], audio.sample_rate, replay_request, i, j, song.codes)
+                       for j, replay_request in enumerate(audio.requests)]
+        return tracks
+
+    def can_overlap(self, request: MM3Request) -> bool:
+        """Whether a streamed run of `request` plans and synthesises together (`mm3.song.overlap`): new
+        songs (no audio_codes), the independent RNG, one take without require_ending, and all five
+        models fitting in the device's memory at once (else stage by stage, one group resident)."""
+        if not self.overlap or request.audio_codes or request.rng != "independent" or \
+                not request.takes_setting().is_plain:
+            return False
+        paths = {self.registry.resolve(kind, getattr(request, MODEL_FIELDS[kind])) for kind in KINDS}
+        return overlap.fits_together(sum(os.path.getsize(p) for p in paths), self.device,
+                                     self.store.resident_bytes())
+
+    def _overlapped(self, request: MM3Request, progress, on_audio, lyric_heads=None) -> list[Track]:
+        numerics = self.numerics(request.rng)
+        prompt = self.prompt_text(request)
+        progress = self._track(progress)
+        for stage in ("ar", "dit"):
+            self._last.pop(stage, None)
+        with self._stage("overlap"):
+            models = {kind: self.store.model(kind, getattr(request, MODEL_FIELDS[kind]),
+                                             numerics.models if kind in ("lm", "depth") else "fast", together=True)
+                      for kind in KINDS}
+            _warn_lm_cfg(models["lm"], request)
+            files = {kind: self.model_file(kind, request) for kind in KINDS}
+            prefix = None
+            if request.continue_codes:
+                prefix = parse_audio_codes(request.continue_codes, prompt.prompt.codes.num_semantic,
+                                           models["depth"].audio_vocab)
+            rendered = overlap.plan_and_render(
+                overlap.Models(**models, files=files), prompt, request.plan_settings(), request.synth_settings(),
+                request.takes_setting(), device=self.device, dtype=self.dtype, numerics=numerics, progress=progress,
+                prefix=prefix, origin=request, on_audio=on_audio, lyric_heads=lyric_heads)
+        self.candidates = []
+        for stage, seconds in rendered.seconds.items():
+            self.timings.add(stage, seconds)
+        songs = [audio.windows.latents.conditions.song for audio in rendered.audio]
+        return [Track(audio.waveform[j], audio.sample_rate, replay_request, i, j, song.codes)
+                for i, (audio, song) in enumerate(zip(rendered.audio, songs))
+                for j, replay_request in enumerate(audio.requests)]
+
+    # -- failure reporting ------------------------------------------------------------------------
+    def _stage(self, stage: str) -> _Stage:
+        return _Stage(self, stage)
+
+    def _track(self, progress: Progress | None) -> Progress:
+        """`progress` that also records each stage's latest report (for error messages)."""
+        inner = progress or Progress()
+        if getattr(inner, "_mm3_tracked", False):
+            return inner
+
+        def on_progress(stage, done, total, info):
+            self._last[stage] = (done, total, info)
+            inner.on_progress(stage, done, total, info)
+
+        tracked = Progress(on_progress=on_progress, should_stop=inner.should_stop)
+        tracked._mm3_tracked = True
+        return tracked
+
+    def _where(self, stage: str) -> str:
+        """How far `stage` got: "after frame 12 of 250", "after step 3/30 of window 2/3", ..."""
+        if stage == "overlap":
+            return ", ".join(self._where(s) for s in ("ar", "dit") if s in self._last) or "before its first frame"
+        last = self._last.get(stage)
+        if last is None:
+            return "before its first " + {"ar": "frame", "replay": "frame", "dit": "step", "vae": "window"}[stage]
+        done, total, info = last
+        if stage == "dit" and "window" in info:
+            return f"after step {info.get('step', '?')}/{info.get('steps', '?')} of window {info['window'] + 1}/{info['windows']}"
+        if stage == "vae":
+            return f"after window {done}/{total}"
+        return f"after frame {done} of {total}"
+
+    def _oom_message(self, stage: str, where: str, loading: str | None, exc: BaseException) -> str:
+        kinds = STAGE_KINDS[stage]
+        during = f"while loading {loading}" if loading else where
+        files = " and ".join(DESCRIPTIONS[k] for k in kinds)
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        msg = (f"out of {self.device.type} memory in {STAGE_NAMES[stage]} ({during}): {first_line}. "
+               f"Every model was released. Try a lighter quant of the {files} (e.g. Q8_0 or Q4_K, made with "
+               "`python -m mm3 quantize`)")
+        if self.store.keep_loaded:
+            msg += ", or run without --keep-loaded: the strict memory mode keeps only one model group resident"
+        else:
+            msg += ", or fewer songs/variations or a shorter duration"
+        return msg
+
