@@ -21,6 +21,17 @@ DEFAULT_TOP_K = 50
 DEFAULT_STEPS = 30
 DEFAULT_DIT_CFG = 1.7
 
+# The ranges of the request's numbers beyond the reference server's own checks: those of the
+# ComfyUI widgets, so a request file or a flag gets no more than a node does.
+MAX_STEPS = 200
+MAX_CFG = 10.0  # lm_cfg and dit_cfg, from 0
+
+# Sizes of the text inputs read whole: a request file (its codes are ~0.5 MB at the longest song, and
+# a replay file holds up to three lists of them) and a caption or lyrics file (the prompt's 5000
+# tokens are far less).
+MAX_REQUEST_BYTES = 16 * 2**20
+MAX_TEXT_BYTES = 2 * 2**20
+
 # Batches and seeds (the reference server's request limits).
 MAX_SONGS = 16  # lm_batch_size: songs planned together, song i from lm_seed + i
 MAX_VARIATIONS = 9  # synth_batch_size: renderings of one plan, variation j from seed + j

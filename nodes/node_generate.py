@@ -22,8 +22,10 @@ from mm3.constants import (
     DEFAULT_STEPS,
     FRAME_RATE,
     MAX_AUDIO_FRAMES,
+    MAX_CFG,
     MAX_DURATION,
     MAX_PROMPT_TOKENS,
+    MAX_STEPS,
     MAX_VARIATIONS,
 )
 from mm3.synth.flow import AUTO_SHIFT, MAX_SHIFT, WINDOW_FRAMES
@@ -76,13 +78,13 @@ class MM3Generate(io.ComfyNode):
                 io.Int.Input("seed", default=0, min=0, max=DIT_SEED_MAX, control_after_generate=True,
                              tooltip="Picks the rendering of the song: another seed plays the same melody and words "
                                      "with other sound detail. Variation j uses seed + j."),
-                io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=200,
+                io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=MAX_STEPS,
                              tooltip="Denoising steps: more gives cleaner detail and takes longer. "
                                      f"{DEFAULT_STEPS} is the model's own; 20-50 is safe, below 10 sounds thin."),
-                io.Float.Input("lm_cfg", default=DEFAULT_LM_CFG, min=0.0, max=10.0, step=0.05,
+                io.Float.Input("lm_cfg", default=DEFAULT_LM_CFG, min=0.0, max=MAX_CFG, step=0.05,
                                tooltip="How closely the song follows the caption and lyrics. "
                                        f"{DEFAULT_LM_CFG:g} is the model's own; 1-3 is safe, higher can sound forced."),
-                io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=10.0, step=0.05,
+                io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=MAX_CFG, step=0.05,
                                tooltip="How strongly the sound follows the plan and caption. "
                                        f"{DEFAULT_DIT_CFG:g} is the model's own; 1-3 is safe, higher can sound harsh."),
                 io.Int.Input("variations", default=1, min=1, max=MAX_VARIATIONS,

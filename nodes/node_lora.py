@@ -93,6 +93,7 @@ class MM3LoadLoRA(io.ComfyNode):
     def execute(cls, model, lora_name: str, strength: float, attn_qk: float = 1.0, attn_vo: float = 1.0,
                 mlp: float = 1.0) -> io.NodeOutput:
         adapter = read_adapter(lora_path(lora_name))
+        adapter.check_usable()  # NaN or infinite factors or alpha make every output NaN
         kind, base = model.kind, base_of(model)
         if kind not in adapter.kinds:
             held = " and ".join(NAMES[k] for k in adapter.kinds)

@@ -16,9 +16,11 @@ from mm3.constants import (
     DEFAULT_STEPS,
     FRAME_RATE,
     MAX_AUDIO_FRAMES,
+    MAX_CFG,
     MAX_DURATION,
     MAX_PROMPT_TOKENS,
     MAX_SONGS,
+    MAX_STEPS,
     MAX_VARIATIONS,
     SEED_MAX,
 )
@@ -116,7 +118,7 @@ class MM3ARPlan(io.ComfyNode):
                 io.Int.Input("lm_seed", default=0, min=0, max=LM_SEED_MAX, control_after_generate=True,
                              tooltip="Picks the song: the same seed and settings give the same melody, words and "
                                      "arrangement, another seed another song. Song i of a batch uses lm_seed + i."),
-                io.Float.Input("lm_cfg", default=DEFAULT_LM_CFG, min=0.0, max=10.0, step=0.05,
+                io.Float.Input("lm_cfg", default=DEFAULT_LM_CFG, min=0.0, max=MAX_CFG, step=0.05,
                                tooltip="How closely the song follows the caption and lyrics (guidance of the plan). "
                                        f"{DEFAULT_LM_CFG:g} is the model's own; 1-3 is safe, higher can sound forced, "
                                        "1 follows them loosest."),
@@ -219,10 +221,10 @@ def _sampling_inputs(seed_default: int, seed_tooltip: str) -> list:
     return [
         io.Int.Input("seed", default=seed_default, min=0, max=DIT_SEED_MAX, control_after_generate=True,
                      tooltip=seed_tooltip),
-        io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=200,
+        io.Int.Input("steps", default=DEFAULT_STEPS, min=2, max=MAX_STEPS,
                      tooltip="Denoising steps: more gives cleaner detail and takes longer (time grows with the "
                              f"steps). {DEFAULT_STEPS} is the model's own; 20-50 is safe, below 10 sounds thin."),
-        io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=10.0, step=0.05,
+        io.Float.Input("dit_cfg", default=DEFAULT_DIT_CFG, min=0.0, max=MAX_CFG, step=0.05,
                        tooltip="How strongly the sound follows the plan and caption (guidance of the DiT; 1 = "
                                f"conditional only). {DEFAULT_DIT_CFG:g} is the model's own; 1-3 is safe, higher "
                                "can sound harsh."),

@@ -23,6 +23,8 @@ import zlib
 
 import torch
 
+from mm3.bounded import loads
+
 from .logic import AUDIO_REQUESTS_KEY
 
 MAGIC = b"MM3SONGS"
@@ -30,6 +32,7 @@ VERSION = 1
 CARD_WIDTH = 256
 CARD_ROWS = 256  # per song: 196,608 bytes, room for the compressed codes of a 360 s song
 _HEADER = len(MAGIC) + 1 + 4
+MAX_CARD_JSON = 64 * 2**20  # the requests a card holds, inflated (a 360 s song's codes are ~0.5 MB)
 
 
 class SongCardError(ValueError):
@@ -95,7 +98,11 @@ def read_card(card: torch.Tensor) -> dict:
     if n > raw.numel() - _HEADER:
         raise SongCardError(f"a song card says {n} bytes follow, it holds {raw.numel() - _HEADER}")
     try:
-        return json.loads(zlib.decompress(bytes(raw[_HEADER:_HEADER + n].tolist())))
+        inflate = zlib.decompressobj()
+        text = inflate.decompress(bytes(raw[_HEADER:_HEADER + n].tolist()), MAX_CARD_JSON)
+        if inflate.unconsumed_tail:  # a zip bomb, or no card of this pack: its requests are far smaller
+            raise ValueError(f"they inflate past {MAX_CARD_JSON} bytes")
+        return loads(text, "a song card")
     except (zlib.error, ValueError) as e:
         raise SongCardError(f"a song card's contents do not read back ({e})") from None
 

@@ -85,3 +85,19 @@ def test_audio_without_requests_and_what_does_not_fit(cards):
         cards.unpack_songs(torch.zeros(1, 64, 64, 3), joined)
     with pytest.raises(cards.SongCardError, match="song 2: AUDIO \\[2, 2, 9\\]"):
         cards.pack_songs([plain, {"waveform": torch.ones(2, 2, 9), "sample_rate": 44100}])
+
+
+@pytest.mark.parametrize("payload, message", [
+    (b" " * (80 * 2**20), "they inflate past 67108864 bytes"),  # 80 MiB of spaces in a 78 kB card
+    (b"[" * 100000 + b"]" * 100000, "a song card nests 100000 levels deep"),
+], ids=["zip-bomb", "deep"])
+def test_a_hostile_card_is_refused_with_bounded_work(cards, payload, message):
+    import zlib
+
+    body = zlib.compress(payload, 9)
+    head = cards.MAGIC + bytes([cards.VERSION]) + len(body).to_bytes(4, "big")
+    raw = np.zeros(cards.CARD_ROWS * cards.CARD_WIDTH * 3, np.uint8)
+    raw[:len(head) + len(body)] = np.frombuffer(head + body, np.uint8)
+    card = torch.from_numpy(raw.astype(np.float32) / 255).reshape(cards.CARD_ROWS, cards.CARD_WIDTH, 3)
+    with pytest.raises(cards.SongCardError, match=message):
+        cards.read_card(card)

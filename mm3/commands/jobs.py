@@ -16,7 +16,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..constants import FORMAT_EXTENSIONS, RNG_MODES
+from ..bounded import BoundError, read_bytes
+from ..constants import FORMAT_EXTENSIONS, MAX_REQUEST_BYTES, MAX_TEXT_BYTES, RNG_MODES
 from ..synth.output import FileBatch, OutputError, atomic_write, render
 from ..progress import STAGES, Progress
 from ..plan.prompt import CAPTION_REQUIRED, INSTRUMENTAL_LYRICS
@@ -30,6 +31,17 @@ EXTENSIONS = FORMAT_EXTENSIONS
 
 
 # -- request assembly ---------------------------------------------------------------------------
+def _read_input(path: str, limit: int, flag: str) -> bytes:
+    """The bytes of the file a flag names, refused unread past `limit` (a device or a pipe is
+    never read whole)."""
+    try:
+        return read_bytes(path, limit, flag)
+    except BoundError as e:
+        raise RequestError(str(e)) from None
+    except OSError as e:
+        raise RequestError(f"cannot read {flag} {path}: {e.strerror or e}") from None
+
+
 def _request_from_args(args, *, need_text: bool) -> MM3Request:
     """The request of a command: `--request`'s file (if any) with the flags' fields over it, and
     `args.recorded_models`: the *_model fields whose names a replay request (one with audio_codes)
@@ -38,10 +50,7 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
     (--lora replaces them)."""
     args.recorded_models, args.recorded_loras = (), False
     if args.request:
-        try:
-            text = Path(args.request).read_bytes()
-        except OSError as e:
-            raise RequestError(f"cannot read --request {args.request}: {e.strerror}") from None
+        text = _read_input(args.request, MAX_REQUEST_BYTES, "--request")
         try:
             req = MM3Request.from_json(text)
         except RequestError as e:
@@ -61,10 +70,7 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
         path = getattr(args, f"{field}_file", None)
         if path:
             flag = f"--{field}-file"
-            try:
-                data = Path(path).read_bytes()
-            except OSError as e:
-                raise RequestError(f"cannot read {flag} {path}: {e.strerror}") from None
+            data = _read_input(path, MAX_TEXT_BYTES, flag)
             try:
                 overrides[field] = data.decode("utf-8")
             except UnicodeDecodeError as e:

@@ -61,7 +61,8 @@ def delta_norms(applied, shapes: dict[str, tuple[int, int]]) -> dict[str, float]
     for layer, terms in layer_terms(applied, shapes).items():
         down = torch.cat([d.double() for d, _, _ in terms])  # [R, in]
         up = torch.cat([u.double() * s for _, u, s in terms], dim=1)  # [out, R]
-        out[layer] = math.sqrt(max(0.0, float(((up.T @ up) * (down @ down.T)).sum())))
+        square = float(((up.T @ up) * (down @ down.T)).sum())
+        out[layer] = square if math.isnan(square) else math.sqrt(max(0.0, square))  # NaN factors stay NaN
     return out
 
 
@@ -83,7 +84,10 @@ def group_changes(applied, component: Component) -> list[GroupChange]:
 
 
 def warnings_of(changes: list[GroupChange], what: str) -> list[str]:
-    """A warning for each group moved more than `WARN_ABOVE`."""
+    """A warning for each group moved more than `WARN_ABOVE`, or by no finite amount."""
     return [f"{what} changes the {c.group} weights by {100 * c.relative:.1f} % (healthy adapters: 1-5 %; above "
             f"{100 * WARN_ABOVE:.0f} % it tends to sound like a damaged model): lower its strength or that group's"
-            for c in changes if c.relative > WARN_ABOVE]
+            if math.isfinite(c.relative) else
+            f"{what} changes the {c.group} weights by {c.relative} (its factors or alpha are not finite numbers): it "
+            "cannot be used"
+            for c in changes if not c.relative <= WARN_ABOVE]

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..constants import MAX_AUDIO_FRAMES
+
 PENALTIES = ("none", "dry", "frequency", "presence")
 DEFAULT_PENALTY_WINDOW = 320  # frames: ~13 s, a few bars of a loop at typical tempi
 DEFAULT_DRY_MIN_MATCH = 15  # frames: 0.6 s, shorter repeats are musical (a held note, a beat)
@@ -47,10 +49,9 @@ class Shaping:
             if not (math.isfinite(self.penalty_strength) and low <= self.penalty_strength <= high):
                 raise ValueError(f"lm_penalty_strength for {self.penalty} must be in [{low:g}, {high:g}], "
                                  f"got {self.penalty_strength}")
-        if self.penalty_window < 1:
-            raise ValueError(f"lm_penalty_window must be at least 1 frame, got {self.penalty_window}")
-        if self.min_match < 1:
-            raise ValueError(f"lm_dry_min_match must be at least 1 frame, got {self.min_match}")
+        for name, value in (("lm_penalty_window", self.penalty_window), ("lm_dry_min_match", self.min_match)):
+            if not 1 <= value <= MAX_AUDIO_FRAMES:  # a window past the longest song only costs memory
+                raise ValueError(f"{name} must be between 1 and {MAX_AUDIO_FRAMES} frames, got {value}")
         if self.min_frames < 0:
             raise ValueError(f"min_frames must be at least 0, got {self.min_frames}")
 

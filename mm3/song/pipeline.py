@@ -30,11 +30,11 @@ from ..plan.lyrics_align import LyricHeads
 from ..lora.adapter import read_adapter
 from ..lora.attach import Applied, attach, layer_terms
 from ..lora.files import find_lora
-from ..lora.health import base_shapes
+from ..lora.health import base_shapes, group_changes, warnings_of
 from ..lora.keys import KINDS as LORA_KINDS, NAMES as LORA_NAMES
 from ..lora.use import check_entries, use_of
 from .numerics import FAST, Numerics
-from ..files.opener import read_component
+from ..files.opener import open_component, read_component
 from ..progress import Cancelled, Progress
 from ..plan.prompt import Prompt, PromptError, build_prompt, lyrics_sent
 from ..files.registry import Registry
@@ -121,6 +121,18 @@ def _warn_lm_cfg(lm, request: MM3Request) -> None:
                     trained, " (its guidance is distilled)" if trained == 1.0 else "", request.lm_cfg)
 
 
+def _warn_lora_health(applied, path: str, kind: str) -> None:
+    """The health warnings of the adapters on one model (`mm3.lora.health`): the weights read once."""
+    comp = open_component(path, kind)
+    try:
+        changes = group_changes(applied, comp)
+    finally:
+        comp.close()
+    what = applied[0].adapter.name if len(applied) == 1 else f"the {len(applied)} LoRAs together"
+    for w in warnings_of(changes, what):
+        log.warning("%s", w)
+
+
 class Pipeline:
     """Models from `models_dir` (one folder or several), on `device` in `dtype` (auto by default)."""
 
@@ -156,9 +168,12 @@ class Pipeline:
         check_compatible(comps)
         if lyric_heads is not None and "lm" in comps:
             lyric_heads.resolve(comps["lm"].hparams)
-        for kind in LORA_KINDS:  # each adapter fits its model's layers (header shapes)
-            if kind in comps:
-                layer_terms(self.loras(request, kind), base_shapes(comps[kind]))
+        for kind in LORA_KINDS:  # each adapter fits its model's layers (header shapes), and is warned about
+            if kind in comps:  # as `info --base` and the Load LoRA node warn
+                applied = self.loras(request, kind)
+                layer_terms(applied, base_shapes(comps[kind]))
+                if applied:
+                    _warn_lora_health(applied, comps[kind].path, kind)
         prompt = self.prompt(request)
         context = comps["lm"].hparams["max_position_embeddings"] if "lm" in comps else None
         if request.audio_codes:
@@ -218,6 +233,7 @@ class Pipeline:
             if path is None:
                 raise RequestError(f"LoRA {entry['file']} not found (also looked in {', '.join(self.lora_folders)})")
             adapter = read_adapter(path)
+            adapter.check_usable()
             if "component" in entry and entry["component"] not in adapter.kinds:
                 held = " and ".join(LORA_NAMES[k] for k in adapter.kinds)
                 raise RequestError(f"LoRA {entry['file']} changes the {held}, not the {LORA_NAMES[entry['component']]} "

@@ -13,16 +13,19 @@ import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
+from .. import bounded
+from ..bounded import BoundError
 from ..components import MODEL_FIELDS
 from ..constants import (
     DEFAULT_DIT_CFG, DEFAULT_DURATION, DEFAULT_LM_CFG, DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, DEFAULT_RNG,
-    DEFAULT_STEPS, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_DURATION, MAX_SONGS, MAX_VARIATIONS,
-    MP3_BITRATES, OUTPUT_FORMATS, RNG_MODES, SEED_MAX)
+    DEFAULT_STEPS, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_CFG, MAX_DURATION, MAX_PEAK_CLIP, MAX_SONGS,
+    MAX_STEPS, MAX_VARIATIONS, MP3_BITRATES, OUTPUT_FORMATS, RNG_MODES, SEED_MAX, SEMANTIC_VOCAB_SIZE)
 from ..errors import InputError
 from ..synth.flow import AUTO_SHIFT
 from ..plan.lyrics_align import LEAD_SECONDS, LyricHeads, check_lead
 from ..plan.sampling import resolve_seed
-from .settings import DEFAULT_REPAINT_FADE, OutputSettings, RepaintSettings, SynthSettings
+from .settings import (
+    DEFAULT_REPAINT_FADE, MAX_REPAINT_FADE, OutputSettings, RepaintSettings, SynthSettings, check_range)
 from ..plan.shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW
 
 # Fields the reference server does not know; written only when set (`MM3Request.to_dict`).
@@ -98,7 +101,9 @@ class MM3Request:
     @classmethod
     def from_json(cls, text: str | bytes) -> "MM3Request":
         try:
-            data = json.loads(text)
+            data = bounded.loads(text, "the request")
+        except BoundError as e:
+            raise RequestError(f"Malformed JSON: {e}") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RequestError("Malformed JSON") from None
         if not isinstance(data, dict):
@@ -172,6 +177,7 @@ class MM3Request:
             raise RequestError(f"duration must be at least {1 / FRAME_RATE:g} seconds (one frame), got {self.duration:g}")
         if self.steps < 2:
             raise RequestError(f"steps must be at least 2, got {self.steps}")
+        self._check_range("steps", 2, MAX_STEPS)
         if not 1 <= self.lm_batch_size <= MAX_SONGS:
             raise RequestError(f"lm_batch_size must be between 1 and {MAX_SONGS}, got {self.lm_batch_size}")
         if not 1 <= self.synth_batch_size <= MAX_VARIATIONS:
@@ -181,13 +187,16 @@ class MM3Request:
         check_output_format(self.output_format)
         if self.lm_top_k < 1:
             raise RequestError(f"lm_top_k must be at least 1, got {self.lm_top_k}")
+        self._check_range("lm_top_k", 1, SEMANTIC_VOCAB_SIZE)
         for name in ("lm_cfg", "dit_cfg"):
             v = getattr(self, name)
             if not math.isfinite(v):  # NaN / Infinity (JSON 1e400)
                 raise RequestError(f"{name} must be a finite number, got {v}")
-        if self.output_format == "mp3" and self.mp3_bitrate not in MP3_BITRATES:
+            self._check_range(name, 0, MAX_CFG)
+        if self.mp3_bitrate not in MP3_BITRATES:  # whatever the format: the replay file keeps it for an MP3
             raise RequestError(f"mp3_bitrate must be one of {', '.join(map(str, MP3_BITRATES))}, "
                                f"got {self.mp3_bitrate}")
+        self._check_range("peak_clip", 0, MAX_PEAK_CLIP)
         for name in ("seed", "lm_seed"):
             v = getattr(self, name)
             if v < -1 or v > SEED_MAX:
@@ -283,8 +292,11 @@ class MM3Request:
             check_lead(self.lrc_lead)
         except InputError as e:
             raise RequestError(f"lrc_lead: {e}") from None
-        if self.lm_take < -1:
-            raise RequestError(f"lm_take must be -1 (none) or a take number, got {self.lm_take}")
+        from ..plan.takes import MAX_ENDING_ROUNDS, MAX_TAKES
+
+        last = MAX_SONGS * MAX_TAKES * MAX_ENDING_ROUNDS - 1  # takes are numbered over the songs and rounds
+        if not -1 <= self.lm_take <= last:
+            raise RequestError(f"lm_take must be -1 (none) or a take number 0..{last}, got {self.lm_take}")
         if self.continue_codes:
             if self.audio_codes:
                 raise RequestError("a request has either audio_codes (render them) or continue_codes (plan after "
@@ -305,8 +317,15 @@ class MM3Request:
                                    f"{self.repaint_start:g} and {self.repaint_end:g}")
             if self.repaint_fade < 0:
                 raise RequestError(f"repaint_fade must be at least 0 seconds, got {self.repaint_fade:g}")
+            self._check_range("repaint_fade", 0, MAX_REPAINT_FADE)
             if self.repaint_seed < -1 or self.repaint_seed > SEED_MAX:
                 raise RequestError(f"repaint_seed must be -1 (random) or 0..{SEED_MAX}, got {self.repaint_seed}")
+
+    def _check_range(self, name: str, low, high):
+        try:
+            check_range(name, getattr(self, name), low, high)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     def _check_types(self):
         """Fields set from Python (flags, nodes) get the type checks `from_dict` makes on JSON."""

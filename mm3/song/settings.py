@@ -11,11 +11,18 @@ import math
 from dataclasses import dataclass
 
 from ..constants import (
-    DEFAULT_DIT_CFG, DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, DEFAULT_STEPS, MAX_VARIATIONS, MP3_BITRATES,
-    OUTPUT_FORMATS, SEED_MAX)
+    DEFAULT_DIT_CFG, DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, DEFAULT_STEPS, MAX_CFG, MAX_PEAK_CLIP, MAX_STEPS,
+    MAX_VARIATIONS, MP3_BITRATES, OUTPUT_FORMATS, SEED_MAX)
 from ..synth.flow import AUTO_SHIFT, check_shift
 
 DEFAULT_REPAINT_FADE = 0.25  # seconds of crossfade inside each edge of a repainted range
+MAX_REPAINT_FADE = 10.0
+
+
+def check_range(name: str, value, low, high) -> None:
+    """A ValueError naming `name` unless `low <= value <= high` (NaN is outside every range)."""
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low:g} and {high:g}, got {value if isinstance(value, int) else f'{value:g}'}")
 
 
 def _check_seed(name: str, seed) -> None:
@@ -38,8 +45,10 @@ class SynthSettings:
         _check_seed("seed", self.seed)
         if self.steps < 2:
             raise ValueError(f"steps must be at least 2, got {self.steps}")
+        check_range("steps", self.steps, 2, MAX_STEPS)
         if not math.isfinite(self.dit_cfg):
             raise ValueError(f"dit_cfg must be a finite number, got {self.dit_cfg}")
+        check_range("dit_cfg", self.dit_cfg, 0, MAX_CFG)
         if not 1 <= self.variations <= MAX_VARIATIONS:
             raise ValueError(f"synth_batch_size must be between 1 and {MAX_VARIATIONS}, got {self.variations}")
         if self.shift != AUTO_SHIFT:
@@ -64,6 +73,7 @@ class RepaintSettings:
                              f"{self.end:g}")
         if self.fade < 0:
             raise ValueError(f"repaint_fade must be at least 0 seconds, got {self.fade:g}")
+        check_range("repaint_fade", self.fade, 0, MAX_REPAINT_FADE)
 
 
 @dataclass(frozen=True)
@@ -78,5 +88,6 @@ class OutputSettings:
     def __post_init__(self):
         if self.format not in OUTPUT_FORMATS:
             raise ValueError(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {self.format!r}")
-        if self.format == "mp3" and self.mp3_bitrate not in MP3_BITRATES:
+        if self.mp3_bitrate not in MP3_BITRATES:  # whatever the format: a replay file may be rendered as MP3
             raise ValueError(f"mp3_bitrate must be one of {', '.join(map(str, MP3_BITRATES))}, got {self.mp3_bitrate}")
+        check_range("peak_clip", self.peak_clip, 0, MAX_PEAK_CLIP)

@@ -51,9 +51,10 @@ def describe_lora(path: str, bases: list[str], strength: float = 1.0) -> dict:
     adapter = read_adapter(path)
     out = {"file": path, "lora": True, "layout": adapter.layout, "components": list(adapter.kinds),
            "modules": len(adapter.modules), "ranks": list(adapter.ranks()),
-           "scales": sorted({m.scale for m in adapter.modules}), "groups": {k: list(adapter.groups(k))
-                                                                             for k in adapter.kinds},
-           "strength": strength, "warn_above": WARN_ABOVE, "changes": []}
+           "scales": sorted({m.scale for m in adapter.modules if math.isfinite(m.scale)})
+           + sorted({str(m.scale) for m in adapter.modules if not math.isfinite(m.scale)}),
+           "groups": {k: list(adapter.groups(k)) for k in adapter.kinds},
+           "strength": strength, "warn_above": WARN_ABOVE, "warnings": list(adapter.problems), "changes": []}
     fitting = [(base, k) for base in bases for k in kinds_of(base)[:2] if k in adapter.kinds]
     if bases and not fitting:
         held = ", ".join(f"{b} ({' and '.join(DESCRIPTIONS[k] for k in kinds_of(b)) or 'no component'})" for b in bases)
@@ -75,11 +76,13 @@ def describe_lora(path: str, bases: list[str], strength: float = 1.0) -> dict:
 def _print_lora(d: dict):
     print(d["file"])
     comps = " and ".join(NAMES[k] for k in d["components"])
-    scales = ", ".join(f"{s:g}" for s in d["scales"])
+    scales = ", ".join(s if isinstance(s, str) else f"{s:g}" for s in d["scales"])
     print(f"  LoRA        {comps}, {d['layout']} names, {d['modules']} modules, rank "
           f"{', '.join(map(str, d['ranks']))}, scale (alpha / rank) {scales}")
     for kind, groups in d["groups"].items():
         print(f"  {kind + ' groups':11s} {', '.join(groups)}")
+    for w in d["warnings"]:
+        print(f"  warning: {w}")
     for change in d["changes"]:
         print(f"  change of {change['base']} at strength {d['strength']:g} (||s B A|| / ||W||):")
         for g in change["groups"]:

@@ -1,7 +1,9 @@
 """Writing small GGUF files for tests: new ones with gguf-py (the format's reference writer), and
 rewritten copies of the tiny model's files with one thing changed."""
 
+import json
 import shutil
+import struct
 from pathlib import Path
 
 import gguf
@@ -145,3 +147,64 @@ def published_size_copy(src, dst, size: float, qtype=gguf.GGMLQuantizationType.F
     with open(dst, "r+b") as out:
         out.truncate(end + blocks * nbytes)
     return Path(dst)
+
+
+# -- hostile files, byte by byte ------------------------------------------------------------------
+def gguf_string(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def nested_array_gguf(depth: int, arch: str = "mm3-dit") -> bytes:
+    """A GGUF header (no tensors) whose first metadata value nests arrays `depth` deep (each holding
+    one array, the innermost an empty uint8 array), then `general.architecture`."""
+    array, uint8, string = (int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.UINT8),
+                            int(gguf.GGUFValueType.STRING))
+    kv = gguf_string("junk.nested") + struct.pack("<I", array)
+    kv += struct.pack("<IQ", array, 1) * (depth - 1) + struct.pack("<IQ", uint8, 0)
+    kv += gguf_string("general.architecture") + struct.pack("<I", string) + gguf_string(arch)
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + kv
+
+
+def tensor_table(data: bytes) -> list[tuple[str, int, int]]:
+    """Each tensor of GGUF bytes `data` as (name, position of its type id, position of its offset):
+    where to patch a tensor table. Walks the metadata with the format's own value sizes."""
+    pos = 8
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, pos)
+    pos += 16
+
+    def skip_string(p):
+        return p + 8 + struct.unpack_from("<Q", data, p)[0]
+
+    def skip_value(p, vtype):
+        if vtype == gguf.GGUFValueType.STRING:
+            return skip_string(p)
+        if vtype == gguf.GGUFValueType.ARRAY:
+            etype, count = struct.unpack_from("<IQ", data, p)
+            p += 12
+            for _ in range(count):
+                p = skip_value(p, etype)
+            return p
+        return p + {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}[vtype]
+
+    for _ in range(n_kv):
+        pos = skip_string(pos)
+        (vtype,) = struct.unpack_from("<I", data, pos)
+        pos = skip_value(pos + 4, vtype)
+    out = []
+    for _ in range(n_tensors):
+        n = struct.unpack_from("<Q", data, pos)[0]
+        name = data[pos + 8:pos + 8 + n].decode()
+        pos += 8 + n
+        (n_dims,) = struct.unpack_from("<I", data, pos)
+        pos += 4 + 8 * n_dims
+        out.append((name, pos, pos + 4))
+        pos += 12
+    return out
+
+
+def write_safetensors(path, header, data: bytes = b"") -> Path:
+    """A safetensors file from a header (any JSON value, or raw bytes) and data bytes, unchecked."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    Path(path).write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return Path(path)

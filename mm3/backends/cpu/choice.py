@@ -33,6 +33,7 @@ from typing import Callable, Protocol
 import torch
 
 from ... import switches
+from ...bounded import MAX_RECORD_BYTES, loads, read_bytes
 from ...cache_dir import cache_dir, clear_stale, writable
 from ...progress import Cancelled, Progress
 from ...weights.copies import cache_dequantized, put_back, set_aside
@@ -215,7 +216,7 @@ def _read() -> dict:
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads(read_bytes(path, MAX_RECORD_BYTES, "the cache record"), "the cache record")
         if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("choices"), dict):
             raise ValueError("not a cache of this version")
         return data["choices"]
@@ -237,7 +238,7 @@ def cached(cache_key: str) -> Choice | None:
         return None
     try:
         return Choice.from_json(entry)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # AttributeError: a list where a mapping goes
         log.warning("ignoring the cached CPU product choice for this machine in %s (%s); timing again",
                     cache_file(), e)
         return None

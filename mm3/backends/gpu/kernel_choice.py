@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from ...bounded import MAX_RECORD_BYTES, loads, read_bytes
 from ...cache_dir import cache_dir, clear_stale, writable
 from . import device_layout, kernels, layout_kernels
 from ...formats.gguf.quants import random_blocks
@@ -42,8 +43,9 @@ def family(qtype: QT, n: int, k: int, device: torch.device) -> str | None:
         return None
     key = f"{qtype.name}/{n}x{k}"
     record = _records(device)
-    known = record.get(key, {}).get("family")
-    if known in fits or (known is None and key in record):
+    entry = record.get(key)
+    known = entry.get("family") if isinstance(entry, dict) else None  # another value: a damaged entry, timed again
+    if (isinstance(known, str) and known in fits) or (known is None and isinstance(entry, dict)):
         return known
     times = measure(qtype, n, k, device, fits)
     chosen = min(times, key=times.get) if times else None
@@ -120,10 +122,13 @@ def choices_path() -> Path:
 
 
 def _load() -> dict:
+    """The record of every machine's choices; one that cannot be read (damaged, nested past the
+    bound, or not an object of objects) is taken as empty and rewritten by the next choice."""
     try:
-        return json.loads(choices_path().read_text())
+        data = loads(read_bytes(choices_path(), MAX_RECORD_BYTES, "the kernel choices"), "the kernel choices")
     except (OSError, ValueError):
         return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
 
 
 _RECORDS: dict = {}  # machine key -> its choices, read once per process

@@ -24,6 +24,7 @@ from .errors import GGUFFormatError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32  # gguf spec default when `general.alignment` is absent
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: ggml's own reader takes none, gguf-py any; a few are plenty
 
 _SCALARS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
@@ -161,7 +162,7 @@ class _Cursor:
         except ValueError:
             raise GGUFFormatError(f"{self.path}: unknown metadata value type {t} for {what}") from None
 
-    def value(self, vtype: GGUFValueType, key: str):
+    def value(self, vtype: GGUFValueType, key: str, depth: int = 0):
         if vtype == GGUFValueType.STRING:
             return self.string(key)
         if vtype in _SCALARS:
@@ -170,6 +171,8 @@ class _Cursor:
             raise GGUFFormatError(f"{self.path}: unsupported value type {vtype} for {key}")
         etype = self.value_type(key)
         count = self.scalar("<Q", key)
+        if etype == GGUFValueType.ARRAY and depth + 1 >= MAX_ARRAY_DEPTH:
+            raise GGUFFormatError(f"{self.path}: metadata {key} nests arrays more than {MAX_ARRAY_DEPTH} deep")
         if etype == GGUFValueType.STRING:
             start = self.pos
             skip = struct.Struct("<Q").unpack_from
@@ -187,7 +190,9 @@ class _Cursor:
             arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
             self.pos += dt.itemsize * count
             return arr.tolist()
-        return [self.value(etype, f"{key}[{i}]") for i in range(count)]
+        if count * 12 > self.size - self.pos:  # an element array's type and count alone take 12 bytes
+            self.need(count * 12, key)
+        return [self.value(etype, f"{key}[{i}]", depth + 1) for i in range(count)]
 
 
 class GGUFFile:
@@ -260,6 +265,7 @@ class GGUFFile:
         align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise GGUFFormatError(f"{self.path}: general.alignment {align!r} is not a power of two")
+        self.alignment = align
         self.data_offset = (c.pos + align - 1) // align * align
         self.tensors: dict[str, CompressedTensor] = {}
         self._infos = infos
@@ -267,13 +273,24 @@ class GGUFFile:
 
     def _map_tensors(self, view: bool = True):
         """Check every tensor's type and extent (so a header-only open also finds a file truncated in
-        its tensor data); with `view`, expose each as a CompressedTensor over the mapping."""
+        its tensor data) and the layout ggml's loader demands: each tensor's data where the one
+        before it ends, padded to the alignment, so no two overlap and each one's size is its type's
+        and shape's (a type id changed so that a tensor still fits moves every later offset). With
+        `view`, expose each as a CompressedTensor over the mapping."""
         base = torch.frombuffer(self._map, dtype=torch.uint8) if self.file_size and view else None
         seen = set()
+        expected, before = 0, "the data section's start"
         for name, shape, qtype, offset in self._infos:
             if qtype not in GGML_QUANT_SIZES:
                 raise GGUFFormatError(f"{self.path}: tensor {name} has GGML type {qtype.name} with no known block size")
             nbytes = tensor_nbytes(qtype, shape, f"{self.path}: tensor {name}")
+            if offset != expected:
+                raise GGUFFormatError(
+                    f"{self.path}: tensor {name} is at data offset {offset}, expected {expected} (where {before} "
+                    f"ends): the tensors' data must follow each other in table order, each padded to "
+                    f"{self.alignment} bytes (a damaged tensor table, or a tensor's type or shape changed)")
+            expected += (nbytes + self.alignment - 1) // self.alignment * self.alignment
+            before = f"tensor {name} ({qtype.name} {list(shape)})"
             start = self.data_offset + offset
             if start + nbytes > self.file_size:
                 raise GGUFFormatError(
