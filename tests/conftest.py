@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a CUDA device the fused kernels run under Triton's interpreter (tests/test_kernels.py). It
+# Without a CUDA device the fused kernels run under Triton's interpreter (tests/backends/gpu/test_kernels.py). It
 # is chosen when Triton is first imported, so it is set here, before any test imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Whether the DiT computes in bfloat16 on the CPU depends on the processor (mm3.backends.cpu.bf16); the
-# parity tests compare float32 runs, so the suite pins it off and tests/test_cpu_bf16.py turns it on.
+# parity tests compare float32 runs, so the suite pins it off and tests/backends/cpu/test_cpu_bf16.py turns it on.
 os.environ["MM3_CPU_BF16"] = "off"
 
 # The CPU product form of the AR stage is measured on the machine (mm3.backends.cpu.choice) and decides the

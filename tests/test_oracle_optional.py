@@ -19,7 +19,7 @@ def test_reference_tests_skip_without_diffusers(tmp_path):
     (blocker / "__init__.py").write_text(
         'raise ModuleNotFoundError("No module named \'diffusers\' (blocked by a test)", name="diffusers")\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ar.py", "-k",
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/plan/test_ar.py", "-k",
                           "equal_reference or bit_exact or real_id_layout"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

@@ -21,8 +21,8 @@ from .cpu import forms as cpu_forms
 from .cpu import steps as cpu_steps
 from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, skip_draws, top_k_draw
 
-__all__ = ["held_parts", "rms_norm", "lookup", "prepare_attention", "short_attention", "lm_layer", "depth_blocks", "top_k_draw",
-           "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
+__all__ = ["held_parts", "rms_norm", "lookup", "prepare_attention", "short_attention", "lm_layer", "depth_blocks",
+           "top_k_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
 _HELD: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()

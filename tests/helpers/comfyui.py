@@ -34,7 +34,7 @@ def other_packs(name: str) -> set[str]:
             if node["class_type"].startswith(prefix)}
 
 
-# The shipped workflows that need nothing but this pack and ComfyUI (the others: tests/test_comfyui_distributed.py).
+# The shipped workflows that need nothing but this pack and ComfyUI (the others: tests/nodes/test_comfyui_distributed.py).
 OWN_WORKFLOWS = sorted(p.stem for p in API_DIR.glob("*.json") if not other_packs(p.stem))
 
 

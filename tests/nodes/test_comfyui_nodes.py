@@ -1,5 +1,5 @@
-"""The ComfyUI node layer in a real ComfyUI (the node logic alone: tests/test_node_logic.py; the
-editor side: tests/test_editor.py).
+"""The ComfyUI node layer in a real ComfyUI (the node logic alone: tests/nodes/test_node_logic.py; the
+editor side: tests/nodes/test_editor.py).
 
 It starts a real ComfyUI (COMFYUI_PATH, interpreter COMFYUI_PYTHON) once for the module, with
 this pack linked into its custom_nodes and tiny GGUFs in models/mm3, and drives it over HTTP and
@@ -23,10 +23,11 @@ from mm3.song.pipeline import Pipeline
 from mm3.song.request import MM3Request
 from tests.helpers.comfy_server import cached_nodes, executed_nodes
 from tests.helpers.comfy_workflows import api_from_ui, schema_problems
-from tests.helpers.comfyui import (API_DIR, CAPTION, COMFYUI_PATH, LOADER_ARCH, LYRICS, OWN_WORKFLOWS, SET_KEYS,
-                                   audio_entries, needs_comfy, other_packs, read_wav, run, tiny_workflow)
+from tests.helpers.comfyui import (
+    API_DIR, CAPTION, COMFYUI_PATH, LOADER_ARCH, LYRICS, OWN_WORKFLOWS, SET_KEYS, audio_entries, needs_comfy,
+    other_packs, read_wav, run, tiny_workflow)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 LOADER_INPUTS = ["model_name", "keep_loaded"]
@@ -152,7 +153,7 @@ def test_ui_workflows_convert_to_the_api_ones(comfy):
     info = comfy.get("/object_info")
     names = sorted(p.stem for p in API_DIR.glob("*.json"))
     assert sorted(comfy.get("/workflow_templates")["ComfyUI-MM3-GGUF"]) == names
-    # The workflows for ComfyUI-Distributed convert where its nodes are known (tests/test_comfyui_distributed.py).
+    # The workflows for ComfyUI-Distributed convert where its nodes are known (tests/nodes/test_comfyui_distributed.py).
     assert {n: other_packs(n) for n in names if n not in OWN_WORKFLOWS} == {
         "songs_across_workers": {"ComfyUI-Distributed"}, "variations_across_workers": {"ComfyUI-Distributed"}}
     for name in OWN_WORKFLOWS:

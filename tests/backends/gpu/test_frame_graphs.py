@@ -26,7 +26,7 @@ def models(tiny):
     from mm3.models.depth import RVQDepthDecoder
     from mm3.models.lm import Qwen3LM
 
-    from tests.test_kernels import _Requantized
+    from tests.backends.gpu.test_kernels import _Requantized
 
     lm_c, d_c = open_component(tiny.file("mm3-lm"), expect="lm"), open_component(tiny.file("mm3-depth"), expect="depth")
     try:  # float vectors stay views of the files: open while the models run

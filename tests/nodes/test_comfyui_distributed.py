@@ -19,7 +19,7 @@ from tests.helpers.comfy_workflows import api_from_ui, schema_problems
 from tests.helpers.comfyui import API_DIR, audio_entries, read_wav, run, tiny_workflow
 from tests.helpers.distributed import Cluster, distributed_missing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WHY = distributed_missing()
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
 DISTRIBUTED_WORKFLOWS = ["songs_across_workers", "variations_across_workers"]

@@ -19,8 +19,8 @@ from mm3.backends.gpu import kernel_choice, kernels, layout_kernels, placement
 from mm3.backends import products
 from mm3.weights import layers as gguf_ops
 from mm3.weights.copies import compressed_nbytes
-from tests.test_layout_kernels import DEVICE
-from tests.test_layout_kernels import weight as layout_weight
+from tests.backends.gpu.test_layout_kernels import DEVICE
+from tests.backends.gpu.test_layout_kernels import weight as layout_weight
 
 Q = gguf.GGMLQuantizationType
 pytest.importorskip("triton", reason="this torch installation has no Triton")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 JS_APP = """export const app = { extensions: [], registerExtension(e) { this.extensions.push(e); },
   extensionManager: { tabs: [], registerSidebarTab(t) { this.tabs.push(t); } } };"""

@@ -28,9 +28,9 @@ import pytest
 from tests.helpers.comfy_server import ComfyServer
 from tests.helpers.comfyui import API_DIR, COMFYUI_PATH, OWN_WORKFLOWS, needs_comfy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACK = "ComfyUI-MM3-GGUF"
-WORKFLOWS = OWN_WORKFLOWS  # those for ComfyUI-Distributed need its nodes (tests/test_comfyui_distributed.py)
+WORKFLOWS = OWN_WORKFLOWS  # those for ComfyUI-Distributed need its nodes (tests/nodes/test_comfyui_distributed.py)
 TEMPLATES = sorted(p.stem for p in API_DIR.glob("*.json"))
 PACK_WARNINGS = ("[ComfyUI Notice]", "[ComfyUI Deprecated]", "[DEPRECATED]", "Unhandled message", "mm3", "MM3")
 pytestmark = pytest.mark.slow

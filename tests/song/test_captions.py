@@ -22,7 +22,7 @@ from mm3.plan.prompt import Prompt, clean_caption, count_tokens, normalize_lyric
 from tests.helpers.comfyui import CAPTION as HELPER_CAPTION
 from tests.helpers.comfyui import COMFYUI_PATH, import_pack, needs_comfy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OLD_DEFAULT = ("<|genre indie pop|> <|mood bright, hopeful|>\nUpbeat indie pop with jangly electric guitars, punchy "
                "live drums, warm synth pads and a round bass line. Clear female lead vocal, airy harmonies in the "
                "chorus. 118 BPM, G major.")

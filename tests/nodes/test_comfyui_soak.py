@@ -6,7 +6,7 @@ ComfyUI would answer an identical prompt from its cache, so between runs the tes
 `/free {"unload_models": true, "free_memory": true}`: the server unloads every model and resets its
 executor (cache included), and the next prompt is the same one, run from scratch.
 
-Needs COMFYUI_PATH (and COMFYUI_PYTHON) like tests/test_comfyui_nodes.py; run alone with `-s` to see
+Needs COMFYUI_PATH (and COMFYUI_PYTHON) like tests/nodes/test_comfyui_nodes.py; run alone with `-s` to see
 the server's RSS after runs 1, 5 and 10.
 """
 

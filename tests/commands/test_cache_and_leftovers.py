@@ -21,7 +21,7 @@ from mm3.commands.main import main as cli_main
 from mm3.backends.cpu import native as cpu_native
 from mm3.files.registry import Registry
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SONG = ["--caption", "a", "--lyrics", "b", "--duration", "2", "--steps", "2", "--seed", "1", "--lm-seed", "1",
         "--quiet", "--format", "wav16"]
 needs_compiler = pytest.mark.skipif(cpu_native.build() is None,

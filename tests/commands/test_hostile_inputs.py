@@ -27,18 +27,13 @@ from mm3.lora.adapter import AdapterError, pattern_problem, read_adapter
 from mm3.files.registry import Registry
 from mm3.song.request import MM3Request, RequestError
 from mm3.song.settings import OutputSettings, SynthSettings
-from tests.helpers.gguf_util import (
-    models_with,
-    nested_array_gguf,
-    tensor_table,
-    write_safetensors,
-)
+from tests.helpers.gguf_util import models_with, nested_array_gguf, tensor_table, write_safetensors
 from tests.helpers.lora_files import dit_modules, write_lora
-from tests.test_bad_input import FAST, fails
-from tests.test_fuzz_gguf import deadline
+from tests.commands.test_bad_input import FAST, fails
+from tests.formats.test_fuzz_gguf import deadline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 DIT = "MiniMax-Music3-tiny-transformer-F32.gguf"
 TEXT = ["--caption", "a", "--lyrics", "b"]
 LORA_KEY = "transformer.proj_in"  # a DiT layer in diffusers' names: 64 in, 64 out in the tiny model

@@ -22,7 +22,7 @@ from mm3.files.registry import Registry
 from mm3.song.request import MM3Request
 from tests.helpers import foreign_layouts as F
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FOLDER_OF = {"lm": "language_model", "depth": "rvq_depth_decoder", "cond": "condition_encoder", "dit": "transformer",
              "vae": "vocoder"}
 REQUEST = dict(caption="warm lo-fi, dusty drums", lyrics="[verse] rain on the window", duration=1.6, steps=2,

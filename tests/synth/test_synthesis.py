@@ -24,8 +24,7 @@ from mm3.models.vocoder import Vocoder, channels_last
 from mm3.progress import Cancelled, Progress
 
 pytest.importorskip("diffusers")
-from tests.helpers.reference_synth import (load_reference, reference_decode,  # noqa: E402
-                                           reference_denoise, rel_err)
+from tests.helpers.reference_synth import load_reference, reference_decode, reference_denoise, rel_err
 
 REL = 1e-5  # latents, velocities, conditions: relative to the largest reference value
 CHANNELS_LAST_SLACK = 3  # channels-last against the reference's layout, errors from a float64 decode

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,8 @@ $L__BB0_1:
 }
 """
 
+REPO = str(Path(__file__).resolve().parents[3])
+
 
 def test_loads_are_traced_to_their_pointer_parameters():
     """Address chains through moves, arithmetic and a loop's reassignments reach the weight's
@@ -66,7 +69,7 @@ def test_occupancy_follows_the_tightest_limit():
 
 def test_the_command_refuses_an_unknown_architecture():
     done = subprocess.run([sys.executable, "-m", "mm3", "kernels", "--report", "--arch", "75"],
-                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+                          capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 2 and "--arch 75: expected one of 80, 89, 90" in done.stderr
 
 
@@ -112,7 +115,7 @@ def test_every_layout_kernel_meets_the_targets(arch):
 def test_the_command_prints_json():
     done = subprocess.run([sys.executable, "-m", "mm3", "kernels", "--report", "--arch", "90", "--family", "layout",
                            "--types", "Q8_0", "--shape", "decode", "--json", "-"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.dirname(__file__)), timeout=900)
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))), timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(done.stdout)
     assert row["name"] == "layout/Q8_0/decode" and row["weight_load_bytes_by_width"] == {"16": 1.0}

@@ -19,7 +19,7 @@ from mm3.song.request import MM3Request
 from mm3.song.settings import SynthSettings
 from tests.helpers.comfyui import CAPTION, LYRICS, import_pack
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def pack():

@@ -24,7 +24,7 @@ from mm3.models.dit import FlowDiT
 from mm3.song.pipeline import Pipeline
 from tests.helpers.comfyui import COMFYUI_PATH, needs_comfy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def test_many_rows_of_an_ar_layer_multiply_in_bfloat16_when_set(qtype):
     from gguf import GGMLQuantizationType as Q
     from mm3.weights import layers as gguf_ops
     from mm3.backends import products
-    from tests.test_cpu_int4 import _layer
+    from tests.backends.cpu.test_cpu_int4 import _layer
 
     layer, values = _layer(Q[qtype], 64, 256, 1)
     parts = [_layer(Q[qtype], n, 256, 2 + n)[0] for n in (32, 48)]

@@ -2,7 +2,7 @@
 (a new Pipeline each time, strict memory mode: every model loaded and released per run, files
 written). Same seeds must give the same bytes every time, and resident memory must stay flat.
 
-Run alone to see the numbers: `python -m pytest -q -s tests/test_soak.py` prints the RSS after
+Run alone to see the numbers: `python -m pytest -q -s tests/commands/test_soak.py` prints the RSS after
 runs 1, 10 and 20.
 """
 

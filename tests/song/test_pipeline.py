@@ -18,7 +18,7 @@ from mm3.song.pipeline import Pipeline
 from mm3.progress import Cancelled, Progress
 from mm3.song.request import MM3Request
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CAPTION = "## Mood\n- **dark** synth pop\n<|bpm 120|>"
 LYRICS = "[Verse] dropped\nneon lights ^ falling rain\n[Chorus]\nwe run"
 
