@@ -30,7 +30,8 @@ from . import choice, matmul
 
 NATIVE_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's, where this torch has them
 TIMED_ROWS = 512  # the rows a timed product multiplies: a DiT window's and a prompt's order (hundreds)
-ROUNDS = 3  # each dtype's products timed this many times, alternating; the fastest round counts
+ROUNDS = 3  # each form's products timed this many times, alternating; the fastest round counts
+BUDGET_SECONDS = 10.0  # rounds after the first stop once the timing has taken this long
 PAYS = 0.9  # a form other than plain float32 serves where it takes at most this share of float32's time
 FORMS = ("float32", "onednn", "bfloat16")  # the default library's float32, oneDNN's float32, bfloat16 tensors
 
@@ -98,8 +99,12 @@ def many_rows_bf16(device, dtype: torch.dtype, dit_compute: torch.dtype | None =
 
 
 def products(model: torch.nn.Module) -> Counter:
-    """The [out, in] shapes of `model`'s linear products, with how many of each it runs."""
-    return Counter((m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear))
+    """The [out, in] shapes of `model`'s linear products that its blocks repeat (the bulk of its
+    work; a one-off such as a vocabulary head is left out), with how many of each it runs; every
+    shape where none repeats."""
+    shapes = Counter((m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear))
+    repeated = Counter({shape: count for shape, count in shapes.items() if count > 1})
+    return repeated or shapes
 
 
 def candidates(with_bf16: bool | None = None) -> tuple[str, ...]:
@@ -154,10 +159,13 @@ def time_products(shapes: Counter, among: tuple[str, ...] = FORMS, rows: int = T
                 total += (time.perf_counter() - start) * count
         return total * 1e3
 
+    start = time.perf_counter()
     with torch.inference_mode():
         for form in runs:  # once each before timing: oneDNN's first call builds its kernels
             one_pass(form)
         for _ in range(ROUNDS):
             for form in runs:
                 best[form] = min(best[form], one_pass(form))
+            if time.perf_counter() - start > BUDGET_SECONDS:
+                break
     return best
