@@ -3,7 +3,7 @@ layout (`mm3.backends.gpu.device_layout`), which replaces the blocks where the l
 weight (`kernel_choice.family` says "layout"). So a memory manager that moves a layer moves the
 layout itself and counts its bytes: there is one copy of the weight on the device.
 
-`mm3.weights.layers.WeightSlots._apply` asks `settle` for every slot it moves (a layer sent back to the
+`mm3.weights.slots.WeightSlots._apply` asks `settle` for every slot it moves (a layer sent back to the
 CPU gets its file view back; a layout reaching a device where it does not serve turns back into the
 blocks, bit for bit); `file_form` gives the blocks of a layout to whatever reads the file's form
 (a dequantization per use, a copy to another device). `relayout` settles a model where it is (after
