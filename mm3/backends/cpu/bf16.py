@@ -80,10 +80,12 @@ def dit_dtype(device, dtype: torch.dtype, model: torch.nn.Module | None = None) 
 def onednn_pays(device, compute: torch.dtype, model: torch.nn.Module) -> bool:
     """Whether `model`'s float32 products on `device` (computing in `compute`) go to oneDNN: on the
     CPU, where oneDNN's float32 is exact to float32 there (`matmul.onednn_matmul`'s probe) and the
-    fastest form of the model's products (`measured`)."""
+    fastest form of the model's products (`measured`: the same timing as the compute dtype's where
+    no rule fixed that, else float32 against oneDNN's alone)."""
     if torch.device(device).type != "cpu" or compute != torch.float32 or not matmul.accurate():
         return False
-    return measured(model, ("float32", "onednn")) == "onednn"
+    among = None if ruled(device, torch.float32) is None else ("float32", "onednn")
+    return measured(model, among) == "onednn"
 
 
 def many_rows_bf16(device, dtype: torch.dtype, dit_compute: torch.dtype | None = None,

@@ -20,6 +20,7 @@ timed; otherwise the chosen count serves the AR stage (`threads`) and is given b
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -125,8 +126,9 @@ def _label(forms: dict[str, str], threads: int | None) -> str:
 
 
 # -- the machine ----------------------------------------------------------------------------------
+@functools.cache
 def processor() -> str:
-    """The processor's model name (Linux: /proc/cpuinfo; elsewhere what Python reports)."""
+    """The processor's model name (Linux: /proc/cpuinfo; elsewhere what Python reports), read once."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
