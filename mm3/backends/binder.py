@@ -8,10 +8,9 @@ from __future__ import annotations
 import torch
 
 from ..weights.binding import Portable
-from . import products
+from . import products, steps
 from .cpu import forms as cpu_forms
 from .cpu import int4 as cpu_int4
-from .cpu import steps as cpu_steps
 from .gpu import custom_ops, placement
 
 
@@ -37,7 +36,7 @@ class Backends(Portable):
         return placement.file_form(layer, name, value)
 
     def rows(self, table: torch.Tensor, qtype, ids: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-        rows = cpu_steps.lookup(table, qtype, ids, width)  # few rows in one call of the CPU library
+        rows = steps.lookup(table, qtype, ids.reshape(-1), width, dtype)  # few rows in one call of a back end
         if rows is not None:
             return rows.to(dtype).view(*ids.shape, -1)
         raw = table[ids.reshape(-1)]

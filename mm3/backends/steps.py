@@ -19,7 +19,9 @@ import torch
 from . import products
 from .cpu import forms as cpu_forms
 from .cpu import steps as cpu_steps
-from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, skip_draws, top_k_draw
+from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, skip_draws
+from .gpu import steps as gpu_steps
+from .gpu.emulation import cpu_path, gpu_path
 
 __all__ = ["held_parts", "rms_norm", "lookup", "prepare_attention", "short_attention", "lm_layer", "depth_blocks",
            "top_k_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
@@ -38,30 +40,45 @@ def held_parts(owner: torch.nn.Module):
 
 def _whole_steps(x: torch.Tensor) -> bool:
     """Whether a back end may run a whole step on `x`: the CPU library, outside tracing."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+    return cpu_path(x) and not torch.compiler.is_compiling()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of x's rows by `weight` in one call, or None."""
-    return cpu_steps.rms_norm(x, weight, eps) if x.device.type == "cpu" else None
+    if cpu_path(x):
+        return cpu_steps.rms_norm(x, weight, eps)
+    return gpu_steps.rms_norm(x, weight, eps) if gpu_path(x) else None
 
 
-def lookup(table: torch.Tensor, qtype, ids: torch.Tensor, k: int) -> torch.Tensor | None:
-    """A few rows `ids` of a quantized table dequantized in one call ([len(ids), k] float32), or None."""
-    return cpu_steps.lookup(table, qtype, ids, k) if table.device.type == "cpu" else None
+def lookup(table: torch.Tensor, qtype, ids: torch.Tensor, k: int,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """A few rows `ids` [n] of a quantized table dequantized in one call ([n, k]: float32 from the CPU
+    back end, `dtype` from the GPU one), or None."""
+    if cpu_path(table):
+        return cpu_steps.lookup(table, qtype, ids, k)
+    return gpu_steps.lookup(table, qtype, ids, k, dtype) if gpu_path(table) else None
 
 
 def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, at: int):
     """An LM decode step's q/k norms, rotation and cache write at `at` in one call -> the rotated
     queries [B, heads, 1, D], or None (nothing written)."""
-    if q.device.type != "cpu":
+    if not cpu_path(q):
         return None
     return cpu_steps.decode_prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, at)
 
 
 def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
     """The depth decoder's attention of new rows over its short cache (written at `at`), or None."""
-    return cpu_steps.attend(q, k, v, cache_k, cache_v, at, scale) if q.device.type == "cpu" else None
+    return cpu_steps.attend(q, k, v, cache_k, cache_v, at, scale) if cpu_path(q) else None
+
+
+def top_k_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int, q: torch.Tensor,
+               excluded: torch.Tensor | None = None, gate: bool = False) -> torch.Tensor | None:
+    """A guided top-k draw in one call (`mm3.backends.cpu.steps.top_k_draw` says what it computes)
+    -> [songs] int64, or None."""
+    if cpu_path(logits):
+        return cpu_steps.top_k_draw(logits, rows_per_song, cfg, top_k, q, excluded, gate)
+    return gpu_steps.top_k_draw(logits, rows_per_song, cfg, top_k, q, excluded, gate) if gpu_path(logits) else None
 
 
 def _parts(owner: torch.nn.Module, blocks: list[tuple], dtype: torch.dtype, device: torch.device):

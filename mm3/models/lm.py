@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..backends import steps
+from ..backends.gpu.emulation import cpu_path
 from ..weights import layers as default_ops
 from ..formats.gguf.errors import ComponentError
 from ..weights.layers import Fused, Linear, fused_layers, load_tensors
@@ -227,7 +228,7 @@ class Qwen3Attention(nn.Module):
         keys, values, mask, causal = cache.attended(layer, s)
         if self.taps:
             self._show(q, keys, mask, causal, cache.length, layer)
-        if s == 1 and self.fast_numerics and q.device.type == "cpu":
+        if s == 1 and self.fast_numerics and cpu_path(q):
             out = one_query_attention(q, keys, values, mask, self.head_dim ** -0.5)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,

@@ -1,0 +1,56 @@
+"""The GPU code path over CPU tensors, through Triton's interpreter: how the tests check the GPU
+back end's kernels against torch, and how `python -m mm3 kernels --frame` counts a GPU frame's
+launches, on a machine without a GPU.
+
+Inside `emulated()` the CPU back end steps aside (`cpu_path` is False for every tensor) and the GPU
+back end serves CPU tensors as it serves CUDA ones (`gpu_path`); the products take the device
+layout's kernels. It needs `TRITON_INTERPRET=1` in the environment before Triton is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+_ON = [False]
+
+
+def active() -> bool:
+    """Whether the GPU code path is being emulated over CPU tensors."""
+    return _ON[0]
+
+
+@contextmanager
+def emulated(kernel_mode: str = "layout"):
+    """Run the GPU code path over CPU tensors until the block ends (products by `kernel_mode`'s
+    kernels, interpreted). Layers choose their products when loaded or moved: load them inside."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError("emulating the GPU code path needs TRITON_INTERPRET=1 set before Triton is imported")
+    from . import kernels
+
+    before, was = kernels.mode(), _ON[0]
+    kernels.configure(kernel_mode)
+    _ON[0] = True
+    try:
+        yield
+    finally:
+        _ON[0] = was
+        kernels.configure(before)
+
+
+def gpu_path(t: torch.Tensor) -> bool:
+    """Whether `t` takes the GPU back end's whole steps: a tensor on a device Triton runs, or a CPU
+    tensor while emulating."""
+    kind = t.device.type
+    if kind == "cpu" and not _ON[0]:
+        return False
+    from . import kernels
+
+    return kernels.available(kind)
+
+
+def cpu_path(t: torch.Tensor) -> bool:
+    """Whether `t` takes the CPU back end's whole steps: a CPU tensor, outside emulation."""
+    return t.device.type == "cpu" and not _ON[0]
