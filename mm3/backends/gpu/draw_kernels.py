@@ -1,0 +1,152 @@
+"""A guided top-k draw in one Triton kernel (imported only where Triton runs): the reference's
+`mm3.plan.sampling` chain (`guide`, `top_k_probs`, `draw`) as `mm3.backends.cpu.steps.top_k_draw`
+states it, one program per song looping over the N columns.
+
+The logits are read in their own dtype and widened in registers (what `.float()` makes). The
+k-th largest value is found without a sort: a radix select over the float's bits, 8 at a time,
+with a 256-bin histogram per digit (4 passes); with `GATE` once over the conditional row, then over
+the guided values. Then the softmax's max, its sum, the renormalising sum and the argmax of
+p / q, each one pass. The guidance and every division are rounded as torch's (no fused
+multiply-adds, `div_rn`); the exponential is CUDA's `expf` on a GPU (libdevice) and numpy's under
+the interpreter, and the sums run in another order than torch's, so the index is torch's except
+where two candidates' ratios p / q lie within a few float32 roundings of each other (as the CPU
+library's draw).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+FP_FUSION = False  # launch option: `u + (c - u) * cfg` rounded twice, as torch computes it
+NAN_FILL = 1e9  # `mm3.plan.sampling.NAN_FILL`: nan_to_num's bounds
+
+
+@triton.jit
+def _key(x):
+    """An unsigned key of float32 x that orders as the floats do, every NaN above +inf (as topk
+    ranks NaN)."""
+    u = x.to(tl.uint32, bitcast=True)
+    key = tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
+    return tl.where(x != x, 0xFFFFFFFF, key)
+
+
+@triton.jit
+def _unkey(key):
+    """The float32 of a `_key`."""
+    u = tl.where((key >> 31) != 0, key ^ 0x80000000, key ^ 0xFFFFFFFF)
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _guided(row_ptr, row_stride, excl_ptr, cols, ok, cfg, kth_c,
+            R: tl.constexpr, HAS_EXCL: tl.constexpr, GATE: tl.constexpr, COND: tl.constexpr):
+    """COND: the conditional logits (excluded columns -inf). Else the values `top_k_probs` ranks:
+    guided (with GATE only where the conditional logit is not below `kth_c`; excluded -inf), then
+    nan_to_num with the reference's bounds."""
+    c = tl.load(row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_EXCL:
+        ex = tl.load(excl_ptr + cols, mask=ok, other=0) != 0
+        c = tl.where(ex, float("-inf"), c)
+    if COND:
+        return c
+    if R == 2:
+        u = tl.load(row_ptr + row_stride + cols, mask=ok, other=0.0).to(tl.float32)
+        g = u + (c - u) * cfg
+    else:
+        g = c
+    if GATE:
+        g = tl.where(c < kth_c, float("-inf"), g)
+    if HAS_EXCL:
+        g = tl.where(ex, float("-inf"), g)
+    g = tl.where(g != g, -NAN_FILL, g)
+    g = tl.where(g == float("inf"), NAN_FILL, g)
+    return tl.where(g == float("-inf"), -NAN_FILL, g)
+
+
+@triton.jit
+def _kth_largest(row_ptr, row_stride, excl_ptr, N, k, cfg, kth_c,
+                 R: tl.constexpr, HAS_EXCL: tl.constexpr, GATE: tl.constexpr, COND: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The k-th largest (1 <= k <= N) of `_guided`'s values over the row: the key's digits from the
+    top, each the one whose suffix count of keys (among those sharing the digits found) reaches k."""
+    bins = tl.arange(0, 256)
+    want = k
+    prefix = tl.zeros([1], tl.uint32)
+    for level in tl.static_range(4):
+        hist = tl.zeros([256], tl.int32)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = cols < N
+            key = _key(_guided(row_ptr, row_stride, excl_ptr, cols, ok, cfg, kth_c, R, HAS_EXCL, GATE, COND))
+            digit = ((key >> (24 - 8 * level)) & 255).to(tl.int32)
+            if level > 0:
+                ok = ok & ((key >> (32 - 8 * level)) == prefix)
+            hist += tl.histogram(digit, 256, mask=ok)
+        at_least = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # keys whose digit is >= each bin's
+        d = tl.max(tl.where(at_least >= want, bins, -1))
+        want -= tl.sum(tl.where(bins > d, hist, 0))
+        prefix = (prefix << 8) | d.to(tl.uint32)
+    return tl.max(_unkey(prefix))
+
+
+@triton.jit
+def _exp(x, PRECISE_EXP: tl.constexpr):
+    if PRECISE_EXP:
+        return libdevice.exp(x)
+    return tl.exp(x)
+
+
+@triton.jit
+def draw_top_k_kernel(logits_ptr, q_ptr, excl_ptr, out_ptr, end_ptr, N, row_stride, q_stride, cfg, k,
+                      start_id, code_offset, end_id,
+                      R: tl.constexpr, HAS_EXCL: tl.constexpr, GATE: tl.constexpr, CODED: tl.constexpr,
+                      PRECISE_EXP: tl.constexpr, BLOCK: tl.constexpr):
+    """Song s's draw over logits rows [s * R, s * R + R) and its Exponential(1) draws q[s]: the
+    column index, or with CODED its code (index + start_id - code_offset, at least 0) and whether
+    index + start_id is end_id."""
+    song = tl.program_id(0)
+    row_ptr = logits_ptr + song.to(tl.int64) * R * row_stride
+    q_row = q_ptr + song.to(tl.int64) * q_stride
+    kth_c = 0.0
+    if GATE:
+        kth_c = _kth_largest(row_ptr, row_stride, excl_ptr, N, k, cfg, kth_c, R, HAS_EXCL, GATE, True, BLOCK)
+    kth = _kth_largest(row_ptr, row_stride, excl_ptr, N, k, cfg, kth_c, R, HAS_EXCL, GATE, False, BLOCK)
+    top = float("-inf")
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < N
+        v = _guided(row_ptr, row_stride, excl_ptr, cols, ok, cfg, kth_c, R, HAS_EXCL, GATE, False)
+        top = tl.maximum(top, tl.max(tl.where(ok, v, float("-inf"))))
+    total = 0.0
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < N
+        v = _guided(row_ptr, row_stride, excl_ptr, cols, ok, cfg, kth_c, R, HAS_EXCL, GATE, False)
+        total += tl.sum(tl.where(ok & (v >= kth), _exp(v - top, PRECISE_EXP), 0.0))
+    norm = 0.0
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < N
+        v = _guided(row_ptr, row_stride, excl_ptr, cols, ok, cfg, kth_c, R, HAS_EXCL, GATE, False)
+        norm += tl.sum(tl.where(ok & (v >= kth), tl.div_rn(_exp(v - top, PRECISE_EXP), total), 0.0))
+    norm = tl.maximum(norm, 1e-12)
+    best = -1.0
+    index = 0
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < N
+        v = _guided(row_ptr, row_stride, excl_ptr, cols, ok, cfg, kth_c, R, HAS_EXCL, GATE, False)
+        p = tl.where(ok & (v >= kth), tl.div_rn(tl.div_rn(_exp(v - top, PRECISE_EXP), total), norm), 0.0)
+        ratio = tl.where(ok, tl.div_rn(p, tl.load(q_row + cols, mask=ok, other=1.0)), -1.0)
+        most = tl.max(ratio)
+        at = start + tl.argmax(ratio, 0, tie_break_left=True)
+        index = tl.where(most > best, at, index)
+        best = tl.maximum(best, most)
+    if CODED:
+        token = index + start_id
+        tl.store(out_ptr + song, tl.maximum(token - code_offset, 0).to(tl.int64))
+        tl.store(end_ptr + song, token == end_id)
+    else:
+        tl.store(out_ptr + song, index.to(tl.int64))
