@@ -47,7 +47,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _block_k(k: int) -> int:
-    return 1024 if k >= 1024 else max(256, 1 << (k - 1).bit_length())
+    """Columns a lookup program expands: 256 (a row of the released 4096 over 16 programs)."""
+    return min(256, 1 << (k - 1).bit_length())
 
 
 def code_rows(table: torch.Tensor, qtype, codes: torch.Tensor, k: int, dtype: torch.dtype, repeat: int = 1,
