@@ -69,6 +69,22 @@ def test_the_draw_is_torchs(seeds):
             assert torch.equal(got.cpu(), want), (seed, got, want)
 
 
+@pytest.mark.parametrize("gate", [True, False], ids=("gated", "plain"))
+def test_rows_longer_than_a_block_draw_as_torch(gate):
+    """Columns past one program's block (4096): every pass of the kernel loops over several."""
+    g = torch.Generator().manual_seed(7 + gate)
+    n = 9001
+    logits = (torch.randn(4, n, generator=g) * 4).to(torch.bfloat16)
+    logits[:, 8990:] = 12.0  # the largest values in the last, partial block, tied
+    q = torch.empty(2, n).exponential_(generator=g)
+    excluded = torch.rand(n, generator=g) < 0.1
+    excluded[8995] = True
+    want = torch_draw(logits, 2, 1.5, 50, q, excluded, gate)
+    with emulated():
+        got = steps.top_k_draw(logits.to(DEVICE), 2, 1.5, 50, q.to(DEVICE), excluded.to(DEVICE), gate)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_ties_at_the_kth_value_are_kept():
     """Six columns share the 3rd largest value: a top-3 keeps all eight; the draws favour the tied
     columns, so the index is one of them only if they are kept."""
