@@ -69,12 +69,13 @@ def test_the_draw_is_torchs(seeds):
             assert torch.equal(got.cpu(), want), (seed, got, want)
 
 
-@pytest.mark.parametrize("gate", [True, False], ids=("gated", "plain"))
-def test_rows_longer_than_a_block_draw_as_torch(gate):
+@pytest.mark.parametrize("gate,dtype", [(True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float32)],
+                         ids=("gated-bf16", "plain-bf16", "gated-f32"))
+def test_rows_longer_than_a_block_draw_as_torch(gate, dtype):
     """Columns past one program's block (4096): every pass of the kernel loops over several."""
     g = torch.Generator().manual_seed(7 + gate)
     n = 9001
-    logits = (torch.randn(4, n, generator=g) * 4).to(torch.bfloat16)
+    logits = (torch.randn(4, n, generator=g) * 4).to(dtype)
     logits[:, 8990:] = 12.0  # the largest values in the last, partial block, tied
     q = torch.empty(2, n).exponential_(generator=g)
     excluded = torch.rand(n, generator=g) < 0.1
