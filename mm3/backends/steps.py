@@ -24,7 +24,8 @@ from .gpu import steps as gpu_steps
 from .gpu.emulation import cpu_path, gpu_path
 
 __all__ = ["held_parts", "rms_norm", "lookup", "code_rows", "frame_feedback", "prepare_attention", "short_attention",
-           "lm_layer", "depth_blocks", "top_k_draw", "semantic_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
+           "lm_layer", "depth_blocks", "top_k_draw", "semantic_draw", "draw_from_raw", "exponentials", "raw_draws",
+           "raw_draws_exact", "skip_draws"]
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
 _HELD: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()

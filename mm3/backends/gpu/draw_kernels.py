@@ -8,11 +8,13 @@ with a 256-bin histogram per digit (4 digits; 2 for bfloat16 logits' conditional
 once over the conditional row, then over the guided values (the largest found on the way). Then
 the softmax's sum, the renormalising sum and the argmax of p / q. A row of at most one block
 (the acoustic draws' 1024) is read once and held in registers; a longer one (the LM's 16389) is
-read block by block at every pass, 7 to 9 of them. The guidance and every division are rounded
-as torch's (no fused multiply-adds, `div_rn`); the exponential is CUDA's `expf` on a GPU
-(libdevice) and numpy's under the interpreter, and the sums run in another order than torch's, so the index is torch's except
-where two candidates' ratios p / q lie within a few float32 roundings of each other (as the CPU
-library's draw).
+read block by block at every pass, 7 to 9 of them.
+
+The guidance and every division are rounded as torch's (no fused multiply-adds, `div_rn`); the
+exponential is CUDA's `expf` on a GPU (libdevice) and numpy's under the interpreter, and the sums
+run in another order than torch's. So the index is torch's except where the two largest ratios
+p / q lie within a few float32 roundings of each other (relatively, about 1e-6), as with the CPU
+library's draw.
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ def report_specs(decode: list) -> list:
     for lm_type, audio_type in FEEDBACK_TYPES:
         pointers = {"lm_ptr": _table_type(lm_type), "audio_ptr": _table_type(audio_type), "frame_ptr": "*i64",
                     "out_ptr": "*bf16"}
-        ints = {"K": hidden, "lm_rows": 200000, "audio_rows": 7 * audio_head.n, "lm_stride": _row_bytes(lm_type, hidden),
-                "audio_stride": _row_bytes(audio_type, hidden), "frame_stride": 8, "out_stride": hidden,
+        ints = {"K": hidden, "lm_rows": 200000, "audio_rows": 7 * audio_head.n,
+                "lm_stride": _row_bytes(lm_type, hidden), "audio_stride": _row_bytes(audio_type, hidden), "frame_stride": 8, "out_stride": hidden,
                 "code_offset": 3, "audio_vocab": audio_head.n}
         constexprs = {"LM_QTYPE": CODES[lm_type], "AUDIO_QTYPE": CODES[audio_type], "NCB": 8, "REPEAT": ROWS,
                       "BLOCK_K": BLOCK_K}

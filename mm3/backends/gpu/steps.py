@@ -126,14 +126,14 @@ def _draw(logits, rows_per_song, cfg, top_k, q, excluded, gate, coded):
     end = torch.empty(songs, dtype=torch.bool, device=device) if coded else out
     start, offset, end_id = coded or (0, 0, 0)
     block = min(4096, 1 << (n - 1).bit_length())
+    precise = device.type == "cuda" and not _interpreted()  # libdevice's expf: CUDA's (and ROCm's) own
     if songs:
         dk.draw_top_k_kernel[(songs,)](
             logits, q, logits if excluded is None else excluded, out, end, n, logits.stride(0), q.stride(0),
             float(cfg), min(int(top_k), n), int(start), int(offset), int(end_id),
             R=int(rows_per_song), HAS_EXCL=excluded is not None, GATE=bool(gate), CODED=bool(coded),
-            PRECISE_EXP=not _interpreted(), COND_LEVELS=2 if logits.dtype == torch.bfloat16 else 4, BLOCK=block,
-            WHOLE=n <= block, num_warps=max(4, min(16, block // 256)),
-            enable_fp_fusion=dk.FP_FUSION)
+            PRECISE_EXP=precise, COND_LEVELS=2 if logits.dtype == torch.bfloat16 else 4, BLOCK=block,
+            WHOLE=n <= block, num_warps=max(4, min(16, block // 256)), enable_fp_fusion=dk.FP_FUSION)
     return (out, end) if coded else out
 
 
