@@ -11,8 +11,8 @@ the softmax's sum, the renormalising sum and the argmax of p / q. A row of at mo
 read block by block at every pass, 7 to 9 of them.
 
 The guidance and every division are rounded as torch's (no fused multiply-adds, `div_rn`); the
-exponential is CUDA's `expf` on a GPU (libdevice) and numpy's under the interpreter, and the sums
-run in another order than torch's. So the index is torch's except where the two largest ratios
+exponential is libdevice's `expf` on a GPU (within 2 units in the last place) and numpy's under
+the interpreter, and the sums run in another order than torch's. So the index is torch's except where the two largest ratios
 p / q lie within a few float32 roundings of each other (relatively, about 1e-6), as with the CPU
 library's draw.
 """

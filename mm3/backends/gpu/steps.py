@@ -126,7 +126,7 @@ def _draw(logits, rows_per_song, cfg, top_k, q, excluded, gate, coded):
     end = torch.empty(songs, dtype=torch.bool, device=device) if coded else out
     start, offset, end_id = coded or (0, 0, 0)
     block = min(4096, 1 << (n - 1).bit_length())
-    precise = device.type == "cuda" and not _interpreted()  # libdevice's expf: CUDA's (and ROCm's) own
+    precise = device.type == "cuda" and not _interpreted()  # libdevice's expf (CUDA, ROCm)
     if songs:
         dk.draw_top_k_kernel[(songs,)](
             logits, q, logits if excluded is None else excluded, out, end, n, logits.stride(0), q.stride(0),
