@@ -16,7 +16,7 @@ from ..constants import SEMANTIC_VOCAB_SIZE
 from ..formats.diffusers import DIFFUSERS_DEFAULTS
 from .tiny import RELEASED_LM_CONFIG
 
-FAMILIES = ("triton", "layout")
+FAMILIES = ("triton", "layout", "steps")
 PREFILL_ROWS_PER_WINDOW = 689  # latents of a 200-frame DiT window at the released rates (mm3.synth.audio)
 
 
@@ -59,6 +59,10 @@ def specs(families=FAMILIES, weight_types=None, shapes=None) -> list:
         from ..backends.gpu import layout_kernels
 
         out += layout_kernels.report_specs(decode, prefill)
+    if "steps" in families:
+        from ..backends.gpu import step_specs
+
+        out += step_specs.report_specs(decode)
     return [s for s in out if (weight_types is None or s.weight_type in weight_types)
             and (shapes is None or s.shape in shapes)]
 
@@ -119,7 +123,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--report", action="store_true", help="compile every kernel and print the report")
     p.add_argument("--arch", type=int, default=90, help="CUDA architecture: 80, 89 or 90 (default 90)")
     p.add_argument("--family", choices=FAMILIES + ("all",), default="all",
-                   help="triton: the kernels over GGUF blocks; layout: over the device layout; all (default)")
+                   help="triton: the kernels over GGUF blocks; layout: over the device layout; steps: the AR "
+                   "frame's draws and embedding lookups; all (default)")
     p.add_argument("--types", default="", help="only these weight types, comma-separated (e.g. Q8_0,Q4_K)")
     p.add_argument("--shape", choices=("decode", "prefill", "all"), default="all", help="only decode or prefill kernels")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the report as JSON to OUT ('-': "

@@ -53,6 +53,7 @@ class KernelSpec:
     programs: Callable[[Launch, int], int]
     num_warps: int = 4
     num_stages: int = 3
+    fp_fusion: bool = True  # Triton's default; False where the launcher turns contraction off
     launches: list = field(default_factory=list)
 
 
@@ -179,7 +180,7 @@ def compile_ptx(spec: KernelSpec, arch: int) -> tuple[str, int]:
     """(PTX, shared memory bytes) of `spec` for `sm_<arch>`; Triton's own cache keeps the result
     across processes (`TRITON_CACHE_DIR`)."""
     key = (spec.name, arch, repr(sorted(spec.constexprs.items())), repr(sorted(spec.signature.items())),
-           spec.aligned, spec.num_warps, spec.num_stages)
+           spec.aligned, spec.num_warps, spec.num_stages, spec.fp_fusion)
     if key not in _COMPILED:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile
@@ -188,7 +189,8 @@ def compile_ptx(spec: KernelSpec, arch: int) -> tuple[str, int]:
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
         source = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
         kernel = compile(source, target=GPUTarget("cuda", arch, 32),
-                         options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+                         options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
+                                  "enable_fp_fusion": spec.fp_fusion})
         _COMPILED[key] = (kernel.asm["ptx"], int(kernel.metadata.shared))
     return _COMPILED[key]
 
