@@ -1,0 +1,100 @@
+"""The kernel counter (`mm3.backends.gpu.frame_count`) on a hand-made function whose launches are
+known, and the count of one AR frame of the bench's medium config on the GPU code path
+(`python -m mm3 kernels --frame`), held under a bound that only goes down."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+NATIVE = torch.cuda.is_available()
+# Kernels of one AR frame, medium config, Q4_K_M (`python -m mm3 kernels --frame --config medium`).
+MEDIUM_Q4_K_M_BOUND = 1771
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_triton():
+    pytest.importorskip("triton")
+    if not NATIVE and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1: the kernels cannot run here")
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def norm_twice_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(x_ptr + offs, mask=ok)
+        tl.store(y_ptr + offs, x * 2.0, mask=ok)
+
+    return norm_twice_kernel
+
+
+def test_known_launches_are_counted_each_as_its_kernels():
+    from mm3.backends.gpu.frame_count import KernelCounter
+    from mm3.models.lm import rms_norm, rotate_half
+
+    kernel = _kernel()
+    device = "cuda" if NATIVE else "cpu"
+    x = torch.randn(8, device=device)
+    h = torch.randn(2, 16, device=device, dtype=torch.bfloat16)
+    w = torch.ones(16, device=device, dtype=torch.bfloat16)
+    q = torch.randn(1, 2, 1, 16, device=device)
+    keys = torch.randn(1, 2, 4, 16, device=device)
+    with KernelCounter() as counter:
+        y = torch.empty_like(x)  # an allocation: 0
+        kernel[(1,)](x, y, 8, BLOCK=8)  # a Triton launch: 1, whatever it runs
+        a = y.view(2, 4) + 1  # a view: 0; add: 1
+        b = a.masked_fill(a > 0, 0.0)  # gt: 1; masked_fill out of place: 2
+        torch.topk(b.flatten(), 2)  # topk: 2 (flatten of a contiguous tensor: a view)
+        mask = torch.ones(1, 1, 1, 4, dtype=torch.bool, device=device)  # 1
+        F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask)  # a boolean mask: 3
+        F.scaled_dot_product_attention(q, keys, keys)  # 1
+        rms_norm(h, w, 1e-6)  # float, pow, mean, add, rsqrt, mul, to, mul: 8
+        rotate_half(h)  # neg, cat: 2 (the halves are views)
+    assert torch.equal(y, x * 2)  # the kernel ran
+    assert [(launch.source, launch.name) for launch in counter.launches if launch.source != "aten"] == [
+        ("triton", "norm_twice_kernel"), ("sdpa", "scaled_dot_product_attention (bool mask)"),
+        ("sdpa", "scaled_dot_product_attention (no mask)")]
+    kinds = counter.by_kind()
+    assert kinds["norms"] == 1 + 8  # the kernel by its name, the norm by the function that issued it
+    assert kinds["rotation/cache"] == 2
+    assert kinds["attention"] == 3 + 1
+    assert kinds["other"] == 1 + 1 + 2 + 2 + 1
+    assert counter.total() == 22 == sum(kinds.values())
+
+
+def test_paused_and_not_recording_count_nothing():
+    from mm3.backends.gpu.frame_count import KernelCounter
+
+    x = torch.randn(4)
+    with KernelCounter() as counter:
+        counter.recording = False
+        x + 1
+        counter.recording = True
+        with counter.paused():
+            x * 2
+        x - 1
+    assert [launch.name for launch in counter.launches] == ["sub"]
+
+
+@pytest.mark.slow
+def test_a_medium_frame_launches_at_most_the_bound(tmp_path):
+    """One AR frame of the medium config in Q4_K_M on the GPU code path, counted on the CPU."""
+    from mm3.tools.kernels import frame_count
+
+    report = frame_count("medium", "Q4_K_M", work=str(tmp_path))
+    assert report["config"] == "medium" and report["quant"] == "Q4_K_M"
+    assert report["layers_counted"] == report["layers_scaled"] == 8
+    kinds, parts = report["by_kind"], report["by_part"]
+    assert report["total"] == sum(kinds.values()) == sum(parts.values())
+    # every product is at least one launch: 8 LM layers of at least 4, 7 depth passes of 4 layers of 4
+    assert kinds["products"] >= 8 * 4 + 7 * 4 * 4
+    assert all(kinds[k] > 0 for k in ("norms", "attention", "draws", "embeddings"))
+    assert len(report["lm_layer_kernels"]) == 1  # every LM layer launches the same kernels
+    assert report["host_syncs"] == 0
+    assert report["total"] <= MEDIUM_Q4_K_M_BOUND, f"{report['total']} kernels a frame, bound {MEDIUM_Q4_K_M_BOUND}"
