@@ -158,57 +158,67 @@ def count_frame(config: str = "medium", quant: str = "Q4_K_M", work: Path | None
 
 
 def on_device(lm, depth, codes, dtype, device) -> dict:
-    """On a CUDA device: the kernels of one eager frame counted (`frame_count`, as `count_frame` counts
-    the emulated path) and the kernel events torch's profiler records in one eager frame and in
-    one replay of the frame's CUDA graph (None where the capture failed)."""
+    """On a device (CUDA: the bench's check of the count): the kernels of one eager frame counted
+    (`frame_count`, as `count_frame` counts the emulated path), and the kernel events torch's
+    profiler records on the device in one eager frame and, on CUDA, in one replay of the frame's
+    CUDA graph (None where the capture failed, with why)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from ..backends.gpu.frame_count import KernelCounter
-    from ..backends.gpu.frame_graphs import CudaCapture
+    from .measure import sync
 
-    sampler, q_sem, q_dep = frame_sampler(lm, depth, codes, dtype, device)
-    modules, caches = _parts(lm, depth, sampler)
-    pos, last = sampler.cache.pos.clone(), sampler.last.clone()
+    device = torch.device(device)
     with torch.inference_mode():
-        sampler.step(q_sem, q_dep)  # warm-up: kernels compiled, tables made
-        torch.cuda.synchronize(device)
-        sampler.cache.pos.copy_(pos)
-        with KernelCounter(modules, caches) as counter:
-            sampler.step(q_sem, q_dep)
-        torch.cuda.synchronize(device)
-        out = {"counted": counter.total(), "counted_by_kind": counter.by_kind()}
-        sampler.cache.pos.copy_(pos)
-        sampler.last = last.clone()
-        out["profiled_eager"] = _profiled(lambda: sampler.step(q_sem, q_dep), device, profile, ProfilerActivity)
-        try:
+        sampler, q_sem, q_dep = frame_sampler(lm, depth, codes, dtype, device)
+        modules, caches = _parts(lm, depth, sampler)
+        pos, last = sampler.cache.pos.clone(), sampler.last.clone()
+
+        def rewind():
             sampler.cache.pos.copy_(pos)
             sampler.last = last.clone()
-            capture = CudaCapture(device)
-            with capture.warm():
-                sampler.step(q_sem, q_dep)
-            sampler.cache.pos.copy_(pos)
-            replay = capture(sampler, q_sem, q_dep)
-            torch.cuda.synchronize(device)
-            out["profiled_graph"] = _profiled(lambda: replay(q_sem, q_dep), device, profile, ProfilerActivity)
-        except Exception as e:  # a driver that refuses the capture
-            out["profiled_graph"] = None
-            out["graph_error"] = f"{type(e).__name__}: {e}"
+
+        sampler.step(q_sem, q_dep)  # warm-up: kernels compiled, tables made
+        sync(device)
+        rewind()
+        with KernelCounter(modules, caches) as counter:
+            sampler.step(q_sem, q_dep)
+        sync(device)
+        out = {"counted": counter.total(), "counted_by_kind": counter.by_kind(), "host_syncs": len(counter.syncs)}
+        rewind()
+        out["profiled_eager"] = _profiled(lambda: sampler.step(q_sem, q_dep), device)
+        out["profiled_graph"] = None
+        if device.type == "cuda":
+            try:
+                from ..backends.gpu.frame_graphs import CudaCapture
+
+                rewind()
+                capture = CudaCapture(device)
+                with capture.warm():
+                    sampler.step(q_sem, q_dep)
+                rewind()
+                replay = capture(sampler, q_sem, q_dep)
+                out["profiled_graph"] = _profiled(lambda: replay(q_sem, q_dep), device)
+            except Exception as e:  # a driver that refuses the capture
+                out["graph_error"] = f"{type(e).__name__}: {e}"
     return out
 
 
-def _profiled(run, device, profile, activity) -> dict:
-    """Kernel events (and memory copies or sets) the profiler records on the device over `run()`."""
-    import torch
+def _profiled(run, device) -> dict:
+    """Kernel events (and, apart, memory copies and sets) torch's profiler records on the device over
+    `run()`; none on the CPU."""
     from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize(device)
-    with profile(activities=[activity.CPU, activity.CUDA]) as prof:
+    from .measure import sync
+
+    cuda = device.type == "cuda"
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         run()
-        torch.cuda.synchronize(device)
+        sync(device)
     kernels = copies = 0
     for e in prof.events():
-        if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CUDA:
+        if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU:
             continue
         if e.name.startswith(("Memcpy", "Memset")):
             copies += 1
@@ -224,7 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default="Q4_K_M")
     p.add_argument("--layers", type=int, default=0, help="LM layers run (real: default 2, scaled to 36)")
     p.add_argument("--work", default=None, help="folder of the random model files (kept and reused)")
-    p.add_argument("--json", metavar="OUT", default=None, help="also write the count as JSON to OUT ('-': only the JSON)")
+    p.add_argument("--json", metavar="OUT", default=None,
+                   help="also write the count as JSON to OUT ('-': only the JSON)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         if "triton" in sys.modules:

@@ -182,7 +182,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--frame", action="store_true", help="count the device kernels of one AR frame on the GPU code "
                    "path, by kind and by part (run on the CPU under Triton's interpreter)")
     p.add_argument("--config", choices=("tiny", "medium", "real"), default="medium",
-                   help="--frame: the bench's model sizes (real: the released ones, its LM layers scaled; default medium)")
+                   help="--frame: the bench's model sizes (real: the released ones, its LM layers scaled; "
+                   "default medium)")
     p.add_argument("--quant", default="Q4_K_M", help="--frame: the weights' quant mix (default Q4_K_M)")
     p.add_argument("--layers", type=int, default=0, help="--frame: LM layers run (0: the config's; real: 2, "
                    "scaled to 36)")

@@ -262,7 +262,8 @@ class KernelCounter:
 
         def scaled_dot_product_attention(query, key, value, attn_mask=None, *args, **kwargs):
             if counter.recording and not counter.paused_depth:
-                what = "no mask" if attn_mask is None else "bool mask" if attn_mask.dtype == torch.bool else "float mask"
+                what = "no mask" if attn_mask is None else \
+                    "bool mask" if attn_mask.dtype == torch.bool else "float mask"
                 _, part, layer = counter.where()
                 counter.launches.append(Launch("sdpa", f"scaled_dot_product_attention ({what})",
                                                SDPA_KERNELS[what], "attention", part, layer))

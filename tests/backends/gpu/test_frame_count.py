@@ -98,3 +98,26 @@ def test_a_medium_frame_launches_at_most_the_bound(tmp_path):
     assert len(report["lm_layer_kernels"]) == 1  # every LM layer launches the same kernels
     assert report["host_syncs"] == 0
     assert report["total"] <= MEDIUM_Q4_K_M_BOUND, f"{report['total']} kernels a frame, bound {MEDIUM_Q4_K_M_BOUND}"
+
+
+def test_a_frame_on_a_device_is_counted_beside_the_profile(tiny):
+    """`on_device` (the bench's count on CUDA) over the tiny model on the CPU: the eager frame's
+    launches counted by kind, the profile taken (no device kernels on the CPU), no graph."""
+    from mm3.bench.frame_kernels import on_device
+    from mm3.files.opener import open_component
+    from mm3.models.depth import RVQDepthDecoder
+    from mm3.models.lm import Qwen3LM
+    from mm3.tokenizer import MM3Tokenizer
+
+    lm_c, d_c = open_component(tiny.file("mm3-lm"), expect="lm"), open_component(tiny.file("mm3-depth"), expect="depth")
+    try:
+        lm, depth = Qwen3LM.load(lm_c), RVQDepthDecoder.load(d_c)
+        out = on_device(lm, depth, MM3Tokenizer.from_component(lm_c).codes, torch.bfloat16, torch.device("cpu"))
+    finally:
+        lm_c.close()
+        d_c.close()
+    kinds = out["counted_by_kind"]
+    assert out["counted"] == sum(kinds.values())
+    assert kinds["products"] >= len(lm.model.layers) * 4 and kinds["norms"] > 0 and kinds["draws"] > 0
+    assert out["host_syncs"] == 0
+    assert out["profiled_eager"] == {"kernels": 0, "memory_operations": 0} and out["profiled_graph"] is None
