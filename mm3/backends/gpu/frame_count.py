@@ -8,7 +8,7 @@ ATen operations the interpreter or a launch runs are not seen). It works over CU
 kernels themselves) and over CPU tensors under `emulation.emulated()` (Triton's interpreter), where
 `fast_products` computes the layout products with torch instead of interpreting them, still
 counting the launches `layout_kernels.linear` makes with its CUDA tiles (`DECODE`, an H100's
-multiprocessors).
+multiprocessors; `SUBSTITUTES`).
 
 Each launch gets a kind (`KINDS`: from a Triton kernel's name prefix, else from the mm3 function on
 the Python stack that issued it) and a part of the frame (`PARTS`: from the function or the
@@ -17,6 +17,7 @@ registered module on the stack), so the count of an AR frame reads per kind and 
 
 from __future__ import annotations
 
+import importlib
 import linecache
 import sys
 from collections import Counter
@@ -85,6 +86,16 @@ LINE_RULES = {
 }
 
 
+def _layout_linear(counter, x, weight, qtype, k, bias=None, config=None):
+    return F.linear(x, counter.float_weight(weight, qtype, k, x.dtype), bias)
+
+
+# The product launchers `fast_products` runs without their kernels: (module, function, a torch
+# computation of the same result, called with the counter first). A launcher's launches are
+# recorded as its CUDA tiles make them; interpreting a released-size product would take minutes.
+SUBSTITUTES = (("mm3.backends.gpu.layout_kernels", "linear", _layout_linear),)
+
+
 @dataclass(frozen=True)
 class Launch:
     """One recorded launch: `source` "aten", "triton" or "sdpa", its name, the CUDA kernels it
@@ -100,17 +111,15 @@ class Launch:
 
 def aten_kernels(func, args, kwargs, out) -> int:
     """The CUDA kernels ATen operation `func` launches, given its arguments and output."""
-    name, overload = func._schema.name.split("::")[-1], func._overloadpacket.__name__
-    full = f"{overload}.{func._overloadname}" if func._overloadname else overload
+    name = func._overloadpacket.__name__
+    full = f"{name}.{func._overloadname}" if func._overloadname else name
     if full in ATEN_KERNELS:
         return ATEN_KERNELS[full]
-    if overload in ATEN_KERNELS:
-        return ATEN_KERNELS[overload]
-    if overload in SYNCS or name in SYNCS:
+    if name in ATEN_KERNELS:
+        return ATEN_KERNELS[name]
+    if name in SYNCS or func._schema.is_mutable:
         return 1
-    if func._schema.is_mutable:
-        return 1
-    outs = [t for t in _tensors(out)]
+    outs = _tensors(out)
     if not outs:
         return 0
     held = {s for s in (_storage(t) for t in _tensors(args) + _tensors(kwargs)) if s}
@@ -272,7 +281,8 @@ class KernelCounter:
 
         return scaled_dot_product_attention
 
-    def _float_weight(self, weight: torch.Tensor, qtype, k: int, dtype: torch.dtype) -> torch.Tensor:
+    def float_weight(self, weight: torch.Tensor, qtype, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """A layout (or float) weight as a float tensor of `dtype`, made once a weight."""
         from . import device_layout as dl
         from .kernels import FLOAT_DTYPES
 
@@ -283,23 +293,26 @@ class KernelCounter:
             self._weights[key] = w
         return w
 
-    def _products(self, layout_kernels):
-        counter, original = self, layout_kernels.linear
+    def _substitute(self, module, original, compute):
+        """`original` with its launches recorded but not run (its module's `_interpreted` answering
+        False: the CUDA tiles and grids), returning `compute`'s result, which is not recorded."""
+        counter = self
 
-        def linear(x, weight, qtype, k, bias=None, config=None):
+        def substituted(*args, **kwargs):
             counter.dry += 1
-            interpreted = layout_kernels._interpreted
-            layout_kernels._interpreted = lambda: False  # the CUDA tiles, grids and K splits
+            interpreted = getattr(module, "_interpreted", None)
+            if interpreted is not None:
+                module._interpreted = lambda: False
             try:
-                original(x, weight, qtype, k, bias, config)  # its launches recorded, not run
+                original(*args, **kwargs)
             finally:
-                layout_kernels._interpreted = interpreted
+                if interpreted is not None:
+                    module._interpreted = interpreted
                 counter.dry -= 1
             with counter.paused():
-                y = F.linear(x, counter._float_weight(weight, qtype, k, x.dtype), bias)
-            return y
+                return compute(counter, *args, **kwargs)
 
-        return linear
+        return substituted
 
     def __enter__(self):
         from triton.runtime.jit import KernelInterface
@@ -324,12 +337,11 @@ class KernelCounter:
         sdpa = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self._sdpa(sdpa)
         self._undo.append(lambda: setattr(F, "scaled_dot_product_attention", sdpa))
-        if self.fast_products:
-            from . import layout_kernels
-
-            linear = layout_kernels.linear
-            layout_kernels.linear = self._products(layout_kernels)
-            self._undo.append(lambda: setattr(layout_kernels, "linear", linear))
+        for name, attr, compute in (SUBSTITUTES if self.fast_products else ()):
+            module = importlib.import_module(name)
+            original = getattr(module, attr)
+            setattr(module, attr, self._substitute(module, original, compute))
+            self._undo.append(lambda m=module, a=attr, o=original: setattr(m, a, o))
         self._mode = _Recorder(self)
         self._mode.__enter__()
         return self

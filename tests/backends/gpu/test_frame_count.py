@@ -68,6 +68,33 @@ def test_known_launches_are_counted_each_as_its_kernels():
     assert counter.total() == 22 == sum(kinds.values())
 
 
+def test_a_substituted_product_counts_its_cuda_launches_and_computes_the_product():
+    """`fast_products`: a layout product's result from torch, its launches those of the CUDA tiles
+    (a 4096 x 4096 Q4_K weight for 2 rows fills 132 multiprocessors unsplit: one launch), not the
+    interpreter's wider tiles (which would split K and add a sum)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from mm3.backends.gpu import device_layout as dl
+    from mm3.backends.gpu import layout_kernels
+    from mm3.backends.gpu.frame_count import KernelCounter
+    from mm3.formats.gguf.quants import dequantize, random_blocks
+
+    n = k = 4096
+    sms = layout_kernels.REFERENCE_SMS
+    assert layout_kernels.decode_grid(2, n, k, sms)[4] == 1
+    assert layout_kernels.decode_grid(2, n, k, sms, layout_kernels.INTERPRETED[0])[4] == 2
+    raw = random_blocks(QT.Q4_K, n, k, generator=torch.Generator().manual_seed(0))
+    planes = dl.to_planes(raw, QT.Q4_K, k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(1))
+    with KernelCounter(fast_products=True) as counter:
+        y = layout_kernels.linear(x, planes, QT.Q4_K, k)
+    launched = [(launch.name, launch.kind) for launch in counter.launches if launch.kernels]
+    assert launched == [("gemv_kernel", "products")]
+    want = x @ dequantize(raw, QT.Q4_K, (n, k)).T
+    assert float((y - want).norm() / want.norm()) < 1e-5
+    assert layout_kernels.linear.__name__ == "linear"  # restored on leaving
+
+
 def test_paused_and_not_recording_count_nothing():
     from mm3.backends.gpu.frame_count import KernelCounter
 
