@@ -148,3 +148,16 @@ def test_a_frame_on_a_device_is_counted_beside_the_profile(tiny):
     assert kinds["products"] >= len(lm.model.layers) * 4 and kinds["norms"] > 0 and kinds["draws"] > 0
     assert out["host_syncs"] == 0
     assert out["profiled_eager"] == {"kernels": 0, "memory_operations": 0} and out["profiled_graph"] is None
+
+
+def test_the_bench_summary_shows_the_counted_and_profiled_kernels():
+    from mm3.bench.cli import summary
+
+    machine = {"device": "cuda", "gpu": {"name": "a GPU"}, "cpu": "a CPU", "threads": 16, "torch": "2"}
+    ar = {"ours_ms_per_frame": 5.0, "diffusers_ms_per_frame": None, "ratio": None,
+          "frame_kernels": {"counted": 3578, "profiled_eager": {"kernels": 3577}, "profiled_graph": {"kernels": 3579}}}
+    report = {"config": "real", "quant": "Q4_K_M", "dtype": "bfloat16", "date": "today", "machine": machine,
+              "notes": [], "ar": ar}
+    assert "kernels a frame: 3578 counted (eager), profiled 3577 eager, 3579 in a graph replay" in summary(report)
+    ar["frame_kernels"] = {"error": "RuntimeError: no"}
+    assert "kernels a frame: not counted (RuntimeError: no)" in summary(report)
