@@ -90,10 +90,15 @@ def _layout_linear(counter, x, weight, qtype, k, bias=None, config=None):
     return F.linear(x, counter.float_weight(weight, qtype, k, x.dtype), bias)
 
 
+def _block_linear(counter, x, weight, qtype, bias=None):
+    return F.linear(x, counter.float_weight(weight, qtype, x.shape[-1], x.dtype, blocks=True), bias)
+
+
 # The product launchers `fast_products` runs without their kernels: (module, function, a torch
 # computation of the same result, called with the counter first). A launcher's launches are
 # recorded as its CUDA tiles make them; interpreting a released-size product would take minutes.
-SUBSTITUTES = (("mm3.backends.gpu.layout_kernels", "linear", _layout_linear),)
+SUBSTITUTES = (("mm3.backends.gpu.layout_kernels", "linear", _layout_linear),
+               ("mm3.backends.gpu.kernels", "fused_linear", _block_linear))
 
 
 @dataclass(frozen=True)
@@ -281,15 +286,22 @@ class KernelCounter:
 
         return scaled_dot_product_attention
 
-    def float_weight(self, weight: torch.Tensor, qtype, k: int, dtype: torch.dtype) -> torch.Tensor:
-        """A layout (or float) weight as a float tensor of `dtype`, made once a weight."""
+    def float_weight(self, weight: torch.Tensor, qtype, k: int, dtype: torch.dtype, blocks: bool = False):
+        """A weight in the device layout (or as GGUF `blocks`, or floats) as a float tensor of `dtype`,
+        made once a weight."""
+        from ...formats.gguf.quants import dequantize
         from . import device_layout as dl
         from .kernels import FLOAT_DTYPES
 
-        key = (weight.data_ptr(), tuple(weight.shape), int(qtype), dtype)
+        key = (weight.data_ptr(), tuple(weight.shape), int(qtype), dtype, blocks)
         w = self._weights.get(key)
         if w is None:
-            w = weight.to(dtype) if qtype in FLOAT_DTYPES else dl.dequantize(weight, qtype, k, torch.float32).to(dtype)
+            if qtype in FLOAT_DTYPES:
+                w = weight.to(dtype)
+            elif blocks:
+                w = dequantize(weight, qtype, (weight.shape[0], k), torch.float32).to(dtype)
+            else:
+                w = dl.dequantize(weight, qtype, k, torch.float32).to(dtype)
             self._weights[key] = w
         return w
 

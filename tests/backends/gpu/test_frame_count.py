@@ -109,6 +109,26 @@ def test_paused_and_not_recording_count_nothing():
     assert [launch.name for launch in counter.launches] == ["sub"]
 
 
+def test_a_tiny_frame_is_counted_by_kind_and_part(tmp_path):
+    """The whole count (`count_frame`) over the tiny config, in this process: every product a
+    launch, the same kernels in every LM layer, kinds and parts adding up to the total."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the emulated GPU code path needs Triton's interpreter")
+    from mm3.bench.checkpoints import CONFIGS
+    from mm3.bench.frame_kernels import count_frame
+
+    report = count_frame("tiny", "Q4_K_M", tmp_path)
+    kinds, parts = report["by_kind"], report["by_part"]
+    assert report["total"] == sum(kinds.values()) == sum(parts.values()) == report["unscaled_total"]
+    assert len(report["lm_layer_kernels"]) == 1 and report["layers_counted"] == 2
+    assert report["by_part_detail"]["lm_layer"]["attention: scaled_dot_product_attention (bool mask)"] == 3
+    depth_layers = CONFIGS["tiny"]["rvq_depth_decoder"]["num_layers"]
+    assert kinds["products"] >= 2 * 4 + 7 * (depth_layers * 4 + 1) + 1 + 7  # LM and depth layers, heads
+    assert report["triton_launches"]  # the tiny weights' products are Triton launches too
+    assert parts["sampling"] > 0 and parts["embeddings_feedback"] > 0 and parts["lm_step_fixed"] > 0
+    assert report["host_syncs"] == 0
+
+
 @pytest.mark.slow
 def test_a_medium_frame_launches_at_most_the_bound(tmp_path):
     """One AR frame of the medium config in Q4_K_M on the GPU code path, counted on the CPU."""
