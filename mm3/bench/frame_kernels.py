@@ -8,8 +8,8 @@ CFG pair of rows, the fast numerics, after one warm-up step. `mm3.backends.gpu.f
 its kernels. `on_device` counts an eager frame on a CUDA device the same way and beside it the
 kernels torch's profiler sees in one eager frame and in one graph replay.
 
-Run as `python -m mm3.bench.frame_kernels --config medium --quant Q4_K_M`: TRITON_INTERPRET=1 is
-set here before Triton is imported when no CUDA device is asked for.
+Run as `python -m mm3.bench.frame_kernels --config medium --quant Q4_K_M` (it sets TRITON_INTERPRET=1
+before Triton is imported), or through `python -m mm3 kernels --frame`, which runs it so.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def count_frame(config: str = "medium", quant: str = "Q4_K_M", work: Path | None
     """The kernels of one AR frame of `config` in `quant` on the GPU code path, counted over CPU
     tensors (needs TRITON_INTERPRET=1 before Triton is imported): the `frame_count` summary with
     the config, quant, layers and seconds. `real` runs `lm_layers` (default REAL_LAYERS) LM layers and
-    scales them to the released 36; other configs run all of theirs."""
+    scales them to the released 36; other configs run all of theirs, or `lm_layers` unscaled."""
     import torch
 
     from ..backends.gpu import kernels, layout_kernels
