@@ -142,36 +142,28 @@ def attention_short_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, out_ptr, at, s_l
                            sq0, sq1, sk0, sk1, sv0, sv1, HEADS: tl.constexpr, D: tl.constexpr,
                            SP: tl.constexpr, CP: tl.constexpr):
     """Program (row b, head h): the s_len new positions' keys and values written into the cache
-    [B, HEADS, cap, D] at at .. at + s_len - 1, and their queries' causal attention over the cached
-    positions before them and themselves -> out [B, s_len, HEADS * D]."""
+    [B, HEADS, cap, D] at at .. at + s_len - 1, then their queries' causal attention over the
+    cache's positions up to each one's own -> out [B, s_len, HEADS * D]."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    cols = tl.arange(0, D)
-    new = tl.arange(0, SP)
-    old = tl.arange(0, CP)
+    cols = tl.arange(0, D)[None, :]
+    new = tl.arange(0, SP)[:, None]
     fresh = new < s_len
-    q = tl.load(q_ptr + b * sq0 + new[:, None] * sq1 + h * D + cols[None, :], mask=fresh[:, None], other=0.0)
-    k = tl.load(k_ptr + b * sk0 + new[:, None] * sk1 + h * D + cols[None, :], mask=fresh[:, None], other=0.0)
-    v = tl.load(v_ptr + b * sv0 + new[:, None] * sv1 + h * D + cols[None, :], mask=fresh[:, None], other=0.0)
     base = (b * HEADS + h) * cap * D
-    cached = old < at
-    kc = tl.load(ck_ptr + base + old[:, None] * D + cols[None, :], mask=cached[:, None], other=0.0).to(tl.float32)
-    vc = tl.load(cv_ptr + base + old[:, None] * D + cols[None, :], mask=cached[:, None], other=0.0).to(tl.float32)
-    tl.store(ck_ptr + base + (at + new)[:, None] * D + cols[None, :], k, mask=fresh[:, None])
-    tl.store(cv_ptr + base + (at + new)[:, None] * D + cols[None, :], v, mask=fresh[:, None])
-    qf = q.to(tl.float32)
-    s_old = tl.sum(qf[:, None, :] * kc[None, :, :], axis=2) * scale  # [SP, CP]
-    s_new = tl.sum(qf[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [SP, SP]
-    s_old = tl.where(cached[None, :], s_old, float("-inf"))
-    s_new = tl.where((new[None, :] <= new[:, None]) & fresh[None, :], s_new, float("-inf"))
-    m = tl.maximum(tl.max(s_old, axis=1), tl.max(s_new, axis=1))
-    p_old = tl.exp(s_old - m[:, None])
-    p_new = tl.exp(s_new - m[:, None])
-    den = tl.sum(p_old, axis=1) + tl.sum(p_new, axis=1)
-    o = tl.sum(p_old[:, :, None] * vc[None, :, :], axis=1) + tl.sum(p_new[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    o = o / den[:, None]
-    tl.store(out_ptr + (b * s_len + new[:, None]) * (HEADS * D) + h * D + cols[None, :], cast(o, q.dtype),
-             mask=fresh[:, None])
+    written = base + (at + new) * D + cols
+    tl.store(ck_ptr + written, tl.load(k_ptr + b * sk0 + new * sk1 + h * D + cols, mask=fresh), mask=fresh)
+    tl.store(cv_ptr + written, tl.load(v_ptr + b * sv0 + new * sv1 + h * D + cols, mask=fresh), mask=fresh)
+    tl.debug_barrier()  # the program's threads read what the others wrote
+    q = tl.load(q_ptr + b * sq0 + new * sq1 + h * D + cols, mask=fresh, other=0.0)
+    keys = tl.arange(0, CP)[:, None]
+    filled = keys < at + s_len
+    kc = tl.load(ck_ptr + base + keys * D + cols, mask=filled, other=0.0).to(tl.float32)
+    vc = tl.load(cv_ptr + base + keys * D + cols, mask=filled, other=0.0).to(tl.float32)
+    scores = tl.sum(q.to(tl.float32)[:, None, :] * kc[None, :, :], axis=2) * scale  # [SP, CP]
+    scores = tl.where(tl.arange(0, CP)[None, :] <= at + new, scores, float("-inf"))
+    p = tl.exp(scores - tl.max(scores, axis=1)[:, None])
+    o = tl.sum(p[:, :, None] * vc[None, :, :], axis=1) / tl.sum(p, axis=1)[:, None]
+    tl.store(out_ptr + (b * s_len + new) * (HEADS * D) + h * D + cols, cast(o, q.dtype), mask=fresh)
 
 
 def prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, heads: int, kv_heads: int, d: int):

@@ -33,50 +33,59 @@ def cast(v, dtype: tl.constexpr):
 
 @triton.jit
 def _normalize(v, n, eps):
-    """v [BLOCK] float32 (zeros beyond n) divided by its root mean square (+ eps), in float32."""
-    var = tl.sum(v * v, axis=0) / n
+    """The rows of v [ROWS, BLOCK] float32 (zeros beyond n) divided by their root mean square
+    (+ eps), in float32."""
+    var = tl.sum(v * v, axis=1) / n
     r = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
-    return v * r
+    return v * r[:, None]
 
 
 @triton.jit
-def norm_rms_kernel(x_ptr, w_ptr, y_ptr, n, eps, d1, d2, s0, s1, s2, BLOCK: tl.constexpr):
-    """Row `program_id` (x's leading index (i0, i1, i2) over sizes (., d1, d2), strides s0-s2) of
-    x normalized into the contiguous rows of y."""
-    row = tl.program_id(0)
+def norm_rms_kernel(x_ptr, w_ptr, y_ptr, rows, n, eps, d1, d2, s0, s1, s2, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows `program_id` * ROWS ... (x's leading index (i0, i1, i2) over sizes (., d1, d2),
+    strides s0-s2) of x normalized into the contiguous rows of y."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     i2 = row % d2
     i1 = (row // d2) % d1
     i0 = row // (d2 * d1)
-    base = x_ptr + i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1 + i2.to(tl.int64) * s2
+    start = i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1 + i2.to(tl.int64) * s2
     cols = tl.arange(0, BLOCK)
-    inside = cols < n
-    x = tl.load(base + cols, mask=inside, other=0.0)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+    inside = (row < rows)[:, None] & (cols < n)[None, :]
+    x = tl.load(x_ptr + start[:, None] + cols[None, :], mask=inside, other=0.0)
+    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0)[None, :]
     normed = cast(_normalize(x.to(tl.float32), n, eps), x.dtype)
     y = cast(w.to(tl.float32) * normed.to(tl.float32), x.dtype)
-    tl.store(y_ptr + row.to(tl.int64) * n + cols, y, mask=inside)
+    tl.store(y_ptr + row.to(tl.int64)[:, None] * n + cols[None, :], y, mask=inside)
 
 
 @triton.jit
-def norm_add_rms_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, sx, sd, BLOCK: tl.constexpr):
-    """Row `program_id`: s = x + d (rounded to x's dtype, as torch adds), y = RMSNorm(s) * w; both
-    written as contiguous rows."""
-    row = tl.program_id(0).to(tl.int64)
+def norm_add_rms_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, rows, n, eps, sx, sd, ROWS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Rows `program_id` * ROWS ...: s = x + d (rounded to x's dtype, as torch adds), y =
+    RMSNorm(s) * w; both written as contiguous rows."""
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    inside = cols < n
-    x = tl.load(x_ptr + row * sx + cols, mask=inside, other=0.0)
-    d = tl.load(d_ptr + row * sd + cols, mask=inside, other=0.0)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+    inside = (row < rows)[:, None] & (cols < n)[None, :]
+    x = tl.load(x_ptr + row[:, None] * sx + cols[None, :], mask=inside, other=0.0)
+    d = tl.load(d_ptr + row[:, None] * sd + cols[None, :], mask=inside, other=0.0)
+    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0)[None, :]
     s = cast(x.to(tl.float32) + d.to(tl.float32), x.dtype)
-    tl.store(s_ptr + row * n + cols, s, mask=inside)
+    tl.store(s_ptr + row[:, None] * n + cols[None, :], s, mask=inside)
     normed = cast(_normalize(s.to(tl.float32), n, eps), x.dtype)
     y = cast(w.to(tl.float32) * normed.to(tl.float32), x.dtype)
-    tl.store(y_ptr + row * n + cols, y, mask=inside)
+    tl.store(y_ptr + row[:, None] * n + cols[None, :], y, mask=inside)
 
 
 def warps(block: int) -> int:
     """Warps for a row of `block` values: about 8 values a thread, 1 to 8 warps."""
     return max(1, min(8, block // 256))
+
+
+def tile(n: int) -> tuple[int, int]:
+    """(rows a program takes, the row's block): short rows (the heads' 128 values) in tiles of
+    about 2048 values, long ones (the hidden size) one a program."""
+    block = triton.next_power_of_2(n)
+    return max(1, min(16, 2048 // block)), block
 
 
 def leading(x: torch.Tensor) -> tuple[list[int], list[int]] | None:
@@ -105,9 +114,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel():
-        block = triton.next_power_of_2(n)
-        norm_rms_kernel[(d0 * d1 * d2,)](x, weight, y, n, eps, d1, d2, s0, s1, s2, BLOCK=block,
-                                         num_warps=warps(block), enable_fp_fusion=False)
+        count = d0 * d1 * d2
+        per, block = tile(n)
+        norm_rms_kernel[(triton.cdiv(count, per),)](x, weight, y, count, n, eps, d1, d2, s0, s1, s2, ROWS=per,
+                                                    BLOCK=block, num_warps=warps(per * block), enable_fp_fusion=False)
     return y
 
 
@@ -121,7 +131,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         return None
     s, y = torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if s.numel():
-        block = triton.next_power_of_2(n)
-        norm_add_rms_kernel[(rows_x[0][2],)](x, delta, weight, s, y, n, eps, rows_x[1][2], rows_d[1][2], BLOCK=block,
-                                             num_warps=warps(block), enable_fp_fusion=False)
+        count = rows_x[0][2]
+        per, block = tile(n)
+        norm_add_rms_kernel[(triton.cdiv(count, per),)](x, delta, weight, s, y, count, n, eps, rows_x[1][2],
+                                                        rows_d[1][2], ROWS=per, BLOCK=block,
+                                                        num_warps=warps(per * block), enable_fp_fusion=False)
     return s, y
