@@ -7,7 +7,11 @@ keys (positions near the end of a bucket, garbage past them), and the depth deco
 attention. Bit for bit in bfloat16 where the arithmetic is the same; the float32 sums of squares
 and the attention's softmax are summed in another order than torch's: within a few float32 ulps."""
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +168,63 @@ def test_shapes_the_kernels_do_not_take_are_refused():
         assert steps.decode_attention(q, ck, ck.clone(), torch.tensor([3]), 8, 0.3) is None
         assert steps.decode_attention(_rand(g, 2, 4, 1, 16), _rand(g, 2, 2, 8, 16), _rand(g, 2, 2, 8, 16),
                                       torch.tensor([3]), 9, 0.3) is None  # a span past the cache
+
+
+def _released():
+    """Each kernel with the constexprs and warps its launcher gives it at the released sizes (LM
+    4096 wide, 32 / 8 heads of 128; depth 16 heads of 256, bfloat16)."""
+    from mm3.backends.gpu import norm_kernels as nk
+
+    bf, f32 = "*bf16", "*fp32"
+    per, block = nk.tile(128)
+    return [
+        (nk.norm_rms_kernel, dict(x_ptr=bf, w_ptr=bf, y_ptr=bf, eps="fp32"), dict(ROWS=1, BLOCK=4096), nk.warps(4096)),
+        (nk.norm_rms_kernel, dict(x_ptr=bf, w_ptr=bf, y_ptr=bf, eps="fp32"), dict(ROWS=per, BLOCK=block),
+         nk.warps(per * block)),
+        (nk.norm_add_rms_kernel, dict(x_ptr=bf, d_ptr=bf, w_ptr=bf, s_ptr=bf, y_ptr=bf, eps="fp32"),
+         dict(ROWS=1, BLOCK=4096), nk.warps(4096)),
+        (attention_kernels.attn_prep_kernel,
+         dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, qw_ptr=bf, kw_ptr=bf, cos_ptr=bf, sin_ptr=bf, ck_ptr=bf, cv_ptr=bf,
+              pos_ptr="*i64", out_ptr=bf, eps="fp32"), dict(HEADS=32, KV_HEADS=8, D=128), nk.warps(128)),
+        (attention_kernels.attention_decode_kernel,
+         dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr="*i64", m_ptr=f32, l_ptr=f32, acc_ptr=f32, scale="fp32"),
+         dict(G=4, GP=4, D=128, SPLIT=attention_kernels.SPLIT, BLOCK_N=attention_kernels.BLOCK_N), 4),
+        (attention_kernels.attention_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, pos_ptr="*i64", out_ptr=bf),
+         dict(G=4, GP=4, D=128, SPLIT=attention_kernels.SPLIT), nk.warps(128)),
+        (attention_kernels.attention_short_kernel,
+         dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, ck_ptr=bf, cv_ptr=bf, out_ptr=bf, scale="fp32"),
+         dict(HEADS=16, D=256, SP=2, CP=16), 4),
+    ]
+
+
+def compiled_facts(arch: int = 90) -> list[tuple[str, int, int]]:
+    """(kernel, registers, spilled bytes) of each kernel at its released constexprs, compiled by
+    Triton's own compiler and ptxas for sm_<arch> (in a process where Triton does not interpret)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from mm3.backends.gpu.kernel_report import ptxas_facts
+
+    out = []
+    for fn, types, consts, num_warps in _released():
+        signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+        kernel = compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                         target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "enable_fp_fusion": False})
+        facts = ptxas_facts(kernel.asm["ptx"], arch)
+        out.append((fn.__name__, facts.registers, facts.spill_store_bytes + facts.spill_load_bytes))
+    return out
+
+
+def test_the_kernels_compile_for_sm90_without_spills():
+    """Every kernel at its released constexprs compiles for sm_90 (no GPU needed), within the
+    register file, spilling nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
+    code = ("import json; from tests.backends.gpu.test_layer_kernels import compiled_facts; "
+            "print(json.dumps(compiled_facts(90)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-2000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(facts) == len(_released())
+    for name, registers, spilled in facts:
+        assert 0 < registers <= 255 and spilled == 0, (name, registers, spilled)
