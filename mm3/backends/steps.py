@@ -23,7 +23,7 @@ from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, 
 from .gpu import steps as gpu_steps
 from .gpu.emulation import cpu_path, gpu_path
 
-__all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "prepare_attention", "decode_attention",
+__all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "rope_table", "prepare_attention", "decode_attention",
            "short_attention", "lm_layer", "depth_blocks",
            "top_k_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
 
@@ -63,6 +63,12 @@ def lookup(table: torch.Tensor, qtype, ids: torch.Tensor, k: int,
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     """(x + delta, RMSNorm of that sum by `weight`) in one call, or None."""
     return gpu_steps.add_rms_norm(x, delta, weight, eps) if gpu_path(x) else None
+
+
+def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """The rotation's (cos, sin) [1, 1, 1, D] for the one position `pos` ([1], on the device) in one
+    call, or None."""
+    return gpu_steps.rope_table(pos, inv_freq, dtype) if gpu_path(pos) else None
 
 
 def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, at: int | None,

@@ -455,8 +455,9 @@ class Qwen3LM(nn.Module):
             raise ValueError(f"batch {b} does not match the KV cache's {cache.rows} rows")
         if cache.bucket is None and cache.length + s > cache.max_len:  # (a static step is sized by its caller)
             raise ValueError(f"KV cache full: {cache.length} + {s} positions > {cache.max_len}")
-        cos, sin = self.rope(cache.positions(s), inputs_embeds.dtype)
         x, dt, dev = inputs_embeds, inputs_embeds.dtype, inputs_embeds.device
+        tables = steps.rope_table(cache.pos, self.inv_freq, dt) if s == 1 and self.fast_numerics else None
+        cos, sin = tables or self.rope(cache.positions(s), dt)
         layers = self.model.layers if stop_after is None else self.model.layers[:stop_after + 1]
         # Off the CPU library, each residual add goes with the norm after it (a back end's one call).
         chained = self.fast_numerics and not cpu_path(x) and stop_after is None

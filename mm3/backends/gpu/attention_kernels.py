@@ -1,12 +1,14 @@
-"""An LM decode step's attention in Triton (imported only where Triton runs): the preparation of
-one position (`attn_prep_kernel`: q/k RMSNorm, rotation, the cache write at the device position),
+"""An LM decode step's attention in Triton (imported only where Triton runs): the rotation's
+tables of the step's position (`rope_table_kernel`), the preparation of one position (`attn_prep_kernel`: q/k RMSNorm, rotation, the cache write at the device position),
 the attention of that position over the filled part of the cache (`attention_decode_kernel`, split
 over the keys, then `attention_combine_kernel`), and the depth decoder's short attention
 (`attention_short_kernel`).
 
 The preparation computes what `mm3.models.lm.Qwen3Attention` computes with torch, in the same
 roundings (the norm as `norm_kernels`; `q * cos + rotate_half(q) * sin` with each product and the
-sum rounded to the compute dtype). The attention accumulates its softmax in float32 in another
+sum rounded to the compute dtype; the tables' cos and sin are Triton's, which on a GPU are the
+CUDA math library's as torch's are, and elsewhere may differ from torch's in the last float32
+bit). The attention accumulates its softmax in float32 in another
 order than torch's: its result is torch's up to float32 rounding before the final cast. Positions
 are read from the device (the cache's `pos`), so a captured step replays at any position; the key
 splits past the filled length return at once, so a step costs what the filled keys cost.
@@ -22,6 +24,17 @@ from .norm_kernels import cast, warps
 
 SPLIT = 256  # keys per program of the decode attention
 BLOCK_N = 16  # keys per iteration of a program
+
+
+@triton.jit
+def rope_table_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, D: tl.constexpr):
+    """The rotation's tables [D] (cos, sin of the angles pos * inv_freq, each half twice) for the
+    position `pos_ptr` holds: float32 angles, as `Qwen3LM.rope` computes them, rounded to the
+    tables' dtype."""
+    cols = tl.arange(0, D)
+    angle = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + cols % (D // 2))
+    tl.store(cos_ptr + cols, cast(tl.cos(angle), cos_ptr.dtype.element_ty))
+    tl.store(sin_ptr + cols, cast(tl.sin(angle), sin_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -164,6 +177,15 @@ def attention_short_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, out_ptr, at, s_l
     p = tl.exp(scores - tl.max(scores, axis=1)[:, None])
     o = tl.sum(p[:, :, None] * vc[None, :, :], axis=1) / tl.sum(p, axis=1)[:, None]
     tl.store(out_ptr + (b * s_len + new) * (HEADS * D) + h * D + cols, cast(o, q.dtype), mask=fresh)
+
+
+def rope_table(pos, inv_freq, dtype):
+    """`rope_table_kernel` -> (cos, sin) [1, 1, 1, D] of `dtype`."""
+    d = 2 * inv_freq.numel()
+    cos = torch.empty(1, 1, 1, d, dtype=dtype, device=pos.device)
+    sin = torch.empty_like(cos)
+    rope_table_kernel[(1,)](pos, inv_freq, cos, sin, D=d, num_warps=warps(d))
+    return cos, sin
 
 
 def prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, heads: int, kv_heads: int, d: int):

@@ -56,6 +56,18 @@ def top_k_draw(logits, rows_per_song: int, cfg: float, top_k: int, q, excluded=N
     return None
 
 
+def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """The rotation's (cos, sin) [1, 1, 1, D] of `dtype` for the device position `pos` ([1] int64)
+    in one kernel (`attention_kernels.rope_table_kernel`), or None."""
+    if torch.compiler.is_compiling() or dtype not in _DTYPES or pos.dtype != torch.int64 or pos.numel() != 1 or \
+            inv_freq.dtype != torch.float32 or inv_freq.device != pos.device or not inv_freq.is_contiguous() or \
+            not _pow2(inv_freq.numel()):
+        return None
+    from . import attention_kernels
+
+    return attention_kernels.rope_table(pos, inv_freq, dtype)
+
+
 def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos):
     """An LM decode step's q/k norms, rotation and cache write at the device position `pos` ([1]
     int64) in one kernel (`attention_kernels.attn_prep_kernel`) -> the rotated queries [B, heads,

@@ -2,7 +2,7 @@
 `attention_kernels`), run by Triton's interpreter over CPU tensors (`emulated()`) through the
 seam (`mm3.backends.steps`) and checked against the models' torch operations: RMSNorm (also on a
 head view of a fused product), the residual add with the norm after it, an LM decode step's
-preparation (norms, rotation, cache write at the device position), its attention over the filled
+preparation (the rotation's tables, norms, rotation, cache write at the device position), its attention over the filled
 keys (positions near the end of a bucket, garbage past them), and the depth decoder's short
 attention. Bit for bit in bfloat16 where the arithmetic is the same; the float32 sums of squares
 and the attention's softmax are summed in another order than torch's: within a few float32 ulps."""
@@ -81,6 +81,20 @@ def _rope(position: int, d: int, dtype):
     freqs = torch.tensor([position]).float()[:, None] * inv
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_tables_of_the_device_position(dtype):
+    """The tables `Qwen3LM.rope` makes for one position, from the position on the device: the same
+    float32 angles; cos and sin may differ from torch's CPU ones in the last float32 bit."""
+    d = 128
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    for position in (0, 5, 9000):
+        with emulated():
+            cos, sin = steps.rope_table(torch.tensor([position]), inv, dtype)
+        want_cos, want_sin = _rope(position, d, dtype)
+        _same(cos, want_cos, ulps=1, rtol=3e-7)
+        _same(sin, want_sin, ulps=1, rtol=3e-7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -183,6 +197,8 @@ def _released():
          nk.warps(per * block)),
         (nk.norm_add_rms_kernel, dict(x_ptr=bf, d_ptr=bf, w_ptr=bf, s_ptr=bf, y_ptr=bf, eps="fp32"),
          dict(ROWS=1, BLOCK=4096), nk.warps(4096)),
+        (attention_kernels.rope_table_kernel, dict(pos_ptr="*i64", inv_ptr=f32, cos_ptr=bf, sin_ptr=bf), dict(D=128),
+         nk.warps(128)),
         (attention_kernels.attn_prep_kernel,
          dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, qw_ptr=bf, kw_ptr=bf, cos_ptr=bf, sin_ptr=bf, ck_ptr=bf, cv_ptr=bf,
               pos_ptr="*i64", out_ptr=bf, eps="fp32"), dict(HEADS=32, KV_HEADS=8, D=128), nk.warps(128)),

@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="this torch installation has no Triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
 
 SETTINGS = PlanSettings(duration=0.04, lm_seed=5)  # the prompt, then 2 frames
-KERNELS = ("rms_norm", "add_rms_norm", "prepare_attention", "decode_attention", "short_attention")
+KERNELS = ("rms_norm", "add_rms_norm", "rope_table", "prepare_attention", "decode_attention", "short_attention")
 
 
 @pytest.fixture(scope="module")
