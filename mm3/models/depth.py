@@ -175,22 +175,26 @@ class RVQDepthDecoder(nn.Module):
         start = 0 if cache is None else cache.length
         if start + s > self.max_positions:
             raise ValueError(f"depth sequence of {start + s} positions exceeds {self.max_positions}")
-        x = inputs_embeds + self._positions(start, s, inputs_embeds.dtype, inputs_embeds.device)
-        whole = None
-        if self.fast_numerics and cache is not None:  # the blocks in one back-end call where one serves
-            whole = steps.depth_blocks(self, x, cache, NORM_EPS)
-        dt, dev = x.dtype, x.device
-        # Off the CPU library, each residual add goes with the norm after it (a back end's one call).
-        chained = whole is None and self.fast_numerics and not cpu_path(x)
-        h = None
-        if whole is not None:
-            x = whole
-        else:
+        dt, dev = inputs_embeds.dtype, inputs_embeds.device
+        positions = self._positions(start, s, dt, dev)
+        # Off the CPU library, each residual add (the position embeddings' too) goes with the norm
+        # after it: a back end's one call.
+        chained = self.fast_numerics and not cpu_path(inputs_embeds)
+        if chained:
+            x, h = add_rms_norm(inputs_embeds, positions.expand_as(inputs_embeds),
+                                self.layers[0].input_layernorm(dt, dev), NORM_EPS, True)
             for i, layer in enumerate(self.layers):
-                if chained:
-                    x, h = layer(x, cache, i, h, (self.layers[i + 1].input_layernorm if i + 1 < len(self.layers)
-                                                  else self.norm)(dt, dev))
-                else:
+                x, h = layer(x, cache, i, h, (self.layers[i + 1].input_layernorm if i + 1 < len(self.layers)
+                                              else self.norm)(dt, dev))
+        else:
+            x = inputs_embeds + positions
+            whole = None
+            if self.fast_numerics and cache is not None:  # the blocks in one back-end call where one serves
+                whole = steps.depth_blocks(self, x, cache, NORM_EPS)
+            if whole is not None:
+                x = whole
+            else:
+                for i, layer in enumerate(self.layers):
                     x = layer(x, cache, i)
         if cache is not None:
             cache.length += s

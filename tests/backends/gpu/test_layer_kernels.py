@@ -73,6 +73,11 @@ def test_residual_add_with_the_norm_after_it(dtype):
         total, normed = steps.add_rms_norm(x, delta, w, EPS)
     assert torch.equal(total, x + delta)  # the same addition, bit for bit
     _same(normed, rms_norm(x + delta, w, EPS), ulps=1)
+    shared = delta[:1].expand_as(x)  # one row added to every row (the depth decoder's position embedding)
+    with emulated():
+        total, normed = steps.add_rms_norm(x, shared, w, EPS)
+    assert torch.equal(total, x + delta[:1])
+    _same(normed, rms_norm(x + delta[:1], w, EPS), ulps=1)
     assert steps.add_rms_norm(x, delta, w, EPS) is None  # a CPU tensor outside emulation: the CPU's to serve
 
 
