@@ -199,9 +199,10 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 class Qwen3Attention(nn.Module):
     taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
-    # The fast numerics (set by `set_numerics`): on the CPU a decode step normalizes, rotates and
-    # caches in one call of a back end (`steps.prepare_attention`) and attends by
-    # `one_query_attention`; norms are `rms_norm(..., native=True)`.
+    # The fast numerics (set by `set_numerics`): a decode step normalizes, rotates and caches in
+    # one call of a back end (`steps.prepare_attention`) and attends over the filled keys by a back
+    # end's call (`steps.decode_attention`) or, on the CPU, `one_query_attention`; norms are
+    # `rms_norm(..., native=True)`.
     fast_numerics = False
 
     def __init__(self, cfg: dict, ops):
