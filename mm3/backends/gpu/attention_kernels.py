@@ -1,17 +1,17 @@
 """An LM decode step's attention in Triton (imported only where Triton runs): the rotation's
-tables of the step's position (`rope_table_kernel`), the preparation of one position (`attn_prep_kernel`: q/k RMSNorm, rotation, the cache write at the device position),
-the attention of that position over the filled part of the cache (`attention_decode_kernel`, split
-over the keys, then `attention_combine_kernel`), and the depth decoder's short attention
-(`attention_short_kernel`).
+tables of the step's position (`rope_table_kernel`), the preparation of one position
+(`attn_prep_kernel`: q/k RMSNorm, rotation, the cache write at the device position), the attention
+of that position over the filled part of the cache (`attention_decode_kernel`, split over the keys,
+then `attention_combine_kernel`), and the depth decoder's short attention (`attention_short_kernel`).
 
 The preparation computes what `mm3.models.lm.Qwen3Attention` computes with torch, in the same
 roundings (the norm as `norm_kernels`; `q * cos + rotate_half(q) * sin` with each product and the
 sum rounded to the compute dtype; the tables' cos and sin are Triton's, which on a GPU are the
 CUDA math library's as torch's are, and elsewhere may differ from torch's in the last float32
-bit). The attention accumulates its softmax in float32 in another
-order than torch's: its result is torch's up to float32 rounding before the final cast. Positions
-are read from the device (the cache's `pos`), so a captured step replays at any position; the key
-splits past the filled length return at once, so a step costs what the filled keys cost.
+bit). The attention accumulates its softmax in float32 in another order than torch's: its result
+is torch's up to float32 rounding before the final cast. Positions are read from the device (the
+cache's `pos`), so a captured step replays at any position; the key splits past the filled length
+return at once, so a step costs what the filled keys cost.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ of that dtype rounded once, as torch rounds it). 1 / sqrt is correctly rounded t
 `rsqrt` on the CPU; only the order of the float32 sum of squares differs from torch's, so a
 normalized value may differ from torch's by one rounding of x's dtype where the sums differ in
 their last bits. Products and sums are not fused into one rounding (`enable_fp_fusion=False`),
-so float32 inputs give torch's numbers up to that sum too. A row is any element of x's leading dimensions (up to three after merging the
-contiguous ones), so a head view of a fused product's output ([B, S, heads, D] with a row stride)
-is read in place.
+so float32 inputs give torch's numbers up to that sum too. A row is any element of x's leading
+dimensions (up to three after merging the contiguous ones), so a head view of a fused product's
+output ([B, S, heads, D] with a row stride) is read in place.
 """
 
 from __future__ import annotations

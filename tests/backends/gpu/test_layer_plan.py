@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from mm3.backends.gpu import steps as gpu_steps
-from mm3.plan import ar
 from mm3.backends.gpu.emulation import emulated
 from mm3.files.opener import open_component
+from mm3.plan import ar
 from mm3.plan.ar import PlanSettings, plan
 from mm3.plan.prompt import build_prompt
 from mm3.tokenizer import MM3Tokenizer
