@@ -23,9 +23,9 @@ from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, 
 from .gpu import steps as gpu_steps
 from .gpu.emulation import cpu_path, gpu_path
 
-__all__ = ["held_parts", "rms_norm", "lookup", "code_rows", "frame_feedback", "prepare_attention", "short_attention",
-           "lm_layer", "depth_blocks", "top_k_draw", "semantic_draw", "draw_from_raw", "exponentials", "raw_draws",
-           "raw_draws_exact", "skip_draws"]
+__all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "code_rows", "frame_feedback", "rope_table",
+           "prepare_attention", "decode_attention", "short_attention", "lm_layer", "depth_blocks", "top_k_draw",
+           "semantic_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
 _HELD: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -79,17 +79,40 @@ def frame_feedback(lm_table: torch.Tensor, lm_qtype, audio_table: torch.Tensor, 
                                     k, dtype, repeat)
 
 
-def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, at: int):
-    """An LM decode step's q/k norms, rotation and cache write at `at` in one call -> the rotated
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, RMSNorm of that sum by `weight`) in one call, or None."""
+    return gpu_steps.add_rms_norm(x, delta, weight, eps) if gpu_path(x) else None
+
+
+def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """The rotation's (cos, sin) [1, 1, 1, D] for the one position `pos` ([1], on the device) in one
+    call, or None."""
+    return gpu_steps.rope_table(pos, inv_freq, dtype) if gpu_path(pos) else None
+
+
+def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, at: int | None,
+                      pos: torch.Tensor):
+    """An LM decode step's q/k norms, rotation and cache write at the next position (`at` on the
+    host, None where the step may not read it; `pos` [1] on the device) in one call -> the rotated
     queries [B, heads, 1, D], or None (nothing written)."""
-    if not cpu_path(q):
-        return None
-    return cpu_steps.decode_prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, at)
+    if cpu_path(q):
+        return None if at is None else cpu_steps.decode_prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k,
+                                                                cache_v, at)
+    return gpu_steps.prepare_attention(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos) \
+        if gpu_path(q) else None
+
+
+def decode_attention(q, cache_k, cache_v, pos: torch.Tensor, span: int, scale: float):
+    """One query position's attention (q [B, heads, 1, D]) over the cache's first pos + 1 keys (`pos`
+    on the device; `span` >= pos + 1 keys the call is sized for) -> [B, heads, 1, D], or None."""
+    return gpu_steps.decode_attention(q, cache_k, cache_v, pos, span, scale) if gpu_path(q) else None
 
 
 def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
     """The depth decoder's attention of new rows over its short cache (written at `at`), or None."""
-    return cpu_steps.attend(q, k, v, cache_k, cache_v, at, scale) if cpu_path(q) else None
+    if cpu_path(q):
+        return cpu_steps.attend(q, k, v, cache_k, cache_v, at, scale)
+    return gpu_steps.short_attention(q, k, v, cache_k, cache_v, at, scale) if gpu_path(q) else None
 
 
 def top_k_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int, q: torch.Tensor,

@@ -153,7 +153,10 @@ class WeightSlots(nn.Module):
             return at_hand
         value = self.fetch(name, target)
         if qtype in FLOAT_TYPES:
-            return value.to(dtype)
+            value = value.to(dtype)
+            if len(self._slot_shapes[name]) == 1:  # a vector (a norm scale): kept cast, not cast at every use
+                self._ready[(name, dtype, device)] = value
+            return value
         out = CPU_SCRATCH.take(self._slot_shapes[name], dtype) if scratch and target.type == "cpu" else None
         return dequantize(value, qtype, self._slot_shapes[name], dtype, out=out)
 
