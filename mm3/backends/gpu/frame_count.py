@@ -377,20 +377,28 @@ class KernelCounter:
     def summary(self, layers_counted: int | None = None, layers_scaled: int | None = None) -> dict:
         """The count as a JSON-ready dict: `total`, `by_kind`, `by_part`, the kernels of each LM layer,
         the Triton launches and ATen operations by name; with `layers_scaled`, every LM layer's launches
-        scaled from the `layers_counted` run to that many layers (the same per layer)."""
+        scaled from the `layers_counted` run to that many layers (the first as counted, each later one as
+        the later ones counted)."""
         per_layer = Counter()
         for launch in self.launches:
             if launch.part == "lm_layer":
                 per_layer[launch.layer] += launch.kernels
         counted = layers_counted or len(per_layer) or 1
-        scale = (layers_scaled / counted) if layers_scaled else 1.0
+        first = min((i for i in per_layer if i is not None), default=None)  # the detail shows one LM layer
+        # The first LM layer may differ from the rest (no residual handed into its norm): it stands
+        # for itself, the others for every later layer.
+        if not layers_scaled or layers_scaled == counted:
+            weight = {True: 1.0, False: 1.0}
+        elif counted == 1:
+            weight = {True: float(layers_scaled), False: float(layers_scaled)}
+        else:
+            weight = {True: 1.0, False: (layers_scaled - 1) / (counted - 1)}
         kinds, parts = dict.fromkeys(KINDS, 0.0), dict.fromkeys(PARTS, 0.0)
         for launch in self.launches:
-            w = launch.kernels * (scale if launch.part == "lm_layer" else 1.0)
+            w = launch.kernels * (weight[launch.layer == first] if launch.part == "lm_layer" else 1.0)
             kinds[launch.kind] = kinds.get(launch.kind, 0.0) + w
             parts[launch.part] = parts.get(launch.part, 0.0) + w
         triton, aten, detail = Counter(), Counter(), {}
-        first = min((i for i in per_layer if i is not None), default=None)  # the detail shows one LM layer
         for launch in self.launches:
             (triton if launch.source == "triton" else aten)[launch.name] += launch.kernels
             if launch.part != "lm_layer" or launch.layer == first:

@@ -13,15 +13,13 @@ import torch
 
 from .kernels import CODES, FLOAT_DTYPES
 
-_FLOAT_LOGITS = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the kernels read and write
 _INTEGERS = (torch.int64, torch.int32)
 
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _serves(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -87,7 +85,7 @@ def code_rows(table: torch.Tensor, qtype, codes: torch.Tensor, k: int, dtype: to
               add: int = 0) -> torch.Tensor | None:
     """Rows `codes[i // repeat] + add` of a table (GGUF block rows or floats) gathered and dequantized
     in one kernel -> [codes.numel() * repeat, k] `dtype`, or None."""
-    if torch.compiler.is_compiling() or dtype not in _FLOAT_LOGITS or codes.dtype not in _INTEGERS or \
+    if torch.compiler.is_compiling() or dtype not in _DTYPES or codes.dtype not in _INTEGERS or \
             codes.dim() != 1 or codes.device != table.device or repeat < 1:
         return None
     kind = _table(table, qtype, k, codes.device)
@@ -115,7 +113,7 @@ def frame_feedback(lm_table: torch.Tensor, lm_qtype, audio_table: torch.Tensor, 
                    repeat: int = 1) -> torch.Tensor | None:
     """A frame's LM input (`mm3.plan.replay.frame_feedback` of `frame` [songs, ncb] with each song's
     row repeated `repeat` times) in one kernel -> [songs * repeat, 1, k] `dtype`, or None."""
-    if torch.compiler.is_compiling() or dtype not in _FLOAT_LOGITS or frame.dtype not in _INTEGERS or \
+    if torch.compiler.is_compiling() or dtype not in _DTYPES or frame.dtype not in _INTEGERS or \
             frame.dim() != 2 or frame.shape[1] < 2 or frame.stride(1) != 1 or repeat < 1:
         return None
     device = frame.device
@@ -140,7 +138,7 @@ def frame_feedback(lm_table: torch.Tensor, lm_qtype, audio_table: torch.Tensor, 
 def _draw(logits, rows_per_song, cfg, top_k, q, excluded, gate, coded):
     """Launch `draw_kernels.draw_top_k_kernel` (checks as `top_k_draw`); `coded`: (start, code
     offset, END id) -> (codes, end flags), else the indices."""
-    if torch.compiler.is_compiling() or logits.dtype not in _FLOAT_LOGITS or logits.dim() != 2 or \
+    if torch.compiler.is_compiling() or logits.dtype not in _DTYPES or logits.dim() != 2 or \
             q.dtype != torch.float32 or q.dim() != 2 or rows_per_song not in (1, 2) or top_k < 1:
         return None
     rows, n = logits.shape

@@ -135,7 +135,8 @@ def test_a_frames_draws_and_lookups_are_sixteen_launches(components, monkeypatch
             results.append((codes, hidden, counted))
     (codes, hidden, fused), (codes_torch, hidden_torch, plain) = results
     assert torch.equal(codes, codes_torch) and torch.equal(hidden, hidden_torch)
-    assert fused.launches == {"draw_top_k_kernel": 8, "lookup_rows_kernel": 7, "lookup_feedback_kernel": 1}
+    ours = {name: n for name, n in fused.launches.items() if name.startswith(("draw_", "lookup_"))}
+    assert ours == {"draw_top_k_kernel": 8, "lookup_rows_kernel": 7, "lookup_feedback_kernel": 1}
     drawing = {"topk", "_softmax", "argmax", "nan_to_num", "masked_fill", "lt", "clamp_min", "index", "eq", "sum"}
     assert not drawing & set(fused.ops) and drawing <= set(plain.ops)
     assert sum(plain.ops.values()) - sum(fused.ops.values()) >= 150
