@@ -14,8 +14,7 @@ from comfy_api.latest import io
 
 from mm3.constants import MAX_AUDIO_FRAMES, SEMANTIC_VOCAB_SIZE
 from mm3.song.request import MM3Request
-from mm3.plan.shaping import MAX_TEMPERATURE, PENALTIES
-from mm3.plan.takes import MAX_ENDING_ROUNDS
+from mm3.song.settings import MAX_ENDING_ROUNDS, MAX_TEMPERATURE, PENALTIES
 from .common import CATEGORY
 
 SAMPLING_OPTIONS = io.Custom("MM3_SAMPLING_OPTIONS")

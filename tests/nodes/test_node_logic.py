@@ -311,7 +311,7 @@ def test_node_checks_name_one_input_and_take_any_value(pack, tiny):
 
     late = PlanSettings(duration=1.0, lm_seed=1, shaping=Shaping(min_frames=50))
     with pytest.raises(ValueError, match="min_duration must be between 0 and the duration 1 s, got 2"):
-        logic.check_plan(prompt, late)
+        logic.check_plan(late)
     assert validation.repaint_range("abc", 1.0) is None and validation.repaint_range(0.8, 0.4)
     from types import SimpleNamespace
 
