@@ -207,10 +207,10 @@ class MM3FlowSampler(io.ComfyNode):
     @classmethod
     def execute(cls, dit, condition, seed: int, steps: int, dit_cfg: float, variations: int,
                 shift: float = AUTO_SHIFT) -> io.NodeOutput:
-        seed = logic.linked_seed(seed, DIT_SEED_MAX, "seed")
+        synth = SynthSettings(logic.linked_seed(seed, DIT_SEED_MAX, "seed"), steps, dit_cfg, variations, shift)
         with interruptible():
             model, run = _loaded_dit(dit, condition)
-            out = stages.sample(model, dit.file(), condition, SynthSettings(seed, steps, dit_cfg, variations, shift), **run)
+            out = stages.sample(model, dit.file(), condition, synth, **run)
         show_warnings(out.warnings)
         return io.NodeOutput(out)
 
@@ -283,10 +283,10 @@ class MM3Repaint(io.ComfyNode):
         if not start < end:
             raise ValueError(f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)")
         seed = logic.linked_seed(seed, DIT_SEED_MAX, "seed")
+        repaint, synth = RepaintSettings(start, end, fade), SynthSettings(seed, steps, dit_cfg, variations, shift)
         with interruptible():
             model, run = _loaded_dit(dit, condition)
-            out = stages.repaint(model, dit.file(), condition, source, RepaintSettings(start, end, fade),
-                                 SynthSettings(seed, steps, dit_cfg, variations, shift), **run)
+            out = stages.repaint(model, dit.file(), condition, source, repaint, synth, **run)
         show_warnings(out.warnings)
         return io.NodeOutput(out, ui={"text": [f"repainted {start:g}-{end:g} s with seed {seed}"]})
 
