@@ -313,8 +313,7 @@ def test_node_checks_name_one_input_and_take_any_value(pack, tiny):
     assert problem.startswith("MM3 Prompt: lyrics is 10,800,008 characters long; a prompt of at most 5000 tokens")
     with pytest.raises(ValueError, match="MM3 Prompt: caption contains the control character U\\+001B at position 4"):
         logic.assemble_prompt(hs["lm"], "dark\x1b[31m synth", LYRICS)
-    prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
-    from mm3.plan.shaping import Shaping
+    from mm3.song.settings import Shaping
 
     late = PlanSettings(duration=1.0, lm_seed=1, shaping=Shaping(min_frames=50))
     with pytest.raises(ValueError, match="min_duration must be between 0 and the duration 1 s, got 2"):
