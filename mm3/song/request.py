@@ -28,10 +28,9 @@ from ..plan.codes import AudioCodesError, count_code_frames
 from ..plan.lyrics_align import LEAD_SECONDS, LyricHeads, check_lead
 from ..plan.prompt import CAPTION_REQUIRED, size_problem, text_problem
 from ..plan.sampling import resolve_seed
-from ..synth.flow import AUTO_SHIFT
 from .settings import (
-    DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, DEFAULT_REPAINT_FADE, MAX_ENDING_ROUNDS, MAX_TAKES, OutputSettings,
-    PlanSettings, RepaintSettings, Shaping, SynthSettings, Takes, check_plan_start)
+    AUTO_SHIFT, DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, DEFAULT_REPAINT_FADE, MAX_ENDING_ROUNDS, MAX_TAKES,
+    OutputSettings, PlanSettings, RepaintSettings, Shaping, SynthSettings, Takes, check_plan_start)
 
 # Fields the reference server does not know; written only when set (`MM3Request.to_dict`).
 EXTENSION_FIELDS = ("lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",

@@ -14,10 +14,11 @@ from ..plan.settings import (
     DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, MAX_ENDING_ROUNDS, MAX_PENALTY_STRENGTH, MAX_TAKES, MAX_TEMPERATURE,
     PENALTIES, PlanSettings, Shaping, Takes, check_plan_start)
 from ..synth.settings import (
-    DEFAULT_REPAINT_FADE, MAX_REPAINT_FADE, OutputSettings, RepaintSettings, SynthSettings, check_seed)
+    AUTO_SHIFT, DEFAULT_REPAINT_FADE, MAX_REPAINT_FADE, MAX_SHIFT, OutputSettings, RepaintSettings, SynthSettings,
+    check_seed, check_shift)
 
 __all__ = [
-    "DEFAULT_DRY_MIN_MATCH", "DEFAULT_PENALTY_WINDOW", "DEFAULT_REPAINT_FADE", "MAX_ENDING_ROUNDS",
+    "AUTO_SHIFT", "MAX_SHIFT", "check_shift", "DEFAULT_DRY_MIN_MATCH", "DEFAULT_PENALTY_WINDOW", "DEFAULT_REPAINT_FADE", "MAX_ENDING_ROUNDS",
     "MAX_PENALTY_STRENGTH", "MAX_REPAINT_FADE", "MAX_TAKES", "MAX_TEMPERATURE", "PENALTIES", "OutputSettings",
     "PlanSettings", "RepaintSettings", "Shaping", "SynthSettings", "Takes", "check_plan_start", "check_range",
     "check_seed"]

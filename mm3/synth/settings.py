@@ -16,8 +16,9 @@ from ..constants import (
     DEFAULT_DIT_CFG, DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, DEFAULT_STEPS, MAX_CFG, MAX_PEAK_CLIP, MAX_STEPS,
     MAX_VARIATIONS, MP3_BITRATES, OUTPUT_FORMATS, SEED_MAX)
 from ..errors import check_integer, check_number
-from .flow import AUTO_SHIFT, check_shift
 
+AUTO_SHIFT = 0.0  # dit_shift value meaning "automatic" (`mm3.synth.flow.schedule_shift`)
+MAX_SHIFT = 30.0  # the automatic shift at 2 steps is 29
 DEFAULT_REPAINT_FADE = 0.25  # seconds of crossfade inside each edge of a repainted range
 MAX_REPAINT_FADE = 10.0
 
@@ -27,6 +28,13 @@ def check_seed(name: str, seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
         raise ValueError(f"{name} must be an integer in 0..{SEED_MAX}, got {seed!r}")
     return seed
+
+
+def check_shift(shift: float) -> float:
+    """`shift` as a float if it is a flow schedule's shift (0 < shift <= MAX_SHIFT), else a ValueError."""
+    if not (math.isfinite(shift) and 0 < shift <= MAX_SHIFT):
+        raise ValueError(f"dit_shift must be in (0, {MAX_SHIFT:g}] (or {AUTO_SHIFT:g}: automatic), got {shift}")
+    return float(shift)
 
 
 @dataclass(frozen=True)

@@ -129,3 +129,14 @@ def test_the_old_homes_of_the_plan_settings_still_import_them():
 
     assert ar.PlanSettings is settings.PlanSettings and takes.Takes is settings.Takes
     assert shaping.Shaping is settings.Shaping and takes.MAX_TAKES == settings.MAX_TAKES
+
+
+def test_the_settings_are_plain_objects():
+    """Every stage's settings import without torch or a model module, so a front end (a node's
+    check, a flag) builds and checks them before anything heavy loads."""
+    import subprocess
+    import sys
+
+    code = "import sys, mm3.song.settings; print(sorted(m for m in sys.modules if m in ('torch', 'numpy', 'mm3.models')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
