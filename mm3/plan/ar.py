@@ -14,7 +14,7 @@ fuses products and caches the depth decoder's keys, equal up to rounding.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +22,7 @@ from ..backends.cpu import choice as cpu_choice
 from ..backends.gpu import frame_graphs
 from ..backends.gpu.emulation import cpu_path
 from .codes import AudioCodes
-from ..constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
+from ..constants import FRAME_RATE, MAX_AUDIO_FRAMES
 from ..backends.device import ar_weight_budget, keeps_ar_copies, model_device
 from ..errors import RunError
 from ..backends import steps
@@ -37,7 +37,8 @@ from ..models.lm import activation_bytes as lm_activation_bytes
 from ..progress import Cancelled, Progress
 from .prompt import Prompt
 from .replay import check_pair, checked_codes, feed_frames, frame_feedback, replay
-from .shaping import SemanticShaper, Shaping
+from .settings import PlanSettings, Shaping
+from .shaping import SemanticShaper
 from .sampling import (
     draw, exponential_draws, exponential_tail, guide, kth_largest, make_generator, resolve_seed, skip_draws,
     top_k_probs)
@@ -48,27 +49,6 @@ MIN_KV_BUCKET = 256  # shortest attention length of a compiled step (lengths go 
 
 class ZeroFramesError(RunError):
     """The LM chose END before emitting any frame."""
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """What decides a plan besides the prompt: the duration cap, guidance, top-k, how many songs,
-    the seed of song 0 (None or negative: random, recorded in the result), and the optional
-    shaping of the semantic draw (`mm3.plan.shaping`; the default is the reference's draw)."""
-
-    duration: float
-    lm_seed: int | None = None
-    lm_cfg: float = DEFAULT_LM_CFG
-    top_k: int = DEFAULT_TOP_K
-    songs: int = 1
-    frame_rate: float = FRAME_RATE
-    shaping: Shaping = field(default_factory=Shaping)
-
-    def __post_init__(self):
-        if self.top_k < 1:
-            raise ValueError(f"lm_top_k must be at least 1, got {self.top_k}")
-        if not 1 <= self.songs <= MAX_SONGS:
-            raise ValueError(f"lm_batch_size must be between 1 and {MAX_SONGS}, got {self.songs}")
 
 
 def max_frames_for(duration: float, prompt_tokens: int, lm_context: int, frame_rate: float = FRAME_RATE) -> int:

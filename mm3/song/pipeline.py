@@ -21,7 +21,7 @@ from . import overlap, stages
 from ..plan.ar import max_frames_for, plan
 from ..plan.codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from ..components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
-from ..constants import FRAME_RATE
+from ..constants import FRAME_RATE, MAX_DURATION
 from ..backends.cpu.bf16 import ruled
 from ..backends.device import empty_cache, pick_device, pick_dtype, total_bytes
 from ..errors import RunError
@@ -34,6 +34,7 @@ from ..lora.health import base_shapes, group_changes, warnings_of
 from ..lora.keys import KINDS as LORA_KINDS, NAMES as LORA_NAMES
 from ..lora.use import check_entries, use_of
 from .numerics import FAST, Numerics
+from .settings import PlanSettings
 from ..files.opener import open_component, read_component
 from ..progress import Cancelled, Progress
 from ..plan.prompt import Prompt, PromptError, build_prompt, lyrics_sent
@@ -417,8 +418,10 @@ class Pipeline:
             a, b = int(start * FRAME_RATE), min(n, int(end * FRAME_RATE))
             if not 0 <= a < b:
                 raise RequestError(f"the range {start:g}..{end:g} s holds no frame of this {n / FRAME_RATE:.2f} s song")
-            settings = replace(request.plan_settings(), duration=(b + 0.5) / FRAME_RATE, lm_seed=lm_seed, songs=1,
-                               shaping=replace(request.shaping(), min_frames=b))
+            # the request's duration is its replay's: the plan runs to frame b (at most MAX_AUDIO_FRAMES)
+            settings = PlanSettings(duration=min((b + 0.5) / FRAME_RATE, MAX_DURATION), lm_seed=lm_seed,
+                                    lm_cfg=request.lm_cfg, top_k=request.lm_top_k,
+                                    shaping=replace(request.shaping(), min_frames=b))
             stages.set_ar_numerics(lm, depth, self.numerics(request.rng), device=self.device, dtype=self.dtype)
             (song,) = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
                            progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)

@@ -61,6 +61,11 @@ class WeightSlots(nn.Module):
         self._slot_shapes[name] = tuple(int(s) for s in shape)
         self.register_parameter(name, None)
 
+    @property
+    def slot_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each declared slot's shape (that of the float tensor `get` returns), in declaration order."""
+        return dict(self._slot_shapes)
+
     def _set(self, name: str, qtype: GGMLQuantizationType, value: torch.Tensor):
         self._parameters[name] = nn.Parameter(value, requires_grad=False)
         self._slot_types[name] = qtype
