@@ -245,12 +245,15 @@ def report_specs(decode: list, prefill: list) -> list:
                 fn, config = gemv_kernel, DECODE
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
                               "BLOCK_N": config.block_n, "BLOCK_C": block_c}
+                mix = {"loop_weights": config.block_n * block_c * dl.CHUNK // (32 * config.num_warps),
+                       "inner_trips": dl.SLICES}
 
                 def programs(launch, sms):
                     _, _, groups, tiles, splits = decode_grid(launch.rows, launch.n, launch.k, sms)
                     return groups * tiles * splits
             else:
                 fn, config = gemm_kernel, PREFILL_F32 if x_type == "fp32" else PREFILL
+                mix = {}
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "BLOCK_M": config.block_m,
                               "BLOCK_N": config.block_n, "BLOCK_C": config.block_c}
 
@@ -263,7 +266,7 @@ def report_specs(decode: list, prefill: list) -> list:
                 name=f"layout/{qtype.name}/{shape}", family="layout", weight_type=qtype.name, shape=shape, fn=fn,
                 signature=signature, constexprs=constexprs, aligned=aligned,
                 weight_args=("q_ptr", "qh_ptr", "s_ptr", "s2_ptr"), programs=programs, num_warps=config.num_warps,
-                num_stages=config.num_stages, launches=list(launches)))
+                num_stages=config.num_stages, launches=list(launches), **mix))
     return specs
 
 
