@@ -170,11 +170,23 @@ def side_product(base, low_ranks: list[LowRank | None], sizes: list[int], dtype:
     return WithLowRank(base, torch.cat(downs).t().contiguous(), blocks)
 
 
-class Split:
-    """One product over stacked weight rows, split into each part's output."""
+class LayoutSwiGLU:
+    """`silu(gate) * up` of a (gate, up) group held in the device layout, from one launch
+    (`mm3.backends.gpu.layout_kernels.swiglu`)."""
 
-    def __init__(self, product, sizes: list[int]):
-        self.product, self.sizes = product, sizes
+    def __init__(self, weight: Weight, qtype, in_features: int):
+        self.weight, self.qtype, self.in_features = weight, qtype, in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return custom_ops.layout_swiglu(x, self.weight(), self.qtype, self.in_features)
+
+
+class Split:
+    """One product over stacked weight rows, split into each part's output; `swiglu`, where set,
+    gives `silu(first) * second` of a two-part group from one product (`Fused.swiglu`)."""
+
+    def __init__(self, product, sizes: list[int], swiglu=None):
+        self.product, self.sizes, self.swiglu = product, sizes, swiglu
 
     def __call__(self, x: torch.Tensor, bias: None = None) -> list[torch.Tensor]:
         return self.product(x).split_with_sizes(self.sizes, dim=-1)
@@ -280,7 +292,11 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
     same = all(p.qtype("weight") == qtype for p in parts)
     held = [layout_reads(p, dtype, device) for p in parts]
     if all(held) and same:
-        return split(LayoutProduct(fused.stacked_stored_source(device), qtype, fused.in_features))
+        source = fused.stacked_stored_source(device)
+        product = split(LayoutProduct(source, qtype, fused.in_features))
+        if plain and len(parts) == 2 and fused.sizes[0] == fused.sizes[1]:
+            product.swiglu = LayoutSwiGLU(source, qtype, fused.in_features)
+        return product
     if any(p.form("weight") is not None for p in parts):  # a part in the layout among others (another type,
         return Separate(parts)  # another kernel family): each its own product, never a stack dequantized per call
     if kernels.available(device.type) and same and all(kernel_reads(p, dtype, device) for p in parts):

@@ -78,8 +78,8 @@ class DepthBlock(nn.Module):
         dt, dev = x.dtype, x.device
         native = self.fast_numerics
         x = x + self.attn(rms_norm(x, self.input_layernorm(dt, dev), NORM_EPS, native), cache, layer)
-        gate, up = self.gate_up(rms_norm(x, self.post_attention_layernorm(dt, dev), NORM_EPS, native))
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.down_proj(self.gate_up.swiglu(rms_norm(x, self.post_attention_layernorm(dt, dev), NORM_EPS,
+                                                                native)))
 
     def products(self) -> tuple:
         """The block's four products in their order of use (q/k/v, out, gate/up, down)."""

@@ -216,6 +216,16 @@ class Fused:
             return [p(x) for p in self.parts]
         return self.product_for(x.dtype, x.device)(x)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of a (gate, up) group: from the stacked product in one launch where it
+        offers that (`swiglu`), else `F.silu` and the product over the parts' outputs."""
+        if self._fuse:
+            one = getattr(self.product_for(x.dtype, x.device), "swiglu", None)
+            if one is not None:
+                return one(x)
+        gate, up = self(x)
+        return F.silu(gate) * up
+
     def product_for(self, dtype: torch.dtype, device: torch.device):
         """The product that serves inputs of `dtype` on `device` (chosen now if it is not); without
         `fuse`, each part's own."""

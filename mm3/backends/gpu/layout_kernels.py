@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from . import device_layout as dl
@@ -156,6 +157,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, bias: torch
     return y.view(*x.shape[:-1], n)
 
 
+def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Config | None = None) -> torch.Tensor:
+    """silu(gate) * up in x's dtype, W [2 n, k] (as `linear`'s) holding the gate rows then the up
+    rows: for decode-shaped inputs one launch of `gemv_kernel` (SWIGLU: each program computes
+    matching gate and up rows and stores the product, never the halves; the same arithmetic as
+    `F.silu(gate) * up` over `linear`'s outputs), else `linear` and torch's ops."""
+    from .layout_triton import gemv_kernel
+
+    if x.shape[-1] != k:
+        raise ValueError(f"inputs of {x.shape[-1]} values for a weight with rows of {k}")
+    if weight.shape[0] % 2:
+        raise ValueError(f"gate and up rows stacked: an even count, got {weight.shape[0]}")
+    n = weight.shape[0] // 2
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > GEMV_MAX_ROWS or not n:
+        gate, up = linear(x, weight, qtype, k, config=config).split(n, dim=-1)
+        return F.silu(gate) * up
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q, qh, s, s2 = planes(weight, qtype, k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if not m:
+        return y.view(*x.shape[:-1], n)
+    config = config or (INTERPRETED[0] if _interpreted() else DECODE)
+    block_m, block_c = (1 if m == 1 else 2 if m == 2 else 4), decode_tiles(k, config)
+    chunks = chunks_of(k)
+    gemv_kernel[(-(-m // block_m), -(-n // (config.block_n // 2)), 1)](
+        x2, q, qh, s, s2, y, y, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0), s.stride(0),
+        s2.stride(0), chunks, chunks, QTYPE=CODES[qtype], HAS_BIAS=False, PARTIAL=False, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, BLOCK_C=block_c, SWIGLU=True, PRECISE=not _interpreted(), num_warps=config.num_warps)
+    return y.view(*x.shape[:-1], n)
+
+
 def supports(qtype: QT, in_features: int) -> bool:
     """Whether these kernels read weights of `qtype` with rows of `in_features` values."""
     if qtype in FLOATS:
@@ -244,7 +278,7 @@ def report_specs(decode: list, prefill: list) -> list:
                 ints["split_chunks"] = -(-chunks_of(k) // (splits * block_c)) * block_c
                 fn, config = gemv_kernel, DECODE
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
-                              "BLOCK_N": config.block_n, "BLOCK_C": block_c}
+                              "BLOCK_N": config.block_n, "BLOCK_C": block_c, "SWIGLU": False, "PRECISE": True}
                 mix = {"loop_weights": config.block_n * block_c * dl.CHUNK // (32 * config.num_warps),
                        "inner_trips": dl.SLICES}
 

@@ -8,7 +8,8 @@ words (`_word`), never moved between threads. The tile is then expanded one slic
 each chunk) at a time to float32 with the arithmetic of `mm3.formats.gguf.quants` (the same products in the
 same order) and multiplied with the inputs' 32 matching values. `gemv_kernel` (decode: a few input
 rows) accumulates with FMAs in float32 and may split K over programs (partial sums added in a
-fixed order by `split_sum_kernel`); `gemm_kernel` (prefill, the DiT) multiplies input and weight
+fixed order by `split_sum_kernel`), or with SWIGLU computes matching gate and up rows (interleaved in
+its tile) and stores `silu(gate) * up`; `gemm_kernel` (prefill, the DiT) multiplies input and weight
 tiles with `tl.dot`.
 
 QTYPE codes: 0 float weights, 1 Q8_0, 2 Q4_0, 3 Q4_1, 4 Q5_0, 5 Q5_1, 6 Q4_K, 7 Q5_K, 8 Q6_K.
@@ -16,6 +17,7 @@ QTYPE codes: 0 float weights, 1 Q8_0, 2 Q4_0, 3 Q4_1, 4 Q5_0, 5 Q5_1, 6 Q4_K, 7 
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 
 @triton.jit
@@ -146,15 +148,23 @@ def _x_slice(x_ptr, m, M, x_stride, cs, K, i):
 def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr,
                 M, N, K, x_stride, y_stride, q_stride, qh_stride, s_stride, s2_stride, chunks, split_chunks,
                 QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                SWIGLU: tl.constexpr = False, PRECISE: tl.constexpr = True):
     """y[m, n] = sum_k x[m, k] W[n, k] for BLOCK_M (1, 2 or 4) input rows, BLOCK_N weight rows and
     the chunks [pid_k * split_chunks, + split_chunks) (whole tiles of BLOCK_C). PARTIAL: the sums
-    go to y_ptr as float32 [splits, M, N] for `split_sum_kernel`."""
+    go to y_ptr as float32 [splits, M, N] for `split_sum_kernel`. SWIGLU (no split, no bias): W is
+    [2 N, K], gate rows then up rows; the tile takes BLOCK_N / 2 of each, interleaved, and y[m, n] =
+    silu(gate) * up in y's dtype (`_store_swiglu`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1)  # clamped: every weight load is in bounds
+    if SWIGLU:
+        r = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * (BLOCK_N // 2) + r // 2
+        rows = tl.minimum(offs_n, N - 1) + (r % 2) * N  # even: gate row n, odd: up row n
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_n, N - 1)  # clamped: every weight load is in bounds
     m0 = pid_m * BLOCK_M
     acc0 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
@@ -174,13 +184,39 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr,
             if BLOCK_M > 2:
                 acc2 += w * _x_slice(x_ptr, m0 + 2, M, x_stride, cs, K, i)
                 acc3 += w * _x_slice(x_ptr, m0 + 3, M, x_stride, cs, K, i)
-    n_ok = offs_n < N
-    _store_row(acc0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
-    if BLOCK_M > 1:
-        _store_row(acc1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
-    if BLOCK_M > 2:
-        _store_row(acc2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
-        _store_row(acc3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+    if SWIGLU:
+        _store_swiglu(acc0, m0, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+        if BLOCK_M > 1:
+            _store_swiglu(acc1, m0 + 1, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+        if BLOCK_M > 2:
+            _store_swiglu(acc2, m0 + 2, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+            _store_swiglu(acc3, m0 + 3, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+    else:
+        n_ok = offs_n < N
+        _store_row(acc0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+        if BLOCK_M > 1:
+            _store_row(acc1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+        if BLOCK_M > 2:
+            _store_row(acc2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+            _store_row(acc3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _store_swiglu(acc, m, M, N, pid_n, y_ptr, y_stride, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr):
+    """y[m, n] = silu(gate) * up with torch's arithmetic in y's dtype: gate and up rounded to it,
+    silu(g) = g / (1 + exp(-g)) in float32 (PRECISE: CUDA's expf and an IEEE division, as torch's
+    kernel; else the interpreter's exp) rounded, the product in float32 rounded."""
+    dt = y_ptr.dtype.element_ty
+    gate, up = tl.split(tl.reshape(tl.sum(tl.sum(acc, axis=2), axis=1), (BLOCK_N // 2, 2)))
+    g = gate.to(dt).to(tl.float32)
+    if PRECISE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = tl.div_rn(g, 1.0 + e).to(dt).to(tl.float32)
+    y = (s * up.to(dt).to(tl.float32)).to(dt)
+    offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(y_ptr + m.to(tl.int64) * y_stride + offs, y, mask=(offs < N) & (m < M))
 
 
 @triton.jit

@@ -112,3 +112,28 @@ def test_bad_weights_are_refused():
         lk.linear(torch.zeros(1, 64), torch.zeros(3, 68, dtype=torch.uint8), Q.Q8_0, 64)
     with pytest.raises(ValueError, match="inputs of 32 values for a weight with rows of 64"):
         lk.linear(torch.zeros(1, 32), torch.zeros(3, 320, dtype=torch.uint8), Q.Q8_0, 64)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F16], ids=lambda t: t.name)
+def test_swiglu_is_silu_of_gate_times_up_in_one_launch(qtype):
+    """`swiglu` over stacked gate and up rows against `F.silu(gate) * up` over `linear`'s outputs:
+    the same bits for float16 inputs (both round the halves, silu and the product to float16), within
+    float32's rounding of exp for float32 inputs; past GEMV_MAX_ROWS it is those ops. (bfloat16: the
+    interpreter truncates float32 to bfloat16, a GPU rounds; natively only.)"""
+    g = torch.Generator().manual_seed(80 + int(qtype))
+    k, n = _k(qtype), 10
+    w, values = weight(qtype, 2 * n, k, g)
+    dtypes = (torch.float32, torch.float16, torch.bfloat16) if NATIVE else (torch.float32, torch.float16)
+    for dtype in dtypes:
+        for rows in (1, 2, 5, lk.GEMV_MAX_ROWS + 1):
+            x = (torch.randn(rows, k, generator=g) * 4).to(DEVICE, dtype)
+            got = lk.swiglu(x, w, qtype, k)
+            gate, up = lk.linear(x, w, qtype, k).split(n, dim=-1)
+            want = F.silu(gate) * up
+            assert got.shape == (rows, n) and got.dtype == dtype
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            else:
+                assert torch.equal(got, want), (dtype, rows)
+    with pytest.raises(ValueError, match="an even count"):
+        lk.swiglu(x, w[:-1], qtype, k)

@@ -115,6 +115,29 @@ def test_a_fused_product_stacks_the_layouts_as_views(layout_mode, monkeypatch):
     assert isinstance(mixed.choose(torch.float32, DEVICE)[3], products.Separate)  # chosen as a use would
 
 
+def test_a_gate_up_group_gives_silu_times_up_from_one_launch(layout_mode, monkeypatch):
+    """`Fused.swiglu` over parts held in the layout: one `layout_kernels.swiglu` launch, the numbers
+    of `F.silu(gate) * up` over the fused product's outputs; parts that cannot (another type each,
+    or no fusing) give the same through torch's ops."""
+    layers = [_linear(Q.Q4_K, 8, 256, 30 + i, DEVICE)[0] for i in range(2)]
+    for layer in layers:
+        placement.relayout(layer)
+    calls = []
+    real = layout_kernels.swiglu
+    monkeypatch.setattr(layout_kernels, "swiglu", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    fused = gguf_ops.Fused(layers)
+    x = torch.randn(2, 256).to(DEVICE, torch.float16)
+    gate, up = fused(x)
+    assert torch.equal(fused.swiglu(x), F.silu(gate) * up)
+    assert calls == [(16, dl.layout_of(Q.Q4_K, 256).row_bytes)]
+    fused.fuse = False
+    assert torch.equal(fused.swiglu(x), F.silu(gate) * up) and len(calls) == 1
+    mixed = gguf_ops.Fused([layers[0], _linear(Q.Q6_K, 8, 256, 32, DEVICE)[0]])
+    placement.relayout(mixed.parts[1])
+    gate, up = mixed(x)
+    assert torch.equal(mixed.swiglu(x), F.silu(gate) * up) and len(calls) == 1
+
+
 def test_rows_of_a_layout_keep_its_form(layout_mode):
     layer, raw, values = _linear(Q.Q4_0, 10, 64, 3, DEVICE)
     placement.relayout(layer)
