@@ -7,7 +7,8 @@ numerics, CPU form or device change; the layer keeps the answer and forward only
 rules, first match wins (`_base_for_linear`; `for_fused` stacks the parts where they share one):
 
   1. adapters to merge (`LowRank.merge`)     -> `FloatWeight` over a float copy with them merged in
-  2. held in the GPU's device layout          -> `LayoutProduct` (`gpu.layout_kernels`, `layout_reads`)
+  2. held in the GPU's device layout          -> `LayoutProduct` (`gpu.layout_kernels`, `layout_reads`;
+                                                 a group of two types: `LayoutSegments`)
   3. a GPU kernel reads the GGUF blocks       -> `KernelProduct` (`gpu.kernels`, `kernel_reads`)
   4. a float weight of the dtype at hand      -> `FloatWeight` (weight-major where the CPU form says)
   5. the CPU form's packed kernel (few rows)  -> `ByRows(PackedProduct, per-use)` (`cpu.native`,
@@ -170,6 +171,19 @@ def side_product(base, low_ranks: list[LowRank | None], sizes: list[int], dtype:
     return WithLowRank(base, torch.cat(downs).t().contiguous(), blocks)
 
 
+class LayoutSegments:
+    """The layout kernels over two weights of different types stacked by their outputs, in one
+    launch (`mm3.backends.gpu.layout_kernels.linear_segments`): a q/k/v group whose v has another type."""
+
+    def __init__(self, segments: list[tuple], in_features: int):
+        (self.qtype, self.weight), (self.qtype2, self.weight2) = segments
+        self.in_features = in_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return custom_ops.layout_segments(x, self.weight(), self.weight2(), self.qtype, self.qtype2,
+                                          self.in_features, bias)
+
+
 class LayoutSwiGLU:
     """`silu(gate) * up` of a (gate, up) group held in the device layout, from one launch
     (`mm3.backends.gpu.layout_kernels.swiglu`)."""
@@ -297,6 +311,10 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
         if plain and len(parts) == 2 and fused.sizes[0] == fused.sizes[1]:
             product.swiglu = LayoutSwiGLU(source, qtype, fused.in_features)
         return product
+    if all(held):  # two runs of types (q, k of one, v of another): one launch; more, each part its own
+        segments = fused.segment_sources(device)
+        if len(segments) == 2:
+            return split(LayoutSegments(segments, fused.in_features))
     if any(p.form("weight") is not None for p in parts):  # a part in the layout among others (another type,
         return Separate(parts)  # another kernel family): each its own product, never a stack dequantized per call
     if kernels.available(device.type) and same and all(kernel_reads(p, dtype, device) for p in parts):

@@ -1,5 +1,5 @@
 """The Triton products and the embedding rows' dequantization as torch custom ops
-(`torch.ops.mm3.layout_linear`, `layout_swiglu`, `block_linear`, `dequantize`), so `torch.compile(fullgraph=True)`
+(`torch.ops.mm3.layout_linear`, `layout_segments`, `layout_swiglu`, `block_linear`, `dequantize`), so `torch.compile(fullgraph=True)`
 traces a model through them as single nodes; an eager call goes to the function directly (a custom
 op's dispatch costs microseconds, a decode step makes hundreds)."""
 
@@ -22,6 +22,29 @@ def _layout_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, k: int,
 @_layout_linear.register_fake
 def _(x, weight, qtype, k, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("mm3::layout_segments", mutates_args=())
+def _layout_segments(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, qtype: int, qtype2: int, k: int,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    from . import layout_kernels
+
+    return layout_kernels.linear_segments(x, [(weight, QT(qtype)), (weight2, QT(qtype2))], k, bias)
+
+
+@_layout_segments.register_fake
+def _(x, weight, weight2, qtype, qtype2, k, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] + weight2.shape[0]))
+
+
+def layout_segments(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, qtype: QT, qtype2: QT, k: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`layout_kernels.linear_segments` of two weights, as a custom op while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return torch.ops.mm3.layout_segments(x, weight, weight2, int(qtype), int(qtype2), k, bias)
+    from . import layout_kernels
+
+    return layout_kernels.linear_segments(x, [(weight, qtype), (weight2, qtype2)], k, bias)
 
 
 @torch.library.custom_op("mm3::layout_swiglu", mutates_args=())

@@ -4,7 +4,9 @@ as `mm3.backends.gpu.device_layout` planes (or, for F16/BF16/F32 weights, as the
 Decode-shaped inputs (up to `GEMV_MAX_ROWS` rows) go to `layout_triton.gemv_kernel`: groups of up
 to 4 input rows, `Config.block_n` weight rows and `Config.block_c` chunks (256 values) per program,
 K split over programs until the grid has `TARGET_WAVES` programs per multiprocessor (partial sums
-then added in a fixed order, so results do not depend on timing). Wider inputs (a prefill, the DiT)
+then added in a fixed order by each tile's last program, so results do not depend on timing); two
+weights of different types stacked by their outputs (`linear_segments`: q and k of one type, v of
+another) in one launch. Wider inputs (a prefill, the DiT)
 go to `layout_triton.gemm_kernel`. `MM3_KERNELS` and the product choice live in
 `mm3.backends.products`; `works` checks a kernel once per (type, dtype, device) before a layer uses it.
 """
@@ -116,45 +118,103 @@ def linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, bias: torch
            config: Config | None = None) -> torch.Tensor:
     """x [..., k] @ W.T (+ bias) -> [..., n] in x's dtype; W as the layout [n, row_bytes] uint8
     (a float tensor [n, k] for F16/BF16/F32) on x's device."""
+    return linear_segments(x, [(weight, qtype)], k, bias, config)
+
+
+def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor | None = None,
+                    config: Config | None = None) -> torch.Tensor:
+    """`linear` of weights stacked by their outputs, each (weight, qtype) in its own type (one or
+    two): y = [x @ W1.T, x @ W2.T] (+ bias). Decode-shaped inputs take one launch (two types:
+    `gemv_segments_kernel`, where the first weight's rows are whole decode tiles)."""
     import triton
 
-    from .layout_triton import gemm_kernel, gemv_kernel, split_sum_kernel
+    from .layout_triton import gemm_kernel
 
     if x.shape[-1] != k:
         raise ValueError(f"inputs of {x.shape[-1]} values for a weight with rows of {k}")
-    q, qh, s, s2 = planes(weight, qtype, k)
-    n = weight.shape[0]
+    if not 1 <= len(segments) <= 2:
+        raise ValueError(f"one or two weights stacked, got {len(segments)}")
+    sizes = [w.shape[0] for w, _ in segments]
+    n = sum(sizes)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    parts = [(planes(w, qtype, k), CODES[qtype]) for w, qtype in segments]
     if not (m and n):
         return y.view(*x.shape[:-1], n)
-    code, chunks = CODES[qtype], chunks_of(k)
-    strides = (q.stride(0), qh.stride(0), s.stride(0), s2.stride(0))
-    b = bias if bias is not None else y
     if m <= GEMV_MAX_ROWS:
         config = config or (INTERPRETED[0] if _interpreted() else DECODE)
-        block_m, block_c, groups, tiles, splits = decode_grid(m, n, k, multiprocessors(x.device), config)
-        split_chunks = -(-chunks // (splits * block_c)) * block_c
-        splits = -(-chunks // split_chunks)
-        out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        gemv_kernel[(groups, tiles, splits)](
-            x2, q, qh, s, s2, b, out, m, n, k, x2.stride(0), y.stride(0), *strides, chunks, split_chunks,
-            QTYPE=code, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
-            BLOCK_C=block_c, num_warps=config.num_warps)
-        if splits > 1:
-            block = 1024
-            split_sum_kernel[(triton.cdiv(m * n, block),)](out, b, y, m, n, y.stride(0), splits,
-                                                            HAS_BIAS=bias is not None, BLOCK=block)
-    else:
-        config = config or (INTERPRETED[1] if _interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
-        grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
-        gemm_kernel[grid](x2, q, qh, s, s2, b, y, m, n, k, x2.stride(0), y.stride(0), *strides, chunks,
-                          QTYPE=code, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        if len(parts) == 1 or sizes[0] % config.block_n == 0:
+            _decode(x2, parts, sizes, k, bias, y, config)
+        else:  # the first weight ends inside a tile: each its own launch
+            for (p, b, at), size in zip(_bounds(parts, sizes, bias), sizes):
+                _decode(x2, [p], [size], k, b, y[:, at:at + size], config)
+        return y.view(*x.shape[:-1], n)
+    config = config or (INTERPRETED[1] if _interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
+    for ((q, qh, s, s2), code), b, at in _bounds(parts, sizes, bias):
+        size = q.shape[0]
+        out = y[:, at:at + size]
+        grid = (triton.cdiv(m, config.block_m), triton.cdiv(size, config.block_n))
+        gemm_kernel[grid](x2, q, qh, s, s2, b if b is not None else out, out, m, size, k, x2.stride(0), out.stride(0),
+                          q.stride(0), qh.stride(0), s.stride(0), s2.stride(0), chunks_of(k), QTYPE=code,
+                          HAS_BIAS=b is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           BLOCK_C=config.block_c, num_warps=config.num_warps, num_stages=config.num_stages)
     return y.view(*x.shape[:-1], n)
+
+
+def _bounds(parts: list, sizes: list[int], bias: torch.Tensor | None) -> list:
+    """(part, its bias or None, its first output column) per stacked weight."""
+    out, at = [], 0
+    for part, size in zip(parts, sizes):
+        out.append((part, None if bias is None else bias[at:at + size], at))
+        at += size
+    return out
+
+
+def _decode(x2: torch.Tensor, parts: list, sizes: list[int], k: int, bias: torch.Tensor | None, y: torch.Tensor,
+            config: Config) -> None:
+    """One decode launch writing y [m, sum(sizes)] (a view with unit column stride): `gemv_kernel`,
+    or `gemv_segments_kernel` for two weights; K split where the grid is small, the partial sums
+    added by the tile's last program."""
+    from .layout_triton import gemv_kernel, gemv_segments_kernel
+
+    m, n = x2.shape[0], sum(sizes)
+    block_m, block_c, groups, tiles, splits = decode_grid(m, n, k, multiprocessors(x2.device), config)
+    chunks = chunks_of(k)
+    split_chunks = -(-chunks // (splits * block_c)) * block_c
+    splits = -(-chunks // split_chunks)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x2.device) if splits > 1 else y
+    counts = _counts(x2.device, groups * tiles) if splits > 1 else y
+    b = bias if bias is not None else y
+    consts = dict(HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
+                  BLOCK_C=block_c, num_warps=config.num_warps)
+    (q, qh, s, s2), code = parts[0]
+    if len(parts) == 1:
+        gemv_kernel[(groups, tiles, splits)](
+            x2, q, qh, s, s2, b, y, part, counts, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0),
+            s.stride(0), s2.stride(0), chunks, split_chunks, QTYPE=code, **consts)
+        return
+    (q2, qh2, s3, s4), code2 = parts[1]
+    gemv_segments_kernel[(groups, tiles, splits)](
+        x2, q, qh, s, s2, q2, qh2, s3, s4, b, y, part, counts, m, n, sizes[0], k, x2.stride(0), y.stride(0),
+        q.stride(0), qh.stride(0), s.stride(0), s2.stride(0), q2.stride(0), qh2.stride(0), s3.stride(0),
+        s4.stride(0), chunks, split_chunks, QTYPE=code, QTYPE2=code2, **consts)
+
+
+_COUNTS: dict = {}
+
+
+def _counts(device: torch.device, size: int) -> torch.Tensor:
+    """At least `size` int32 tile counters on `device` for the current stream, zero between
+    launches (each tile's last program sets its own back): made once, so a captured graph reads
+    the same buffer every replay."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _COUNTS.get((device, stream))
+    if held is None or held.numel() < size:
+        held = _COUNTS[(device, stream)] = torch.zeros(max(size, 1 << 14), dtype=torch.int32, device=device)
+    return held
 
 
 def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Config | None = None) -> torch.Tensor:
@@ -184,7 +244,7 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Con
     block_m, block_c = (1 if m == 1 else 2 if m == 2 else 4), decode_tiles(k, config)
     chunks = chunks_of(k)
     gemv_kernel[(-(-m // block_m), -(-n // (config.block_n // 2)), 1)](
-        x2, q, qh, s, s2, y, y, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0), s.stride(0),
+        x2, q, qh, s, s2, y, y, y, y, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0), s.stride(0),
         s2.stride(0), chunks, chunks, QTYPE=CODES[qtype], HAS_BIAS=False, PARTIAL=False, BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_C=block_c, SWIGLU=True, PRECISE=not _interpreted(), num_warps=config.num_warps)
     return y.view(*x.shape[:-1], n)
@@ -274,6 +334,7 @@ def report_specs(decode: list, prefill: list) -> list:
                         "s_ptr": plane_types[2], "s2_ptr": plane_types[3], "b_ptr": "*" + x_type,
                         "y_ptr": "*" + x_type}
             if shape == "decode":
+                pointers.update(part_ptr="*fp32", count_ptr="*i32")
                 block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
                 ints["split_chunks"] = -(-chunks_of(k) // (splits * block_c)) * block_c
                 fn, config = gemv_kernel, DECODE
