@@ -2,7 +2,8 @@
 
 Needs Triton (its bundled compilers), not a GPU. Per kernel (family, weight type, decode or
 prefill): the share of the weight's bytes loaded by each load width, registers, spills, shared
-memory, and the grid and waves it gets at the released sizes (`mm3.backends.gpu.kernel_report`).
+memory, the grid and waves it gets at the released sizes, and for decode kernels the k-loop's SASS
+instructions per weight by kind (`mm3.backends.gpu.kernel_report`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..constants import SEMANTIC_VOCAB_SIZE
 from ..formats.diffusers import DIFFUSERS_DEFAULTS
 from .tiny import RELEASED_LM_CONFIG
 
-FAMILIES = ("triton", "layout")
+FAMILIES = ("triton", "layout", "fused")
 PREFILL_ROWS_PER_WINDOW = 689  # latents of a 200-frame DiT window at the released rates (mm3.synth.audio)
 
 
@@ -59,6 +60,10 @@ def specs(families=FAMILIES, weight_types=None, shapes=None) -> list:
         from ..backends.gpu import layout_kernels
 
         out += layout_kernels.report_specs(decode, prefill)
+    if "fused" in families:
+        from ..backends.gpu import layout_kernels
+
+        out += layout_kernels.fused_report_specs(decode)
     return [s for s in out if (weight_types is None or s.weight_type in weight_types)
             and (shapes is None or s.shape in shapes)]
 
@@ -119,7 +124,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--report", action="store_true", help="compile every kernel and print the report")
     p.add_argument("--arch", type=int, default=90, help="CUDA architecture: 80, 89 or 90 (default 90)")
     p.add_argument("--family", choices=FAMILIES + ("all",), default="all",
-                   help="triton: the kernels over GGUF blocks; layout: over the device layout; all (default)")
+                   help="triton: the kernels over GGUF blocks; layout: over the device layout; fused: the layout's "
+                   "decode kernels with SwiGLU, their in-kernel split-K sum, the two-type q/k/v kernel; all (default)")
     p.add_argument("--types", default="", help="only these weight types, comma-separated (e.g. Q8_0,Q4_K)")
     p.add_argument("--shape", choices=("decode", "prefill", "all"), default="all", help="only decode or prefill kernels")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the report as JSON to OUT ('-': "

@@ -370,3 +370,58 @@ def _empty_weight(qtype: QT, n: int, k: int) -> torch.Tensor:
     if qtype in FLOATS:
         return torch.empty(n, k, dtype=FLOATS[qtype], device="meta")
     return torch.empty(n, dl.layout_of(qtype, k).row_bytes, dtype=torch.uint8, device="meta")
+
+
+def fused_report_specs(decode: list) -> list:
+    """The decode kernels' fused forms (family "fused"), bfloat16 inputs, two rows: per common type
+    the SwiGLU epilogue (at the gate/up products) and the K split with its in-kernel sum (at the
+    products whose grid splits), and the two-type kernel of the Q4_K_M and Q5_K_M q/k/v groups (v in
+    Q6_K)."""
+    from .kernel_report import KernelSpec
+    from .layout_triton import gemv_kernel, gemv_segments_kernel
+
+    def spec(name, fn, qtypes, launches, extra, halve=False):
+        first = launches[0]
+        k, n, rows = first.k, first.n, first.rows
+        block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
+        config = DECODE
+        pointers = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+        ints = {"M": rows, "N": n // 2 if halve else n, "K": k, "x_stride": k, "y_stride": n, "chunks": chunks_of(k),
+                "split_chunks": -(-chunks_of(k) // (splits * block_c)) * block_c}
+        weight_args = []
+        for names, qtype in zip((("q", "qh", "s", "s2"), ("q2", "qh2", "s3", "s4")), qtypes):
+            arrays = planes(_empty_weight(qtype, n, k), qtype, k)
+            for plane, array, kind in zip(names, arrays, _PLANE_TYPES[qtype]):
+                pointers[plane + "_ptr"], ints[plane + "_stride"] = kind, array.stride(0)
+                weight_args.append(plane + "_ptr")
+        if len(qtypes) == 2:
+            ints["N1"] = n - n // 3  # q and k of a group with as many v rows as k rows
+        constexprs = {"QTYPE": CODES[qtypes[0]], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
+                      "BLOCK_N": config.block_n, "BLOCK_C": block_c, **extra}
+        signature = {**pointers, **{a: "i32" for a in ints}, **dict.fromkeys(constexprs, "constexpr")}
+        signature = {a: signature[a] for a in fn.arg_names}
+        aligned = tuple(pointers) + tuple(a for a, v in ints.items() if v % 16 == 0)
+
+        def programs(launch, sms):
+            _, _, groups, tiles, splits = decode_grid(launch.rows, launch.n, launch.k, sms)
+            return groups * tiles * splits
+        return KernelSpec(
+            name=name, family="fused", weight_type="+".join(q.name for q in qtypes), shape="decode", fn=fn,
+            signature=signature, constexprs=constexprs, aligned=aligned, weight_args=tuple(weight_args),
+            programs=programs, num_warps=config.num_warps, num_stages=config.num_stages, launches=list(launches),
+            loop_weights=config.block_n * block_c * dl.CHUNK // (32 * config.num_warps), inner_trips=dl.SLICES)
+
+    gate_up = [launch for launch in decode if launch.layer.endswith("gate_up")]
+    split = [launch for launch in decode if decode_grid(launch.rows, launch.n, launch.k, REFERENCE_SMS)[-1] > 1]
+    qkv = [launch for launch in decode if launch.layer.endswith("qkv")]
+    specs = []
+    for qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0):
+        specs.append(spec(f"fused/{qtype.name}/swiglu", gemv_kernel, (qtype,), gate_up,
+                          {"SWIGLU": True, "PRECISE": True}, halve=True))
+        if split:
+            specs.append(spec(f"fused/{qtype.name}/split", gemv_kernel, (qtype,), split,
+                              {"PARTIAL": True, "SWIGLU": False, "PRECISE": True}))
+    for qtype in (QT.Q4_K, QT.Q5_K):
+        specs.append(spec(f"fused/{qtype.name}+Q6_K/qkv", gemv_segments_kernel, (qtype, QT.Q6_K), qkv,
+                          {"QTYPE2": CODES[QT.Q6_K]}))
+    return specs

@@ -190,3 +190,17 @@ def test_decode_kernels_spend_few_instructions_per_weight(arch):
         for kind, bound in zip(("integer", "float", "memory", "other"), bounds):
             assert 0 <= mix[kind] <= bound, (r["name"], kind, mix)
         assert mix["total"] == pytest.approx(sum(mix[k] for k in ("integer", "float", "memory", "other")), abs=0.05)
+
+
+def test_the_fused_decode_kernels_load_wide_and_spill_nothing():
+    """The SwiGLU epilogue, the in-kernel split-K sum and the two-type q/k/v kernel for sm_90: 16-byte
+    weight loads, no spills, two waves or more at their released products."""
+    pytest.importorskip("triton", reason="this torch installation has no Triton")
+    from mm3.tools.kernels import report
+
+    rows = report(90, ("fused",), ["Q4_K", "Q4_K+Q6_K"])
+    assert sorted(r["name"] for r in rows) == ["fused/Q4_K+Q6_K/qkv", "fused/Q4_K/split", "fused/Q4_K/swiglu"]
+    for r in rows:
+        assert r["spills"] == 0 and r["weight_load_bytes_by_width"] == {"16": 1.0}, r
+        assert r["grids"] and r["min_waves"] >= 2, r
+        assert r["instructions_per_weight"]["loop_instructions"] > 0
