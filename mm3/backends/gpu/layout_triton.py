@@ -92,9 +92,101 @@ def _exact(q, offset: tl.constexpr):
 
 
 @triton.jit
-def _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE: tl.constexpr, R: tl.constexpr,
+def _in_place(w, i: tl.constexpr, BITS: tl.constexpr):
+    """Field i (BITS wide, at bit BITS * i) of int32 words where it lies in its 16-bit half, under
+    the exponent of 2 ** 23 (the bits of `_exact`'s constant): one AND a field, the half words with
+    the exponent made once per word and shared by its fields. Read by `_unshifted`."""
+    per: tl.constexpr = 16 // BITS
+    if i // per == 1:
+        half = ((w >> 16) & 0xFFFF) | 0x4B000000
+    else:
+        half = (w & 0xFFFF) | 0x4B000000
+    return half & ((((1 << BITS) - 1) << (BITS * (i % per))) | 0x4B000000)
+
+
+@triton.jit
+def _unshifted(v, offset: tl.constexpr, sh: tl.constexpr):
+    """float32(field - offset) * 2 ** sh for `_in_place`'s bits (a field at bit sh of the mantissa
+    of 2 ** 23), exactly; the factor 2 ** sh goes into the scale (`_pow2`, `_scaled`)."""
+    return v.to(tl.float32, bitcast=True) - (8388608.0 + offset * (1 << sh))
+
+
+@triton.jit
+def _scaled(q, sh: tl.constexpr):
+    """float32(q) * 2 ** -sh for 0 <= q < 2 ** 22, exactly: q under the exponent of 2 ** (23 - sh)."""
+    return (q | ((150 - sh) << 23)).to(tl.float32, bitcast=True) - 8388608.0 / (1 << sh)
+
+
+@triton.jit
+def _pow2(sh: tl.constexpr):
+    """2 ** -sh (a power of two: a product with it is exact)."""
+    return 1.0 / (1 << sh)
+
+
+@triton.jit
+def _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i: tl.constexpr, QTYPE: tl.constexpr, R: tl.constexpr,
            C: tl.constexpr):
-    """Slice i (values 32 i + j of each chunk) of the tile as float32 [R, C, 32]."""
+    """Slice i (values 32 i + j of each chunk) of the tile as float32 [R, C, 32]. Quant fields are
+    read where they lie (`_in_place`) and the scale takes their power of two: each value is the
+    product of `mm3.formats.gguf.quants` (exact, as there)."""
+    j = tl.arange(0, 32)[None, None, :]
+    if QTYPE == 0:  # float weights [N, K]: columns c * 256 + 32 i + j
+        col = cs[None, :, None] * 256 + 32 * i + j
+        w = tl.load(q_ptr + rows[:, None, None].to(tl.int64) * q_stride + col, mask=col < K, other=0.0)
+        w = w.to(tl.float32)
+    elif QTYPE == 1:  # Q8_0: int8 = (unsigned ^ 128) - 128, the XOR (0x80808080) once a word
+        sh: tl.constexpr = 8 * (i % 2)
+        if i < 4:
+            v = _in_place(wq ^ -2139062144, i, 8)
+        else:
+            v = _in_place(wh ^ -2139062144, i - 4, 8)
+        w = _unshifted(v, 128, sh) * _lanes(_half(_word(sa, i // 2, R, C), i % 2) * _pow2(sh), R, C)
+    elif QTYPE == 6 or QTYPE == 7:  # Q4_K, Q5_K: d * sc * q - dmin * m from the 16-byte header
+        sh: tl.constexpr = 4 * (i % 4)
+        v = _in_place(wq, i, 4)
+        if QTYPE == 7:
+            v = v | (((_lanes(_word(wh, i // 2, R, C), R, C) >> (16 * (i % 2) + j % 16)) & 1) << (4 + sh))
+        head = _word(sa, 0, R, C)
+        s1, s2, s3 = _word(sa, 1, R, C), _word(sa, 2, R, C), _word(sa, 3, R, C)
+        t: tl.constexpr = 8 * (i % 4)
+        if i < 4:
+            sc = (s1 >> t) & 63
+            mn = (s2 >> t) & 63
+        else:
+            sc = ((s3 >> t) & 15) | (((s1 >> (t + 6)) & 3) << 4)
+            mn = ((s3 >> (t + 4)) & 15) | (((s2 >> (t + 6)) & 3) << 4)
+        f0 = _lanes(_half(head, 0) * _scaled(sc, sh), R, C)
+        f1 = _lanes(_half(head, 1) * _exact(mn, 0), R, C)
+        w = _unshifted(v, 0, sh) * f0 - f1
+    elif QTYPE == 8:  # Q6_K: d * the int8 scale of group 2 i + j // 16
+        sh: tl.constexpr = 4 * (i % 4)
+        v = _in_place(wq, i, 4)
+        v = v | (((_lanes(_word(wh, i // 2, R, C), R, C) >> (16 * (i % 2) + 2 * (j % 8))) & 3) << (4 + sh))
+        scales = _word(sa, i // 2, R, C)
+        d = _half(_word(sb, ((cs % 8) // 2)[None, :, None, None], R, C), (cs % 2)[None, :, None]) * _pow2(sh)
+        lo = _lanes(d * _byte(scales, 2 * (i % 2)).to(tl.float32), R, C)
+        hi = _lanes(d * _byte(scales, 2 * (i % 2) + 1).to(tl.float32), R, C)
+        w = _unshifted(v, 32, sh) * tl.where(j < 16, lo, hi)
+    else:  # Q4_0, Q4_1, Q5_0, Q5_1
+        sh: tl.constexpr = 4 * (i % 4)
+        v = _in_place(wq, i, 4)
+        if QTYPE == 4 or QTYPE == 5:
+            v = v | (((_lanes(_word(wh, i // 2, R, C), R, C) >> (16 * (i % 2) + j % 16)) & 1) << (4 + sh))
+        d = _lanes(_half(_word(sa, i // 2, R, C), i % 2) * _pow2(sh), R, C)
+        if QTYPE == 2:
+            w = _unshifted(v, 8, sh) * d
+        elif QTYPE == 4:
+            w = _unshifted(v, 16, sh) * d
+        else:
+            w = _unshifted(v, 0, sh) * d + _lanes(_half(_word(sb, i // 2, R, C), i % 2), R, C)
+    return w
+
+
+@triton.jit
+def _slice_runtime(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE: tl.constexpr, R: tl.constexpr,
+           C: tl.constexpr):
+    """`_slice` for a slice index i known only at run time (the prefill's k-loop: unrolled, its
+    tiles would spill on sm_80): each field shifted down, then read as a float."""
     j = tl.arange(0, 32)[None, None, :]
     if QTYPE == 0:  # float weights [N, K]: columns c * 256 + 32 i + j
         col = cs[None, :, None] * 256 + 32 * i + j
@@ -159,7 +251,7 @@ def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh
         cs = c0 + tl.arange(0, BLOCK_C)
         wq, wh, sa, sb = _tile(q_ptr, qh_ptr, s_ptr, s2_ptr, rows, cs, q_stride, qh_stride, s_stride, s2_stride,
                                QTYPE, BLOCK_N, BLOCK_C)
-        for i in range(8):
+        for i in tl.static_range(8):
             w = _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
             acc0 += w * _x_slice(x_ptr, m0, M, x_stride, cs, K, i)
             if BLOCK_M > 1:
@@ -339,7 +431,7 @@ def gemm_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr,
         wq, wh, sa, sb = _tile(q_ptr, qh_ptr, s_ptr, s2_ptr, rows, cs, q_stride, qh_stride, s_stride, s2_stride,
                                QTYPE, BLOCK_N, BLOCK_C)
         for i in range(8):
-            w = _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
+            w = _slice_runtime(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
             col = (c0 + flat // 32) * 256 + 32 * i + flat % 32
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + col[None, :],
                         mask=m_ok[:, None] & (col[None, :] < K) & (c0 + flat[None, :] // 32 < chunks), other=0.0)

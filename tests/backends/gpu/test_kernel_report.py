@@ -167,10 +167,10 @@ def test_the_instruction_mix_counts_the_k_loop_per_weight():
 # float, memory, other; the figures of `python -m mm3 kernels --report --shape decode` with a
 # margin).
 INSTRUCTION_BOUNDS = {
-    "Q8_0": (4.5, 4.5, 0.4, 0.8),
-    "Q4_K": (10.0, 5.5, 0.4, 0.8),
-    "Q5_K": (15.5, 5.5, 0.4, 0.9),
-    "Q6_K": (13.5, 5.0, 0.4, 0.8),
+    "Q8_0": (3.2, 4.6, 0.3, 0.5),
+    "Q4_K": (4.6, 5.4, 0.3, 0.5),
+    "Q5_K": (8.0, 5.4, 0.3, 0.5),
+    "Q6_K": (7.0, 5.0, 0.3, 0.5),
 }
 
 
