@@ -13,6 +13,7 @@ go to `layout_triton.gemm_kernel`. `MM3_KERNELS` and the product choice live in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -146,6 +147,11 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
         return y.view(*x.shape[:-1], n)
     if m <= GEMV_MAX_ROWS:
         config = config or (INTERPRETED[0] if _interpreted() else DECODE)
+        if len(parts) == 2 and sizes[0] % config.block_n:  # the tile the first weight's rows fill, 4 rows or more
+            block_n = config.block_n
+            while block_n > 4 and sizes[0] % block_n:
+                block_n //= 2
+            config = dataclasses.replace(config, block_n=block_n)
         if len(parts) == 1 or sizes[0] % config.block_n == 0:
             _decode(x2, parts, sizes, k, bias, y, config)
         else:  # the first weight ends inside a tile: each its own launch

@@ -53,7 +53,8 @@ def _torch_layout_linear(x, planes, qtype, k, bias=None, config=None):
 
 def test_fullgraph_compile_through_the_layout_kernels(models, monkeypatch):
     """Every product of the LM and depth decoder goes through `torch.ops.mm3.layout_linear` (its
-    body here torch's, see above; the kernels themselves are tested in test_layout_kernels.py)."""
+    body here torch's, see above; the kernels themselves are tested in test_layout_kernels.py),
+    gate/up with SiLU x up through `torch.ops.mm3.layout_swiglu`."""
     pytest.importorskip("triton")
     lm, depth, prompt = models
     monkeypatch.setattr(layout_kernels, "linear", _torch_layout_linear)

@@ -159,6 +159,7 @@ def test_two_types_stacked_by_outputs_in_one_product(types, monkeypatch):
     for first, second, config, rows, want_launches in (
             (8, 4, tile, 2, ["gemv_segments_kernel"]), (8, 5, SPLIT, 3, ["gemv_segments_kernel"]),
             (6, 4, tile, 1, ["gemv_kernel", "gemv_kernel"]),
+            (24, 4, lk.Config(block_n=16, block_c=8, num_warps=2), 2, ["gemv_segments_kernel"]),  # tiles of 8
             (8, 4, None, lk.GEMV_MAX_ROWS + 2, ["gemm_kernel", "gemm_kernel"])):
         (w1, v1), (w2, v2) = weight(types[0], first, k, g), weight(types[1], second, k, g)
         bias = torch.randn(first + second, generator=g)
