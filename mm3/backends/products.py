@@ -8,7 +8,8 @@ rules, first match wins (`_base_for_linear`; `for_fused` stacks the parts where 
 
   1. adapters to merge (`LowRank.merge`)     -> `FloatWeight` over a float copy with them merged in
   2. held in the GPU's device layout          -> `LayoutProduct` (`gpu.layout_kernels`, `layout_reads`;
-                                                 a group of two types: `LayoutSegments`)
+                                                 a group of two types: `LayoutSegments`; gate/up
+                                                 also `LayoutSwiGLU`, for `Fused.swiglu`)
   3. a GPU kernel reads the GGUF blocks       -> `KernelProduct` (`gpu.kernels`, `kernel_reads`)
   4. a float weight of the dtype at hand      -> `FloatWeight` (weight-major where the CPU form says)
   5. the CPU form's packed kernel (few rows)  -> `ByRows(PackedProduct, per-use)` (`cpu.native`,

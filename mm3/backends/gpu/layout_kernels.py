@@ -4,13 +4,13 @@ as `mm3.backends.gpu.device_layout` planes (or, for F16/BF16/F32 weights, as the
 Decode-shaped inputs (up to `GEMV_MAX_ROWS` rows) go to `layout_triton.gemv_kernel`: groups of up
 to 4 input rows, `Config.block_n` weight rows and `Config.block_c` chunks (256 values) per program,
 K split over programs until the grid has `TARGET_WAVES` programs per multiprocessor (partial sums
-then added in a fixed order by each tile's last program, so results do not depend on timing); two
+then added in a fixed order by each tile's last program, so results do not depend on timing). Two
 weights of different types stacked by their outputs (`linear_segments`: q and k of one type, v of
-another) in one launch. Wider inputs (a prefill, the DiT)
-go to `layout_triton.gemm_kernel`. `MM3_KERNELS` and the product choice live in
-`mm3.backends.products`; `works` checks a kernel once per (type, dtype, device) before a layer uses it.
+another) take one launch too, and `swiglu` gives `silu(gate) * up` of stacked gate and up rows from
+one. Wider inputs (a prefill, the DiT) go to `layout_triton.gemm_kernel`. `MM3_KERNELS` and the
+product choice live in `mm3.backends.products`; `works` checks a kernel once per (type, dtype,
+device) before a layer uses it.
 """
-
 from __future__ import annotations
 
 import dataclasses
