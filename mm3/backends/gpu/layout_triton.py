@@ -145,23 +145,28 @@ def _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i: tl.constexpr, QTYPE:
         sh: tl.constexpr = 4 * (i % 4)
         v = _in_place(wq, i, 4)
         if QTYPE == 7:
-            v = v | (((_lanes(_word(wh, i // 2, R, C), R, C) >> (16 * (i % 2) + j % 16)) & 1) << (4 + sh))
+            bits = _lanes(_word(wh, i // 2, R, C), R, C) >> (4 * ((j // 4) % 4))  # the thread's 4 lanes' nibble
+            v = v | (((bits >> (16 * (i % 2) + j % 4)) & 1) << (4 + sh))
         head = _word(sa, 0, R, C)
         s1, s2, s3 = _word(sa, 1, R, C), _word(sa, 2, R, C), _word(sa, 3, R, C)
         t: tl.constexpr = 8 * (i % 4)
-        if i < 4:
-            sc = (s1 >> t) & 63
-            mn = (s2 >> t) & 63
+        if i < 4:  # the 6-bit scales and mins of blocks 0-3, 4-7 as bytes, made once a chunk
+            sc = (s1 & 0x3F3F3F3F) >> t
+            mn = (s2 & 0x3F3F3F3F) >> t
         else:
-            sc = ((s3 >> t) & 15) | (((s1 >> (t + 6)) & 3) << 4)
-            mn = ((s3 >> (t + 4)) & 15) | (((s2 >> (t + 6)) & 3) << 4)
+            sc = ((s3 & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)) >> t
+            mn = (((s3 >> 4) & 0x0F0F0F0F) | ((s2 >> 2) & 0x30303030)) >> t
+        if t < 24:
+            sc = sc & 63
+            mn = mn & 63
         f0 = _lanes(_half(head, 0) * _scaled(sc, sh), R, C)
         f1 = _lanes(_half(head, 1) * _exact(mn, 0), R, C)
         w = _unshifted(v, 0, sh) * f0 - f1
     elif QTYPE == 8:  # Q6_K: d * the int8 scale of group 2 i + j // 16
         sh: tl.constexpr = 4 * (i % 4)
         v = _in_place(wq, i, 4)
-        v = v | (((_lanes(_word(wh, i // 2, R, C), R, C) >> (16 * (i % 2) + 2 * (j % 8))) & 3) << (4 + sh))
+        crumbs = _lanes(_word(wh, i // 2, R, C), R, C) >> (8 * ((j // 4) % 2))  # the thread's 4 lanes' byte
+        v = v | (((crumbs >> (16 * (i % 2) + 2 * (j % 4))) & 3) << (4 + sh))
         scales = _word(sa, i // 2, R, C)
         d = _half(_word(sb, ((cs % 8) // 2)[None, :, None, None], R, C), (cs % 2)[None, :, None]) * _pow2(sh)
         lo = _lanes(d * _byte(scales, 2 * (i % 2)).to(tl.float32), R, C)
@@ -171,7 +176,8 @@ def _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i: tl.constexpr, QTYPE:
         sh: tl.constexpr = 4 * (i % 4)
         v = _in_place(wq, i, 4)
         if QTYPE == 4 or QTYPE == 5:
-            v = v | (((_lanes(_word(wh, i // 2, R, C), R, C) >> (16 * (i % 2) + j % 16)) & 1) << (4 + sh))
+            bits = _lanes(_word(wh, i // 2, R, C), R, C) >> (4 * ((j // 4) % 4))  # the thread's 4 lanes' nibble
+            v = v | (((bits >> (16 * (i % 2) + j % 4)) & 1) << (4 + sh))
         d = _lanes(_half(_word(sa, i // 2, R, C), i % 2) * _pow2(sh), R, C)
         if QTYPE == 2:
             w = _unshifted(v, 8, sh) * d
