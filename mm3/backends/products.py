@@ -309,12 +309,14 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
     if all(held) and same:
         source = fused.stacked_stored_source(device)
         product = split(LayoutProduct(source, qtype, fused.in_features))
-        if plain and len(parts) == 2 and fused.sizes[0] == fused.sizes[1]:
+        if plain and len(parts) == 2 and fused.sizes[0] == fused.sizes[1] and \
+                layout_kernels.fused_works("swiglu", qtype, dtype, device):
             product.swiglu = LayoutSwiGLU(source, qtype, fused.in_features)
         return product
     if all(held):  # two runs of types (q, k of one, v of another): one launch; more, each part its own
         segments = fused.segment_sources(device)
-        if len(segments) == 2:
+        if len(segments) == 2 and layout_kernels.fused_works("segments", segments[0][0], dtype, device,
+                                                             segments[1][0]):
             return split(LayoutSegments(segments, fused.in_features))
     if any(p.form("weight") is not None for p in parts):  # a part in the layout among others (another type,
         return Separate(parts)  # another kernel family): each its own product, never a stack dequantized per call

@@ -283,34 +283,63 @@ def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
     return _WORKS[key]
 
 
-def _check(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
-    from ...formats.gguf.quants import dequantize, random_blocks
+def fused_works(form: str, qtype: QT, dtype: torch.dtype, device: torch.device, second: QT | None = None) -> bool:
+    """`works` for a fused decode form: "swiglu" (`swiglu` over `qtype`) or "segments"
+    (`linear_segments` over `qtype` then `second`), checked once per process against torch."""
+    device = indexed_device(device)
+    key = (form, qtype, second, dtype, device)
+    if key not in _WORKS:
+        _WORKS[key] = works(qtype, dtype, device) and (second is None or works(second, dtype, device)) and \
+            _check(qtype, dtype, device, form, second)
+    return _WORKS[key]
 
+
+def _check(qtype: QT, dtype: torch.dtype, device: torch.device, form: str = "linear",
+           second: QT | None = None) -> bool:
     g = torch.Generator().manual_seed(0)
-    n, k = 40, 512
-    if qtype in FLOATS:
-        weight = torch.randn(n, k, generator=g).to(FLOATS[qtype])
-        values = weight.float()
-    else:
-        raw = random_blocks(qtype, n, k, generator=g)
-        values = dequantize(raw, qtype, (n, k))
-        weight = dl.to_planes(raw, qtype, k)
+    k = 512
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    name = qtype.name if second is None else f"{qtype.name}+{second.name}"
     try:
-        for rows in (2, GEMV_MAX_ROWS + 1):
+        if form == "segments":
+            (w1, v1), (w2, v2) = _sample(qtype, 24, k, g), _sample(second, 16, k, g)
+            weights, values = [(w1.to(device), qtype), (w2.to(device), second)], torch.cat([v1, v2])
+        else:
+            weight, values = _sample(qtype, 80 if form == "swiglu" else 40, k, g)
+            weight = weight.to(device)
+        for rows in (2,) if form == "swiglu" else (2, GEMV_MAX_ROWS + 1):
             x = torch.randn(rows, k, generator=g)
             want = x.to(dtype).double() @ values.to(dtype).double().T
-            got = linear(x.to(device, dtype), weight.to(device), qtype, k).double().cpu()
-            error = float((got - want).norm() / want.norm())
+            xd = x.to(device, dtype)
+            if form == "segments":
+                got = linear_segments(xd, weights, k)
+            elif form == "swiglu":
+                got = swiglu(xd, weight, qtype, k)
+                gate, up = want.split(want.shape[1] // 2, dim=-1)
+                want = F.silu(gate) * up
+            else:
+                got = linear(xd, weight, qtype, k)
+            error = float((got.double().cpu() - want).norm() / want.norm())
             if not error < tolerance:
-                warnings.warn(f"the layout {qtype.name} kernel computes wrongly on {device} for {dtype} inputs "
+                warnings.warn(f"the layout {name} {form} kernel computes wrongly on {device} for {dtype} inputs "
                               f"({rows} rows: relative error {error:.1e}); using another product", stacklevel=3)
                 return False
     except Exception as e:  # a compiler or driver that cannot build it
-        warnings.warn(f"the layout {qtype.name} kernel cannot run on {device} ({type(e).__name__}: {e}); "
+        warnings.warn(f"the layout {name} {form} kernel cannot run on {device} ({type(e).__name__}: {e}); "
                       "using another product", stacklevel=3)
         return False
     return True
+
+
+def _sample(qtype: QT, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight of `qtype` [n, k] as the kernels read it (the layout, or floats), and its values."""
+    from ...formats.gguf.quants import dequantize, random_blocks
+
+    if qtype in FLOATS:
+        weight = torch.randn(n, k, generator=g).to(FLOATS[qtype])
+        return weight, weight.float()
+    raw = random_blocks(qtype, n, k, generator=g)
+    return dl.to_planes(raw, qtype, k), dequantize(raw, qtype, (n, k))
 
 
 _PLANE_TYPES = {qtype: ("*i32",) * 4 for qtype in dl.LAYOUT_TYPES}  # (q, qh, s, s2) pointer types

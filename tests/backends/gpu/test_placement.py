@@ -124,6 +124,7 @@ def test_q_k_v_of_two_types_are_one_product(layout_mode, monkeypatch):
     layers = [p for p, _, _ in parts]
     for layer in layers:
         placement.relayout(layer)
+    assert layout_kernels.fused_works("segments", Q.Q4_K, torch.float32, DEVICE, Q.Q6_K)  # checked once, before counting
     calls = []
     real = layout_kernels.linear_segments
     monkeypatch.setattr(layout_kernels, "linear_segments", lambda *a, **kw: calls.append(
@@ -147,6 +148,7 @@ def test_a_gate_up_group_gives_silu_times_up_from_one_launch(layout_mode, monkey
     layers = [_linear(Q.Q4_K, 8, 256, 30 + i, DEVICE)[0] for i in range(2)]
     for layer in layers:
         placement.relayout(layer)
+    assert layout_kernels.fused_works("swiglu", Q.Q4_K, torch.float16, DEVICE)  # checked once, before counting
     calls = []
     real = layout_kernels.swiglu
     monkeypatch.setattr(layout_kernels, "swiglu", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
@@ -234,3 +236,24 @@ def test_the_layout_kernels_serve_the_placed_weight(layout_mode):
     layer.set_stored("weight", Q.Q5_K, dl.to_blocks(w.cpu(), Q.Q5_K, 256).to(DEVICE))
     placement.relayout(layer)
     assert torch.equal(layer.stored("weight").cpu(), w.cpu())
+
+
+def test_a_fused_form_that_fails_its_check_is_left_out(layout_mode, monkeypatch):
+    """A SwiGLU kernel that cannot run (a compiler that refuses it) is left out with a warning:
+    the group's stacked product serves and torch's ops make silu(gate) * up."""
+    monkeypatch.setattr(layout_kernels, "_WORKS", {})
+
+    def broken(*args, **kw):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(layout_kernels, "swiglu", broken)
+    layers = [_linear(Q.Q8_0, 4, 64, 50 + i, DEVICE)[0] for i in range(2)]
+    for layer in layers:
+        placement.relayout(layer)
+    fused = gguf_ops.Fused(layers)
+    x = torch.randn(2, 64).to(DEVICE)
+    with pytest.warns(UserWarning, match="Q8_0 swiglu kernel cannot run"):
+        got = fused.swiglu(x)
+    assert fused.chosen_product().swiglu is None
+    gate, up = fused(x)
+    assert torch.equal(got, F.silu(gate) * up)
