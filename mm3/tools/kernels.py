@@ -125,7 +125,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--arch", type=int, default=90, help="CUDA architecture: 80, 89 or 90 (default 90)")
     p.add_argument("--family", choices=FAMILIES + ("all",), default="all",
                    help="triton: the kernels over GGUF blocks; layout: over the device layout; fused: the layout's "
-                   "decode kernels with SwiGLU, their in-kernel split-K sum, the two-type q/k/v kernel; all (default)")
+                   "decode kernels with SwiGLU, their in-kernel split-K sum, the two-type q/k/v kernel; "
+                   "all (default)")
     p.add_argument("--types", default="", help="only these weight types, comma-separated (e.g. Q8_0,Q4_K)")
     p.add_argument("--shape", choices=("decode", "prefill", "all"), default="all", help="only decode or prefill kernels")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the report as JSON to OUT ('-': "

@@ -1,7 +1,7 @@
 """The Triton products and the embedding rows' dequantization as torch custom ops
-(`torch.ops.mm3.layout_linear`, `layout_segments`, `layout_swiglu`, `block_linear`, `dequantize`), so `torch.compile(fullgraph=True)`
-traces a model through them as single nodes; an eager call goes to the function directly (a custom
-op's dispatch costs microseconds, a decode step makes hundreds)."""
+(`torch.ops.mm3.layout_linear`, `layout_segments`, `layout_swiglu`, `block_linear`, `dequantize`), so
+`torch.compile(fullgraph=True)` traces a model through them as single nodes; an eager call goes to
+the function directly (a custom op's dispatch costs microseconds, a decode step makes hundreds)."""
 
 from __future__ import annotations
 

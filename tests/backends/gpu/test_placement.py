@@ -124,7 +124,7 @@ def test_q_k_v_of_two_types_are_one_product(layout_mode, monkeypatch):
     layers = [p for p, _, _ in parts]
     for layer in layers:
         placement.relayout(layer)
-    assert layout_kernels.fused_works("segments", Q.Q4_K, torch.float32, DEVICE, Q.Q6_K)  # checked once, before counting
+    assert layout_kernels.fused_works("segments", Q.Q4_K, torch.float32, DEVICE, Q.Q6_K)  # checked before counting
     calls = []
     real = layout_kernels.linear_segments
     monkeypatch.setattr(layout_kernels, "linear_segments", lambda *a, **kw: calls.append(
