@@ -150,17 +150,16 @@ def test_two_types_stacked_by_outputs_in_one_product(types, monkeypatch):
     from mm3.backends.gpu import layout_triton
 
     g = torch.Generator().manual_seed(90 + int(types[1]))
-    k = 512
     launches = []
     for name in ("gemv_kernel", "gemv_segments_kernel", "gemm_kernel"):
         real = getattr(layout_triton, name)
         monkeypatch.setattr(layout_triton, name, _Counted(real, name, launches))
     tile = lk.Config(block_n=4, block_c=8, num_warps=2)
-    for first, second, config, rows, want_launches in (
-            (8, 4, tile, 2, ["gemv_segments_kernel"]), (8, 5, SPLIT, 3, ["gemv_segments_kernel"]),
-            (6, 4, tile, 1, ["gemv_kernel", "gemv_kernel"]),
-            (24, 4, lk.Config(block_n=16, block_c=8, num_warps=2), 2, ["gemv_segments_kernel"]),  # tiles of 8
-            (8, 4, None, lk.GEMV_MAX_ROWS + 2, ["gemm_kernel", "gemm_kernel"])):
+    for first, second, config, rows, k, want_launches in (
+            (8, 4, tile, 2, 256, ["gemv_segments_kernel"]), (8, 5, SPLIT, 3, 512, ["gemv_segments_kernel"]),
+            (6, 4, tile, 1, 256, ["gemv_kernel", "gemv_kernel"]),
+            (24, 4, lk.Config(block_n=16, block_c=8, num_warps=2), 2, 256, ["gemv_segments_kernel"]),  # tiles of 8
+            (8, 4, None, lk.GEMV_MAX_ROWS + 2, 256, ["gemm_kernel", "gemm_kernel"])):
         (w1, v1), (w2, v2) = weight(types[0], first, k, g), weight(types[1], second, k, g)
         bias = torch.randn(first + second, generator=g)
         x = torch.randn(rows, k, generator=g)
