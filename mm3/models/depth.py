@@ -82,8 +82,7 @@ class DepthBlock(nn.Module):
         native = self.fast_numerics
         h = rms_norm(x, self.input_layernorm(dt, dev), NORM_EPS, native) if normed is None else normed
         x, h = add_rms_norm(x, self.attn(h, cache, layer), self.post_attention_layernorm(dt, dev), NORM_EPS, native)
-        gate, up = self.gate_up(h)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(self.gate_up.swiglu(h))
         return x + out if then is None else add_rms_norm(x, out, then, NORM_EPS, native)
 
     def products(self) -> tuple:

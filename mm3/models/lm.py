@@ -290,8 +290,7 @@ class Qwen3MLP(nn.Module):
         self.gate_up = Fused([self.gate_proj, self.up_proj], fuse=False)
 
     def forward(self, x):
-        gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up.swiglu(x))
 
 
 class Qwen3DecoderLayer(nn.Module):

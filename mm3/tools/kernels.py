@@ -2,10 +2,11 @@
 `python -m mm3 kernels --frame --config medium --quant Q4_K_M`: the kernels one AR frame launches.
 
 Both need Triton, not a GPU. The report, per kernel (family, weight type, decode or prefill): the
-share of the weight's bytes loaded by each load width, registers, spills, shared memory, and the
-grid and waves it gets at the released sizes (`mm3.backends.gpu.kernel_report`). The frame count
-runs one AR frame step through the GPU code path on the CPU (Triton's interpreter, in a process of
-its own) and counts its device kernels by kind and by part of the frame (`mm3.bench.frame_kernels`).
+share of the weight's bytes loaded by each load width, registers, spills, shared memory, the grid
+and waves it gets at the released sizes, and for decode kernels the k-loop's SASS instructions per
+weight by kind (`mm3.backends.gpu.kernel_report`). The frame count runs one AR frame step through
+the GPU code path on the CPU (Triton's interpreter, in a process of its own) and counts its device
+kernels by kind and by part of the frame (`mm3.bench.frame_kernels`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..constants import SEMANTIC_VOCAB_SIZE
 from ..formats.diffusers import DIFFUSERS_DEFAULTS
 from .tiny import RELEASED_LM_CONFIG
 
-FAMILIES = ("triton", "layout", "steps")
+FAMILIES = ("triton", "layout", "fused", "steps")
 PREFILL_ROWS_PER_WINDOW = 689  # latents of a 200-frame DiT window at the released rates (mm3.synth.audio)
 
 
@@ -66,6 +67,10 @@ def specs(families=FAMILIES, weight_types=None, shapes=None) -> list:
         from ..backends.gpu import step_specs
 
         out += step_specs.report_specs(decode)
+    if "fused" in families:
+        from ..backends.gpu import layout_kernels
+
+        out += layout_kernels.fused_report_specs(decode)
     return [s for s in out if (weight_types is None or s.weight_type in weight_types)
             and (shapes is None or s.shape in shapes)]
 
@@ -195,8 +200,9 @@ def add_cli(subparsers) -> None:
                    "default: the cache folder)")
     p.add_argument("--arch", type=int, default=90, help="CUDA architecture: 80, 89 or 90 (default 90)")
     p.add_argument("--family", choices=FAMILIES + ("all",), default="all",
-                   help="triton: the kernels over GGUF blocks; layout: over the device layout; steps: the AR "
-                   "frame's draws and embedding lookups; all (default)")
+                   help="triton: the kernels over GGUF blocks; layout: over the device layout; fused: the layout's "
+                   "decode kernels with SwiGLU, their in-kernel split-K sum, the two-type q/k/v kernel; steps: the "
+                   "AR frame's norms, attention, draws and embedding lookups; all (default)")
     p.add_argument("--types", default="", help="only these weight types, comma-separated (e.g. Q8_0,Q4_K)")
     p.add_argument("--shape", choices=("decode", "prefill", "all"), default="all", help="only decode or prefill kernels")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the report (or the frame count) as JSON "

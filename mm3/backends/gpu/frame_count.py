@@ -66,9 +66,11 @@ FUNCTION_KINDS = {
 MODULE_KINDS = (("mm3.plan.sampling", "draws"), ("mm3.plan.shaping", "draws"),
                 ("mm3.backends.gpu.layout_kernels", "products"), ("mm3.backends.gpu.kernels", "products"))
 CLASS_KINDS = (("mm3.weights.layers", ("Linear.", "Fused."), "products"),
-               ("mm3.backends.products", ("LayoutProduct.", "KernelProduct.", "FloatWeight.", "Split.", "Separate."),
+               ("mm3.backends.products", ("LayoutProduct.", "LayoutSegments.", "LayoutSwiGLU.", "KernelProduct.", "FloatWeight.",
+                                           "Split.", "Separate."),
                 "products"),
-               ("mm3.backends.gpu.custom_ops", ("layout_linear", "block_linear"), "products"))
+               ("mm3.backends.gpu.custom_ops", ("layout_linear", "layout_segments", "layout_swiglu", "block_linear"),
+                "products"))
 # ... -> part of the frame (checked before the registered modules of the same frame).
 FUNCTION_PARTS = {
     "FrameSampler._semantic": "sampling", "top_k_draw": "sampling", "_draw": "sampling",
@@ -90,6 +92,16 @@ def _layout_linear(counter, x, weight, qtype, k, bias=None, config=None):
     return F.linear(x, counter.float_weight(weight, qtype, k, x.dtype), bias)
 
 
+def _layout_segments(counter, x, segments, k, bias=None, config=None):
+    weight = torch.cat([counter.float_weight(w, t, k, x.dtype) for w, t in segments])
+    return F.linear(x, weight, bias)
+
+
+def _layout_swiglu(counter, x, weight, qtype, k, config=None):
+    gate, up = F.linear(x, counter.float_weight(weight, qtype, k, x.dtype)).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _block_linear(counter, x, weight, qtype, bias=None):
     return F.linear(x, counter.float_weight(weight, qtype, x.shape[-1], x.dtype, blocks=True), bias)
 
@@ -98,6 +110,8 @@ def _block_linear(counter, x, weight, qtype, bias=None):
 # computation of the same result, called with the counter first). A launcher's launches are
 # recorded as its CUDA tiles make them; interpreting a released-size product would take minutes.
 SUBSTITUTES = (("mm3.backends.gpu.layout_kernels", "linear", _layout_linear),
+               ("mm3.backends.gpu.layout_kernels", "linear_segments", _layout_segments),
+               ("mm3.backends.gpu.layout_kernels", "swiglu", _layout_swiglu),
                ("mm3.backends.gpu.kernels", "fused_linear", _block_linear))
 
 
