@@ -126,11 +126,12 @@ def count_frame(config: str = "medium", quant: str = "Q4_K_M", work: Path | None
     folder = models_folder(config, quant, work, lm_layers)
     built = time.perf_counter()
     dtype, device = torch.bfloat16, torch.device("cpu")
-    shifts, works = quants._BROADCAST_SHIFTS_ON_CPU, (layout_kernels.works, kernels.works)
-    quants._BROADCAST_SHIFTS_ON_CPU = True  # the accelerators' form of the unpacking
+    shifts, works = quants.BROADCAST_SHIFTS_ON_CPU, (layout_kernels.works, layout_kernels.fused_works, kernels.works)
+    quants.BROADCAST_SHIFTS_ON_CPU = True  # the accelerators' form of the unpacking
     # The kernels serve every weight they read, as on a GPU (their checks of a bfloat16 product are not
     # what is counted, and the interpreter's answers to them are not the device's).
     layout_kernels.works = kernels.works = lambda qtype, dtype, device: True
+    layout_kernels.fused_works = lambda form, qtype, dtype, device, second=None: True
     try:
         with emulated(), torch.inference_mode():
             lm, depth, codes = _load(folder)
@@ -144,7 +145,7 @@ def count_frame(config: str = "medium", quant: str = "Q4_K_M", work: Path | None
                 counter.recording = True
                 sampler.step(q_sem, q_dep)
     finally:
-        quants._BROADCAST_SHIFTS_ON_CPU, (layout_kernels.works, kernels.works) = shifts, works
+        quants.BROADCAST_SHIFTS_ON_CPU, (layout_kernels.works, layout_kernels.fused_works, kernels.works) = shifts, works
     layers = len(lm.model.layers)
     scaled = RELEASED_LM_LAYERS if config == "real" else layers
     out = {"config": config, "quant": quant, "dtype": "bfloat16", "rows": sampler.cache.rows,

@@ -1,4 +1,5 @@
-"""Run a command tied to the process that asked for it: `python tethered.py PARENT_PID CMD...`.
+"""Run a command tied to the process that asked for it (this script's arguments: that process's id,
+then the command and its arguments).
 
 The command runs in a process group of its own (a compiler's passes and linker with it). When the
 parent process ends, even by SIGKILL, this runner is told by the kernel (Linux `PR_SET_PDEATHSIG`)
@@ -28,7 +29,7 @@ def _tie_to(parent: int) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or not argv[0].isdigit():
-        print("usage: tethered.py PARENT_PID COMMAND [ARGS...]", file=sys.stderr)
+        print("arguments: the parent process id, then the command and its arguments", file=sys.stderr)
         return 2
     group: list[int] = []
 
