@@ -153,7 +153,7 @@ def count_frame(config: str = "medium", quant: str = "Q4_K_M", work: Path | None
            **counter.summary(layers, scaled)}
     if scaled != layers:
         out["note"] = (f"{layers} LM layers run, their kernels scaled to the released {scaled} "
-                       f"(every layer launches the same kernels)")
+                       f"(the first as counted, every later one as the later ones counted)")
     out["seconds"] = {"files": round(built - start, 1), "count": round(time.perf_counter() - built, 1)}
     return out
 
