@@ -26,7 +26,8 @@ from ..backends.cpu.bf16 import ruled
 from ..backends.device import empty_cache, pick_device, pick_dtype, total_bytes
 from ..errors import RunError
 from ..formats.fingerprint import file_fingerprint
-from ..plan.lyrics_align import LyricHeads
+from ..plan.lyric_edit import times_from_record
+from ..plan.lyrics_align import LyricHeads, LyricTime, lyric_times
 from ..lora.adapter import read_adapter
 from ..lora.attach import Applied, attach, layer_terms
 from ..lora.files import find_lora
@@ -424,6 +425,17 @@ class Pipeline:
                            progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)
         return AudioCodes(torch.cat([song.codes, codes[b + 1:]]), None, prompt).to_request_codes()
 
+    def lyric_times(self, request: MM3Request, progress: Progress | None = None) -> list[LyricTime]:
+        """Each lyric line's start in the song of `request.audio_codes`: as the request records them
+        (`lyric_times`, for these lyrics), else from the LM's attention at the request's lyric heads
+        (`mm3.plan.lyrics_align`; the codes replayed through the LM only)."""
+        prompt = self.prompt(request)
+        recorded = times_from_record(request.lyric_times, prompt.lines)
+        if recorded is not None:
+            return recorded
+        song = self.replay(request, progress, lyric_heads=request.lyric_heads(), hiddens=False)
+        return lyric_times(song.codes.lyric_attention, prompt, lead=request.lrc_lead)
+
     def _resample(self, request: MM3Request, progress,
                   lyric_heads: LyricHeads | None = None) -> tuple[list[Song], list[torch.Generator]]:
         """Reference mode for known codes: sample again from lm_seed (same generator, same codes)
@@ -526,8 +538,9 @@ class Pipeline:
                 songs, gens = self._resample(request, progress, lyric_heads)
             else:
                 songs, gens = [self.replay(request, progress, lyric_heads=lyric_heads)], None
-            if request.source_codes:
-                source = self.replay(request, progress, codes=parse_audio_codes(
+            if request.source_codes:  # made with request.source_lyrics where the repaint changed the words
+                made = replace(request, lyrics=request.source_lyrics) if request.source_lyrics else request
+                source = self.replay(made, progress, codes=parse_audio_codes(
                     request.source_codes, songs[0].prompt.prompt.codes.num_semantic, 1 << 62))
         elif on_audio is not None and self.can_overlap(request):
             return self._overlapped(request, progress, on_audio, lyric_heads)
