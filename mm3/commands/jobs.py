@@ -26,7 +26,7 @@ from ..song.request import MODEL_FIELDS, MM3Request, RequestError, check_output_
 from ..plan.codes import count_code_frames
 from ..constants import FRAME_RATE
 from ..plan.lyric_edit import (
-    DEFAULT_MARGIN, LyricEditError, check_words, choose_range, has_lyrics, replace_line)
+    DEFAULT_MARGIN, LyricEditError, check_words, choose_range, has_lyrics, record_times, replace_line)
 from ..plan.sampling import resolve_seed
 from ..plan.lyrics_align import LEAD_SECONDS, LyricHeads, check_lead, song_lrc, untimed_warning
 from ..song.stages import replay_requests
@@ -256,6 +256,8 @@ def _write_tracks(tracks, out: Path, fmt: str, req: MM3Request, overwrite: bool,
             batch.add(path, render(track.audio, written.format, peak_clip=written.peak_clip,
                                    mp3_bitrate=written.mp3_bitrate, sample_rate=track.sample_rate))
             replay_req = replace(track.request, output_format=fmt)
+            if lrc:  # a later repaint --line finds the lines here
+                replay_req = replace(replay_req, lyric_times=record_times(track.codes, req.lrc_lead))
             batch.add(path.with_suffix(".json"), (replay_req.to_json() + "\n").encode())
             if lrc:
                 if track.song not in lrcs:
@@ -497,6 +499,8 @@ def cmd_plan(args) -> int:
     with FileBatch(args.overwrite) as batch:
         for i, (song, path) in enumerate(zip(songs, targets)):
             (replay_req,) = replay_requests(song)
+            if heads:
+                replay_req = replace(replay_req, lyric_times=record_times(song.codes, req.lrc_lead))
             batch.add(path, (replay_req.to_json() + "\n").encode())
             if heads:
                 batch.add(_lrc_path(path), lrc_of(song.codes, req.lrc_lead, _lrc_path(path)).encode("utf-8"))

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import InputError
-from .lyrics_align import LyricTime
+from .lyrics_align import LEAD_SECONDS, LyricTime, lyric_times
 from .prompt import INSTRUMENTAL_LYRICS, LyricLine, lyrics_sent, normalize_lyrics
 
 DEFAULT_MARGIN = 0.5  # seconds the range reaches past the line into its neighbours
@@ -214,3 +214,12 @@ def times_from_record(recorded: list, lines) -> list[LyricTime] | None:
     if not isinstance(recorded, list) or len(recorded) != len(lines):
         return None
     return [LyricTime(line, None if s is None else float(s)) for line, s in zip(lines, recorded)]
+
+
+def record_times(codes, lead: float = LEAD_SECONDS) -> list:
+    """What a replay request records of replayed codes' lyric timestamps (`lyric_times`): each
+    line's start in seconds (None where the song never reached it), "[start]" first."""
+    if codes.lyric_attention is None or codes.prompt is None:
+        raise ValueError("these codes carry no lyric attention: replay them with lyric heads first")
+    return [None if t.seconds is None else round(t.seconds, 3)
+            for t in lyric_times(codes.lyric_attention, codes.prompt, lead=lead)]

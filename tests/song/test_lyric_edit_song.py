@@ -124,3 +124,14 @@ def test_an_instrumental_and_words_over_the_prompt_budget_are_refused(tiny, song
     err = capsys.readouterr().err
     assert rc == 2 and "line 1 with the new words: Prompt exceeds the 5000 token budget" in err, err
     assert not (folder / "y.wav").exists()
+
+
+def test_plan_with_lrc_records_the_timestamps_a_repaint_reads(tiny, song, capsys):
+    folder, _, _ = song
+    out = folder / "planned.json"
+    assert _cli(tiny, "plan", "--caption", "warm pop", "--lyrics", LYRICS, "--duration", "2", "--lm-seed", "1",
+                "--lrc", "--lrc-heads", "1:*", "--out", str(out)) == 0
+    times = json.loads(out.read_text())["lyric_times"]
+    lrc = out.with_suffix(".lrc").read_text()
+    assert len(times) == 7 and times[0] == 0.7  # "[start]" (at the 0.7 s lead) and the six lines
+    assert lrc.count("\n") == sum(t is not None for t in times[1:])  # the LRC gives the lines it timed
