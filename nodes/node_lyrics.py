@@ -12,11 +12,16 @@ import logging
 
 from comfy_api.latest import io
 
+from mm3.constants import MAX_PROMPT_TOKENS
+from mm3.plan.lyric_edit import DEFAULT_MARGIN, MAX_MARGIN, MAX_WORDS_CHARS
+from mm3.song.request import MM3Request
 from mm3.plan.lyrics_align import LEAD_SECONDS, MAX_LEAD, LyricHeads, LyricHeadsError, untimed_warning
 from mm3.song.numerics import Numerics
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress
+from .handles import ar_memory, dtype_bytes
+from .node_stages import LM_SEED_MAX, MAX_LINE
 from .validation import verdict
 
 log = logging.getLogger("mm3")
@@ -89,4 +94,56 @@ def _heads(lm, heads: str) -> LyricHeads:
     return chosen
 
 
-NODES = [MM3LyricTimestamps]
+class MM3ChangeLine(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3ChangeLine", display_name="MM3 Change a Line", category=CATEGORY,
+            description="Gives one sung line new words and keeps the rest of the song: the lyrics with that line "
+                        "replaced become the prompt, the codes before the line are replayed under it, the line's "
+                        "seconds (from the lyric timestamps, with a margin) are planned again and the codes after it "
+                        "kept. Feed the codes to Condition Encode and MM3 Repaint (start and end from here, the "
+                        "original song's latents as its source), which keeps the audio outside those seconds.",
+            inputs=[
+                LM.Input("lm"), DEPTH.Input("depth"),
+                AUDIO_CODES.Input("codes", tooltip="The song to change (MM3 AR Plan or MM3 Load Audio Codes)."),
+                io.String.Input("lyrics_lrc", force_input=True,
+                                tooltip="The song's lyric timestamps (MM3 Lyric Timestamps of the same codes): where "
+                                        "the line is."),
+                io.Int.Input("line", default=1, min=1, max=MAX_LINE,
+                             tooltip="Which sung line (1 = the first; section tags are not counted). Click a lyric "
+                                     "line in a player of this workflow to set it."),
+                io.String.Input("words", default="", placeholder="the new words of that line",
+                                tooltip=f"What the line sings instead: one line (no line breaks or [tags]), at most "
+                                        f"{MAX_WORDS_CHARS} characters; the whole prompt stays within "
+                                        f"{MAX_PROMPT_TOKENS} tokens."),
+                io.Int.Input("lm_seed", default=0, min=0, max=LM_SEED_MAX, control_after_generate=True,
+                             tooltip="Picks the new take of the line's codes: another seed, another melody for "
+                                     "the new words."),
+                io.Float.Input("margin", default=DEFAULT_MARGIN, min=0.0, max=MAX_MARGIN, step=0.05, optional=True,
+                               tooltip="Seconds the range reaches into the neighbouring lines (at most half-way), "
+                                       "since the timestamps are approximate."),
+            ],
+            outputs=[AUDIO_CODES.Output("codes", display_name="codes"),
+                     io.Float.Output("start", display_name="start"), io.Float.Output("end", display_name="end")],
+        )
+
+    @classmethod
+    def execute(cls, lm, depth, codes, lyrics_lrc: str, line: int, words: str, lm_seed: int,
+                margin: float = DEFAULT_MARGIN) -> io.NodeOutput:
+        lm_seed = logic.linked_seed(lm_seed, LM_SEED_MAX, "lm_seed")
+        with interruptible():
+            device = patcher(lm).load_device
+            dtype = compute_dtype(device)
+            cfg = codes.plan.lm_cfg if codes.plan is not None else (codes.origin or MM3Request()).lm_cfg
+            need = ar_memory(lm.hparams, codes.prompt.prompt.num_tokens + 64, codes.frames, 1, cfg, device,
+                             dtype_bytes(dtype))
+            lm_model, depth_model = load([lm, depth], memory_required=need)
+            song, chosen = logic.change_words(lm_model, depth_model, lm, codes, lyrics_lrc, line, words, lm_seed,
+                                              margin, device=device, dtype=dtype, progress=node_progress(),
+                                              numerics=Numerics(compute_dtype=dit_compute_dtype(dtype)))
+        text = f"{chosen.describe()} now sings {words.strip()!r} (lm_seed {lm_seed})"
+        return io.NodeOutput(song, chosen.start, chosen.end, ui={"text": [text]})
+
+
+NODES = [MM3LyricTimestamps, MM3ChangeLine]

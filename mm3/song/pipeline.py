@@ -18,10 +18,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import overlap, stages
-from ..plan.ar import max_frames_for, plan
+from ..plan.ar import max_frames_for
 from ..plan.codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from ..components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
-from ..constants import FRAME_RATE
 from ..backends.cpu.bf16 import ruled
 from ..backends.device import empty_cache, pick_device, pick_dtype, total_bytes
 from ..errors import RunError
@@ -410,20 +409,18 @@ class Pipeline:
         """The request's audio_codes with the frames of seconds [start, end) sampled anew from
         `lm_seed` (after the frames before them, END held off until the range is full); the frames
         after the range are kept. Returns the new codes text."""
-        prompt = self.prompt(request)
+        prompt = self.prompt_text(request)
         with self._stage("ar"):
             lm, depth = self._ar_models(request)
-            codes = parse_audio_codes(request.audio_codes, prompt.codes.num_semantic, depth.audio_vocab)
-            n = codes.shape[0] - 1
-            a, b = int(start * FRAME_RATE), min(n, int(end * FRAME_RATE))
-            if not 0 <= a < b:
-                raise RequestError(f"the range {start:g}..{end:g} s holds no frame of this {n / FRAME_RATE:.2f} s song")
-            settings = replace(request.plan_settings(), duration=(b + 0.5) / FRAME_RATE, lm_seed=lm_seed, songs=1,
-                               shaping=replace(request.shaping(), min_frames=b))
-            stages.set_ar_numerics(lm, depth, self.numerics(request.rng), device=self.device, dtype=self.dtype)
-            (song,) = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
-                           progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)
-        return AudioCodes(torch.cat([song.codes, codes[b + 1:]]), None, prompt).to_request_codes()
+            codes = parse_audio_codes(request.audio_codes, prompt.prompt.codes.num_semantic, depth.audio_vocab)
+            try:
+                settings = replace(request.plan_settings(), lm_seed=lm_seed)
+                new = stages.replan(lm, depth, prompt, codes, start, end, settings, device=self.device,
+                                    dtype=self.dtype, progress=self._track(progress),
+                                    numerics=self.numerics(request.rng))
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        return AudioCodes(new, None, prompt.prompt).to_request_codes()
 
     def lyric_times(self, request: MM3Request, progress: Progress | None = None) -> list[LyricTime]:
         """Each lyric line's start in the song of `request.audio_codes`: as the request records them

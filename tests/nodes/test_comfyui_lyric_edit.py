@@ -1,0 +1,99 @@
+"""Editing a song by its lyrics in a real ComfyUI (tiny models): MM3 Change a Line gives one line new
+words (edit_a_line), MM3 Repaint takes its range from a lyric line; outside the range the codes and
+the audio stay the original's, and the command line renders the edit's replay JSON to the same file.
+
+The tiny LM has no heads that follow the lyrics (its weights are random): MM3 Lyric Timestamps reads
+all heads of its last layer here, and the line chosen is one those heads time."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+
+from mm3.commands.main import main
+from mm3.constants import FRAME_RATE
+from tests.helpers.comfyui import audio_entries, needs_comfy, run, tiny_workflow
+
+SONG = {"2": {"lyrics": "[verse]\nhello there my friend\nsing along tonight\n[chorus]\nla la la"},
+        "13": {"heads": "1:*"}, "14": {"line": 1, "words": "a brand new line"}}
+DURATION = 3.0
+
+
+def _wav32(data: bytes) -> np.ndarray:
+    at = data.index(b"data")
+    n = int.from_bytes(data[at + 4:at + 8], "little")
+    return np.frombuffer(data[at + 8:at + 8 + n], dtype="<f4").reshape(-1, 2)
+
+
+def _codes(req: dict) -> np.ndarray:
+    return np.array([int(x) for x in req["audio_codes"].split(",")]).reshape(-1, 8)
+
+
+def _replay(comfy, song: dict) -> dict:
+    return json.loads(comfy.view({**song, "filename": song["filename"][:-4] + ".json"}))
+
+
+@needs_comfy
+def test_edit_a_line_keeps_the_rest_and_the_command_line_renders_it_again(comfy, tmp_path):
+    info = comfy.get("/object_info/MM3ChangeLine")["MM3ChangeLine"]
+    assert info["output_name"] == ["codes", "start", "end"] and info["output"][1:] == ["FLOAT", "FLOAT"]
+    wf = tiny_workflow(comfy, "edit_a_line", duration=DURATION, fmt="wav32", **copy.deepcopy(SONG))
+    entry, _ = run(comfy, wf, timeout=300)
+    original, edited = (audio_entries(entry, n)[0] for n in ("8", "12"))
+    before, after = _replay(comfy, original), _replay(comfy, edited)
+    edit = after["lyric_edit"]
+    assert edit["line"] == 1 and edit["text"] == "hello there my friend" and edit["lm_seed"] == 5
+    assert edit["words"] == "a brand new line" and edit["replaced"] == "hello there my friend"
+    assert after["lyrics"] == SONG["2"]["lyrics"].replace("hello there my friend", "a brand new line")
+    assert after["source_lyrics"] == SONG["2"]["lyrics"] and after["source_codes"] == before["audio_codes"]
+    start, end = after["repaint_start"], after["repaint_end"]
+    assert (start, end) == (edit["start"], edit["end"]) and 0 <= start < end <= DURATION
+    text = "".join(entry["outputs"]["14"]["text"])
+    assert "line 1 'hello there my friend'" in text and "now sings 'a brand new line' (lm_seed 5)" in text
+    # the codes outside the range are the original's; inside, planned again
+    old, new = _codes(before), _codes(after)
+    changed = np.nonzero((old != new).any(1))[0]
+    assert len(changed) and changed.min() >= int(start * FRAME_RATE) + 1 and changed.max() <= int(end * FRAME_RATE)
+    # the audio: the original's sample for sample beyond the vocoder's reach (0.15 s) around the range
+    x, y = _wav32(comfy.view(original)), _wav32(comfy.view(edited))
+    differs = np.nonzero((x != y).any(1))[0] / 44100
+    assert x.shape == y.shape and len(differs) and start - 0.15 < differs.min() and differs.max() < end + 0.15
+    # the command line renders the edit's replay JSON to the same bytes
+    request = tmp_path / "edited.json"
+    request.write_text(json.dumps(after))
+    out = tmp_path / "again.wav"
+    assert main(["render", "--models", str(comfy.base / "models" / "mm3"), "--request", str(request), "--out", str(out),
+                 "--quiet", "--device", "cpu"]) == 0
+    assert out.read_bytes() == comfy.view(edited)
+
+
+@needs_comfy
+def test_repaint_takes_its_range_from_a_lyric_line(comfy):
+    wf = tiny_workflow(comfy, "repaint_range", duration=DURATION, fmt="wav32", **{"2": SONG["2"]})
+    wf["13"] = {"class_type": "MM3LyricTimestamps",  # a lead of its own: not the cached node of another test
+                "inputs": {"lm": ["1", 0], "depth": ["1", 1], "codes": ["3", 0], "lead": 0.75, "heads": "1:*"}}
+    wf["9"]["inputs"].update(lyrics_lrc=["13", 0], line=1, margin=0.0)
+    entry, _ = run(comfy, wf, timeout=300)
+    lrc = entry["outputs"]["13"]["text"][0]
+    first = next(line for line in lrc.splitlines() if line.endswith("hello there my friend"))
+    seconds = int(first[1:3]) * 60 + float(first[4:9])
+    text = "".join(entry["outputs"]["9"]["text"])
+    assert text.startswith(f"repainted line 1 'hello there my friend': {seconds:g}-"), (text, lrc)
+    replay = _replay(comfy, audio_entries(entry, "12")[0])
+    assert replay["repaint_start"] == seconds
+
+
+@needs_comfy
+def test_a_line_outside_the_lyrics_is_refused_when_the_node_runs(comfy):
+    wf = tiny_workflow(comfy, "edit_a_line", duration=DURATION, fmt="wav32",
+                       **(copy.deepcopy(SONG) | {"14": {"line": 9, "words": "x"}}))
+    ws = comfy.ws()
+    try:
+        events = ws.events(comfy.queue(wf), timeout=300)
+    finally:
+        ws.close()
+    error = [e for e in events if e["type"] == "execution_error"]
+    assert error and error[0]["data"]["node_id"] == "14", events[-3:]
+    assert "line 9 is not in the lyrics: they have 3 sung line(s)" in error[0]["data"]["exception_message"]
