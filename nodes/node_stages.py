@@ -28,7 +28,7 @@ from mm3.song import stages
 from mm3.plan.ar import PlanSettings
 from mm3.synth.flow import AUTO_SHIFT, MAX_SHIFT
 from mm3.song.numerics import Numerics
-from mm3.plan.lyric_edit import DEFAULT_MARGIN, MAX_MARGIN
+from mm3.plan.lyric_edit import DEFAULT_MARGIN
 from mm3.plan.prompt import INSTRUMENTAL_LYRICS
 from mm3.song.request import shaping_of
 from mm3.song.settings import DEFAULT_REPAINT_FADE, RepaintSettings, SynthSettings
@@ -277,14 +277,12 @@ class MM3Repaint(io.ComfyNode):
                                         "choosing the range by line or section."),
                 io.Int.Input("line", default=0, min=0, max=MAX_LINE, optional=True,
                              tooltip="Repaint this sung line (1 = the first; section tags are not counted) instead of "
-                                     "start-end: its seconds come from lyrics_lrc. 0 = use start and end. Click a "
-                                     "lyric line in a player of this workflow to set it."),
+                                     "start-end: its seconds come from lyrics_lrc, reaching "
+                                     f"{DEFAULT_MARGIN:g} s into the neighbouring lines (at most half-way). 0 = use "
+                                     "start and end. Click a lyric line in a player of this workflow to set it."),
                 io.String.Input("section", default="", optional=True,
                                 tooltip='Repaint a section instead of start-end: "chorus 2" is the second [chorus] '
                                         '("chorus": the first), up to the next section tag. Empty: not used.'),
-                io.Float.Input("margin", default=DEFAULT_MARGIN, min=0.0, max=MAX_MARGIN, step=0.05, optional=True,
-                               tooltip="Seconds a line's or section's range reaches into its neighbours (at most "
-                                       "half-way), since the timestamps are approximate."),
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )
@@ -296,11 +294,11 @@ class MM3Repaint(io.ComfyNode):
     @classmethod
     def execute(cls, dit, condition, source, start: float, end: float, fade: float, seed: int, steps: int,
                 dit_cfg: float, variations: int, shift: float = AUTO_SHIFT, lyrics_lrc: str | None = None,
-                line: int = 0, section: str = "", margin: float = DEFAULT_MARGIN) -> io.NodeOutput:
+                line: int = 0, section: str = "") -> io.NodeOutput:
         what = ""
         if line or (section or "").strip():
             chosen = logic.lyric_range(source.conditions.song, lyrics_lrc, line=line or None,
-                                       section=None if line else section, margin=margin)
+                                       section=None if line else section, margin=DEFAULT_MARGIN)
             start, end, what = chosen.start, chosen.end, f"{chosen.label} {chosen.text!r}: "
         if not start < end:
             raise ValueError(f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)")

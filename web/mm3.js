@@ -149,16 +149,20 @@ export function onWindow(message) {
     const r = await api.fetchApi(`/view?${query}`);
     if (!r.ok) throw new Error(`${message.file.filename}: ${r.status}`);
     view.add(message, readWav(await r.arrayBuffer()));
+    if (lastLrc.promptId === message.prompt_id && view.lrc !== lastLrc.text) view.setLrc(lastLrc.text);
     fitHeight(node);
   }).catch((e) => console.warn(`MM3 live player: ${e}`));
   return view.queue;
 }
 
-// LRC text a node of the same prompt shows (ui "lyrics_lrc"): every live player of the prompt takes it.
+// LRC text a node of the same prompt shows (ui "lyrics_lrc"): every live player of the prompt takes it,
+// those whose first window comes later too (MM3 Lyric Timestamps may run before the decoding).
+let lastLrc = { promptId: null, text: "" };
 export function onExecuted(detail) {
   const lrc = detail?.output?.lyrics_lrc;
   if (!lrc) return;
   const text = Array.isArray(lrc) ? lrc.join("\n") : String(lrc);
+  lastLrc = { promptId: detail.prompt_id, text };
   for (const node of allNodes()) {
     const view = node.mm3Player;
     if (view && (view.promptId === detail.prompt_id || view.promptId === null)) {

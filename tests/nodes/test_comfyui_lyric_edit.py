@@ -2,8 +2,8 @@
 words (edit_a_line), MM3 Repaint takes its range from a lyric line; outside the range the codes and
 the audio stay the original's, and the command line renders the edit's replay JSON to the same file.
 
-The tiny LM has no heads that follow the lyrics (its weights are random): MM3 Lyric Timestamps reads
-all heads of its last layer here, and the line chosen is one those heads time."""
+The tiny LM has no heads that follow the lyrics (its weights are random): the lyric timestamps are
+read from all heads of its last layer here, and the line chosen is one those heads time."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from mm3.constants import FRAME_RATE
 from tests.helpers.comfyui import audio_entries, needs_comfy, run, tiny_workflow
 
 SONG = {"2": {"lyrics": "[verse]\nhello there my friend\nsing along tonight\n[chorus]\nla la la"},
-        "13": {"heads": "1:*"}, "14": {"line": 1, "words": "a brand new line"}}
+        "6": {"heads": "1:*", "line": 1, "words": "a brand new line"}}
 DURATION = 3.0
 
 
@@ -40,8 +40,12 @@ def test_edit_a_line_keeps_the_rest_and_the_command_line_renders_it_again(comfy,
     info = comfy.get("/object_info/MM3ChangeLine")["MM3ChangeLine"]
     assert info["output_name"] == ["codes", "start", "end"] and info["output"][1:] == ["FLOAT", "FLOAT"]
     wf = tiny_workflow(comfy, "edit_a_line", duration=DURATION, fmt="wav32", **copy.deepcopy(SONG))
+    wf |= {"12": {"class_type": "MM3VocoderDecode", "inputs": {"vae": ["1", 4], "latents": ["5", 0]}},
+           "13": {"class_type": "MM3Stitch", "inputs": {"windows": ["12", 0]}},
+           "14": {"class_type": "MM3SaveSong", "inputs": wf["11"]["inputs"] | {"audio": ["13", 0],
+                                                                              "filename_prefix": "mm3/original"}}}
     entry, _ = run(comfy, wf, timeout=300)
-    original, edited = (audio_entries(entry, n)[0] for n in ("8", "12"))
+    original, edited = (audio_entries(entry, n)[0] for n in ("14", "11"))  # the original saved for this test
     before, after = _replay(comfy, original), _replay(comfy, edited)
     edit = after["lyric_edit"]
     assert edit["line"] == 1 and edit["text"] == "hello there my friend" and edit["lm_seed"] == 5
@@ -50,7 +54,8 @@ def test_edit_a_line_keeps_the_rest_and_the_command_line_renders_it_again(comfy,
     assert after["source_lyrics"] == SONG["2"]["lyrics"] and after["source_codes"] == before["audio_codes"]
     start, end = after["repaint_start"], after["repaint_end"]
     assert (start, end) == (edit["start"], edit["end"]) and 0 <= start < end <= DURATION
-    text = "".join(entry["outputs"]["14"]["text"])
+    text = "".join(entry["outputs"]["6"]["text"])
+    assert entry["outputs"]["6"]["lyrics_lrc"][0].splitlines()[1].endswith("hello there my friend")  # for players
     assert "line 1 'hello there my friend'" in text and "now sings 'a brand new line' (lm_seed 5)" in text
     # the codes outside the range are the original's; inside, planned again
     old, new = _codes(before), _codes(after)
@@ -74,26 +79,27 @@ def test_repaint_takes_its_range_from_a_lyric_line(comfy):
     wf = tiny_workflow(comfy, "repaint_range", duration=DURATION, fmt="wav32", **{"2": SONG["2"]})
     wf["13"] = {"class_type": "MM3LyricTimestamps",  # a lead of its own: not the cached node of another test
                 "inputs": {"lm": ["1", 0], "depth": ["1", 1], "codes": ["3", 0], "lead": 0.75, "heads": "1:*"}}
-    wf["9"]["inputs"].update(lyrics_lrc=["13", 0], line=1, margin=0.0)
+    wf["9"]["inputs"].update(lyrics_lrc=["13", 0], line=1)
     entry, _ = run(comfy, wf, timeout=300)
     lrc = entry["outputs"]["13"]["text"][0]
     first = next(line for line in lrc.splitlines() if line.endswith("hello there my friend"))
     seconds = int(first[1:3]) * 60 + float(first[4:9])
-    text = "".join(entry["outputs"]["9"]["text"])
-    assert text.startswith(f"repainted line 1 'hello there my friend': {seconds:g}-"), (text, lrc)
     replay = _replay(comfy, audio_entries(entry, "12")[0])
-    assert replay["repaint_start"] == seconds
+    start, end = replay["repaint_start"], replay["repaint_end"]
+    assert seconds - 0.5 <= start <= seconds < end  # from the line's start, widened by at most the margin
+    text = "".join(entry["outputs"]["9"]["text"])
+    assert text == f"repainted line 1 'hello there my friend': {start:g}-{end:g} s with seed 8", (text, lrc)
 
 
 @needs_comfy
 def test_a_line_outside_the_lyrics_is_refused_when_the_node_runs(comfy):
     wf = tiny_workflow(comfy, "edit_a_line", duration=DURATION, fmt="wav32",
-                       **(copy.deepcopy(SONG) | {"14": {"line": 9, "words": "x"}}))
+                       **(copy.deepcopy(SONG) | {"6": {"heads": "1:*", "line": 9, "words": "x"}}))
     ws = comfy.ws()
     try:
         events = ws.events(comfy.queue(wf), timeout=300)
     finally:
         ws.close()
     error = [e for e in events if e["type"] == "execution_error"]
-    assert error and error[0]["data"]["node_id"] == "14", events[-3:]
+    assert error and error[0]["data"]["node_id"] == "6", events[-3:]
     assert "line 9 is not in the lyrics: they have 3 sung line(s)" in error[0]["data"]["exception_message"]
