@@ -94,6 +94,8 @@ def _request_from_args(args, *, need_text: bool) -> MM3Request:
         overrides["rng"] = args.rng
     overrides |= _lrc_overrides(args)
     req = replace(req, **overrides)
+    if not req.audio_codes and req.lyric_times:  # the timestamps of codes this request no longer holds
+        req = replace(req, lyric_times=[])
     if not need_text and req.audio_codes and not req.caption.strip():
         raise RequestError(CAPTION_REQUIRED)
     return req
@@ -386,7 +388,7 @@ def cmd_continue(args) -> int:
     req = _song_request(args)
     if args.duration is None:
         raise RequestError("continue needs --duration: the length of the extended song in seconds")
-    req = replace(req, continue_codes=req.audio_codes, audio_codes="")
+    req = replace(req, continue_codes=req.audio_codes, audio_codes="", lyric_times=[])
     return cmd_generate(args, req)
 
 
@@ -430,7 +432,7 @@ def cmd_repaint(args) -> int:
                               lyric_edit=edit | {"words": check_words(words), "replaced": old_words, "lm_seed": seed})
             elif seed is not None:
                 codes = pipe.replan_range(req, start, end, seed, console.progress())
-                req = replace(req, source_codes=req.audio_codes, audio_codes=codes,
+                req = replace(req, source_codes=req.audio_codes, audio_codes=codes, lyric_times=[],
                               lyric_edit=edit | {"lm_seed": seed} if edit else {})
             else:
                 req = replace(req, lyric_edit=edit)

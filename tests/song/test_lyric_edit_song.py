@@ -135,3 +135,15 @@ def test_plan_with_lrc_records_the_timestamps_a_repaint_reads(tiny, song, capsys
     lrc = out.with_suffix(".lrc").read_text()
     assert len(times) == 7 and times[0] == 0.7  # "[start]" (at the 0.7 s lead) and the six lines
     assert lrc.count("\n") == sum(t is not None for t in times[1:])  # the LRC gives the lines it timed
+
+
+def test_a_line_planned_again_without_new_words_records_its_seed(tiny, song):
+    folder, _, before = song
+    out = folder / "replanned.wav"
+    assert _cli(tiny, "repaint", "--request", str(folder / "timed.json"), "--line", "3", "--replan-lm-seed", "4",
+                "--repaint-seed", "6", "--format", "wav32", "--out", str(out)) == 0
+    after = json.loads(out.with_suffix(".json").read_text())
+    # line 3 ("la la la") starts at 2.2, after [chorus] at 2.0; the next line at 2.6
+    assert after["lyric_edit"] == {"line": 3, "text": "la la la", "start": 2.1, "end": 2.8, "lm_seed": 4}
+    assert after["lyrics"] == LYRICS and "source_lyrics" not in after and "lyric_times" not in after
+    assert after["source_codes"] == before["audio_codes"] != after["audio_codes"]
