@@ -14,8 +14,10 @@ import json
 import pytest
 
 from tests.helpers.comfyui import needs_comfy
-from tests.nodes.test_comfyui_browser import _entry, _overlaps, browser, comfy, editor  # noqa: F401 (fixtures)
+from tests.nodes import test_comfyui_browser as editor_tests
+from tests.nodes.test_comfyui_browser import _entry, _overlaps
 
+browser, comfy, editor = editor_tests.browser, editor_tests.comfy, editor_tests.editor  # its fixtures, shared
 pytestmark = pytest.mark.slow
 LYRICS = "[verse]\nhello there my friend\nsing along tonight\n[chorus]\nla la la"
 SET = """([type, name, value]) => { const n = window.app.graph._nodes.find((n) => n.type === type);

@@ -103,3 +103,51 @@ def test_a_line_outside_the_lyrics_is_refused_when_the_node_runs(comfy):
     error = [e for e in events if e["type"] == "execution_error"]
     assert error and error[0]["data"]["node_id"] == "6", events[-3:]
     assert "line 9 is not in the lyrics: they have 3 sung line(s)" in error[0]["data"]["exception_message"]
+
+
+@needs_comfy
+def test_an_edit_made_on_the_command_line_renders_the_same_in_comfyui(comfy, tmp_path):
+    """The command line's edit (repaint --line --words) and its original, as replay JSONs pasted into
+    MM3 Audio Codes From Text: the original's latents as MM3 Repaint's source, the edit's codes (under
+    its new lyrics) as its condition, the range and seeds the edit's JSON records: the same file."""
+    models = str(comfy.base / "models" / "mm3")
+    first = tmp_path / "song.wav"
+    assert main(["generate", "--models", models, "--caption", "warm pop", "--lyrics", SONG["2"]["lyrics"],
+                 "--duration", "3", "--steps", "2", "--lm-seed", "1", "--seed", "2", "--format", "wav32",
+                 "--out", str(first), "--quiet", "--device", "cpu"]) == 0
+    song = json.loads(first.with_suffix(".json").read_text())
+    timed = tmp_path / "timed.json"
+    timed.write_text(json.dumps(song | {"lyric_times": [0.0, 0.2, 0.4, 1.2, 2.0, 2.2]}))
+    edit = tmp_path / "edit.wav"
+    assert main(["repaint", "--models", models, "--request", str(timed), "--line", "2", "--words", "sing a new song",
+                 "--replan-lm-seed", "7", "--repaint-seed", "5", "--format", "wav32", "--out", str(edit), "--quiet",
+                 "--device", "cpu"]) == 0
+    req = json.loads(edit.with_suffix(".json").read_text())
+    assert req["lyric_edit"]["words"] == "sing a new song" and req["source_lyrics"] == song["lyrics"]
+
+    def codes(node, text):
+        return {node: {"class_type": "MM3AudioCodesFromText",
+                       "inputs": {"lm": ["1", 0], "depth": ["1", 1], "replay_json": text, "model_check": "refuse"}}}
+
+    loaders = {f"{k}_model": "auto" for k in ("lm", "depth", "cond", "dit", "vae")} | {"keep_loaded": False}
+    wf = {"1": {"class_type": "MM3LoadModelSet", "inputs": loaders},
+          **codes("2", json.dumps(song)), **codes("3", json.dumps(req)),
+          "4": {"class_type": "MM3ConditionEncode", "inputs": {"cond": ["1", 2], "codes": ["2", 0]}},
+          "5": {"class_type": "MM3FlowSampler", "inputs": {"dit": ["1", 3], "condition": ["4", 0], "seed": ["2", 1],
+                                                           "steps": ["2", 2], "dit_cfg": ["2", 3], "variations": 1}},
+          "6": {"class_type": "MM3ConditionEncode", "inputs": {"cond": ["1", 2], "codes": ["3", 0]}},
+          "7": {"class_type": "MM3Repaint", "inputs": {
+              "dit": ["1", 3], "condition": ["6", 0], "source": ["5", 0], "start": req["repaint_start"],
+              "end": req["repaint_end"], "fade": req.get("repaint_fade", 0.25), "seed": req["repaint_seed"],
+              "steps": req["steps"], "dit_cfg": req["dit_cfg"], "variations": 1}},
+          "8": {"class_type": "MM3VocoderDecode", "inputs": {"vae": ["1", 4], "latents": ["7", 0]}},
+          "9": {"class_type": "MM3Stitch", "inputs": {"windows": ["8", 0]}},
+          "10": {"class_type": "MM3SaveSong", "inputs": {"audio": ["9", 0], "filename_prefix": "mm3/cli_edit",
+                                                         "format": "wav32", "mp3_bitrate": "192", "peak_clip": 10}}}
+    entry, _ = run(comfy, wf, timeout=300)
+    saved = audio_entries(entry, "10")[0]
+    assert comfy.view(saved) == edit.read_bytes()
+    again = _replay(comfy, saved)
+    for key in ("audio_codes", "lyrics", "source_codes", "source_lyrics", "repaint_start", "repaint_end",
+                "repaint_seed", "seed"):
+        assert again[key] == req[key], key
