@@ -147,8 +147,8 @@ class MM3ChangeLine(io.ComfyNode):
             dtype = compute_dtype(device)
             numerics = Numerics(compute_dtype=dit_compute_dtype(dtype))
             cfg = codes.plan.lm_cfg if codes.plan is not None else (codes.origin or MM3Request()).lm_cfg
-            need = ar_memory(lm.hparams, codes.prompt.prompt.num_tokens + 64, codes.frames, 1, cfg, device,
-                             dtype_bytes(dtype))
+            tokens = codes.prompt.prompt.num_tokens + len(words)  # the new words: at most a token per character
+            need = ar_memory(lm.hparams, tokens, codes.frames, 1, cfg, device, dtype_bytes(dtype))
             lm_model, depth_model = load([lm, depth], memory_required=need)
             if chosen_heads is not None:
                 lyrics_lrc = logic.lyric_timestamps(lm_model, depth_model, depth, codes, chosen_heads, lead,

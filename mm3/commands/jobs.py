@@ -413,7 +413,10 @@ def cmd_repaint(args) -> int:
         with Console(args.quiet) as console:
             edit = {}
             if start is None:
-                chosen = choose_range(pipe.lyric_times(req, console.progress()), _seconds(req),
+                timed = req
+                if getattr(args, "lrc_heads", None) is not None or getattr(args, "lrc_lead", None) is not None:
+                    timed = replace(req, lyric_times=[])  # timed again with the heads and lead named
+                chosen = choose_range(pipe.lyric_times(timed, console.progress()), _seconds(req),
                                       line=args.line, section=args.section, margin=args.margin)
                 start, end, edit = chosen.start, chosen.end, chosen.record()
                 if not args.quiet:
