@@ -295,17 +295,18 @@ class MM3Repaint(io.ComfyNode):
     def execute(cls, dit, condition, source, start: float, end: float, fade: float, seed: int, steps: int,
                 dit_cfg: float, variations: int, shift: float = AUTO_SHIFT, lyrics_lrc: str | None = None,
                 line: int = 0, section: str = "") -> io.NodeOutput:
-        what = ""
+        what, record = "", ()
         if line or (section or "").strip():
             chosen = logic.lyric_range(source.conditions.song, lyrics_lrc, line=line or None,
                                        section=None if line else section, margin=DEFAULT_MARGIN)
             start, end, what = chosen.start, chosen.end, f"{chosen.label} {chosen.text!r}: "
+            record = tuple(chosen.record().items())
         if not start < end:
             raise ValueError(f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)")
         seed = logic.linked_seed(seed, DIT_SEED_MAX, "seed")
         with interruptible():
             model, run = _loaded_dit(dit, condition)
-            out = stages.repaint(model, dit.file(), condition, source, RepaintSettings(start, end, fade),
+            out = stages.repaint(model, dit.file(), condition, source, RepaintSettings(start, end, fade, record),
                                  SynthSettings(seed, steps, dit_cfg, variations, shift), **run)
         show_warnings(out.warnings)
         return io.NodeOutput(out, ui={"text": [f"repainted {what}{start:g}-{end:g} s with seed {seed}"]})

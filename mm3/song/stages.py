@@ -227,7 +227,8 @@ def _synth_fields(latents: Latents, song: Song) -> dict:
     return out | dict(seed=kept_seed, repaint_seed=synth.seed, repaint_start=float(r.start),
                       repaint_end=float(r.end), repaint_fade=float(r.fade),
                       source_codes="" if torch.equal(kept.codes, song.codes.codes) else kept.to_request_codes(),
-                      source_lyrics=_source_lyrics(source.conditions.song, song))
+                      source_lyrics=_source_lyrics(source.conditions.song, song),
+                      **({"lyric_edit": dict(r.chosen)} if r.chosen else {}))
 
 
 def _source_lyrics(kept: Song, song: Song) -> str:

@@ -87,6 +87,7 @@ def test_repaint_takes_its_range_from_a_lyric_line(comfy):
     replay = _replay(comfy, audio_entries(entry, "12")[0])
     start, end = replay["repaint_start"], replay["repaint_end"]
     assert seconds - 0.5 <= start <= seconds < end  # from the line's start, widened by at most the margin
+    assert replay["lyric_edit"] == {"line": 1, "text": "hello there my friend", "start": start, "end": end}
     text = "".join(entry["outputs"]["9"]["text"])
     assert text == f"repainted line 1 'hello there my friend': {start:g}-{end:g} s with seed 8", (text, lrc)
 
