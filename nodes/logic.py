@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from mm3.song import stages
-from mm3.plan.ar import PlanSettings
 from mm3.synth.audio import as_stereo
 from mm3.song.captions import caption_warning
 from mm3.plan.codes import parse_audio_codes
@@ -27,10 +26,9 @@ from mm3.synth.output import atomic_write, write_audio
 from mm3.progress import Progress
 from mm3.lora.use import lora_mismatch
 from mm3.plan.prompt import build_prompt, lyrics_sent
-from mm3.song.request import MM3Request, RequestError, model_mismatch, plan_fields
-from mm3.song.settings import OutputSettings
+from mm3.song.request import MM3Request, RequestError, model_mismatch
+from mm3.song.settings import OutputSettings, PlanSettings, Takes, check_plan_start
 from mm3.song.stages import Conditions, Latents, PromptText, Song, Windows
-from mm3.plan.takes import Takes
 from mm3.tokenizer import MM3Tokenizer
 from .handles import ComponentHandle
 from .validation import prompt_texts
@@ -75,23 +73,20 @@ def plan_songs(lm_model, depth_model, lm: ComponentHandle, depth: ComponentHandl
                settings: PlanSettings, *, device, dtype: torch.dtype, progress: Progress | None = None,
                weight_budget: int | None = None, takes: Takes = Takes(),
                prior: Song | None = None, numerics: Numerics = FAST) -> tuple[list[Song], list]:
-    """`mm3.song.stages.plan_songs` after the request's checks of these settings (`check_plan`); `prior`:
+    """`mm3.song.stages.plan_songs` after the checks that join its settings (`check_plan`); `prior`:
     the song to continue."""
-    check_plan(prompt, settings, takes, prior)
+    check_plan(settings, prior)
     return stages.plan_songs(lm_model, depth_model, prompt, depth.file(), settings, takes, device=device, dtype=dtype,
                              progress=progress, weight_budget=weight_budget,
                              prefix=None if prior is None else prior.codes.codes, lm=lm.file(), numerics=numerics)
 
 
-def check_plan(prompt: PromptText, settings: PlanSettings, takes: Takes = Takes(), prior: Song | None = None) -> None:
-    """The request's checks of a plan, which need several inputs at once (a min_duration past the
-    duration, a song to continue longer than it, ...): a node calls it before it loads anything."""
-    request = MM3Request(caption=prompt.caption, lyrics=prompt.lyrics, **plan_fields(settings, takes),
-                         continue_codes="" if prior is None else prior.codes.to_request_codes())
-    try:
-        request.validate()
-    except RequestError as e:
-        raise ValueError(str(e)) from None
+def check_plan(settings: PlanSettings, prior: Song | None = None) -> None:
+    """The checks of a plan that join several inputs (a min_duration past the duration, a song to
+    continue longer than it), which ComfyUI's per-input ranges cannot make: a node calls it before
+    it loads anything. Each input's own range was checked when its settings object was built, and
+    the prompt's texts when the prompt was."""
+    check_plan_start(settings, None if prior is None else prior.codes.frames)
 
 
 def read_codes_request(text: str, source: str, lm: ComponentHandle, depth: ComponentHandle):

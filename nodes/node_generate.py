@@ -14,7 +14,6 @@ import math
 from comfy_api.latest import io
 
 from mm3.song import stages
-from mm3.plan.ar import PlanSettings
 from mm3.constants import (
     DEFAULT_DIT_CFG,
     DEFAULT_DURATION,
@@ -33,8 +32,7 @@ from mm3.song.numerics import Numerics
 from mm3.plan.prompt import INSTRUMENTAL_LYRICS
 from mm3.song.overlap import Models, plan_and_render
 from mm3.song.request import shaping_of
-from mm3.song.settings import SynthSettings
-from mm3.plan.takes import Takes
+from mm3.song.settings import PlanSettings, SynthSettings, Takes
 from . import logic
 from .comfy_models import (compute_dtype, dit_compute_dtype, fit_together, load, load_device, load_together, patcher,
                            spare_bytes)
@@ -124,7 +122,7 @@ class MM3Generate(io.ComfyNode):
         with interruptible():
             prompt = logic.assemble_prompt(lm, caption, lyrics)
             takes = Takes(rounds=o.ending_rounds)
-            logic.check_plan(prompt, settings, takes)
+            logic.check_plan(settings)
             audio = _render([lm, depth, cond, dit, vae], prompt, settings, takes, synth,
                             window_preview(duration, noise=vae.is_tiny))
         song = audio.windows.latents.conditions.song

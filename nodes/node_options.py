@@ -13,9 +13,8 @@ from dataclasses import field, make_dataclass
 from comfy_api.latest import io
 
 from mm3.constants import MAX_AUDIO_FRAMES, SEMANTIC_VOCAB_SIZE
-from mm3.song.request import MM3Request
-from mm3.plan.shaping import MAX_TEMPERATURE, PENALTIES
-from mm3.plan.takes import MAX_ENDING_ROUNDS
+from mm3.song.request import MM3Request, shaping_of
+from mm3.song.settings import MAX_ENDING_ROUNDS, MAX_TEMPERATURE, PENALTIES, Takes
 from .common import CATEGORY
 
 SAMPLING_OPTIONS = io.Custom("MM3_SAMPLING_OPTIONS")
@@ -78,7 +77,12 @@ class MM3SamplingOptions(io.ComfyNode):
 
     @classmethod
     def execute(cls, **values) -> io.NodeOutput:
-        return io.NodeOutput(SamplingOptions(**{k: values[k] for k in KEYS if k in values}))
+        """The options, refused here when their settings cannot be built (a penalty strength outside
+        its penalty's range, a linked value out of range); min_duration joins them on AR Plan."""
+        options = SamplingOptions(**{k: values[k] for k in KEYS if k in values})
+        shaping_of(options)
+        Takes(rounds=options.ending_rounds)
+        return io.NodeOutput(options)
 
 
 def upgrade_prompt(prompt: dict) -> dict:

@@ -25,14 +25,13 @@ from mm3.constants import (
     SEED_MAX,
 )
 from mm3.song import stages
-from mm3.plan.ar import PlanSettings
 from mm3.synth.flow import AUTO_SHIFT, MAX_SHIFT
 from mm3.song.numerics import Numerics
 from mm3.plan.lyric_edit import DEFAULT_MARGIN
 from mm3.plan.prompt import INSTRUMENTAL_LYRICS
 from mm3.song.request import shaping_of
-from mm3.song.settings import DEFAULT_REPAINT_FADE, RepaintSettings, SynthSettings
-from mm3.plan.takes import MAX_TAKES, Takes
+from mm3.song.settings import (
+    DEFAULT_REPAINT_FADE, MAX_TAKES, PlanSettings, RepaintSettings, SynthSettings, Takes)
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher, spare_bytes
 from .common import (
@@ -156,7 +155,7 @@ class MM3ARPlan(io.ComfyNode):
         settings = PlanSettings(duration=duration, lm_seed=lm_seed, lm_cfg=lm_cfg, top_k=o.lm_top_k, songs=songs,
                                 shaping=shaping_of(o, min_duration))
         rounds = Takes(takes=takes, require_ending=require_ending, rounds=o.ending_rounds)
-        logic.check_plan(prompt, settings, rounds, prior_codes)  # ComfyUI checked each input's range alone
+        logic.check_plan(settings, prior_codes)  # ComfyUI checked each input's range alone
         with interruptible():
             device, dtype = _device_dtype(lm)
             batch = min(MAX_SONGS, songs * takes)
@@ -210,10 +209,10 @@ class MM3FlowSampler(io.ComfyNode):
     @classmethod
     def execute(cls, dit, condition, seed: int, steps: int, dit_cfg: float, variations: int,
                 shift: float = AUTO_SHIFT) -> io.NodeOutput:
-        seed = logic.linked_seed(seed, DIT_SEED_MAX, "seed")
+        synth = SynthSettings(logic.linked_seed(seed, DIT_SEED_MAX, "seed"), steps, dit_cfg, variations, shift)
         with interruptible():
             model, run = _loaded_dit(dit, condition)
-            out = stages.sample(model, dit.file(), condition, SynthSettings(seed, steps, dit_cfg, variations, shift), **run)
+            out = stages.sample(model, dit.file(), condition, synth, **run)
         show_warnings(out.warnings)
         return io.NodeOutput(out)
 
@@ -304,10 +303,10 @@ class MM3Repaint(io.ComfyNode):
         if not start < end:
             raise ValueError(f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)")
         seed = logic.linked_seed(seed, DIT_SEED_MAX, "seed")
+        repaint, synth = RepaintSettings(start, end, fade, record), SynthSettings(seed, steps, dit_cfg, variations, shift)
         with interruptible():
             model, run = _loaded_dit(dit, condition)
-            out = stages.repaint(model, dit.file(), condition, source, RepaintSettings(start, end, fade, record),
-                                 SynthSettings(seed, steps, dit_cfg, variations, shift), **run)
+            out = stages.repaint(model, dit.file(), condition, source, repaint, synth, **run)
         show_warnings(out.warnings)
         return io.NodeOutput(out, ui={"text": [f"repainted {what}{start:g}-{end:g} s with seed {seed}"]})
 

@@ -76,3 +76,29 @@ def test_failures_and_timeouts_are_recorded_not_fatal(tmp_path):
     assert statuses["kernel_tests"] in ("timeout", "skipped") and "skipped" in statuses.values()
     timed = [s for s in report["steps"] if s["status"] == "timeout"]
     assert all(s["limit_s"] <= 2 and "log_tail" in s for s in timed)
+
+
+def test_the_kernels_of_a_frame_are_gathered_per_quant(tmp_path):
+    """The bench steps' frame counts (`ar.frame_kernels`) reach the JSON's `kernels_per_frame`, one
+    entry per quant: here from a stand-in interpreter whose bench writes a fixed report."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!{sys.executable}
+import json, os, sys
+argv = sys.argv[1:]
+if argv[:3] == ["-m", "mm3", "bench"]:
+    quant = argv[argv.index("--quant") + 1]
+    report = {{"quant": quant, "ar": {{"frame_kernels": {{"counted": len(quant), "profiled_eager": {{"kernels": 7}},
+                                                          "profiled_graph": None}}}}}}
+    open(argv[argv.index("--json") + 1], "w").write(json.dumps(report))
+    sys.exit(0)
+os.execv({sys.executable!r}, [{sys.executable!r}] + argv)
+""")
+    fake.chmod(0o755)
+    env = _env(PYTHON=str(fake), ONLY="q4km_graphs_on q8_graphs_on", MM3_GPU_WORK=str(tmp_path / "work"))
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    assert report["kernels_per_frame"] == {
+        "Q4_K_M": {"step": "q4km_graphs_on", "counted": 6, "profiled_eager": 7, "profiled_graph": None, "error": None},
+        "Q8_0": {"step": "q8_graphs_on", "counted": 4, "profiled_eager": 7, "profiled_graph": None, "error": None}}

@@ -7,7 +7,9 @@ numerics, CPU form or device change; the layer keeps the answer and forward only
 rules, first match wins (`_base_for_linear`; `for_fused` stacks the parts where they share one):
 
   1. adapters to merge (`LowRank.merge`)     -> `FloatWeight` over a float copy with them merged in
-  2. held in the GPU's device layout          -> `LayoutProduct` (`gpu.layout_kernels`, `layout_reads`)
+  2. held in the GPU's device layout          -> `LayoutProduct` (`gpu.layout_kernels`, `layout_reads`;
+                                                 a group of two types: `LayoutSegments`; gate/up
+                                                 also `LayoutSwiGLU`, for `Fused.swiglu`)
   3. a GPU kernel reads the GGUF blocks       -> `KernelProduct` (`gpu.kernels`, `kernel_reads`)
   4. a float weight of the dtype at hand      -> `FloatWeight` (weight-major where the CPU form says)
   5. the CPU form's packed kernel (few rows)  -> `ByRows(PackedProduct, per-use)` (`cpu.native`,
@@ -170,11 +172,36 @@ def side_product(base, low_ranks: list[LowRank | None], sizes: list[int], dtype:
     return WithLowRank(base, torch.cat(downs).t().contiguous(), blocks)
 
 
-class Split:
-    """One product over stacked weight rows, split into each part's output."""
+class LayoutSegments:
+    """The layout kernels over two weights of different types stacked by their outputs, in one
+    launch (`mm3.backends.gpu.layout_kernels.linear_segments`): a q/k/v group whose v has another type."""
 
-    def __init__(self, product, sizes: list[int]):
-        self.product, self.sizes = product, sizes
+    def __init__(self, segments: list[tuple], in_features: int):
+        (self.qtype, self.weight), (self.qtype2, self.weight2) = segments
+        self.in_features = in_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return custom_ops.layout_segments(x, self.weight(), self.weight2(), self.qtype, self.qtype2,
+                                          self.in_features, bias)
+
+
+class LayoutSwiGLU:
+    """`silu(gate) * up` of a (gate, up) group held in the device layout, from one launch
+    (`mm3.backends.gpu.layout_kernels.swiglu`)."""
+
+    def __init__(self, weight: Weight, qtype, in_features: int):
+        self.weight, self.qtype, self.in_features = weight, qtype, in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return custom_ops.layout_swiglu(x, self.weight(), self.qtype, self.in_features)
+
+
+class Split:
+    """One product over stacked weight rows, split into each part's output; `swiglu`, where set,
+    gives `silu(first) * second` of a two-part group from one product (`Fused.swiglu`)."""
+
+    def __init__(self, product, sizes: list[int], swiglu=None):
+        self.product, self.sizes, self.swiglu = product, sizes, swiglu
 
     def __call__(self, x: torch.Tensor, bias: None = None) -> list[torch.Tensor]:
         return self.product(x).split_with_sizes(self.sizes, dim=-1)
@@ -280,7 +307,17 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
     same = all(p.qtype("weight") == qtype for p in parts)
     held = [layout_reads(p, dtype, device) for p in parts]
     if all(held) and same:
-        return split(LayoutProduct(fused.stacked_stored_source(device), qtype, fused.in_features))
+        source = fused.stacked_stored_source(device)
+        product = split(LayoutProduct(source, qtype, fused.in_features))
+        if plain and len(parts) == 2 and fused.sizes[0] == fused.sizes[1] and \
+                layout_kernels.fused_works("swiglu", qtype, dtype, device):
+            product.swiglu = LayoutSwiGLU(source, qtype, fused.in_features)
+        return product
+    if all(held):  # two runs of types (q, k of one, v of another): one launch; more, each part its own
+        segments = fused.segment_sources(device)
+        if len(segments) == 2 and layout_kernels.fused_works("segments", segments[0][0], dtype, device,
+                                                             segments[1][0]):
+            return split(LayoutSegments(segments, fused.in_features))
     if any(p.form("weight") is not None for p in parts):  # a part in the layout among others (another type,
         return Separate(parts)  # another kernel family): each its own product, never a stack dequantized per call
     if kernels.available(device.type) and same and all(kernel_reads(p, dtype, device) for p in parts):

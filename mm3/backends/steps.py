@@ -23,8 +23,9 @@ from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, 
 from .gpu import steps as gpu_steps
 from .gpu.emulation import cpu_path, gpu_path
 
-__all__ = ["held_parts", "rms_norm", "lookup", "prepare_attention", "short_attention", "lm_layer", "depth_blocks",
-           "top_k_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
+__all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "code_rows", "frame_feedback", "rope_table",
+           "prepare_attention", "decode_attention", "short_attention", "lm_layer", "depth_blocks", "top_k_draw",
+           "semantic_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
 _HELD: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -59,26 +60,78 @@ def lookup(table: torch.Tensor, qtype, ids: torch.Tensor, k: int,
     return gpu_steps.lookup(table, qtype, ids, k, dtype) if gpu_path(table) else None
 
 
-def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, at: int):
-    """An LM decode step's q/k norms, rotation and cache write at `at` in one call -> the rotated
-    queries [B, heads, 1, D], or None (nothing written)."""
-    if not cpu_path(q):
+def code_rows(table: torch.Tensor, qtype, codes: torch.Tensor, k: int, dtype: torch.dtype, repeat: int = 1,
+              add: int = 0) -> torch.Tensor | None:
+    """Rows `codes[i // repeat] + add` of an embedding table (an AR frame's codes, each song's
+    repeated for its LM rows) in one call, the ids made on the device -> [codes.numel() * repeat, k]
+    `dtype`, or None."""
+    return gpu_steps.code_rows(table, qtype, codes, k, dtype, repeat, add) if gpu_path(codes) else None
+
+
+def frame_feedback(lm_table: torch.Tensor, lm_qtype, audio_table: torch.Tensor, audio_qtype, frame: torch.Tensor,
+                   code_offset: int, audio_vocab: int, k: int, dtype: torch.dtype,
+                   repeat: int = 1) -> torch.Tensor | None:
+    """A frame's LM input (`mm3.plan.replay.frame_feedback` of `frame` [songs, ncb], each song's row
+    repeated `repeat` times) in one call -> [songs * repeat, 1, k] `dtype`, or None."""
+    if not gpu_path(frame):
         return None
-    return cpu_steps.decode_prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, at)
+    return gpu_steps.frame_feedback(lm_table, lm_qtype, audio_table, audio_qtype, frame, code_offset, audio_vocab,
+                                    k, dtype, repeat)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, RMSNorm of that sum by `weight`) in one call, or None."""
+    return gpu_steps.add_rms_norm(x, delta, weight, eps) if gpu_path(x) else None
+
+
+def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """The rotation's (cos, sin) [1, 1, 1, D] for the one position `pos` ([1], on the device) in one
+    call, or None."""
+    return gpu_steps.rope_table(pos, inv_freq, dtype) if gpu_path(pos) else None
+
+
+def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, at: int | None,
+                      pos: torch.Tensor):
+    """An LM decode step's q/k norms, rotation and cache write at the next position (`at` on the
+    host, None where the step may not read it; `pos` [1] on the device) in one call -> the rotated
+    queries [B, heads, 1, D], or None (nothing written)."""
+    if cpu_path(q):
+        return None if at is None else cpu_steps.decode_prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k,
+                                                                cache_v, at)
+    return gpu_steps.prepare_attention(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos) \
+        if gpu_path(q) else None
+
+
+def decode_attention(q, cache_k, cache_v, pos: torch.Tensor, span: int, scale: float):
+    """One query position's attention (q [B, heads, 1, D]) over the cache's first pos + 1 keys (`pos`
+    on the device; `span` >= pos + 1 keys the call is sized for) -> [B, heads, 1, D], or None."""
+    return gpu_steps.decode_attention(q, cache_k, cache_v, pos, span, scale) if gpu_path(q) else None
 
 
 def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
     """The depth decoder's attention of new rows over its short cache (written at `at`), or None."""
-    return cpu_steps.attend(q, k, v, cache_k, cache_v, at, scale) if cpu_path(q) else None
+    if cpu_path(q):
+        return cpu_steps.attend(q, k, v, cache_k, cache_v, at, scale)
+    return gpu_steps.short_attention(q, k, v, cache_k, cache_v, at, scale) if gpu_path(q) else None
 
 
 def top_k_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int, q: torch.Tensor,
                excluded: torch.Tensor | None = None, gate: bool = False) -> torch.Tensor | None:
-    """A guided top-k draw in one call (`mm3.backends.cpu.steps.top_k_draw` says what it computes)
-    -> [songs] int64, or None."""
+    """A guided top-k draw in one call (`mm3.backends.cpu.steps.top_k_draw` says what it computes;
+    logits of any float dtype, computed on as float32) -> [songs] int64, or None."""
     if cpu_path(logits):
-        return cpu_steps.top_k_draw(logits, rows_per_song, cfg, top_k, q, excluded, gate)
+        return cpu_steps.top_k_draw(logits.float(), rows_per_song, cfg, top_k, q, excluded, gate)
     return gpu_steps.top_k_draw(logits, rows_per_song, cfg, top_k, q, excluded, gate) if gpu_path(logits) else None
+
+
+def semantic_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int, q: torch.Tensor,
+                  excluded: torch.Tensor | None, start: int, code_offset: int, end_id: int):
+    """The LM's gated draw (`top_k_draw` with `gate`) over head rows from id `start`, with its code
+    made in the same call -> (codes [songs]: id - code_offset, at least 0; end [songs]: id is
+    `end_id`), or None."""
+    if not gpu_path(logits):
+        return None
+    return gpu_steps.semantic_draw(logits, rows_per_song, cfg, top_k, q, excluded, start, code_offset, end_id)
 
 
 def _parts(owner: torch.nn.Module, blocks: list[tuple], dtype: torch.dtype, device: torch.device):

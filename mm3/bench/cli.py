@@ -15,7 +15,10 @@ the reference from the same tensors (dequantized where ours are quantized), and 
 
 plus the peak memory of each run (process RSS, whose baseline holds both sides' weights; peak
 VRAM per side on CUDA) and, on CUDA, a roofline: the device's copy bandwidth and product
-throughput (measured), the bytes a frame or step reads, its floor and the share reached. The JSON names the machine, torch, dtype and date. Without diffusers the
+throughput (measured), the bytes a frame or step reads, its floor and the share reached, and the
+kernels of one AR frame (counted as `python -m mm3 kernels --frame` counts them, and the kernel
+events torch's profiler records in an eager frame and in a graph replay). The JSON names the
+machine, torch, dtype and date. Without diffusers the
 reference side is skipped with a note. Configs (sizes in CONFIGS): tiny (the test model), medium
 (small enough for a laptop CPU: LM hidden 1024 x 8 layers with the released vocabulary layout, depth hidden
 1024, DiT 512 wide x 4, a small vocoder), real (released dimensions: on CUDA against the reference,
@@ -214,6 +217,8 @@ def _run(args) -> dict:
                 from .profile import profile_frames
 
                 report["ar"]["profile"] = profile_frames(ctx, args.profile)
+            if device.type == "cuda":  # the kernels of a frame: counted, and as the profiler sees them
+                report["ar"]["frame_kernels"] = _frame_kernels(ctx)
             if ctx.light:  # strict memory: the AR group leaves before the synthesis group loads
                 ctx.release("lm", "depth")
                 if device.type == "cuda":
@@ -228,6 +233,18 @@ def _run(args) -> dict:
     if not args.work:
         shutil.rmtree(root, ignore_errors=True)
     return report
+
+
+def _frame_kernels(ctx) -> dict:
+    """`frame_kernels.on_device` for our models, or what stopped it."""
+    from .frame_kernels import on_device
+
+    try:
+        return on_device(ctx.ours("lm"), ctx.ours("depth"), ctx.prompt().codes, ctx.dtype, ctx.device)
+    except Exception as e:  # a count that fails costs its figure, never the bench
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        torch.cuda.empty_cache()
 
 
 def summary(report: dict) -> str:
@@ -261,6 +278,14 @@ def summary(report: dict) -> str:
             from .profile import lines as profile_lines
 
             lines += profile_lines(r["profile"])
+        if stage == "ar" and r.get("frame_kernels"):
+            k = r["frame_kernels"]
+            if "error" in k:
+                lines.append(f"           kernels a frame: not counted ({k['error']})")
+            else:
+                graph = k.get("profiled_graph") or {}
+                lines.append(f"           kernels a frame: {k['counted']} counted (eager), profiled "
+                             f"{k['profiled_eager']['kernels']} eager, {graph.get('kernels', 'n/a')} in a graph replay")
         if stage == "ar" and r.get("machine_copy_gb_per_s"):
             lines.append(f"           weights read at {r['ours_weight_gb_per_s']:.2f} GB/s, "
                          f"{100 * r['weight_bandwidth_share']:.1f} % of a 1 GiB copy's {r['machine_copy_gb_per_s']:.1f} GB/s")

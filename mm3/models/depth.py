@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from ..backends import steps
 from ..weights import layers as default_ops
 from ..weights.layers import Fused, load_tensors
-from .lm import rms_norm, set_numerics
+from ..backends.gpu.emulation import cpu_path
+from .lm import add_rms_norm, rms_norm, set_numerics
 
 NORM_EPS = 1e-6  # diffusers RMSNorm(eps=1e-6) in the depth decoder
 
@@ -74,12 +75,15 @@ class DepthBlock(nn.Module):
         self.down_proj = ops.Linear(intermediate, dim, bias=False)
         self.gate_up = Fused([self.gate_proj, self.up_proj], fuse=False)
 
-    def forward(self, x, cache=None, layer: int = 0):
+    def forward(self, x, cache=None, layer: int = 0, normed=None, then=None):
+        """The block's output for x; `normed`: x already normalized by the input norm (the block
+        before gave it); `then`: the weight of the norm after the block: (output, output normed)."""
         dt, dev = x.dtype, x.device
         native = self.fast_numerics
-        x = x + self.attn(rms_norm(x, self.input_layernorm(dt, dev), NORM_EPS, native), cache, layer)
-        gate, up = self.gate_up(rms_norm(x, self.post_attention_layernorm(dt, dev), NORM_EPS, native))
-        return x + self.down_proj(F.silu(gate) * up)
+        h = rms_norm(x, self.input_layernorm(dt, dev), NORM_EPS, native) if normed is None else normed
+        x, h = add_rms_norm(x, self.attn(h, cache, layer), self.post_attention_layernorm(dt, dev), NORM_EPS, native)
+        out = self.down_proj(self.gate_up.swiglu(h))
+        return x + out if then is None else add_rms_norm(x, out, then, NORM_EPS, native)
 
     def products(self) -> tuple:
         """The block's four products in their order of use (q/k/v, out, gate/up, down)."""
@@ -170,15 +174,27 @@ class RVQDepthDecoder(nn.Module):
         start = 0 if cache is None else cache.length
         if start + s > self.max_positions:
             raise ValueError(f"depth sequence of {start + s} positions exceeds {self.max_positions}")
-        x = inputs_embeds + self._positions(start, s, inputs_embeds.dtype, inputs_embeds.device)
-        whole = None
-        if self.fast_numerics and cache is not None:  # the blocks in one back-end call where one serves
-            whole = steps.depth_blocks(self, x, cache, NORM_EPS)
-        if whole is not None:
-            x = whole
-        else:
+        dt, dev = inputs_embeds.dtype, inputs_embeds.device
+        positions = self._positions(start, s, dt, dev)
+        # Off the CPU library, each residual add (the position embeddings' too) goes with the norm
+        # after it: a back end's one call.
+        chained = self.fast_numerics and not cpu_path(inputs_embeds)
+        if chained:
+            x, h = add_rms_norm(inputs_embeds, positions.expand_as(inputs_embeds),
+                                self.layers[0].input_layernorm(dt, dev), NORM_EPS, True)
             for i, layer in enumerate(self.layers):
-                x = layer(x, cache, i)
+                x, h = layer(x, cache, i, h, (self.layers[i + 1].input_layernorm if i + 1 < len(self.layers)
+                                              else self.norm)(dt, dev))
+        else:
+            x = inputs_embeds + positions
+            whole = None
+            if self.fast_numerics and cache is not None:  # the blocks in one back-end call where one serves
+                whole = steps.depth_blocks(self, x, cache, NORM_EPS)
+            if whole is not None:
+                x = whole
+            else:
+                for i, layer in enumerate(self.layers):
+                    x = layer(x, cache, i)
         if cache is not None:
             cache.length += s
-        return rms_norm(x, self.norm(x.dtype, x.device), NORM_EPS, self.fast_numerics)
+        return h if chained else rms_norm(x, self.norm(dt, dev), NORM_EPS, self.fast_numerics)

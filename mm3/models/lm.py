@@ -40,6 +40,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = F
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, `rms_norm` of that sum): with `native` a back end's one call where it serves (the
+    same additions, the norm as `rms_norm`'s)."""
+    if native:
+        both = steps.add_rms_norm(x, delta, weight, eps)
+        if both is not None:
+            return both
+    x = x + delta
+    return x, rms_norm(x, weight, eps, native)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -187,9 +199,10 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 class Qwen3Attention(nn.Module):
     taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
-    # The fast numerics (set by `set_numerics`): on the CPU a decode step normalizes, rotates and
-    # caches in one call of a back end (`steps.prepare_attention`) and attends by
-    # `one_query_attention`; norms are `rms_norm(..., native=True)`.
+    # The fast numerics (set by `set_numerics`): a decode step normalizes, rotates and caches in
+    # one call of a back end (`steps.prepare_attention`) and attends over the filled keys by a back
+    # end's call (`steps.decode_attention`) or, on the CPU, `one_query_attention`; norms are
+    # `rms_norm(..., native=True)`.
     fast_numerics = False
 
     def __init__(self, cfg: dict, ops):
@@ -211,14 +224,12 @@ class Qwen3Attention(nn.Module):
         dt, dev = x.dtype, x.device
         q, k, v = self.qkv(x)
         native = self.fast_numerics
-        if native and s == 1 and cache.bucket is None and not self.taps:  # a decode step: one back-end call
+        if native and s == 1 and not self.taps:  # a decode step: one back-end call, then the attention
+            at = cache.length if cache.bucket is None else None  # the host position, where the step may read it
             rotated = steps.prepare_attention(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
-                                              cache.k[layer], cache.v[layer], cache.length)
+                                              cache.k[layer], cache.v[layer], at, cache.pos)
             if rotated is not None:
-                end = cache.length + 1
-                out = one_query_attention(rotated, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], None,
-                                          self.head_dim ** -0.5)
-                return self.o_proj(out.transpose(1, 2).reshape(b, 1, -1))
+                return self.o_proj(self._attend(rotated, cache, layer).transpose(1, 2).reshape(b, 1, -1))
         q = rms_norm(q.view(b, s, self.heads, self.head_dim), self.q_norm(dt, dev), self.eps, native).transpose(1, 2)
         k = rms_norm(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm(dt, dev), self.eps, native).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, heads, S, head_dim]
@@ -235,6 +246,20 @@ class Qwen3Attention(nn.Module):
                                                  scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(b, s, -1).contiguous()  # [B, S, heads * head_dim]
         return self.o_proj(out)
+
+    def _attend(self, q, cache: KVCache, layer: int) -> torch.Tensor:
+        """A decode step's attention of q [B, heads, 1, D] over the cache (its position written): a
+        back end's call over the filled keys where one serves, else torch's."""
+        scale = self.head_dim ** -0.5
+        span = cache.length + 1 if cache.bucket is None else cache.bucket
+        out = steps.decode_attention(q, cache.k[layer], cache.v[layer], cache.pos, span, scale)
+        if out is not None:
+            return out
+        keys, values, mask, _ = cache.attended(layer, 1)
+        if cpu_path(q):
+            return one_query_attention(q, keys, values, mask, scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=self.heads != self.kv_heads)
 
     def _show(self, q, keys, mask, causal: bool, position: int, layer: int) -> None:
         """Each tap's heads' attention over its key span, computed apart from the layer's own."""
@@ -265,8 +290,7 @@ class Qwen3MLP(nn.Module):
         self.gate_up = Fused([self.gate_proj, self.up_proj], fuse=False)
 
     def forward(self, x):
-        gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up.swiglu(x))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -280,16 +304,20 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = ops.Vector(cfg["hidden_size"])
         self.mlp = Qwen3MLP(cfg, ops)
 
-    def forward(self, x, cos, sin, cache, layer):
+    def forward(self, x, cos, sin, cache, layer, normed=None, then=None):
+        """The layer's output for x; `normed`: x already normalized by the input norm (the layer
+        before gave it); `then`: the weight of the norm after the layer: (output, output normed)."""
         dt, dev = x.dtype, x.device
         native = self.fast_numerics
         attn = self.self_attn
         if native and x.shape[1] == 1 and cache.bucket is None and not attn.taps:  # a back end's whole step
             y = steps.lm_layer(self, x, cos, sin, cache, layer, one_query_attention)
             if y is not None:
-                return y
-        x = x + attn(rms_norm(x, self.input_layernorm(dt, dev), self.eps, native), cos, sin, cache, layer)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm(dt, dev), self.eps, native))
+                return y if then is None else (y, rms_norm(y, then, self.eps, native))
+        h = rms_norm(x, self.input_layernorm(dt, dev), self.eps, native) if normed is None else normed
+        x, h = add_rms_norm(x, attn(h, cos, sin, cache, layer), self.post_attention_layernorm(dt, dev), self.eps,
+                            native)
+        return x + self.mlp(h) if then is None else add_rms_norm(x, self.mlp(h), then, self.eps, native)
 
     def products(self) -> tuple:
         """The layer's four products in their order of use (q/k/v, out, gate/up, down)."""
@@ -427,15 +455,23 @@ class Qwen3LM(nn.Module):
             raise ValueError(f"batch {b} does not match the KV cache's {cache.rows} rows")
         if cache.bucket is None and cache.length + s > cache.max_len:  # (a static step is sized by its caller)
             raise ValueError(f"KV cache full: {cache.length} + {s} positions > {cache.max_len}")
-        cos, sin = self.rope(cache.positions(s), inputs_embeds.dtype)
-        x = inputs_embeds
+        x, dt, dev = inputs_embeds, inputs_embeds.dtype, inputs_embeds.device
+        tables = steps.rope_table(cache.pos, self.inv_freq, dt) if s == 1 and self.fast_numerics else None
+        cos, sin = tables or self.rope(cache.positions(s), dt)
         layers = self.model.layers if stop_after is None else self.model.layers[:stop_after + 1]
+        # Off the CPU library, each residual add goes with the norm after it (a back end's one call).
+        chained = self.fast_numerics and not cpu_path(x) and stop_after is None
+        h = None
         for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, cache, i)
+            if chained:
+                x, h = layer(x, cos, sin, cache, i, h, (layers[i + 1].input_layernorm if i + 1 < len(layers)
+                                                        else self.model.norm)(dt, dev))
+            else:
+                x = layer(x, cos, sin, cache, i)
         cache.advance(s)
         if stop_after is not None:
             return x
-        return rms_norm(x, self.model.norm(x.dtype, x.device), self.eps, self.fast_numerics)
+        return h if chained else rms_norm(x, self.model.norm(dt, dev), self.eps, self.fast_numerics)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the vocabulary ids `head_ids` for hidden states h [..., H]."""

@@ -14,14 +14,15 @@ fuses products and caches the depth decoder's keys, equal up to rounding.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from ..backends.cpu import choice as cpu_choice
 from ..backends.gpu import frame_graphs
+from ..backends.gpu.emulation import cpu_path
 from .codes import AudioCodes
-from ..constants import DEFAULT_LM_CFG, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_SONGS
+from ..constants import FRAME_RATE, MAX_AUDIO_FRAMES
 from ..backends.device import ar_weight_budget, keeps_ar_copies, model_device
 from ..errors import RunError
 from ..backends import steps
@@ -36,7 +37,8 @@ from ..models.lm import activation_bytes as lm_activation_bytes
 from ..progress import Cancelled, Progress
 from .prompt import Prompt
 from .replay import check_pair, checked_codes, feed_frames, frame_feedback, replay
-from .shaping import SemanticShaper, Shaping
+from .settings import PlanSettings, Shaping
+from .shaping import SemanticShaper
 from .sampling import (
     draw, exponential_draws, exponential_tail, guide, kth_largest, make_generator, resolve_seed, skip_draws,
     top_k_probs)
@@ -47,27 +49,6 @@ MIN_KV_BUCKET = 256  # shortest attention length of a compiled step (lengths go 
 
 class ZeroFramesError(RunError):
     """The LM chose END before emitting any frame."""
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """What decides a plan besides the prompt: the duration cap, guidance, top-k, how many songs,
-    the seed of song 0 (None or negative: random, recorded in the result), and the optional
-    shaping of the semantic draw (`mm3.plan.shaping`; the default is the reference's draw)."""
-
-    duration: float
-    lm_seed: int | None = None
-    lm_cfg: float = DEFAULT_LM_CFG
-    top_k: int = DEFAULT_TOP_K
-    songs: int = 1
-    frame_rate: float = FRAME_RATE
-    shaping: Shaping = field(default_factory=Shaping)
-
-    def __post_init__(self):
-        if self.top_k < 1:
-            raise ValueError(f"lm_top_k must be at least 1, got {self.top_k}")
-        if not 1 <= self.songs <= MAX_SONGS:
-            raise ValueError(f"lm_batch_size must be between 1 and {MAX_SONGS}, got {self.songs}")
 
 
 def max_frames_for(duration: float, prompt_tokens: int, lm_context: int, frame_rate: float = FRAME_RATE) -> int:
@@ -123,13 +104,19 @@ class FrameSampler:
                                          history)
 
     def _semantic(self, q_sem: torch.Tensor):
-        """CFG over the head rows, kept where the conditional logit is in its top-k (ties kept)."""
-        logits = self.lm.head(self.last).float()  # [rows, C]
+        """CFG over the head rows, kept where the conditional logit is in its top-k (ties kept) ->
+        (c0 codes [songs], END flags [songs]); an END row carries code 0 (the host drops it)."""
+        head = self.lm.head(self.last)  # [rows, C], the compute dtype
         mask, shaper = self.not_candidate, self.shaper
         if self.library_draws and shaper is None:
-            token = steps.top_k_draw(logits, self.r, self.cfg, self.top_k, q_sem, mask, gate=True)
+            drawn = steps.semantic_draw(head, self.r, self.cfg, self.top_k, q_sem, mask, self.head_start,
+                                        self.code_offset, self.end_id)
+            if drawn is not None:
+                return drawn
+            token = steps.top_k_draw(head, self.r, self.cfg, self.top_k, q_sem, mask, gate=True)
             if token is not None:
-                return token + self.head_start
+                return self._coded(token + self.head_start)
+        logits = head.float()
         c, u = (logits[0::2], logits[1::2]) if self.r == 2 else (logits, logits)
         if mask is not None:
             c, u = c.masked_fill(mask, _NEG_INF), u.masked_fill(mask, _NEG_INF)
@@ -139,9 +126,20 @@ class FrameSampler:
         if mask is not None:  # guidance of two -inf values is NaN
             guided = guided.masked_fill(mask, _NEG_INF)
         if shaper is None:
-            return _draw(top_k_probs(guided, self.top_k), q_sem) + self.head_start  # [songs]
+            return self._coded(_draw(top_k_probs(guided, self.top_k), q_sem) + self.head_start)
         probs = shaper.probs(top_k_probs(shaper.logits(guided), self.top_k))
-        return _draw(probs, q_sem) + self.head_start
+        return self._coded(_draw(probs, q_sem) + self.head_start)
+
+    def _coded(self, token: torch.Tensor):
+        """(code, END flag) of drawn LM ids."""
+        return (token - self.code_offset).clamp_min(0), token == self.end_id
+
+    def _rows(self, table, codes: torch.Tensor, add: int, dt: torch.dtype) -> torch.Tensor:
+        """Rows codes[i // r] + add of an embedding layer [rows, H]: one kernel of a back end where
+        one serves (the ids made on the device), else the layer's lookup."""
+        rows = steps.code_rows(table.stored("weight"), table.qtype("weight"), codes, table.embedding_dim, dt,
+                               self.r, add)
+        return table.lookup(codes.repeat_interleave(self.r) + add, dt, codes.device) if rows is None else rows
 
     def _depth(self, x: torch.Tensor, seq: list[torch.Tensor]) -> torch.Tensor:
         """The depth state after appending x [rows, s, H] to the sequence: [rows, H]."""
@@ -150,16 +148,25 @@ class FrameSampler:
             return self.depth(torch.cat(seq, dim=1))[:, -1]
         return self.depth(x, self.depth_cache)[:, -1]
 
+    def _feedback(self, frame: torch.Tensor) -> torch.Tensor:
+        """The LM input of frame [songs, ncb] at every row [rows, 1, H] (`frame_feedback`): one
+        kernel of a back end where one serves."""
+        lm, depth, dt = self.lm, self.depth, self.dtype
+        table, audio = lm.model.embed_tokens, depth.audio_embeddings
+        fed = steps.frame_feedback(table.stored("weight"), table.qtype("weight"), audio.stored("weight"),
+                                   audio.qtype("weight"), frame, self.code_offset, depth.audio_vocab,
+                                   table.embedding_dim, dt, self.r)
+        return frame_feedback(lm, depth, frame.repeat_interleave(self.r, dim=0), self.code_offset, dt) \
+            if fed is None else fed
+
     def step(self, q_sem: torch.Tensor, q_dep: torch.Tensor):
         lm, depth, dt, last = self.lm, self.depth, self.dtype, self.last
-        token = self._semantic(q_sem)
-        end = token == self.end_id
-        sem = (token - self.code_offset).clamp_min(0)  # an END row carries code 0; the host drops it
+        sem, end = self._semantic(q_sem)
         if self.shaper is not None:
             self.shaper.observe(sem)
         # Acoustic codes c1..c7: the depth sequence [proj(last), proj(c0 embedding), proj(c1), ...].
         r = self.r
-        sem_emb = lm.embed(sem.repeat_interleave(r) + self.code_offset, dt)  # [rows, H]
+        sem_emb = self._rows(lm.model.embed_tokens, sem, self.code_offset, dt)  # [rows, H]
         if self.depth_cache is None:  # two products, as the reference makes them
             x = torch.cat((depth.projection(last)[:, None], depth.projection(sem_emb)[:, None]), dim=1)
         else:  # one product of both positions
@@ -171,18 +178,19 @@ class FrameSampler:
         for j in range(1, self.ncb):
             h = self._depth(x, seq)  # [rows, H]
             hiddens.append(h[0::r])
-            lg = depth.audio_heads[j - 1](h).float()  # [rows, audio_vocab]
+            lg = depth.audio_heads[j - 1](h)  # [rows, audio_vocab], the compute dtype
             code = steps.top_k_draw(lg, r, self.cfg, self.top_k, q_dep[:, j - 1]) if self.library_draws else None
             if code is None:
+                lg = lg.float()
                 guided = guide(lg[0::2], lg[1::2], self.cfg) if r == 2 else lg
                 code = _draw(top_k_probs(guided, self.top_k), q_dep[:, j - 1])  # [songs]
             codes.append(code)
             if j < self.ncb - 1:
-                x = depth.projection(depth.code_embedding(code.repeat_interleave(r), j, dt))[:, None]
+                x = depth.projection(self._rows(depth.audio_embeddings, code, (j - 1) * depth.audio_vocab, dt))[:, None]
         frame = torch.stack(codes, dim=1)  # [songs, ncb]
-        hidden = torch.cat((last[0::r, None], torch.stack(hiddens, dim=1)), dim=1)  # [songs, ncb, H]
+        hidden = torch.stack([last[0::r]] + hiddens, dim=1)  # [songs, ncb, H]
         # Feedback at the next position of every row.
-        fed = frame_feedback(lm, depth, frame.repeat_interleave(r, dim=0), self.code_offset, dt)
+        fed = self._feedback(frame)
         self.last = lm(fed, self.cache)[:, -1]
         return frame, end, hidden
 
@@ -485,7 +493,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
             sampler.last = last.contiguous()  # the layout of every later frame's (a compiled step guards on it)
             # Raw draws where the library makes the draws in the frame's own thread (a CUDA frame's
             # are made while the device runs the one before).
-            raw = sampler.library_draws and device.type == "cpu" and not compile and \
+            raw = sampler.library_draws and cpu_path(sampler.last) and not compile and \
                 steps.raw_draws_exact(lm.vocab_size) and steps.raw_draws_exact(depth.audio_vocab)
             draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab, raw)
             results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,

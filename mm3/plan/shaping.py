@@ -4,61 +4,17 @@ draw is the reference's bit for bit. Only the semantic code (codebook 0) is shap
 and the conditional top-k pre-filter (as the reference, END masked before `min_frames`) -> penalty
 subtracted from the guided logits -> divided by the temperature -> top-k softmax (as the reference)
 -> nucleus over those survivors -> the draw. All state lives on the compute device and is updated
-without host synchronisation.
+without host synchronisation. The settings (`Shaping`) are `mm3.plan.settings`'.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from ..constants import MAX_AUDIO_FRAMES
-
-PENALTIES = ("none", "dry", "frequency", "presence")
-DEFAULT_PENALTY_WINDOW = 320  # frames: ~13 s, a few bars of a loop at typical tempi
-DEFAULT_DRY_MIN_MATCH = 15  # frames: 0.6 s, shorter repeats are musical (a held note, a beat)
-MAX_TEMPERATURE = 5.0
-MAX_PENALTY_STRENGTH = {"dry": 2.0, "frequency": 10.0, "presence": 10.0}
+from .settings import (  # noqa: F401 (the settings stay importable here)
+    DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, MAX_PENALTY_STRENGTH, MAX_TEMPERATURE, PENALTIES, Shaping)
 
 _NEG_INF = -float("inf")
-
-
-@dataclass(frozen=True)
-class Shaping:
-    """What shapes the semantic draw; the defaults are the reference (nothing shaped)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    penalty: str = "none"
-    penalty_strength: float = 0.0
-    penalty_window: int = DEFAULT_PENALTY_WINDOW
-    min_match: int = DEFAULT_DRY_MIN_MATCH
-    min_frames: int = 0
-
-    def __post_init__(self):
-        if not (math.isfinite(self.temperature) and 0 < self.temperature <= MAX_TEMPERATURE):
-            raise ValueError(f"lm_temperature must be in (0, {MAX_TEMPERATURE:g}], got {self.temperature}")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"lm_top_p must be in (0, 1], got {self.top_p}")
-        if self.penalty not in PENALTIES:
-            raise ValueError(f"lm_penalty must be one of {', '.join(PENALTIES)}, got {self.penalty!r}")
-        if self.penalty != "none":
-            low, high = (1.0, MAX_PENALTY_STRENGTH["dry"]) if self.penalty == "dry" else (0.0, MAX_PENALTY_STRENGTH[self.penalty])
-            if not (math.isfinite(self.penalty_strength) and low <= self.penalty_strength <= high):
-                raise ValueError(f"lm_penalty_strength for {self.penalty} must be in [{low:g}, {high:g}], "
-                                 f"got {self.penalty_strength}")
-        for name, value in (("lm_penalty_window", self.penalty_window), ("lm_dry_min_match", self.min_match)):
-            if not 1 <= value <= MAX_AUDIO_FRAMES:  # a window past the longest song only costs memory
-                raise ValueError(f"{name} must be between 1 and {MAX_AUDIO_FRAMES} frames, got {value}")
-        if self.min_frames < 0:
-            raise ValueError(f"min_frames must be at least 0, got {self.min_frames}")
-
-    @property
-    def is_reference(self) -> bool:
-        return (self.temperature == 1.0 and self.top_p == 1.0 and self.penalty == "none"
-                and self.min_frames == 0)
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

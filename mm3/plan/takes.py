@@ -17,30 +17,11 @@ from .codes import AudioCodes
 from ..constants import MAX_SONGS
 from ..errors import RunError
 from .sampling import resolve_seed
-
-MAX_TAKES = 16
-MAX_ENDING_ROUNDS = 10
+from .settings import MAX_ENDING_ROUNDS, MAX_TAKES, Takes  # noqa: F401 (importable here too)
 
 
 class NoEndingError(RunError):
     """Fewer candidates than songs ended naturally within the rounds allowed."""
-
-
-@dataclass(frozen=True)
-class Takes:
-    takes: int = 1
-    require_ending: bool = False
-    rounds: int = 1
-
-    def __post_init__(self):
-        if not 1 <= self.takes <= MAX_TAKES:
-            raise ValueError(f"takes must be between 1 and {MAX_TAKES}, got {self.takes}")
-        if not 1 <= self.rounds <= MAX_ENDING_ROUNDS:
-            raise ValueError(f"ending_rounds must be between 1 and {MAX_ENDING_ROUNDS}, got {self.rounds}")
-
-    @property
-    def is_plain(self) -> bool:
-        return self.takes == 1 and not self.require_ending
 
 
 @dataclass(frozen=True)
@@ -59,7 +40,7 @@ class Candidate:
 
 
 def plan_takes(plan_batch: Callable, settings, takes: Takes) -> tuple[list[AudioCodes], list[Candidate]]:
-    """The songs of `settings` (a `mm3.plan.ar.PlanSettings`: songs S, lm_seed) chosen among takes.
+    """The songs of `settings` (a `mm3.plan.settings.PlanSettings`: songs S, lm_seed) chosen among takes.
 
     `plan_batch(settings)` plans `settings.songs` songs from `settings.lm_seed` on (`mm3.plan.ar.plan`
     with the models bound). Returns the kept songs (S, in seed order) and every candidate planned."""

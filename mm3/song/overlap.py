@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..plan.ar import PlanSettings, max_frames_for, plan
+from ..plan.ar import max_frames_for, plan
 from ..synth.audio import decode_windows, stitch_piece
 from ..components import check_compatible
 from ..backends.cpu.choice import at_threads
@@ -33,8 +33,7 @@ from .stages import (
     STORE, Audio, Conditions, Latents, ModelFile, PromptText, Song, Windows, _check_hiddens, _stored,
     set_ar_numerics, stitch_windows)
 from ..plan.codes import AudioCodes
-from .settings import SynthSettings
-from ..plan.takes import Takes
+from .settings import PlanSettings, SynthSettings, Takes
 
 RESERVE_BYTES = 1 << 30  # memory left free beyond the five models' weights when they are resident together
 

@@ -1,9 +1,10 @@
 """MM3Request: the request JSON shared with minimaxmusic.cpp's server.
 
-Every field has a default and omitting one equals sending its default. Validation follows the
-reference server's order and words, so a request refused there is refused here with the same
-message; checks the server leaves to the job (types, ranges) get messages that name the field,
-the value and what was expected.
+Every field has a default and omitting one equals sending its default. The request is the
+serializer of the stages' settings objects (`mm3.song.settings`): it checks the JSON types and the
+rules that join fields, and each stage's ranges by building its objects, which check themselves.
+A request refused by the reference server is refused here in its words; checks it leaves to the
+job get messages that name the field, the value and what was expected.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ from ..bounded import BoundError
 from ..components import MODEL_FIELDS
 from ..constants import (
     DEFAULT_DIT_CFG, DEFAULT_DURATION, DEFAULT_LM_CFG, DEFAULT_MP3_BITRATE, DEFAULT_PEAK_CLIP, DEFAULT_RNG,
-    DEFAULT_STEPS, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_CFG, MAX_DURATION, MAX_PEAK_CLIP, MAX_SONGS,
-    MAX_STEPS, MAX_VARIATIONS, MP3_BITRATES, OUTPUT_FORMATS, RNG_MODES, SEED_MAX, SEMANTIC_VOCAB_SIZE)
+    DEFAULT_STEPS, DEFAULT_TOP_K, FRAME_RATE, MAX_AUDIO_FRAMES, MAX_DURATION, MAX_SONGS, OUTPUT_FORMATS, RNG_MODES,
+    SEED_MAX)
 from ..errors import InputError
-from ..synth.flow import AUTO_SHIFT
+from ..formats.fingerprint import is_fingerprint
+from ..lora.use import check_entries
+from ..plan.codes import AudioCodesError, count_code_frames
 from ..plan.lyrics_align import LEAD_SECONDS, LyricHeads, check_lead
+from ..plan.prompt import CAPTION_REQUIRED, size_problem, text_problem
 from ..plan.sampling import resolve_seed
 from .settings import (
-    DEFAULT_REPAINT_FADE, MAX_REPAINT_FADE, OutputSettings, RepaintSettings, SynthSettings, check_range)
-from ..plan.shaping import DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW
+    AUTO_SHIFT, DEFAULT_DRY_MIN_MATCH, DEFAULT_PENALTY_WINDOW, DEFAULT_REPAINT_FADE, MAX_ENDING_ROUNDS, MAX_TAKES,
+    OutputSettings, PlanSettings, RepaintSettings, Shaping, SynthSettings, Takes, check_plan_start)
 
 # Fields the reference server does not know; written only when set (`MM3Request.to_dict`).
 EXTENSION_FIELDS = ("lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",
@@ -164,14 +168,13 @@ class MM3Request:
 
     # -- validation -----------------------------------------------------------------------------
     def validate(self) -> "MM3Request":
-        """Check the request; returns it unchanged. The prompt-token budget and the model names
-        need the LM and the models folder, so the pipeline checks those."""
+        """Check the request; returns it unchanged. The fields' types and the rules that join
+        fields (a replay's codes, continue, repaint) are checked here; each stage's ranges by
+        building its settings objects (`mm3.song.settings`). The prompt-token budget and the model
+        names need the LM and the models folder, so the pipeline checks those."""
         self._check_types()
-        from ..plan.prompt import CAPTION_REQUIRED, size_problem, text_problem
-
         if not self.caption.strip():
             raise RequestError(CAPTION_REQUIRED)
-
         for name in ("caption", "lyrics"):
             problem = text_problem(name, getattr(self, name)) or size_problem(name, getattr(self, name))
             if problem:
@@ -183,61 +186,52 @@ class MM3Request:
                                f"got {self.duration:g}")
         if not self.audio_codes and int(self.duration * FRAME_RATE) < 1:
             raise RequestError(f"duration must be at least {1 / FRAME_RATE:g} seconds (one frame), got {self.duration:g}")
-        if self.steps < 2:
-            raise RequestError(f"steps must be at least 2, got {self.steps}")
-        self._check_range("steps", 2, MAX_STEPS)
-        if not 1 <= self.lm_batch_size <= MAX_SONGS:
-            raise RequestError(f"lm_batch_size must be between 1 and {MAX_SONGS}, got {self.lm_batch_size}")
-        if not 1 <= self.synth_batch_size <= MAX_VARIATIONS:
-            raise RequestError(f"synth_batch_size must be between 1 and {MAX_VARIATIONS}, got {self.synth_batch_size}")
-        if self.audio_codes:
-            check_codes_syntax(self.audio_codes)
-        check_output_format(self.output_format)
-        if self.lm_top_k < 1:
-            raise RequestError(f"lm_top_k must be at least 1, got {self.lm_top_k}")
-        self._check_range("lm_top_k", 1, SEMANTIC_VOCAB_SIZE)
-        for name in ("lm_cfg", "dit_cfg"):
+        for name in ("min_duration", "repaint_start", "repaint_end", "repaint_fade"):
             v = getattr(self, name)
             if not math.isfinite(v):  # NaN / Infinity (JSON 1e400)
                 raise RequestError(f"{name} must be a finite number, got {v}")
-            self._check_range(name, 0, MAX_CFG)
-        if self.mp3_bitrate not in MP3_BITRATES:  # whatever the format: the replay file keeps it for an MP3
-            raise RequestError(f"mp3_bitrate must be one of {', '.join(map(str, MP3_BITRATES))}, "
-                               f"got {self.mp3_bitrate}")
-        self._check_range("peak_clip", 0, MAX_PEAK_CLIP)
+        # The seeds may still be -1 (random): the synthesis is checked with a resolved one.
+        self._settings(SynthSettings, **self._synth_fields(seed=max(self.seed, 0)))
+        # A replay plans nothing: its duration was checked above, the rest of its plan here.
+        plan = self._settings(PlanSettings, **self._plan_fields(
+            duration=min(max(self.duration, 1 / FRAME_RATE), MAX_DURATION) if self.audio_codes else self.duration))
+        if self.audio_codes:
+            check_codes_syntax(self.audio_codes)
+        check_output_format(self.output_format)
+        self.output_settings()
         for name in ("seed", "lm_seed"):
             v = getattr(self, name)
             if v < -1 or v > SEED_MAX:
                 raise RequestError(f"{name} must be -1 (random) or 0..{SEED_MAX}, got {v}")
         if self.rng not in RNG_MODES:
             raise RequestError(f"rng must be one of {', '.join(RNG_MODES)}, got {json.dumps(self.rng)}")
-        from ..formats.fingerprint import is_fingerprint
-
         for key, value in self.model_fingerprints.items():
             if key not in MODEL_FIELDS.values():
                 raise RequestError(f"model_fingerprints has an unknown key {json.dumps(key)} (expected "
                                    f"{', '.join(MODEL_FIELDS.values())})")
             if not is_fingerprint(value):
                 raise RequestError(f"model_fingerprints {key} must be \"<size>-<16 hex digits>\", got {json.dumps(value)}")
-        self._check_extensions()
-        from ..lora.use import check_entries
-
+        self._check_extensions(plan)
         try:
             check_entries(self.loras)
         except ValueError as e:
             raise RequestError(str(e)) from None
         return self
 
-    def shaping(self):
-        """The semantic draw's shaping this request asks for (`mm3.plan.shaping.Shaping`)."""
-        return shaping_of(self, self.min_duration)
+    def shaping(self) -> Shaping:
+        """The semantic draw's shaping this request asks for (`mm3.plan.settings.Shaping`)."""
+        try:
+            return shaping_of(self, self.min_duration)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
-    def plan_settings(self):
-        """The plan this request asks for (`mm3.plan.ar.PlanSettings`); `plan_fields` records one."""
-        from ..plan.ar import PlanSettings
+    def plan_settings(self) -> PlanSettings:
+        """The plan this request asks for (`mm3.plan.settings.PlanSettings`); `plan_fields` records one."""
+        return self._settings(PlanSettings, **self._plan_fields(duration=self.duration))
 
-        return PlanSettings(duration=self.duration, lm_seed=self.lm_seed, lm_cfg=self.lm_cfg, top_k=self.lm_top_k,
-                            songs=self.lm_batch_size, shaping=self.shaping())
+    def _plan_fields(self, duration: float) -> dict:
+        return dict(duration=duration, lm_seed=self.lm_seed, lm_cfg=self.lm_cfg, top_k=self.lm_top_k,
+                    songs=self.lm_batch_size, shaping=self.shaping())
 
     def lyric_heads(self) -> LyricHeads:
         """The heads whose attention times the lyrics (`lrc_heads`; "" the default heads)."""
@@ -246,15 +240,17 @@ class MM3Request:
         except InputError as e:
             raise RequestError(f"lrc_heads: {e}") from None
 
-    def takes_setting(self):
-        from ..plan.takes import Takes
-
-        return Takes(takes=self.takes, require_ending=self.require_ending, rounds=self.ending_rounds)
+    def takes_setting(self) -> Takes:
+        """The takes this request asks for (`mm3.plan.settings.Takes`)."""
+        return self._settings(Takes, takes=self.takes, require_ending=self.require_ending, rounds=self.ending_rounds)
 
     def synth_settings(self) -> SynthSettings:
         """The DiT run this request asks for (seeds resolved first: `resolve_seeds`)."""
-        return self._settings(SynthSettings, seed=self.seed, steps=self.steps, dit_cfg=self.dit_cfg,
-                              variations=self.synth_batch_size, shift=self.dit_shift)
+        return self._settings(SynthSettings, **self._synth_fields(seed=self.seed))
+
+    def _synth_fields(self, seed: int) -> dict:
+        return dict(seed=seed, steps=self.steps, dit_cfg=self.dit_cfg, variations=self.synth_batch_size,
+                    shift=self.dit_shift)
 
     def repaint_settings(self) -> RepaintSettings:
         return self._settings(RepaintSettings, start=self.repaint_start, end=self.repaint_end, fade=self.repaint_fade)
@@ -274,34 +270,19 @@ class MM3Request:
     def repaints(self) -> bool:
         return self.repaint_end >= 0 or self.repaint_start >= 0
 
-    def _check_extensions(self):
-        for name in ("lm_temperature", "lm_top_p", "lm_penalty_strength", "min_duration", "dit_shift",
-                     "repaint_start", "repaint_end", "repaint_fade"):
-            v = getattr(self, name)
-            if not math.isfinite(v):
-                raise RequestError(f"{name} must be a finite number, got {v}")
-        try:
-            self.shaping()
-            self.takes_setting()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if self.min_duration < 0 or (not self.audio_codes and not self.continue_codes and self.min_duration > self.duration):
+    def _check_extensions(self, plan: PlanSettings):
+        """The fields beyond the reference that join other fields (`plan`: the plan's settings)."""
+        self.takes_setting()
+        if self.min_duration < 0:
             raise RequestError(f"min_duration must be between 0 and the duration {self.duration:g} s, "
                                f"got {self.min_duration:g}")
-        if self.dit_shift != AUTO_SHIFT:
-            from ..synth.flow import check_shift
-
-            try:
-                check_shift(self.dit_shift)
-            except ValueError as e:
-                raise RequestError(str(e)) from None
+        if not self.audio_codes and not self.continue_codes:
+            self._check(check_plan_start, plan)
         self.lyric_heads()
         try:
             check_lead(self.lrc_lead)
         except InputError as e:
             raise RequestError(f"lrc_lead: {e}") from None
-        from ..plan.takes import MAX_ENDING_ROUNDS, MAX_TAKES
-
         last = MAX_SONGS * MAX_TAKES * MAX_ENDING_ROUNDS - 1  # takes are numbered over the songs and rounds
         if not -1 <= self.lm_take <= last:
             raise RequestError(f"lm_take must be -1 (none) or a take number 0..{last}, got {self.lm_take}")
@@ -309,10 +290,7 @@ class MM3Request:
             if self.audio_codes:
                 raise RequestError("a request has either audio_codes (render them) or continue_codes (plan after "
                                    "them), not both")
-            frames = check_codes_syntax(self.continue_codes) - 1
-            if frames >= int(self.duration * FRAME_RATE):
-                raise RequestError(f"continue_codes already hold {frames} frames ({frames / FRAME_RATE:.2f} s): the "
-                                   f"duration {self.duration:g} s must be longer to add any")
+            self._check(check_plan_start, plan, check_codes_syntax(self.continue_codes) - 1)
         if self.source_codes:
             check_codes_syntax(self.source_codes)
             if not self.repaints:
@@ -332,18 +310,14 @@ class MM3Request:
         if self.repaints:
             if not self.audio_codes:
                 raise RequestError("a repaint needs the song's audio_codes (render or plan it first)")
-            if not 0 <= self.repaint_start < self.repaint_end:
-                raise RequestError(f"repaint needs 0 <= repaint_start < repaint_end (seconds), got "
-                                   f"{self.repaint_start:g} and {self.repaint_end:g}")
-            if self.repaint_fade < 0:
-                raise RequestError(f"repaint_fade must be at least 0 seconds, got {self.repaint_fade:g}")
-            self._check_range("repaint_fade", 0, MAX_REPAINT_FADE)
+            self.repaint_settings()
             if self.repaint_seed < -1 or self.repaint_seed > SEED_MAX:
                 raise RequestError(f"repaint_seed must be -1 (random) or 0..{SEED_MAX}, got {self.repaint_seed}")
 
-    def _check_range(self, name: str, low, high):
+    @staticmethod
+    def _check(check, *args):
         try:
-            check_range(name, getattr(self, name), low, high)
+            check(*args)
         except ValueError as e:
             raise RequestError(str(e)) from None
 
@@ -386,11 +360,9 @@ class MM3Request:
                        lm_take=self.lm_take if take is None else take, lm_batch_size=1, synth_batch_size=1, **seeds)
 
 
-def shaping_of(source, min_duration: float = 0.0):
-    """The `mm3.plan.shaping.Shaping` of the lm_* fields of `source` (a request, or the nodes' sampling
+def shaping_of(source, min_duration: float = 0.0) -> Shaping:
+    """The `mm3.plan.settings.Shaping` of the lm_* fields of `source` (a request, or the nodes' sampling
     options, which name them alike); the penalty strength counts only with a penalty."""
-    from ..plan.shaping import Shaping
-
     return Shaping(temperature=source.lm_temperature, top_p=source.lm_top_p, penalty=source.lm_penalty,
                    penalty_strength=source.lm_penalty_strength if source.lm_penalty != "none" else 0.0,
                    penalty_window=source.lm_penalty_window, min_match=source.lm_dry_min_match,
@@ -398,8 +370,8 @@ def shaping_of(source, min_duration: float = 0.0):
 
 
 def plan_fields(settings, takes) -> dict:
-    """The request fields that record a plan (`mm3.plan.ar.PlanSettings`) and its takes
-    (`mm3.plan.takes.Takes`): the inverse of `MM3Request.plan_settings` and `takes_setting`, for one song."""
+    """The request fields that record a plan (`mm3.plan.settings.PlanSettings`) and its takes
+    (`mm3.plan.settings.Takes`): the inverse of `MM3Request.plan_settings` and `takes_setting`, for one song."""
     sh = settings.shaping
     return dict(duration=float(settings.duration), lm_seed=settings.lm_seed, lm_cfg=float(settings.lm_cfg),
                 lm_top_k=int(settings.top_k), lm_temperature=float(sh.temperature), lm_top_p=float(sh.top_p),
@@ -435,8 +407,6 @@ def check_output_format(name) -> str:
 def check_codes_syntax(text: str) -> int:
     """Number of frames in a flat `audio_codes` list (syntax and count only: code ranges depend on
     the models and are checked before they are loaded, `Pipeline.preflight`)."""
-    from ..plan.codes import AudioCodesError, count_code_frames
-
     try:
         return count_code_frames(text)
     except AudioCodesError as e:

@@ -1,7 +1,7 @@
 """A song's stages as typed results, each carrying what it was made from.
 
 PromptText -> Song (audio codes) -> Conditions -> Latents -> Windows -> Audio. Every result holds
-its parent, its stage's settings (`mm3.song.settings`, `mm3.plan.ar.PlanSettings`) and the model file it ran
+its parent, its stage's settings (`mm3.song.settings`) and the model file it ran
 (`ModelFile`), so `request_of` reads the chain back into the request that remakes it: the one
 place a replay request is assembled. The command line (`mm3.song.pipeline`) and the ComfyUI nodes call
 these functions with the models each loaded its own way. Result tensors wait on the CPU.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..plan.ar import PlanSettings, plan
+from ..plan.ar import plan
 from ..synth.audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, encode_audio, stitch, stitch_piece
 from ..plan.codes import AudioCodes
 from ..components import MODEL_FIELDS, check_compatible
@@ -30,8 +30,8 @@ from ..progress import Progress
 from ..plan.prompt import Prompt
 from ..plan.replay import replay
 from .request import MM3Request, model_mismatch, plan_fields
-from .settings import RepaintSettings, SynthSettings
-from ..plan.takes import Candidate, Takes, plan_and_replay_takes
+from .settings import PlanSettings, RepaintSettings, SynthSettings, Takes
+from ..plan.takes import Candidate, plan_and_replay_takes
 
 STORE = torch.device("cpu")  # where results wait between stages
 MODEL_CHECKS = ("warn", "refuse")  # what a stage does when its file is not the one a song's request records

@@ -24,13 +24,12 @@ from ..weights.copies import cache_dequantized, dequantized_nbytes, release_dequ
 from ..backends.cpu.matmul import onednn_matmul, pays_for
 from ..weights.scratch import CPU_SCRATCH
 from ..progress import Cancelled, Progress
+from .settings import AUTO_SHIFT, MAX_SHIFT, check_shift  # noqa: F401 (MAX_SHIFT: importable here too)
 
 WINDOW_FRAMES = 200  # before_denoise.py: 200-frame windows ...
 WINDOW_HOP = 100  # ... every 100 frames
 OVERLAP_LATENTS = 172  # denoise.py _OVERLAP_LATENT_LENGTH: latents shared with the previous window
 BLEND_SIGMA_MIN = 1e-6  # denoise.py: x[:ov] = (1 - (1 - 1e-6) t) noise + t prev
-AUTO_SHIFT = 0.0  # dit_shift value meaning "automatic" (`schedule_shift`)
-MAX_SHIFT = 30.0  # the automatic shift at 2 steps is 29
 
 
 class NonFiniteError(RunError):
@@ -70,12 +69,6 @@ def flow_sigmas(steps: int, shift: float = 1.0) -> torch.Tensor:
     if shift != 1.0:
         s = shift * s / (1 + (shift - 1) * s)
     return torch.cat([1.0 - torch.from_numpy(s), torch.ones(1)])
-
-
-def check_shift(shift: float) -> float:
-    if not (math.isfinite(shift) and 0 < shift <= MAX_SHIFT):
-        raise ValueError(f"dit_shift must be in (0, {MAX_SHIFT:g}] (or {AUTO_SHIFT:g}: automatic), got {shift}")
-    return float(shift)
 
 
 def schedule_shift(steps: int, shift: float = AUTO_SHIFT) -> float:

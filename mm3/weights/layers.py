@@ -216,6 +216,16 @@ class Fused:
             return [p(x) for p in self.parts]
         return self.product_for(x.dtype, x.device)(x)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of a (gate, up) group: from the stacked product in one launch where it
+        offers that (`swiglu`), else `F.silu` and the product over the parts' outputs."""
+        if self._fuse:
+            one = getattr(self.product_for(x.dtype, x.device), "swiglu", None)
+            if one is not None:
+                return one(x)
+        gate, up = self(x)
+        return F.silu(gate) * up
+
     def product_for(self, dtype: torch.dtype, device: torch.device):
         """The product that serves inputs of `dtype` on `device` (chosen now if it is not); without
         `fuse`, each part's own."""
@@ -298,23 +308,38 @@ class Fused:
         """What gives the parts' stored weights (one type) as one [sum(out), ...] tensor on
         `device`: resident parts are stacked once and become views of the stack; others are
         copied together per use."""
-        stored = [p.stored("weight") for p in self.parts]
+        return self._stored_source(self.parts, device)
+
+    def segment_sources(self, device: torch.device) -> list[tuple]:
+        """(qtype, source) per run of adjacent parts of one type (q and k, then v of another type):
+        what gives the run's stored weights as one tensor on `device`, as `stacked_stored_source`."""
+        runs: list[tuple] = []
+        for p in self.parts:
+            if runs and runs[-1][0] == p.qtype("weight"):
+                runs[-1][1].append(p)
+            else:
+                runs.append((p.qtype("weight"), [p]))
+        return [(qtype, self._stored_source(parts, device)) for qtype, parts in runs]
+
+    def _stored_source(self, parts: list[Linear], device: torch.device):
+        stored = [p.stored("weight") for p in parts]
         if any(s.device != device for s in stored):
-            return lambda: torch.cat([p.fetch("weight", device) for p in self.parts])
-        stack = self._restacked(stored)
+            return lambda: torch.cat([p.fetch("weight", device) for p in parts])
+        stack = self._restacked(stored, parts)
         return lambda: stack
 
-    def _restacked(self, stored: list[torch.Tensor]) -> torch.Tensor:
-        """The parts' resident stored weights as one stack; once per device, the parts become views
-        of it (their file views stay their homes)."""
+    def _restacked(self, stored: list[torch.Tensor], parts: list[Linear] | None = None) -> torch.Tensor:
+        """The parts' (or these of them) resident stored weights as one stack; once per device, the
+        parts become views of it (their file views stay their homes)."""
+        parts = self.parts if parts is None else parts
         if not _adjacent(stored):
             stack = torch.cat(stored)
             start = 0
-            for p, s in zip(self.parts, stored):
+            for p, s in zip(parts, stored):
                 p._parameters["weight"] = nn.Parameter(stack[start:start + s.shape[0]], requires_grad=False)
                 p._changed()
                 start += s.shape[0]
-            stored = [p.stored("weight") for p in self.parts]
+            stored = [p.stored("weight") for p in parts]
         return _stacked(stored)
 
     def _write_parts(self, out: torch.Tensor) -> None:

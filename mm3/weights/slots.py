@@ -61,6 +61,11 @@ class WeightSlots(nn.Module):
         self._slot_shapes[name] = tuple(int(s) for s in shape)
         self.register_parameter(name, None)
 
+    @property
+    def slot_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each declared slot's shape (that of the float tensor `get` returns), in declaration order."""
+        return dict(self._slot_shapes)
+
     def _set(self, name: str, qtype: GGMLQuantizationType, value: torch.Tensor):
         self._parameters[name] = nn.Parameter(value, requires_grad=False)
         self._slot_types[name] = qtype
@@ -153,7 +158,10 @@ class WeightSlots(nn.Module):
             return at_hand
         value = self.fetch(name, target)
         if qtype in FLOAT_TYPES:
-            return value.to(dtype)
+            value = value.to(dtype)
+            if len(self._slot_shapes[name]) == 1:  # a vector (a norm scale): kept cast, not cast at every use
+                self._ready[(name, dtype, device)] = value
+            return value
         out = CPU_SCRATCH.take(self._slot_shapes[name], dtype) if scratch and target.type == "cpu" else None
         return dequantize(value, qtype, self._slot_shapes[name], dtype, out=out)
 

@@ -40,13 +40,13 @@ def codes_text(frames: int, seed: int = 0) -> str:
 def spy(monkeypatch):
     """The Pipeline each CLI command builds, to check what it still holds afterwards."""
     made = []
-    real = jobs_cli._pipeline
+    real = Pipeline.__init__
 
-    def capture(args):
-        made.append(real(args))
-        return made[-1]
+    def capture(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
 
-    monkeypatch.setattr(jobs_cli, "_pipeline", capture)
+    monkeypatch.setattr(Pipeline, "__init__", capture)
     return made
 
 

@@ -134,19 +134,18 @@ def test_bytes_load_through_gguf_writer_and_reader(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
-def test_threads_write_the_same_bytes(qtype, monkeypatch):
+def test_threads_write_the_same_bytes(qtype):
     """The K-quant search runs its chunks on several threads: the bytes are those of one thread,
     whatever the chunking (each sub-block's arithmetic is its own)."""
     from mm3.formats.gguf import encode
 
     x = np.random.default_rng(5).standard_normal((9, 1024)).astype(np.float32)
     x[2, :300] = 0  # a zero super-block and part of the next
-    monkeypatch.setattr(encode, "_workers", lambda: 1)
-    whole = encode.quantize(x, qtype)  # one chunk
-    monkeypatch.setattr(encode, "_CHUNK_BLOCKS", 5)  # 36 super-blocks: 8 chunks, the last one short
-    assert np.array_equal(encode.quantize(x, qtype), whole)
-    monkeypatch.setattr(encode, "_workers", lambda: 3)
-    assert np.array_equal(encode.quantize(x, qtype), whole)
+    whole = encode.quantize(x, qtype, threads=1)  # one chunk
+    # 36 super-blocks in chunks of 5: 8 chunks, the last one short
+    assert np.array_equal(encode.quantize(x, qtype, threads=1, chunk_blocks=5), whole)
+    assert np.array_equal(encode.quantize(x, qtype, threads=3, chunk_blocks=5), whole)
+    assert np.array_equal(encode.quantize(x, qtype), whole)  # the machine's own thread count
 
 
 # ------------------------------------------------------------------------------------------------

@@ -57,8 +57,8 @@ def code_path(request, monkeypatch):
     """Run a test on the CPU form (per-field unpacking, forced here into many small chunks) and on
     the form accelerators take (broadcast shifts, one pass)."""
     cpu = request.param == "cpu"
-    monkeypatch.setattr(quants, "_BROADCAST_SHIFTS_ON_CPU", not cpu)
-    monkeypatch.setattr(quants, "_CPU_CHUNK_VALUES", 3 * 256 if cpu else 1 << 62)
+    monkeypatch.setattr(quants, "BROADCAST_SHIFTS_ON_CPU", not cpu)
+    monkeypatch.setattr(quants, "CPU_CHUNK_VALUES", 3 * 256 if cpu else 1 << 62)
     return request.param
 
 
@@ -126,7 +126,7 @@ def test_multi_dim_shapes_and_raw_layouts(qtype):
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q5_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_out_buffer_is_filled_and_checked(qtype, dtype, monkeypatch):
-    monkeypatch.setattr(quants, "_CPU_CHUNK_VALUES", 512)  # several chunks
+    monkeypatch.setattr(quants, "CPU_CHUNK_VALUES", 512)  # several chunks
     rng = np.random.default_rng(9)
     block = SIZES[qtype][0]
     shape = (4, max(block, 32) * 2)

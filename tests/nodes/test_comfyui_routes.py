@@ -222,11 +222,14 @@ def test_bad_widget_values_are_refused_when_queued(comfy, workflow, node_class, 
      "min_duration must be between 0 and the duration 1 s, got 2"),
     ("generate_in_one_node", "MM3Generate", {"caption": "a\x85b"},
      "MM3 Prompt: caption contains the control character U+0085"),
-], ids=["prompt-caption-escape", "plan-min-duration", "generate-min-duration", "generate-caption-c1"])
+    ("natural_ending_takes", "MM3SamplingOptions", {"lm_penalty": "dry", "lm_penalty_strength": 0.5},
+     "lm_penalty_strength for dry must be in [1, 2], got 0.5"),
+], ids=["prompt-caption-escape", "plan-min-duration", "generate-min-duration", "generate-caption-c1",
+        "options-dry-strength"])
 def test_checks_of_the_caption_and_of_two_inputs_refuse_when_the_node_runs(comfy, workflow, node_class, values, reason):
-    """The caption (ComfyUI would show a queue-time verdict on the lyrics too) and min_duration
-    against the duration are refused by the node itself, first thing when it runs: its error, and
-    no node after it ran."""
+    """The caption (ComfyUI would show a queue-time verdict on the lyrics too), min_duration
+    against the duration and a penalty strength against its penalty are refused by the node
+    itself, first thing when it runs: its error, and no node after it ran."""
     wf, node = with_values(comfy, workflow, node_class, values)
     ws = comfy.ws()
     try:

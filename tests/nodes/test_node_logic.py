@@ -220,8 +220,10 @@ def test_prompt_over_the_budget_is_refused_with_the_count(pack, tiny):
 
 def test_a_plan_continues_a_song_from_the_graph(pack, tiny):
     """AR Plan with prior codes: the new song starts with the prior's codes, its replay request
-    holds them all (no continue_codes left), and it is planned past the prior's length."""
+    holds them all (no continue_codes left), and it is planned past the prior's length; a plan no
+    longer than the prior is refused before it runs, while a min_duration past the duration is not."""
     from mm3.song import stages
+    from mm3.song.settings import Shaping
 
     logic, hs = pack("nodes.logic"), _handles(pack, tiny)
     m = {k: hs[k].model() for k in ("lm", "depth")}
@@ -235,6 +237,11 @@ def test_a_plan_continues_a_song_from_the_graph(pack, tiny):
     assert torch.equal(longer.codes.codes[:n], first.codes.codes) and longer.frames > first.frames
     made = stages.request_of(longer)
     assert made.continue_codes == "" and made.audio_codes == longer.codes.to_request_codes()
+    with pytest.raises(ValueError, match=f"continue_codes already hold {first.frames} frames"):
+        logic.plan_songs(m["lm"], m["depth"], hs["lm"], hs["depth"], prompt,
+                         PlanSettings(duration=first.frames / 25, lm_seed=4), device="cpu", dtype=torch.float32,
+                         prior=first)
+    logic.check_plan(PlanSettings(duration=0.8, shaping=Shaping(min_frames=40)), prior=first)
 
 
 def test_lyric_timestamps_of_a_planned_song(pack, tiny, tmp_path):
@@ -306,12 +313,11 @@ def test_node_checks_name_one_input_and_take_any_value(pack, tiny):
     assert problem.startswith("MM3 Prompt: lyrics is 10,800,008 characters long; a prompt of at most 5000 tokens")
     with pytest.raises(ValueError, match="MM3 Prompt: caption contains the control character U\\+001B at position 4"):
         logic.assemble_prompt(hs["lm"], "dark\x1b[31m synth", LYRICS)
-    prompt = logic.assemble_prompt(hs["lm"], CAPTION, LYRICS)
-    from mm3.plan.shaping import Shaping
+    from mm3.song.settings import Shaping
 
     late = PlanSettings(duration=1.0, lm_seed=1, shaping=Shaping(min_frames=50))
     with pytest.raises(ValueError, match="min_duration must be between 0 and the duration 1 s, got 2"):
-        logic.check_plan(prompt, late)
+        logic.check_plan(late)
     assert validation.repaint_range("abc", 1.0) is None and validation.repaint_range(0.8, 0.4)
     from types import SimpleNamespace
 

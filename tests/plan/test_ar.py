@@ -220,7 +220,7 @@ def _float_state(module):
     out = {}
     for path, sub in module.named_modules():
         if isinstance(sub, gguf_ops.WeightSlots):
-            for slot in sub._slot_shapes:
+            for slot in sub.slot_shapes:
                 out[f"{path}.{slot}" if path else slot] = sub.get(slot, torch.float32)
     return out
 

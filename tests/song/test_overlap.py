@@ -45,7 +45,7 @@ def test_replay_fed_chunk_by_chunk_is_the_replay(tiny):
     longer song, has the hiddens of the replay of the whole codes, bit for bit."""
     pipe = Pipeline(str(tiny.gguf), device="cpu")
     request = MM3Request(caption=CAPTION, lyrics=LYRICS)
-    lm, depth = pipe._ar_models(request)
+    lm, depth = pipe.store.model("lm"), pipe.store.model("depth")
     prompt = pipe.prompt(request)
     g = torch.Generator().manual_seed(0)
     n = 2 * REPLAY_CHUNK + 37

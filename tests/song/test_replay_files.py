@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from mm3.synth import output
-from mm3.song import request
 from mm3.commands.main import main as cli_main
 from mm3.formats.fingerprint import file_fingerprint, is_fingerprint
 from mm3.song.request import MM3Request, RequestError
@@ -194,8 +193,19 @@ def test_fingerprint_covers_the_header_and_first_data_only(tmp_path):
 
 
 def test_output_formats_have_one_definition():
-    assert request.OUTPUT_FORMATS is output.OUTPUT_FORMATS
-    assert request.MP3_BITRATES is output.MP3_BITRATES
+    """A request accepts exactly the formats and MP3 bitrates the writer writes."""
+    for fmt in ("ogg", "flac", "MP3", *output.OUTPUT_FORMATS):
+        try:
+            accepted = MM3Request(caption="x", output_format=fmt).validate().output_settings().format == fmt
+        except RequestError:
+            accepted = False
+        assert accepted == (fmt in output.OUTPUT_FORMATS), fmt
+    for rate in range(max(output.MP3_BITRATES) + 2):
+        try:
+            accepted = MM3Request(caption="x", mp3_bitrate=rate).validate().output_settings().mp3_bitrate == rate
+        except RequestError:
+            accepted = False
+        assert accepted == (rate in output.MP3_BITRATES), rate
 
 
 @pytest.mark.parametrize("command", ["generate", "render", "plan"])

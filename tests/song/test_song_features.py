@@ -62,6 +62,11 @@ def _dry_oracle(hist, window, min_match, strength, num):
     return pen
 
 
+def _penalty(shaper: SemanticShaper, width: int) -> list[float]:
+    """What each code's logit loses to the penalty: the shaped logits of all-zero guided ones."""
+    return [0.0 - v for v in shaper.logits(torch.zeros(1, width))[0].tolist()]
+
+
 @pytest.mark.parametrize("window", [5, 40])
 def test_dry_penalty_equals_brute_force(window):
     g = torch.Generator().manual_seed(0)
@@ -69,7 +74,7 @@ def test_dry_penalty_equals_brute_force(window):
     hist = (loop * 5)[:31] + torch.randint(0, 12, (4,), generator=g).tolist() + loop[:5]
     s = Shaping(penalty="dry", penalty_strength=1.2, penalty_window=window, min_match=3)
     sh = SemanticShaper(s, 1, 8, 12, slice(0, 12), None, torch.device("cpu"), torch.tensor([hist]))
-    got = sh._penalty()[0].tolist()
+    got = _penalty(sh, 12)
     assert got == pytest.approx(_dry_oracle(hist, window, 3, 1.2, 12), rel=1e-6)
     assert any(got) == (window == 40)  # the repeat is found only when its start is in the window
 
@@ -79,7 +84,7 @@ def test_frequency_and_presence_count_the_window():
     for mode, want in (("frequency", [0, 2, 3, 1]), ("presence", [0, 1, 1, 1])):
         s = Shaping(penalty=mode, penalty_strength=0.5, penalty_window=6)
         sh = SemanticShaper(s, 1, 4, 4, slice(0, 4), None, torch.device("cpu"), torch.tensor([hist]))
-        assert sh._penalty()[0].tolist() == [0.5 * w for w in want]
+        assert _penalty(sh, 4) == [0.5 * w for w in want]
 
 
 def test_nucleus_keeps_the_smallest_set_reaching_p():

@@ -222,7 +222,7 @@ def test_snakes_in_place_give_the_same_samples(case, ours):
             for m in snakes:
                 m.slot = voc.slot
     assert torch.equal(fast, plain)
-    snake, width = snakes[-1], snakes[-1]._slot_shapes["alpha"][0]
+    snake, width = snakes[-1], snakes[-1].slot_shapes["alpha"][0]
     x = torch.randn(2, width, 50)
     with torch.no_grad():
         twice = snake(snake(x))  # the second one reads the slot's tensor: it must not write over it

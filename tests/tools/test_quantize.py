@@ -110,14 +110,15 @@ def test_cli_quantize_and_info(tmp_path, lm_file, capsys):
 
 def test_tiny_lm_without_merges_quantizes(tiny, tmp_path):
     """The byte-level tiny LM has no merges (its file has no merges key, as the port writes it);
-    the copy has none either and its tokenizer still loads."""
-    from mm3.tokenizer import _merges
+    the copy has none either and its tokenizer still loads, encoding as the source's does."""
+    from mm3.tokenizer import MM3Tokenizer
 
     src = tiny.file("mm3-lm")
     out = quantize_file(src, tmp_path / "lm-Q8_0.gguf", "Q8_0")
     a, b = GGUFFile(src), GGUFFile(out)
     assert "tokenizer.ggml.merges" not in a.metadata and "tokenizer.ggml.merges" not in b.metadata
-    assert _merges(b) == []
+    text = "dark synth, 120 bpm [verse] hello"
+    assert MM3Tokenizer.from_gguf(out).encode(text) == MM3Tokenizer.from_gguf(src).encode(text)
     assert b.strings("tokenizer.ggml.tokens") == a.strings("tokenizer.ggml.tokens")
     assert b.tensors["lm_head.weight"].qtype == Q.Q8_0
 

@@ -195,3 +195,18 @@ def test_a_layers_product_is_chosen_once_per_placement(monkeypatch):
     fused(x), layers[0](x), layers[0](x)
     assert chosen[4:] == ["for_fused", "for_linear"]
     assert not hasattr(ops, "_GENERATION")  # no process-wide counter: each layer knows its own changes
+
+
+def test_a_vectors_cast_is_kept_until_its_weights_change():
+    """A norm scale asked for in another dtype is cast once: later uses get the same tensor (no
+    cast kernel per use); filling or moving the slot makes a new one."""
+    v = ops.Vector(8)
+    v.set_float("weight", torch.randn(8))
+    first = v(torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and v(torch.bfloat16) is first
+    assert torch.equal(first, v.stored("weight").to(torch.bfloat16))
+    v.set_float("weight", torch.ones(8))
+    refilled = v(torch.bfloat16)
+    assert refilled is not first and torch.equal(refilled, torch.ones(8, dtype=torch.bfloat16))
+    v.to(torch.float64)
+    assert v(torch.bfloat16) is not refilled

@@ -34,6 +34,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -121,8 +122,29 @@ def _compiler() -> str | None:
     return None
 
 
+TETHERED = Path(__file__).with_name("tethered.py")
+
+
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_SECONDS)
+    """`cmd` run to its end, tied to this process (`tethered`): a build interrupted by this process's
+    death or by the time limit leaves no compiler running."""
+    runner = subprocess.Popen([sys.executable, str(TETHERED), str(os.getpid()), *cmd], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = runner.communicate(timeout=BUILD_SECONDS)
+    except subprocess.TimeoutExpired:
+        runner.terminate()  # the runner kills the command's whole process group
+        try:
+            runner.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            runner.kill()
+            runner.communicate()
+        raise
+    except BaseException:  # Ctrl-C while building: take the compiler down with us
+        runner.terminate()
+        runner.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, runner.returncode, out, err)
 
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
@@ -141,7 +163,10 @@ def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True, again: bool = Fal
         log.info("no C compiler found (set CC to name one): the CPU products use torch's kernels alone")
         return None
     try:
-        version = _run([cc, "--version"]).stdout
+        done = _run([cc, "--version"])
+        if done.returncode != 0:
+            raise OSError((done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
+        version = done.stdout
     except (OSError, subprocess.SubprocessError) as e:
         log.info("the C compiler %s does not run (%s): the CPU products use torch's kernels alone", cc, e)
         return None

@@ -4,8 +4,10 @@ Each kernel (`KernelSpec`: a JIT function with the argument types and specialisa
 run time) is compiled with Triton's bundled compiler for `sm_<arch>`; its PTX says how the weight
 is read (`weight_loads`: the share of the weight's bytes loaded by each load width, found by
 following every address back to the weight's pointer arguments), and ptxas (`-v`) says how many
-registers a thread takes and whether any spill to local memory. The grid each kernel gets for the
-released decode shapes gives the waves it fills on the architecture's reference GPU.
+registers a thread takes and whether any spill to local memory; its SASS (the cubin through the
+bundled `nvdisasm`) says how many instructions of each kind the k-loop spends per weight
+(`instruction_mix`). The grid each kernel gets for the released decode shapes gives the waves it
+fills on the architecture's reference GPU.
 `python -m mm3 kernels --report` prints it.
 """
 
@@ -53,7 +55,10 @@ class KernelSpec:
     programs: Callable[[Launch, int], int]
     num_warps: int = 4
     num_stages: int = 3
+    fp_fusion: bool = True  # Triton's default; False where the launcher turns contraction off
     launches: list = field(default_factory=list)
+    loop_weights: int = 0  # weights one thread handles in one pass of the k-loop (0: no instruction mix)
+    inner_trips: int = 1  # passes of any loop nested in the k-loop per pass of it
 
 
 @dataclass
@@ -172,14 +177,23 @@ def ptxas_facts(ptx: str, arch: int) -> PtxasFacts:
                       int(spills.group(3)) if spills else 0, int(spills.group(1)) if spills else 0)
 
 
-_COMPILED: dict = {}  # (spec, arch) -> (ptx, shared bytes): one compilation per process
+_COMPILED: dict = {}  # (spec, arch) -> (ptx, shared bytes, cubin): one compilation per process
 
 
 def compile_ptx(spec: KernelSpec, arch: int) -> tuple[str, int]:
     """(PTX, shared memory bytes) of `spec` for `sm_<arch>`; Triton's own cache keeps the result
     across processes (`TRITON_CACHE_DIR`)."""
+    return _compiled(spec, arch)[:2]
+
+
+def compile_cubin(spec: KernelSpec, arch: int) -> bytes:
+    """The cubin ptxas made of `spec` for `sm_<arch>`."""
+    return _compiled(spec, arch)[2]
+
+
+def _compiled(spec: KernelSpec, arch: int) -> tuple[str, int, bytes]:
     key = (spec.name, arch, repr(sorted(spec.constexprs.items())), repr(sorted(spec.signature.items())),
-           spec.aligned, spec.num_warps, spec.num_stages)
+           spec.aligned, spec.num_warps, spec.num_stages, spec.fp_fusion)
     if key not in _COMPILED:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile
@@ -188,9 +202,90 @@ def compile_ptx(spec: KernelSpec, arch: int) -> tuple[str, int]:
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
         source = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
         kernel = compile(source, target=GPUTarget("cuda", arch, 32),
-                         options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
-        _COMPILED[key] = (kernel.asm["ptx"], int(kernel.metadata.shared))
+                         options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
+                                  "enable_fp_fusion": spec.fp_fusion})
+        _COMPILED[key] = (kernel.asm["ptx"], int(kernel.metadata.shared), kernel.asm["cubin"])
     return _COMPILED[key]
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS of a cubin, from the `nvdisasm` that ships with Triton."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory(prefix="mm3-sass-") as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        done = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+KINDS = ("integer", "float", "memory", "other")
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*(.*?)\s*;")
+_LABEL = re.compile(r"^(\.L\w+):")
+_TARGET = re.compile(r"`\((\.L\w+)\)")
+_MEMORY = ("LD", "ST", "ATOM", "RED", "ULDC", "LDC", "CCTL", "MEMBAR", "UBLKCP", "UTMA")
+_FLOAT = ("F", "H", "DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "MUFU", "I2F", "F2I")
+_INTEGER = ("I", "LOP", "SHF", "SHL", "SHR", "LEA", "PRMT", "SEL", "BMSK", "SGXT", "POPC", "FLO", "BREV", "VIADD",
+            "VIMNMX", "IDP", "BFE", "BFI")
+
+
+def kind_of(opcode: str) -> str:
+    """"integer", "float" (conversions to or from floats included), "memory" (global, shared,
+    local and constant loads and stores, atomics) or "other" (moves, predicates, branches,
+    special registers) for a SASS opcode; uniform-datapath opcodes (U...) count as their kind."""
+    base = opcode[1:] if opcode.startswith("U") and opcode not in ("UMOV",) else opcode
+    if opcode.startswith(_MEMORY) or base.startswith(_MEMORY):
+        return "memory"
+    if base.startswith(_FLOAT) and not base.startswith(("FLO", "FENCE")):
+        return "float"
+    if base.startswith(_INTEGER) and not base.startswith("SHFL"):
+        return "integer"
+    return "other"
+
+
+def sass_loops(text: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """(the opcodes of a SASS function, in order; its loops as (first, last) opcode indices, a
+    back edge's label to its branch)."""
+    opcodes, labels, branches = [], {}, []
+    for line in text.splitlines():
+        label = _LABEL.match(line.strip())
+        if label:
+            labels[label.group(1)] = len(opcodes)
+            continue
+        m = _SASS_LINE.match(line)
+        if not m:
+            continue
+        if m.group(1) == "BRA":
+            target = _TARGET.search(line)
+            if target:
+                branches.append((len(opcodes), target.group(1)))
+        opcodes.append(m.group(1) + m.group(2))
+    loops = sorted({(labels[t], at) for at, t in branches if t in labels and labels[t] <= at})
+    return opcodes, loops
+
+
+def instruction_mix(text: str, loop_weights: int, inner_trips: int = 1) -> dict:
+    """SASS instructions per weight of the k-loop, by kind (`KINDS`) and in all: the k-loop is the
+    outermost loop that loads from global memory; a loop nested in it counts `inner_trips` times
+    per pass; one pass handles `loop_weights` weights in each thread. Empty where no such loop is."""
+    opcodes, loops = sass_loops(text)
+    outer = [(a, b) for a, b in loops if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in loops)]
+    outer = [(a, b) for a, b in outer if any(op.startswith(("LDG", "ULDG", "LDGSTS")) for op in opcodes[a:b + 1])]
+    if not outer or loop_weights <= 0:
+        return {}
+    a, b = max(outer, key=lambda span: span[1] - span[0])
+    inner = [(c, d) for c, d in loops if a <= c and d <= b and (c, d) != (a, b)]
+    counts = dict.fromkeys(KINDS, 0.0)
+    for at in range(a, b + 1):
+        times = inner_trips if any(c <= at <= d for c, d in inner) else 1
+        counts[kind_of(opcodes[at])] += times
+    out = {kind: round(n / loop_weights, 2) for kind, n in counts.items()}
+    out["total"] = round(sum(counts.values()) / loop_weights, 2)
+    out["loop_instructions"] = int(sum(counts.values()))
+    return out
 
 
 def weight_param_indices(spec: KernelSpec) -> set[int]:
@@ -215,13 +310,16 @@ def occupancy(registers: int, shared: int, num_warps: int, arch: int) -> int:
 def report(specs: list[KernelSpec], arch: int) -> list[dict]:
     """One dict per kernel: name, family, weight_type, shape, loads by width (share of weight bytes,
     and the count of every global load by width), registers, spills, shared memory, occupancy and,
-    per released product, the programs and waves (programs / multiprocessors)."""
+    per released product, the programs and waves (programs / multiprocessors), and for a decode kernel
+the k-loop's SASS instructions per weight by kind (`instruction_mix`)."""
     sms = ARCH_SMS[arch]
     out = []
     for spec in specs:
         ptx, shared = compile_ptx(spec, arch)
         loads = global_loads(ptx, weight_param_indices(spec))
         regs = ptxas_facts(ptx, arch)
+        mix = instruction_mix(sass(compile_cubin(spec, arch)), spec.loop_weights, spec.inner_trips) \
+            if spec.loop_weights else {}
         resident = occupancy(regs.registers, shared, spec.num_warps, arch)
         grids = []
         for launch in spec.launches:
@@ -240,6 +338,7 @@ def report(specs: list[KernelSpec], arch: int) -> list[dict]:
             "spill_store_bytes": regs.spill_store_bytes, "spill_load_bytes": regs.spill_load_bytes,
             "shared_bytes": shared, "programs_per_sm": resident, "sms": sms, "grids": grids,
             "min_waves": min((g["waves"] for g in grids), default=None),
+            "instructions_per_weight": mix,
         })
     return out
 
@@ -247,13 +346,15 @@ def report(specs: list[KernelSpec], arch: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """The report as a fixed-width table (one line per kernel)."""
     head = (f"{'kernel':30s} {'loads by width (share of weight bytes)':40s} {'>=8B':>6s} {'regs':>4s} "
-            f"{'spill':>5s} {'smem':>6s} {'prog/SM':>7s} {'min waves':>9s}  at")
+            f"{'spill':>5s} {'smem':>6s} {'prog/SM':>7s} {'min waves':>9s} {'SASS/weight int+fp+mem+other':>30s}  at")
     lines = [head]
     for r in rows:
         widths = " ".join(f"{w}B:{100 * s:.0f}%" for w, s in r["weight_load_bytes_by_width"].items() if s > 0)
         worst = min(r["grids"], key=lambda g: g["waves"]) if r["grids"] else None
         at = f"{worst['layer']} ({worst['programs']} programs)" if worst else ""
         waves = f"{r['min_waves']:.2f}" if r["min_waves"] is not None else "-"
+        mix = r.get("instructions_per_weight") or {}
+        per = (f"{mix['total']:5.2f} = " + "+".join(f"{mix[k]:.2f}" for k in KINDS)) if mix else "-"
         lines.append(f"{r['name']:30s} {widths:40s} {100 * r['wide_load_share']:5.1f}% {r['registers']:4d} "
-                     f"{r['spills']:5d} {r['shared_bytes']:6d} {r['programs_per_sm']:7d} {waves:>9s}  {at}")
+                     f"{r['spills']:5d} {r['shared_bytes']:6d} {r['programs_per_sm']:7d} {waves:>9s} {per:>30s}  {at}")
     return "\n".join(lines)

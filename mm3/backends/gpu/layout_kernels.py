@@ -4,18 +4,22 @@ as `mm3.backends.gpu.device_layout` planes (or, for F16/BF16/F32 weights, as the
 Decode-shaped inputs (up to `GEMV_MAX_ROWS` rows) go to `layout_triton.gemv_kernel`: groups of up
 to 4 input rows, `Config.block_n` weight rows and `Config.block_c` chunks (256 values) per program,
 K split over programs until the grid has `TARGET_WAVES` programs per multiprocessor (partial sums
-then added in a fixed order, so results do not depend on timing). Wider inputs (a prefill, the DiT)
-go to `layout_triton.gemm_kernel`. `MM3_KERNELS` and the product choice live in
-`mm3.backends.products`; `works` checks a kernel once per (type, dtype, device) before a layer uses it.
+then added in a fixed order by each tile's last program, so results do not depend on timing). Two
+weights of different types stacked by their outputs (`linear_segments`: q and k of one type, v of
+another) take one launch too, and `swiglu` gives `silu(gate) * up` of stacked gate and up rows from
+one. Wider inputs (a prefill, the DiT) go to `layout_triton.gemm_kernel`. `MM3_KERNELS` and the
+product choice live in `mm3.backends.products`; `works` checks a kernel once per (type, dtype,
+device) before a layer uses it.
 """
-
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from . import device_layout as dl
@@ -115,44 +119,140 @@ def linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, bias: torch
            config: Config | None = None) -> torch.Tensor:
     """x [..., k] @ W.T (+ bias) -> [..., n] in x's dtype; W as the layout [n, row_bytes] uint8
     (a float tensor [n, k] for F16/BF16/F32) on x's device."""
+    return linear_segments(x, [(weight, qtype)], k, bias, config)
+
+
+def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor | None = None,
+                    config: Config | None = None) -> torch.Tensor:
+    """`linear` of weights stacked by their outputs, each (weight, qtype) in its own type (one or
+    two): y = [x @ W1.T, x @ W2.T] (+ bias). Decode-shaped inputs take one launch (two types:
+    `gemv_segments_kernel`, where the first weight's rows are whole decode tiles)."""
     import triton
 
-    from .layout_triton import gemm_kernel, gemv_kernel, split_sum_kernel
+    from .layout_triton import gemm_kernel
 
     if x.shape[-1] != k:
         raise ValueError(f"inputs of {x.shape[-1]} values for a weight with rows of {k}")
-    q, qh, s, s2 = planes(weight, qtype, k)
-    n = weight.shape[0]
+    if not 1 <= len(segments) <= 2:
+        raise ValueError(f"one or two weights stacked, got {len(segments)}")
+    sizes = [w.shape[0] for w, _ in segments]
+    n = sum(sizes)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    parts = [(planes(w, qtype, k), CODES[qtype]) for w, qtype in segments]
     if not (m and n):
         return y.view(*x.shape[:-1], n)
-    code, chunks = CODES[qtype], chunks_of(k)
-    strides = (q.stride(0), qh.stride(0), s.stride(0), s2.stride(0))
-    b = bias if bias is not None else y
     if m <= GEMV_MAX_ROWS:
         config = config or (INTERPRETED[0] if _interpreted() else DECODE)
-        block_m, block_c, groups, tiles, splits = decode_grid(m, n, k, multiprocessors(x.device), config)
-        split_chunks = -(-chunks // (splits * block_c)) * block_c
-        splits = -(-chunks // split_chunks)
-        out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        gemv_kernel[(groups, tiles, splits)](
-            x2, q, qh, s, s2, b, out, m, n, k, x2.stride(0), y.stride(0), *strides, chunks, split_chunks,
-            QTYPE=code, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
-            BLOCK_C=block_c, num_warps=config.num_warps)
-        if splits > 1:
-            block = 1024
-            split_sum_kernel[(triton.cdiv(m * n, block),)](out, b, y, m, n, y.stride(0), splits,
-                                                            HAS_BIAS=bias is not None, BLOCK=block)
-    else:
-        config = config or (INTERPRETED[1] if _interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
-        grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
-        gemm_kernel[grid](x2, q, qh, s, s2, b, y, m, n, k, x2.stride(0), y.stride(0), *strides, chunks,
-                          QTYPE=code, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        if len(parts) == 2 and sizes[0] % config.block_n:  # the tile the first weight's rows fill, 4 rows or more
+            block_n = config.block_n
+            while block_n > 4 and sizes[0] % block_n:
+                block_n //= 2
+            config = dataclasses.replace(config, block_n=block_n)
+        if len(parts) == 1 or sizes[0] % config.block_n == 0:
+            _decode(x2, parts, sizes, k, bias, y, config)
+        else:  # the first weight ends inside a tile: each its own launch
+            for (p, b, at), size in zip(_bounds(parts, sizes, bias), sizes):
+                _decode(x2, [p], [size], k, b, y[:, at:at + size], config)
+        return y.view(*x.shape[:-1], n)
+    config = config or (INTERPRETED[1] if _interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
+    for ((q, qh, s, s2), code), b, at in _bounds(parts, sizes, bias):
+        size = q.shape[0]
+        out = y[:, at:at + size]
+        grid = (triton.cdiv(m, config.block_m), triton.cdiv(size, config.block_n))
+        gemm_kernel[grid](x2, q, qh, s, s2, b if b is not None else out, out, m, size, k, x2.stride(0), out.stride(0),
+                          q.stride(0), qh.stride(0), s.stride(0), s2.stride(0), chunks_of(k), QTYPE=code,
+                          HAS_BIAS=b is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           BLOCK_C=config.block_c, num_warps=config.num_warps, num_stages=config.num_stages)
+    return y.view(*x.shape[:-1], n)
+
+
+def _bounds(parts: list, sizes: list[int], bias: torch.Tensor | None) -> list:
+    """(part, its bias or None, its first output column) per stacked weight."""
+    out, at = [], 0
+    for part, size in zip(parts, sizes):
+        out.append((part, None if bias is None else bias[at:at + size], at))
+        at += size
+    return out
+
+
+def _decode(x2: torch.Tensor, parts: list, sizes: list[int], k: int, bias: torch.Tensor | None, y: torch.Tensor,
+            config: Config) -> None:
+    """One decode launch writing y [m, sum(sizes)] (a view with unit column stride): `gemv_kernel`,
+    or `gemv_segments_kernel` for two weights; K split where the grid is small, the partial sums
+    added by the tile's last program."""
+    from .layout_triton import gemv_kernel, gemv_segments_kernel
+
+    m, n = x2.shape[0], sum(sizes)
+    block_m, block_c, groups, tiles, splits = decode_grid(m, n, k, multiprocessors(x2.device), config)
+    chunks = chunks_of(k)
+    split_chunks = -(-chunks // (splits * block_c)) * block_c
+    splits = -(-chunks // split_chunks)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x2.device) if splits > 1 else y
+    counts = _counts(x2.device, groups * tiles) if splits > 1 else y
+    b = bias if bias is not None else y
+    consts = dict(HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
+                  BLOCK_C=block_c, num_warps=config.num_warps)
+    (q, qh, s, s2), code = parts[0]
+    if len(parts) == 1:
+        gemv_kernel[(groups, tiles, splits)](
+            x2, q, qh, s, s2, b, y, part, counts, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0),
+            s.stride(0), s2.stride(0), chunks, split_chunks, QTYPE=code, **consts)
+        return
+    (q2, qh2, s3, s4), code2 = parts[1]
+    gemv_segments_kernel[(groups, tiles, splits)](
+        x2, q, qh, s, s2, q2, qh2, s3, s4, b, y, part, counts, m, n, sizes[0], k, x2.stride(0), y.stride(0),
+        q.stride(0), qh.stride(0), s.stride(0), s2.stride(0), q2.stride(0), qh2.stride(0), s3.stride(0),
+        s4.stride(0), chunks, split_chunks, QTYPE=code, QTYPE2=code2, **consts)
+
+
+_COUNTS: dict = {}
+
+
+def _counts(device: torch.device, size: int) -> torch.Tensor:
+    """At least `size` int32 tile counters on `device` for the current stream, zero between
+    launches (each tile's last program sets its own back): made once, so a captured graph reads
+    the same buffer every replay."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _COUNTS.get((device, stream))
+    if held is None or held.numel() < size:
+        held = _COUNTS[(device, stream)] = torch.zeros(max(size, 1 << 14), dtype=torch.int32, device=device)
+    return held
+
+
+def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Config | None = None) -> torch.Tensor:
+    """silu(gate) * up in x's dtype, W [2 n, k] (as `linear`'s) holding the gate rows then the up
+    rows: for decode-shaped inputs one launch of `gemv_kernel` (SWIGLU: each program computes
+    matching gate and up rows and stores the product, never the halves; the same arithmetic as
+    `F.silu(gate) * up` over `linear`'s outputs), else `linear` and torch's ops."""
+    from .layout_triton import gemv_kernel
+
+    if x.shape[-1] != k:
+        raise ValueError(f"inputs of {x.shape[-1]} values for a weight with rows of {k}")
+    if weight.shape[0] % 2:
+        raise ValueError(f"gate and up rows stacked: an even count, got {weight.shape[0]}")
+    n = weight.shape[0] // 2
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > GEMV_MAX_ROWS or not n:
+        gate, up = linear(x, weight, qtype, k, config=config).split(n, dim=-1)
+        return F.silu(gate) * up
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q, qh, s, s2 = planes(weight, qtype, k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if not m:
+        return y.view(*x.shape[:-1], n)
+    config = config or (INTERPRETED[0] if _interpreted() else DECODE)
+    block_m, block_c = (1 if m == 1 else 2 if m == 2 else 4), decode_tiles(k, config)
+    chunks = chunks_of(k)
+    gemv_kernel[(-(-m // block_m), -(-n // (config.block_n // 2)), 1)](
+        x2, q, qh, s, s2, y, y, y, y, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0), s.stride(0),
+        s2.stride(0), chunks, chunks, QTYPE=CODES[qtype], HAS_BIAS=False, PARTIAL=False, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, BLOCK_C=block_c, SWIGLU=True, PRECISE=not _interpreted(), num_warps=config.num_warps)
     return y.view(*x.shape[:-1], n)
 
 
@@ -183,34 +283,63 @@ def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
     return _WORKS[key]
 
 
-def _check(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
-    from ...formats.gguf.quants import dequantize, random_blocks
+def fused_works(form: str, qtype: QT, dtype: torch.dtype, device: torch.device, second: QT | None = None) -> bool:
+    """`works` for a fused decode form: "swiglu" (`swiglu` over `qtype`) or "segments"
+    (`linear_segments` over `qtype` then `second`), checked once per process against torch."""
+    device = indexed_device(device)
+    key = (form, qtype, second, dtype, device)
+    if key not in _WORKS:
+        _WORKS[key] = works(qtype, dtype, device) and (second is None or works(second, dtype, device)) and \
+            _check(qtype, dtype, device, form, second)
+    return _WORKS[key]
 
+
+def _check(qtype: QT, dtype: torch.dtype, device: torch.device, form: str = "linear",
+           second: QT | None = None) -> bool:
     g = torch.Generator().manual_seed(0)
-    n, k = 40, 512
-    if qtype in FLOATS:
-        weight = torch.randn(n, k, generator=g).to(FLOATS[qtype])
-        values = weight.float()
-    else:
-        raw = random_blocks(qtype, n, k, generator=g)
-        values = dequantize(raw, qtype, (n, k))
-        weight = dl.to_planes(raw, qtype, k)
+    k = 512
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    name = qtype.name if second is None else f"{qtype.name}+{second.name}"
     try:
-        for rows in (2, GEMV_MAX_ROWS + 1):
+        if form == "segments":
+            (w1, v1), (w2, v2) = _sample(qtype, 24, k, g), _sample(second, 16, k, g)
+            weights, values = [(w1.to(device), qtype), (w2.to(device), second)], torch.cat([v1, v2])
+        else:
+            weight, values = _sample(qtype, 80 if form == "swiglu" else 40, k, g)
+            weight = weight.to(device)
+        for rows in (2,) if form == "swiglu" else (2, GEMV_MAX_ROWS + 1):
             x = torch.randn(rows, k, generator=g)
             want = x.to(dtype).double() @ values.to(dtype).double().T
-            got = linear(x.to(device, dtype), weight.to(device), qtype, k).double().cpu()
-            error = float((got - want).norm() / want.norm())
+            xd = x.to(device, dtype)
+            if form == "segments":
+                got = linear_segments(xd, weights, k)
+            elif form == "swiglu":
+                got = swiglu(xd, weight, qtype, k)
+                gate, up = want.split(want.shape[1] // 2, dim=-1)
+                want = F.silu(gate) * up
+            else:
+                got = linear(xd, weight, qtype, k)
+            error = float((got.double().cpu() - want).norm() / want.norm())
             if not error < tolerance:
-                warnings.warn(f"the layout {qtype.name} kernel computes wrongly on {device} for {dtype} inputs "
+                warnings.warn(f"the layout {name} {form} kernel computes wrongly on {device} for {dtype} inputs "
                               f"({rows} rows: relative error {error:.1e}); using another product", stacklevel=3)
                 return False
     except Exception as e:  # a compiler or driver that cannot build it
-        warnings.warn(f"the layout {qtype.name} kernel cannot run on {device} ({type(e).__name__}: {e}); "
+        warnings.warn(f"the layout {name} {form} kernel cannot run on {device} ({type(e).__name__}: {e}); "
                       "using another product", stacklevel=3)
         return False
     return True
+
+
+def _sample(qtype: QT, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight of `qtype` [n, k] as the kernels read it (the layout, or floats), and its values."""
+    from ...formats.gguf.quants import dequantize, random_blocks
+
+    if qtype in FLOATS:
+        weight = torch.randn(n, k, generator=g).to(FLOATS[qtype])
+        return weight, weight.float()
+    raw = random_blocks(qtype, n, k, generator=g)
+    return dl.to_planes(raw, qtype, k), dequantize(raw, qtype, (n, k))
 
 
 _PLANE_TYPES = {qtype: ("*i32",) * 4 for qtype in dl.LAYOUT_TYPES}  # (q, qh, s, s2) pointer types
@@ -240,17 +369,21 @@ def report_specs(decode: list, prefill: list) -> list:
                         "s_ptr": plane_types[2], "s2_ptr": plane_types[3], "b_ptr": "*" + x_type,
                         "y_ptr": "*" + x_type}
             if shape == "decode":
+                pointers.update(part_ptr="*fp32", count_ptr="*i32")
                 block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
                 ints["split_chunks"] = -(-chunks_of(k) // (splits * block_c)) * block_c
                 fn, config = gemv_kernel, DECODE
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
-                              "BLOCK_N": config.block_n, "BLOCK_C": block_c}
+                              "BLOCK_N": config.block_n, "BLOCK_C": block_c, "SWIGLU": False, "PRECISE": True}
+                mix = {"loop_weights": config.block_n * block_c * dl.CHUNK // (32 * config.num_warps),
+                       "inner_trips": dl.SLICES}
 
                 def programs(launch, sms):
                     _, _, groups, tiles, splits = decode_grid(launch.rows, launch.n, launch.k, sms)
                     return groups * tiles * splits
             else:
                 fn, config = gemm_kernel, PREFILL_F32 if x_type == "fp32" else PREFILL
+                mix = {}
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "BLOCK_M": config.block_m,
                               "BLOCK_N": config.block_n, "BLOCK_C": config.block_c}
 
@@ -263,7 +396,7 @@ def report_specs(decode: list, prefill: list) -> list:
                 name=f"layout/{qtype.name}/{shape}", family="layout", weight_type=qtype.name, shape=shape, fn=fn,
                 signature=signature, constexprs=constexprs, aligned=aligned,
                 weight_args=("q_ptr", "qh_ptr", "s_ptr", "s2_ptr"), programs=programs, num_warps=config.num_warps,
-                num_stages=config.num_stages, launches=list(launches)))
+                num_stages=config.num_stages, launches=list(launches), **mix))
     return specs
 
 
@@ -272,3 +405,58 @@ def _empty_weight(qtype: QT, n: int, k: int) -> torch.Tensor:
     if qtype in FLOATS:
         return torch.empty(n, k, dtype=FLOATS[qtype], device="meta")
     return torch.empty(n, dl.layout_of(qtype, k).row_bytes, dtype=torch.uint8, device="meta")
+
+
+def fused_report_specs(decode: list) -> list:
+    """The decode kernels' fused forms (family "fused"), bfloat16 inputs, two rows: per common type
+    the SwiGLU epilogue (at the gate/up products) and the K split with its in-kernel sum (at the
+    products whose grid splits), and the two-type kernel of the Q4_K_M and Q5_K_M q/k/v groups (v in
+    Q6_K)."""
+    from .kernel_report import KernelSpec
+    from .layout_triton import gemv_kernel, gemv_segments_kernel
+
+    def spec(name, fn, qtypes, launches, extra, halve=False):
+        first = launches[0]
+        k, n, rows = first.k, first.n, first.rows
+        block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
+        config = DECODE
+        pointers = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+        ints = {"M": rows, "N": n // 2 if halve else n, "K": k, "x_stride": k, "y_stride": n, "chunks": chunks_of(k),
+                "split_chunks": -(-chunks_of(k) // (splits * block_c)) * block_c}
+        weight_args = []
+        for names, qtype in zip((("q", "qh", "s", "s2"), ("q2", "qh2", "s3", "s4")), qtypes):
+            arrays = planes(_empty_weight(qtype, n, k), qtype, k)
+            for plane, array, kind in zip(names, arrays, _PLANE_TYPES[qtype]):
+                pointers[plane + "_ptr"], ints[plane + "_stride"] = kind, array.stride(0)
+                weight_args.append(plane + "_ptr")
+        if len(qtypes) == 2:
+            ints["N1"] = n - n // 3  # q and k of a group with as many v rows as k rows
+        constexprs = {"QTYPE": CODES[qtypes[0]], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
+                      "BLOCK_N": config.block_n, "BLOCK_C": block_c, **extra}
+        signature = {**pointers, **{a: "i32" for a in ints}, **dict.fromkeys(constexprs, "constexpr")}
+        signature = {a: signature[a] for a in fn.arg_names}
+        aligned = tuple(pointers) + tuple(a for a, v in ints.items() if v % 16 == 0)
+
+        def programs(launch, sms):
+            _, _, groups, tiles, splits = decode_grid(launch.rows, launch.n, launch.k, sms)
+            return groups * tiles * splits
+        return KernelSpec(
+            name=name, family="fused", weight_type="+".join(q.name for q in qtypes), shape="decode", fn=fn,
+            signature=signature, constexprs=constexprs, aligned=aligned, weight_args=tuple(weight_args),
+            programs=programs, num_warps=config.num_warps, num_stages=config.num_stages, launches=list(launches),
+            loop_weights=config.block_n * block_c * dl.CHUNK // (32 * config.num_warps), inner_trips=dl.SLICES)
+
+    gate_up = [launch for launch in decode if launch.layer.endswith("gate_up")]
+    split = [launch for launch in decode if decode_grid(launch.rows, launch.n, launch.k, REFERENCE_SMS)[-1] > 1]
+    qkv = [launch for launch in decode if launch.layer.endswith("qkv")]
+    specs = []
+    for qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0):
+        specs.append(spec(f"fused/{qtype.name}/swiglu", gemv_kernel, (qtype,), gate_up,
+                          {"SWIGLU": True, "PRECISE": True}, halve=True))
+        if split:
+            specs.append(spec(f"fused/{qtype.name}/split", gemv_kernel, (qtype,), split,
+                              {"PARTIAL": True, "SWIGLU": False, "PRECISE": True}))
+    for qtype in (QT.Q4_K, QT.Q5_K):
+        specs.append(spec(f"fused/{qtype.name}+Q6_K/qkv", gemv_segments_kernel, (qtype, QT.Q6_K), qkv,
+                          {"QTYPE2": CODES[QT.Q6_K]}))
+    return specs

@@ -7,15 +7,18 @@ inputs, [1, chunks, 32]) share one register layout: a scale word is picked from 
 words (`_word`), never moved between threads. The tile is then expanded one slice (32 values of
 each chunk) at a time to float32 with the arithmetic of `mm3.formats.gguf.quants` (the same products in the
 same order) and multiplied with the inputs' 32 matching values. `gemv_kernel` (decode: a few input
-rows) accumulates with FMAs in float32 and may split K over programs (partial sums added in a
-fixed order by `split_sum_kernel`); `gemm_kernel` (prefill, the DiT) multiplies input and weight
-tiles with `tl.dot`.
+rows) accumulates with FMAs in float32 and may split K over programs (the last program of a tile
+adds the partial sums in a fixed order), or with SWIGLU computes matching gate and up rows
+(interleaved in its tile) and stores `silu(gate) * up`; `gemv_segments_kernel` is it over two
+weights of different types stacked by their outputs (q and k of one type, v of another);
+`gemm_kernel` (prefill, the DiT) multiplies input and weight tiles with `tl.dot`.
 
 QTYPE codes: 0 float weights, 1 Q8_0, 2 Q4_0, 3 Q4_1, 4 Q5_0, 5 Q5_1, 6 Q4_K, 7 Q5_K, 8 Q6_K.
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 
 @triton.jit
@@ -89,9 +92,107 @@ def _exact(q, offset: tl.constexpr):
 
 
 @triton.jit
-def _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE: tl.constexpr, R: tl.constexpr,
+def _in_place(w, i: tl.constexpr, BITS: tl.constexpr):
+    """Field i (BITS wide, at bit BITS * i) of int32 words where it lies in its 16-bit half, under
+    the exponent of 2 ** 23 (the bits of `_exact`'s constant): one AND a field, the half words with
+    the exponent made once per word and shared by its fields. Read by `_unshifted`."""
+    per: tl.constexpr = 16 // BITS
+    if i // per == 1:
+        half = ((w >> 16) & 0xFFFF) | 0x4B000000
+    else:
+        half = (w & 0xFFFF) | 0x4B000000
+    return half & ((((1 << BITS) - 1) << (BITS * (i % per))) | 0x4B000000)
+
+
+@triton.jit
+def _unshifted(v, offset: tl.constexpr, sh: tl.constexpr):
+    """float32(field - offset) * 2 ** sh for `_in_place`'s bits (a field at bit sh of the mantissa
+    of 2 ** 23), exactly; the factor 2 ** sh goes into the scale (`_pow2`, `_scaled`)."""
+    return v.to(tl.float32, bitcast=True) - (8388608.0 + offset * (1 << sh))
+
+
+@triton.jit
+def _scaled(q, sh: tl.constexpr):
+    """float32(q) * 2 ** -sh for 0 <= q < 2 ** 22, exactly: q under the exponent of 2 ** (23 - sh)."""
+    return (q | ((150 - sh) << 23)).to(tl.float32, bitcast=True) - 8388608.0 / (1 << sh)
+
+
+@triton.jit
+def _pow2(sh: tl.constexpr):
+    """2 ** -sh (a power of two: a product with it is exact)."""
+    return 1.0 / (1 << sh)
+
+
+@triton.jit
+def _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i: tl.constexpr, QTYPE: tl.constexpr, R: tl.constexpr,
            C: tl.constexpr):
-    """Slice i (values 32 i + j of each chunk) of the tile as float32 [R, C, 32]."""
+    """Slice i (values 32 i + j of each chunk) of the tile as float32 [R, C, 32]. Quant fields are
+    read where they lie (`_in_place`) and the scale takes their power of two: each value is the
+    product of `mm3.formats.gguf.quants` (exact, as there)."""
+    j = tl.arange(0, 32)[None, None, :]
+    if QTYPE == 0:  # float weights [N, K]: columns c * 256 + 32 i + j
+        col = cs[None, :, None] * 256 + 32 * i + j
+        w = tl.load(q_ptr + rows[:, None, None].to(tl.int64) * q_stride + col, mask=col < K, other=0.0)
+        w = w.to(tl.float32)
+    elif QTYPE == 1:  # Q8_0: int8 = (unsigned ^ 128) - 128, the XOR (0x80808080) once a word
+        sh: tl.constexpr = 8 * (i % 2)
+        if i < 4:
+            v = _in_place(wq ^ -2139062144, i, 8)
+        else:
+            v = _in_place(wh ^ -2139062144, i - 4, 8)
+        w = _unshifted(v, 128, sh) * _lanes(_half(_word(sa, i // 2, R, C), i % 2) * _pow2(sh), R, C)
+    elif QTYPE == 6 or QTYPE == 7:  # Q4_K, Q5_K: d * sc * q - dmin * m from the 16-byte header
+        sh: tl.constexpr = 4 * (i % 4)
+        v = _in_place(wq, i, 4)
+        if QTYPE == 7:
+            bits = _lanes(_word(wh, i // 2, R, C), R, C) >> (4 * ((j // 4) % 4))  # the thread's 4 lanes' nibble
+            v = v | (((bits >> (16 * (i % 2) + j % 4)) & 1) << (4 + sh))
+        head = _word(sa, 0, R, C)
+        s1, s2, s3 = _word(sa, 1, R, C), _word(sa, 2, R, C), _word(sa, 3, R, C)
+        t: tl.constexpr = 8 * (i % 4)
+        if i < 4:  # the 6-bit scales and mins of blocks 0-3, 4-7 as bytes, made once a chunk
+            sc = (s1 & 0x3F3F3F3F) >> t
+            mn = (s2 & 0x3F3F3F3F) >> t
+        else:
+            sc = ((s3 & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)) >> t
+            mn = (((s3 >> 4) & 0x0F0F0F0F) | ((s2 >> 2) & 0x30303030)) >> t
+        if t < 24:
+            sc = sc & 63
+            mn = mn & 63
+        f0 = _lanes(_half(head, 0) * _scaled(sc, sh), R, C)
+        f1 = _lanes(_half(head, 1) * _exact(mn, 0), R, C)
+        w = _unshifted(v, 0, sh) * f0 - f1
+    elif QTYPE == 8:  # Q6_K: d * the int8 scale of group 2 i + j // 16
+        sh: tl.constexpr = 4 * (i % 4)
+        v = _in_place(wq, i, 4)
+        crumbs = _lanes(_word(wh, i // 2, R, C), R, C) >> (8 * ((j // 4) % 2))  # the thread's 4 lanes' byte
+        v = v | (((crumbs >> (16 * (i % 2) + 2 * (j % 4))) & 3) << (4 + sh))
+        scales = _word(sa, i // 2, R, C)
+        d = _half(_word(sb, ((cs % 8) // 2)[None, :, None, None], R, C), (cs % 2)[None, :, None]) * _pow2(sh)
+        lo = _lanes(d * _byte(scales, 2 * (i % 2)).to(tl.float32), R, C)
+        hi = _lanes(d * _byte(scales, 2 * (i % 2) + 1).to(tl.float32), R, C)
+        w = _unshifted(v, 32, sh) * tl.where(j < 16, lo, hi)
+    else:  # Q4_0, Q4_1, Q5_0, Q5_1
+        sh: tl.constexpr = 4 * (i % 4)
+        v = _in_place(wq, i, 4)
+        if QTYPE == 4 or QTYPE == 5:
+            bits = _lanes(_word(wh, i // 2, R, C), R, C) >> (4 * ((j // 4) % 4))  # the thread's 4 lanes' nibble
+            v = v | (((bits >> (16 * (i % 2) + j % 4)) & 1) << (4 + sh))
+        d = _lanes(_half(_word(sa, i // 2, R, C), i % 2) * _pow2(sh), R, C)
+        if QTYPE == 2:
+            w = _unshifted(v, 8, sh) * d
+        elif QTYPE == 4:
+            w = _unshifted(v, 16, sh) * d
+        else:
+            w = _unshifted(v, 0, sh) * d + _lanes(_half(_word(sb, i // 2, R, C), i % 2), R, C)
+    return w
+
+
+@triton.jit
+def _slice_runtime(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE: tl.constexpr, R: tl.constexpr,
+           C: tl.constexpr):
+    """`_slice` for a slice index i known only at run time (the prefill's k-loop: unrolled, its
+    tiles would spill on sm_80): each field shifted down, then read as a float."""
     j = tl.arange(0, 32)[None, None, :]
     if QTYPE == 0:  # float weights [N, K]: columns c * 256 + 32 i + j
         col = cs[None, :, None] * 256 + 32 * i + j
@@ -143,30 +244,20 @@ def _x_slice(x_ptr, m, M, x_stride, cs, K, i):
 
 
 @triton.jit
-def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr,
-                M, N, K, x_stride, y_stride, q_stride, qh_stride, s_stride, s2_stride, chunks, split_chunks,
-                QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """y[m, n] = sum_k x[m, k] W[n, k] for BLOCK_M (1, 2 or 4) input rows, BLOCK_N weight rows and
-    the chunks [pid_k * split_chunks, + split_chunks) (whole tiles of BLOCK_C). PARTIAL: the sums
-    go to y_ptr as float32 [splits, M, N] for `split_sum_kernel`."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1)  # clamped: every weight load is in bounds
-    m0 = pid_m * BLOCK_M
+def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
+               rows, m0, c_lo, c_hi, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """The k-loop: float32 [BLOCK_N, BLOCK_C, 32] sums of weight rows `rows` (of these planes) times
+    input rows m0..m0 + 3 (those past BLOCK_M stay zero) over chunks [c_lo, c_hi)."""
     acc0 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
-    c_lo = pid_k * split_chunks
-    c_hi = tl.minimum(chunks, c_lo + split_chunks)
     for c0 in range(c_lo, c_hi, BLOCK_C):
         cs = c0 + tl.arange(0, BLOCK_C)
         wq, wh, sa, sb = _tile(q_ptr, qh_ptr, s_ptr, s2_ptr, rows, cs, q_stride, qh_stride, s_stride, s2_stride,
                                QTYPE, BLOCK_N, BLOCK_C)
-        for i in range(8):
+        for i in tl.static_range(8):
             w = _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
             acc0 += w * _x_slice(x_ptr, m0, M, x_stride, cs, K, i)
             if BLOCK_M > 1:
@@ -174,41 +265,155 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr,
             if BLOCK_M > 2:
                 acc2 += w * _x_slice(x_ptr, m0 + 2, M, x_stride, cs, K, i)
                 acc3 += w * _x_slice(x_ptr, m0 + 3, M, x_stride, cs, K, i)
-    n_ok = offs_n < N
-    _store_row(acc0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
-    if BLOCK_M > 1:
-        _store_row(acc1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
-    if BLOCK_M > 2:
-        _store_row(acc2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
-        _store_row(acc3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS, PARTIAL)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _store_row(acc, m, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, pid_k, HAS_BIAS: tl.constexpr,
-               PARTIAL: tl.constexpr):
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    ok = n_ok & (m < M)
-    if PARTIAL:
-        tl.store(y_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, y, mask=ok)
+def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+                M, N, K, x_stride, y_stride, q_stride, qh_stride, s_stride, s2_stride, chunks, split_chunks,
+                QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                SWIGLU: tl.constexpr = False, PRECISE: tl.constexpr = True):
+    """y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) for BLOCK_M (1, 2 or 4) input rows, BLOCK_N weight
+    rows and the chunks [pid_k * split_chunks, + split_chunks) (whole tiles of BLOCK_C); PARTIAL: K
+    split over the grid's third axis (`_store`). SWIGLU (no split, no bias): W is [2 N, K], gate
+    rows then up rows; the tile takes BLOCK_N / 2 of each, interleaved, and y[m, n] =
+    silu(gate) * up in y's dtype (`_store_swiglu`)."""
+    pid_n = tl.program_id(1)
+    if SWIGLU:
+        r = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * (BLOCK_N // 2) + r // 2
+        rows = tl.minimum(offs_n, N - 1) + (r % 2) * N  # even: gate row n, odd: up row n
     else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m.to(tl.int64) * y_stride + offs_n, y.to(y_ptr.dtype.element_ty), mask=ok)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_n, N - 1)  # clamped: every weight load is in bounds
+    m0 = tl.program_id(0) * BLOCK_M
+    c_lo = tl.program_id(2) * split_chunks
+    c_hi = tl.minimum(chunks, c_lo + split_chunks)
+    acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
+                                        s_stride, s2_stride, rows, m0, c_lo, c_hi, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C)
+    if SWIGLU:
+        _store_swiglu(acc0, m0, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+        if BLOCK_M > 1:
+            _store_swiglu(acc1, m0 + 1, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+        if BLOCK_M > 2:
+            _store_swiglu(acc2, m0 + 2, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+            _store_swiglu(acc3, m0 + 3, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+    else:
+        _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr,
+               HAS_BIAS, PARTIAL, BLOCK_M)
 
 
 @triton.jit
-def split_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, y_stride, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """y[m, n] = sum over s in order of part[s, m, n] (+ bias[n]), in y's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < M * N
-    acc = tl.zeros((BLOCK,), tl.float32)
+def gemv_segments_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, q2_ptr, qh2_ptr, s3_ptr, s4_ptr, b_ptr, y_ptr,
+                         part_ptr, count_ptr, M, N, N1, K, x_stride, y_stride, q_stride, qh_stride, s_stride,
+                         s2_stride, q2_stride, qh2_stride, s3_stride, s4_stride, chunks, split_chunks,
+                         QTYPE: tl.constexpr, QTYPE2: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
+    """`gemv_kernel` over two weights of different types stacked by their outputs: rows [0, N1) of
+    QTYPE (planes q, qh, s, s2), rows [N1, N) of QTYPE2 (planes q2, qh2, s3, s4); N1 is a multiple
+    of BLOCK_N, so each program reads one of them (a q/k/v group whose v has another type)."""
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0 = tl.program_id(0) * BLOCK_M
+    c_lo = tl.program_id(2) * split_chunks
+    c_hi = tl.minimum(chunks, c_lo + split_chunks)
+    if pid_n * BLOCK_N < N1:
+        acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride,
+                                            qh_stride, s_stride, s2_stride, offs_n, m0, c_lo, c_hi, QTYPE,
+                                            BLOCK_M, BLOCK_N, BLOCK_C)
+    else:
+        rows = tl.minimum(offs_n, N - 1) - N1
+        acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q2_ptr, qh2_ptr, s3_ptr, s4_ptr, M, K, x_stride, q2_stride,
+                                            qh2_stride, s3_stride, s4_stride, rows, m0, c_lo, c_hi, QTYPE2,
+                                            BLOCK_M, BLOCK_N, BLOCK_C)
+    _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr,
+           HAS_BIAS, PARTIAL, BLOCK_M)
+
+
+@triton.jit
+def _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr,
+           HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The program's rows of y, or with PARTIAL its partial sums (float32 [splits, M, N] at
+    part_ptr), then a count of the tile's programs done (count_ptr, one int32 per tile, zero before);
+    the last one adds the splits' sums in their order (the same bits whatever the timing), stores
+    y and sets the count back to zero for the next launch."""
+    n_ok = offs_n < N
+    s0 = tl.sum(tl.sum(acc0, axis=2), axis=1)
+    s1 = tl.sum(tl.sum(acc1, axis=2), axis=1)
+    s2 = tl.sum(tl.sum(acc2, axis=2), axis=1)
+    s3 = tl.sum(tl.sum(acc3, axis=2), axis=1)
+    if PARTIAL:
+        splits = tl.num_programs(2)
+        at = part_ptr + (tl.program_id(2) * M).to(tl.int64) * N + offs_n
+        tl.store(at + m0 * N, s0, mask=n_ok & (m0 < M))
+        if BLOCK_M > 1:
+            tl.store(at + (m0 + 1) * N, s1, mask=n_ok & (m0 + 1 < M))
+        if BLOCK_M > 2:
+            tl.store(at + (m0 + 2) * N, s2, mask=n_ok & (m0 + 2 < M))
+            tl.store(at + (m0 + 3) * N, s3, mask=n_ok & (m0 + 3 < M))
+        tl.debug_barrier()  # every thread's sums are written before the count says so
+        counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == splits - 1:  # the last of the tile's programs: the sums in a fixed order
+            tl.debug_barrier()
+            s0 = _split_sum(part_ptr, m0, M, N, offs_n, n_ok, splits)
+            if BLOCK_M > 1:
+                s1 = _split_sum(part_ptr, m0 + 1, M, N, offs_n, n_ok, splits)
+            if BLOCK_M > 2:
+                s2 = _split_sum(part_ptr, m0 + 2, M, N, offs_n, n_ok, splits)
+                s3 = _split_sum(part_ptr, m0 + 3, M, N, offs_n, n_ok, splits)
+            _store_row(s0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+            if BLOCK_M > 1:
+                _store_row(s1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+            if BLOCK_M > 2:
+                _store_row(s2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+                _store_row(s3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    else:
+        _store_row(s0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+        if BLOCK_M > 1:
+            _store_row(s1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+        if BLOCK_M > 2:
+            _store_row(s2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+            _store_row(s3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+
+
+@triton.jit
+def _split_sum(part_ptr, m, M, N, offs_n, n_ok, splits):
+    """Row m's partial sums over the splits, added in split order (read past the caches: other
+    programs wrote them)."""
+    y = tl.zeros(offs_n.shape, tl.float32)
     for s in range(0, splits):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0)
-    m = offs // N
-    n = offs % N
+        y += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + offs_n, mask=n_ok & (m < M), other=0.0,
+                     cache_modifier=".cg")
+    return y
+
+
+@triton.jit
+def _store_row(y, m, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m.to(tl.int64) * y_stride + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * y_stride + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok & (m < M))
+
+
+@triton.jit
+def _store_swiglu(acc, m, M, N, pid_n, y_ptr, y_stride, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr):
+    """y[m, n] = silu(gate) * up with torch's arithmetic in y's dtype: gate and up rounded to it,
+    silu(g) = g / (1 + exp(-g)) in float32 (PRECISE: CUDA's expf and an IEEE division, as torch's
+    kernel; else the interpreter's exp) rounded, the product in float32 rounded."""
+    dt = y_ptr.dtype.element_ty
+    gate, up = tl.split(tl.reshape(tl.sum(tl.sum(acc, axis=2), axis=1), (BLOCK_N // 2, 2)))
+    g = gate.to(dt).to(tl.float32)
+    if PRECISE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = tl.div_rn(g, 1.0 + e).to(dt).to(tl.float32)
+    y = (s * up.to(dt).to(tl.float32)).to(dt)
+    offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(y_ptr + m.to(tl.int64) * y_stride + offs, y, mask=(offs < N) & (m < M))
 
 
 @triton.jit
@@ -232,7 +437,7 @@ def gemm_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr,
         wq, wh, sa, sb = _tile(q_ptr, qh_ptr, s_ptr, s2_ptr, rows, cs, q_stride, qh_stride, s_stride, s2_stride,
                                QTYPE, BLOCK_N, BLOCK_C)
         for i in range(8):
-            w = _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
+            w = _slice_runtime(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
             col = (c0 + flat // 32) * 256 + 32 * i + flat % 32
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + col[None, :],
                         mask=m_ok[:, None] & (col[None, :] < K) & (c0 + flat[None, :] // 32 < chunks), other=0.0)

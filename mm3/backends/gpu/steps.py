@@ -7,19 +7,238 @@ from the host, so a frame of them can be captured as one CUDA graph.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from .kernels import CODES, FLOAT_DTYPES
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the kernels read and write
+_INTEGERS = (torch.int64, torch.int32)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+
+def _serves(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the kernels take x and `others`: one float dtype of theirs and one device, rows of
+    stride 1, outside tracing (torch.compile fuses the model's own operations)."""
+    if torch.compiler.is_compiling() or x.dtype not in _DTYPES or x.dim() == 0 or x.stride(-1) != 1:
+        return False
+    return all(t.dtype == x.dtype and t.device == x.device and t.dim() > 0 and t.stride(-1) == 1 for t in others)
+
+
+def _vector(w: torch.Tensor, n: int) -> bool:
+    return w.is_contiguous() and w.numel() == n
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """RMSNorm of x's rows by `weight` in one kernel, or None."""
-    return None
+    """RMSNorm of x's rows by `weight` in one kernel (`norm_kernels.rms_norm`), or None."""
+    if not _serves(x, weight) or not _vector(weight, x.shape[-1]):
+        return None
+    from . import norm_kernels
+
+    return norm_kernels.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, its RMSNorm by `weight`) in one kernel (`norm_kernels.add_rms_norm`), or None."""
+    if not _serves(x, delta, weight) or x.shape != delta.shape or not _vector(weight, x.shape[-1]):
+        return None
+    from . import norm_kernels
+
+    return norm_kernels.add_rms_norm(x, delta, weight, eps)
+
+
+def _table(table: torch.Tensor, qtype, k: int, device: torch.device):
+    """(kernel type code, row stride) of a table the lookup kernels read, or None: GGUF block rows
+    [rows, row bytes] uint8, or a float table [rows, k] of the file's dtype, rows dense, on `device`."""
+    code = CODES.get(qtype)
+    if code is None or table.device != device or table.dim() != 2 or table.stride(1) != 1 or k < 1:
+        return None
+    if code == 0:
+        return (0, table.stride(0)) if table.dtype == FLOAT_DTYPES[qtype] and table.shape[1] == k else None
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    if table.dtype != torch.uint8 or k % block or table.shape[1] != k // block * size:
+        return None
+    return code, table.stride(0)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_k(k: int) -> int:
+    """Columns a lookup program expands: 256 (a row of the released 4096 over 16 programs)."""
+    return min(256, 1 << (k - 1).bit_length())
+
+
+def code_rows(table: torch.Tensor, qtype, codes: torch.Tensor, k: int, dtype: torch.dtype, repeat: int = 1,
+              add: int = 0) -> torch.Tensor | None:
+    """Rows `codes[i // repeat] + add` of a table (GGUF block rows or floats) gathered and dequantized
+    in one kernel -> [codes.numel() * repeat, k] `dtype`, or None."""
+    if torch.compiler.is_compiling() or dtype not in _DTYPES or codes.dtype not in _INTEGERS or \
+            codes.dim() != 1 or codes.device != table.device or repeat < 1:
+        return None
+    kind = _table(table, qtype, k, codes.device)
+    if kind is None:
+        return None
+    from . import lookup_kernels as lk
+
+    n = codes.numel() * repeat
+    out = torch.empty(n, k, dtype=dtype, device=codes.device)
+    if n:
+        block = _block_k(k)
+        lk.lookup_rows_kernel[(n, _cdiv(k, block))](
+            table, codes, out, k, table.shape[0], kind[1], codes.stride(0), out.stride(0), int(add),
+            QTYPE=kind[0], REPEAT=int(repeat), BLOCK_K=block, num_warps=4, enable_fp_fusion=lk.FP_FUSION)
+    return out
 
 
 def lookup(table: torch.Tensor, qtype, ids: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor | None:
     """Rows `ids` [n] of a quantized table gathered and dequantized in one kernel -> [n, k] `dtype`, or None."""
-    return None
+    return code_rows(table, qtype, ids, k, dtype)
+
+
+def frame_feedback(lm_table: torch.Tensor, lm_qtype, audio_table: torch.Tensor, audio_qtype, frame: torch.Tensor,
+                   code_offset: int, audio_vocab: int, k: int, dtype: torch.dtype,
+                   repeat: int = 1) -> torch.Tensor | None:
+    """A frame's LM input (`mm3.plan.replay.frame_feedback` of `frame` [songs, ncb] with each song's
+    row repeated `repeat` times) in one kernel -> [songs * repeat, 1, k] `dtype`, or None."""
+    if torch.compiler.is_compiling() or dtype not in _DTYPES or frame.dtype not in _INTEGERS or \
+            frame.dim() != 2 or frame.shape[1] < 2 or frame.stride(1) != 1 or repeat < 1:
+        return None
+    device = frame.device
+    lm, audio = _table(lm_table, lm_qtype, k, device), _table(audio_table, audio_qtype, k, device)
+    if lm is None or audio is None:
+        return None
+    from . import lookup_kernels as lk
+
+    ncb = frame.shape[1]
+    n = frame.shape[0] * repeat
+    out = torch.empty(n, 1, k, dtype=dtype, device=device)
+    if n:
+        block = _block_k(k)
+        lk.lookup_feedback_kernel[(n, _cdiv(k, block))](
+            lm_table, audio_table, frame, out, k, lm_table.shape[0], audio_table.shape[0], lm[1], audio[1],
+            frame.stride(0), out.stride(0), int(code_offset), int(audio_vocab), ncb ** -0.5,
+            LM_QTYPE=lm[0], AUDIO_QTYPE=audio[0], NCB=ncb, REPEAT=int(repeat), BLOCK_K=block, num_warps=4,
+            enable_fp_fusion=lk.FP_FUSION)
+    return out
+
+
+def _draw(logits, rows_per_song, cfg, top_k, q, excluded, gate, coded):
+    """Launch `draw_kernels.draw_top_k_kernel` (checks as `top_k_draw`); `coded`: (start, code
+    offset, END id) -> (codes, end flags), else the indices."""
+    if torch.compiler.is_compiling() or logits.dtype not in _DTYPES or logits.dim() != 2 or \
+            q.dtype != torch.float32 or q.dim() != 2 or rows_per_song not in (1, 2) or top_k < 1:
+        return None
+    rows, n = logits.shape
+    songs = rows // rows_per_song
+    device = logits.device
+    if rows != songs * rows_per_song or not n or logits.stride(1) != 1 or q.shape != (songs, n) or \
+            q.stride(1) != 1 or q.device != device:
+        return None
+    if excluded is not None and (excluded.device != device or excluded.dtype != torch.bool or
+                                 excluded.shape != (n,) or not excluded.is_contiguous()):
+        return None
+    from . import draw_kernels as dk
+
+    out = torch.empty(songs, dtype=torch.int64, device=device)
+    end = torch.empty(songs, dtype=torch.bool, device=device) if coded else out
+    start, offset, end_id = coded or (0, 0, 0)
+    block = min(4096, 1 << (n - 1).bit_length())
+    precise = device.type == "cuda" and not _interpreted()  # libdevice's expf (CUDA, ROCm)
+    if songs:
+        dk.draw_top_k_kernel[(songs,)](
+            logits, q, logits if excluded is None else excluded, out, end, n, logits.stride(0), q.stride(0),
+            float(cfg), min(int(top_k), n), int(start), int(offset), int(end_id),
+            R=int(rows_per_song), HAS_EXCL=excluded is not None, GATE=bool(gate), CODED=bool(coded),
+            PRECISE_EXP=precise, COND_LEVELS=2 if logits.dtype == torch.bfloat16 else 4, BLOCK=block,
+            WHOLE=n <= block, num_warps=max(4, min(16, block // 256)), enable_fp_fusion=dk.FP_FUSION)
+    return (out, end) if coded else out
 
 
 def top_k_draw(logits, rows_per_song: int, cfg: float, top_k: int, q, excluded=None, gate: bool = False):
-    """A guided top-k draw in one kernel, or None."""
-    return None
+    """A guided top-k draw in one kernel (`mm3.backends.cpu.steps.top_k_draw`'s contract; logits in
+    any float dtype, read as float32) -> [songs] int64, or None."""
+    return _draw(logits, rows_per_song, cfg, top_k, q, excluded, gate, None)
+
+
+def semantic_draw(logits, rows_per_song: int, cfg: float, top_k: int, q, excluded, start: int, code_offset: int,
+                  end_id: int):
+    """The LM's gated draw over head rows from id `start` in one kernel -> (codes [songs]: the id
+    minus `code_offset`, at least 0; end [songs]: the id is `end_id`), or None."""
+    return _draw(logits, rows_per_song, cfg, top_k, q, excluded, True, (start, code_offset, end_id))
+
+
+def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """The rotation's (cos, sin) [1, 1, 1, D] of `dtype` for the device position `pos` ([1] int64)
+    in one kernel (`attention_kernels.rope_table_kernel`), or None."""
+    if torch.compiler.is_compiling() or dtype not in _DTYPES or pos.dtype != torch.int64 or pos.numel() != 1 or \
+            inv_freq.dtype != torch.float32 or inv_freq.device != pos.device or not inv_freq.is_contiguous() or \
+            not _pow2(inv_freq.numel()):
+        return None
+    from . import attention_kernels
+
+    return attention_kernels.rope_table(pos, inv_freq, dtype)
+
+
+def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos):
+    """An LM decode step's q/k norms, rotation and cache write at the device position `pos` ([1]
+    int64) in one kernel (`attention_kernels.attn_prep_kernel`) -> the rotated queries [B, heads,
+    1, D], or None."""
+    if not _serves(q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v) or q.dim() != 3 or cache_k.dim() != 4:
+        return None
+    b, s, width = q.shape
+    rows, kv_heads, _, d = cache_k.shape
+    if s != 1 or rows != b or k.shape != (b, 1, kv_heads * d) or v.shape != k.shape or cache_v.shape != cache_k.shape \
+            or not (cache_k.is_contiguous() and cache_v.is_contiguous()) or width % d or not _pow2(d) \
+            or not all(_vector(t, d) for t in (q_norm, k_norm, cos, sin)) \
+            or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
+        return None
+    from . import attention_kernels
+
+    return attention_kernels.prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, width // d,
+                                     kv_heads, d)
+
+
+def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float):
+    """One query position's attention over the first pos + 1 keys of the cache (a launch sized for
+    `span` keys) in two kernels (`attention_kernels.decode`) -> [B, heads, 1, D], or None."""
+    if not _serves(q, cache_k, cache_v) or q.dim() != 4 or cache_k.dim() != 4 or not q.is_contiguous():
+        return None
+    b, heads, s, d = q.shape
+    rows, kv_heads, cap, dk = cache_k.shape
+    if s != 1 or rows != b or dk != d or not _pow2(d) or heads % kv_heads or cache_v.shape != cache_k.shape \
+            or not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not 0 < span <= cap \
+            or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
+        return None
+    from . import attention_kernels
+
+    return attention_kernels.decode(q, cache_k, cache_v, pos, span, scale)
+
+
+def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
+    """The depth decoder's attention of new rows q, k, v [B, S, heads * D] over its short cache
+    (written at `at`, a position the host knows: the cache restarts every frame) in one kernel
+    (`attention_kernels.attention_short_kernel`) -> [B, S, heads * D], or None."""
+    if not _serves(q, k, v, cache_k, cache_v) or q.dim() != 3 or cache_k.dim() != 4:
+        return None
+    b, s, width = q.shape
+    rows, heads, cap, d = cache_k.shape
+    if rows != b or width != heads * d or k.shape != q.shape or v.shape != q.shape or cache_v.shape != cache_k.shape \
+            or not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not _pow2(d) or not 0 <= at <= cap - s \
+            or s > 16:
+        return None
+    from . import attention_kernels
+
+    return attention_kernels.short(q, k, v, cache_k, cache_v, at, scale)

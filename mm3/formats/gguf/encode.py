@@ -27,7 +27,7 @@ WRITABLE_TYPES: frozenset[QT] = frozenset({QT.F32, QT.F16}) | _VIA_GGUF_PY | _K_
 
 _QK_K = GGML_QUANT_SIZES[QT.Q4_K][0]  # values per K-quant super-block (256)
 _GROUP_MAX_EPS = np.float32(1e-15)  # ggml-quants.c: a sub-block with |x| below this is all zero
-_CHUNK_BLOCKS = 512  # super-blocks per numpy pass: keeps the search's temporaries cache-sized
+CHUNK_BLOCKS = 512  # super-blocks per numpy pass: keeps the search's temporaries cache-sized
 
 _F = np.float32
 _MAGIC = _F(12582912.0)  # 1.5 * 2**23, nearest_int's rounding constant
@@ -276,16 +276,16 @@ def _workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _quantize_k(rows: np.ndarray, qtype: QT) -> np.ndarray:
+def _quantize_k(rows: np.ndarray, qtype: QT, threads: int | None, chunk_blocks: int) -> np.ndarray:
     blocks = rows.reshape(-1, _QK_K)
     out = np.empty((blocks.shape[0], GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
 
     def chunk(start: int) -> None:
-        part = blocks[start:start + _CHUNK_BLOCKS]
-        out[start:start + _CHUNK_BLOCKS] = _q6_k(part) if qtype == QT.Q6_K else _q45_k(part, qtype)
+        part = blocks[start:start + chunk_blocks]
+        out[start:start + chunk_blocks] = _q6_k(part) if qtype == QT.Q6_K else _q45_k(part, qtype)
 
-    starts = range(0, blocks.shape[0], _CHUNK_BLOCKS)
-    workers = min(_workers(), len(starts))
+    starts = range(0, blocks.shape[0], chunk_blocks)
+    workers = min(_workers() if threads is None else threads, len(starts))
     if workers <= 1:
         for start in starts:
             chunk(start)
@@ -295,10 +295,12 @@ def _quantize_k(rows: np.ndarray, qtype: QT) -> np.ndarray:
     return out
 
 
-def quantize(array: np.ndarray, qtype) -> np.ndarray:
+def quantize(array: np.ndarray, qtype, *, threads: int | None = None, chunk_blocks: int = CHUNK_BLOCKS) -> np.ndarray:
     """Float values -> GGML block bytes, uint8 [..., row_bytes] (the last axis is the GGML row).
 
     `array`: float32 (or convertible) with the last dimension a multiple of the type's block size.
+    The K-quant search runs on `threads` threads (None: one per CPU this process may use) over
+    chunks of `chunk_blocks` super-blocks; neither changes the bytes.
     Raises UnsupportedQuantType for types we cannot write (Q2_K, Q3_K, IQ*, ...) and ValueError for
     bad shapes or non-finite input.
     """
@@ -326,4 +328,4 @@ def quantize(array: np.ndarray, qtype) -> np.ndarray:
         return h.view(np.uint8).reshape(out_shape)
     if t in _VIA_GGUF_PY:
         return np.asarray(gguf.quants.quantize(a, t), dtype=np.uint8).reshape(out_shape)
-    return _quantize_k(a.reshape(-1, a.shape[-1]), t).reshape(out_shape)
+    return _quantize_k(a.reshape(-1, a.shape[-1]), t, threads, max(1, int(chunk_blocks))).reshape(out_shape)

@@ -35,10 +35,10 @@ _K_SUB16 = 16
 # Bit-field unpacking has two equivalent forms. On CPU, one op per field with a Python-int shift on
 # contiguous bytes runs vectorised (a broadcast tensor shift does not). On accelerators
 # the single broadcast shift launches 2 kernels instead of 2 per field. Integer results are identical.
-_BROADCAST_SHIFTS_ON_CPU = False  # tests flip this to cover the accelerator path on CPU
+BROADCAST_SHIFTS_ON_CPU = False  # True: the accelerators' form on the CPU too (the same integers)
 
 # Values dequantized per pass on CPU (4 MiB of float32; see _run). Tests shrink it to force chunks.
-_CPU_CHUNK_VALUES = 1 << 20
+CPU_CHUNK_VALUES = 1 << 20
 
 # Per-device cache of the shift-amount tensors for the broadcast form.
 _SHIFTS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
@@ -50,7 +50,7 @@ _BITS = tuple(range(8))
 
 def _unpack(q: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
     """Bit fields of bytes: q [..., k] uint8 -> [..., len(shifts), k], field i = (q >> shifts[i]) & mask."""
-    if q.device.type == "cpu" and not _BROADCAST_SHIFTS_ON_CPU:
+    if q.device.type == "cpu" and not BROADCAST_SHIFTS_ON_CPU:
         q = q.contiguous()
         width = mask.bit_length()
         fields = []
@@ -286,7 +286,7 @@ def _run(blocks: torch.Tensor, t: QT, dtype: torch.dtype, out: torch.Tensor | No
     kernel = _DEQUANT[t]
     # On CPU, chunks keep the temporaries small and reused (whole-tensor ones would each be fresh,
     # page-faulted memory and add ~3 bytes per output byte to the peak). Accelerators take one pass.
-    step = max(1, _CPU_CHUNK_VALUES // block) if blocks.device.type == "cpu" else max(n, 1)
+    step = max(1, CPU_CHUNK_VALUES // block) if blocks.device.type == "cpu" else max(n, 1)
     scratch = None
     for start in range(0, n, step):
         stop = min(n, start + step)

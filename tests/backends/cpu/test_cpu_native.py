@@ -2,7 +2,14 @@
 reads (8-bit values, 4-bit values, with and without offsets) against gguf-py's dequantization, its packing, the layers and forms that use it, its build cache, and what happens
 where it cannot be built (no compiler, switched off, a wrong product): torch's kernels serve."""
 
+import contextlib
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -409,3 +416,48 @@ def test_the_library_leaves_the_forms_it_does_not_make_to_the_tensor_operations(
     raw1, _ = _raw(32, 256, 3, Q.Q4_1)
     cpu_native.repack(raw1, Q.Q4_1, 32, 256)
     assert calls == [4, 4]  # float32 scales, and a type it does not make
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the tie to the parent is Linux's PR_SET_PDEATHSIG")
+def test_a_build_whose_process_is_killed_leaves_no_compiler_running(tmp_path):
+    """kill -9 of a process while it builds the library: the compiler (here a stand-in that writes
+    its process id, then works for a minute, with a child process of its own, as a compiler's
+    passes are) is killed too."""
+    pids = tmp_path / "pids"
+    fake = tmp_path / "slow-cc"
+    fake.write_text("#!/bin/sh\n"
+                    'case "$1" in --version) echo "slow-cc 1.0"; exit 0;; esac\n'
+                    f'sleep 60 & echo $! >> "{pids}"\n'
+                    f'echo $$ >> "{pids}"\n'
+                    "wait\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "CC": str(fake), "MM3_CACHE_DIR": str(tmp_path / "cache")}
+    builder = subprocess.Popen([sys.executable, "-c", "from mm3.backends.cpu import native; native.build()"], env=env,
+                               cwd=str(Path(__file__).resolve().parents[3]))
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and len(pids.read_text().split()) == 2):
+            assert time.monotonic() < deadline and builder.poll() is None, "the build never started the compiler"
+            time.sleep(0.1)
+        builder.kill()
+        builder.wait()
+        started = [int(p) for p in pids.read_text().split()]
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in started if _alive(p)], "the compiler outlived the process that started it"
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+        for p in pids.read_text().split() if pids.exists() else ():
+            with contextlib.suppress(OSError):
+                os.kill(int(p), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

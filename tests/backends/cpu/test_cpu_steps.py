@@ -175,9 +175,9 @@ def _served_natively(model, types: dict, component: str, seed: int):
             sub.set_stored("weight", qtype, torch.from_numpy(raw))
             sub.cpu_form = Serving(FORMS["native"], component)
         elif isinstance(sub, gguf_ops.Vector):
-            sub.set_stored("weight", Q.F32, torch.rand(*sub._slot_shapes["weight"], generator=g) + 0.5)
+            sub.set_stored("weight", Q.F32, torch.rand(*sub.slot_shapes["weight"], generator=g) + 0.5)
         elif isinstance(sub, gguf_ops.Embedding):
-            sub.set_stored("weight", Q.F32, torch.randn(*sub._slot_shapes["weight"], generator=g))
+            sub.set_stored("weight", Q.F32, torch.randn(*sub.slot_shapes["weight"], generator=g))
     set_numerics(model, "fast")
     return model
 

@@ -53,7 +53,8 @@ def _torch_layout_linear(x, planes, qtype, k, bias=None, config=None):
 
 def test_fullgraph_compile_through_the_layout_kernels(models, monkeypatch):
     """Every product of the LM and depth decoder goes through `torch.ops.mm3.layout_linear` (its
-    body here torch's, see above; the kernels themselves are tested in test_layout_kernels.py)."""
+    body here torch's, see above; the kernels themselves are tested in test_layout_kernels.py),
+    gate/up with SiLU x up through `torch.ops.mm3.layout_swiglu`."""
     pytest.importorskip("triton")
     lm, depth, prompt = models
     monkeypatch.setattr(layout_kernels, "linear", _torch_layout_linear)
@@ -84,13 +85,14 @@ def test_fullgraph_compile_through_the_layout_kernels(models, monkeypatch):
         torch._dynamo.reset()
     assert len(compiled) == 1 and torch.equal(got, want)
     ops = {t for t in targets if t.startswith("mm3.")}
-    assert ops == {"mm3.layout_linear", "mm3.dequantize"}, ops
+    assert ops == {"mm3.layout_linear", "mm3.layout_swiglu", "mm3.dequantize"}, ops
     # One graph (a second would mean a recompile) holding every product of a frame: per depth step
-    # its layers' 4 products (q/k/v, out, gate/up, down), its head and the projection of its
-    # input; the LM's layers' 4 and its head.
+    # its layers' 3 products (q/k/v, out, down) and gate/up with SiLU x up, its head and the
+    # projection of its input; the LM's layers' 3 and gate/up, and its head.
     steps = depth.num_codebooks - 1
-    per_frame = steps * (4 * len(depth.layers) + 2) + 4 * len(lm.model.layers) + 1
+    per_frame = steps * (3 * len(depth.layers) + 2) + 3 * len(lm.model.layers) + 1
     assert targets.count("mm3.layout_linear") == per_frame
+    assert targets.count("mm3.layout_swiglu") == steps * len(depth.layers) + len(lm.model.layers)
     layouts = [m for m in list(lm.modules()) + list(depth.modules()) if getattr(m, "form", None) and m.form("weight")]
     assert not layouts  # settled back to the blocks after the test
 

@@ -119,3 +119,88 @@ def test_the_command_prints_json():
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(done.stdout)
     assert row["name"] == "layout/Q8_0/decode" and row["weight_load_bytes_by_width"] == {"16": 1.0}
+
+
+SASS = """
+gemv_kernel:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R10, SR_TID.X ;
+.L_x_2:
+        /*0020*/                   LDG.E.128 R20, desc[UR30][R20.64] ;
+        /*0030*/                   HADD2.F32 R86, -RZ, R20.H0_H0 ;
+.L_x_1:
+        /*0040*/               @P2 LDG.E.64 R42, desc[UR30][R46.64] ;
+        /*0050*/                   SHF.R.S32.HI R91, RZ, UR18, R21 ;
+        /*0060*/                   ULOP3.LUT UR18, UR5, 0x18, URZ, 0xc0, !UPT ;
+        /*0070*/                   I2FP.F32.U32 R91, R91 ;
+        /*0080*/                   FFMA R93, R92, R101, -R99 ;
+        /*0090*/                   PLOP3.LUT P4, PT, PT, PT, UP0, 0x80, 0x0 ;
+        /*00a0*/               @P4 BRA `(.L_x_1) ;
+        /*00b0*/                   VIADD R49, R49, 0x800 ;
+        /*00c0*/              @!P1 BRA `(.L_x_2) ;
+        /*00d0*/                   STG.E desc[UR30][R4.64], R5 ;
+        /*00e0*/                   EXIT ;
+.L_x_3:
+        /*00f0*/                   BRA `(.L_x_3);
+"""
+
+
+def test_the_instruction_mix_counts_the_k_loop_per_weight():
+    """The outermost loop that loads (not the trap loop at the end), its nested loop counted
+    `inner_trips` times, divided by the weights of one pass; opcodes by kind."""
+    from mm3.backends.gpu.kernel_report import instruction_mix, kind_of, sass_loops
+
+    opcodes, loops = sass_loops(SASS)
+    assert loops == [(2, 12), (4, 10), (15, 15)] and opcodes[4] == "LDG.E.64"
+    mix = instruction_mix(SASS, loop_weights=4, inner_trips=2)
+    # outer only: LDG, HADD2, VIADD, BRA; inner (twice): LDG, SHF, ULOP3, I2FP, FFMA, PLOP3, BRA
+    assert mix == {"integer": (1 + 2 * 2) / 4, "float": (1 + 2 * 2) / 4, "memory": (1 + 2) / 4,
+                   "other": (1 + 2 * 2) / 4, "total": 18 / 4, "loop_instructions": 18}
+    assert instruction_mix(SASS, 0) == {} and instruction_mix("EXIT ;", 4) == {}
+    assert [kind_of(op) for op in ("IMAD.WIDE", "PRMT", "UIADD3", "HFMA2", "F2FP.BF16.F32.PACK_AB", "ULDC.64",
+                                   "LDS.128", "ATOMG.E.ADD.STRONG.GPU", "SHFL.BFLY", "DEPBAR.LE", "MOV", "FLO.U32")] \
+        == ["integer", "integer", "integer", "float", "float", "memory", "memory", "memory", "other", "other",
+            "other", "integer"]
+
+
+# SASS instructions per weight the decode kernels' k-loops may spend for sm_80 and sm_90 (integer,
+# float, memory, other; the figures of `python -m mm3 kernels --report --shape decode` with a
+# margin).
+INSTRUCTION_BOUNDS = {
+    "Q8_0": (3.2, 4.6, 0.3, 0.5),
+    "Q4_K": (4.2, 5.4, 0.3, 0.5),
+    "Q5_K": (6.5, 5.4, 0.3, 0.5),
+    "Q6_K": (5.8, 5.0, 0.3, 0.5),
+}
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_decode_kernels_spend_few_instructions_per_weight(arch):
+    pytest.importorskip("triton", reason="this torch installation has no Triton")
+    from triton import knobs
+
+    if not os.path.exists(knobs.nvidia.nvdisasm.path or ""):
+        pytest.skip("this Triton ships no nvdisasm")
+    rows = _report(arch, list(INSTRUCTION_BOUNDS), ["decode"])
+    assert {r["weight_type"] for r in rows} == set(INSTRUCTION_BOUNDS)
+    for r in rows:
+        mix = r["instructions_per_weight"]
+        bounds = INSTRUCTION_BOUNDS[r["weight_type"]]
+        assert mix["loop_instructions"] > 0, r["name"]
+        for kind, bound in zip(("integer", "float", "memory", "other"), bounds):
+            assert 0 <= mix[kind] <= bound, (r["name"], kind, mix)
+        assert mix["total"] == pytest.approx(sum(mix[k] for k in ("integer", "float", "memory", "other")), abs=0.05)
+
+
+def test_the_fused_decode_kernels_load_wide_and_spill_nothing():
+    """The SwiGLU epilogue, the in-kernel split-K sum and the two-type q/k/v kernel for sm_90: 16-byte
+    weight loads, no spills, two waves or more at their released products."""
+    pytest.importorskip("triton", reason="this torch installation has no Triton")
+    from mm3.tools.kernels import report
+
+    rows = report(90, ("fused",), ["Q4_K", "Q4_K+Q6_K"])
+    assert sorted(r["name"] for r in rows) == ["fused/Q4_K+Q6_K/qkv", "fused/Q4_K/split", "fused/Q4_K/swiglu"]
+    for r in rows:
+        assert r["spills"] == 0 and r["weight_load_bytes_by_width"] == {"16": 1.0}, r
+        assert r["grids"] and r["min_waves"] >= 2, r
+        assert r["instructions_per_weight"]["loop_instructions"] > 0

@@ -73,7 +73,8 @@ def test_the_weight_expands_bit_for_bit(qtype):
 
 
 def test_split_k_sums_in_a_fixed_order():
-    """K split over programs, partial sums added by a second kernel: the same bits every call."""
+    """K split over programs, partial sums added in a fixed order by each tile's last program
+    (which sets the tile's counter back for the next call): the same bits every call."""
     g = torch.Generator().manual_seed(3)
     k = 1024
     w, values = weight(Q.Q4_K, 5, k, g)
@@ -112,3 +113,78 @@ def test_bad_weights_are_refused():
         lk.linear(torch.zeros(1, 64), torch.zeros(3, 68, dtype=torch.uint8), Q.Q8_0, 64)
     with pytest.raises(ValueError, match="inputs of 32 values for a weight with rows of 64"):
         lk.linear(torch.zeros(1, 32), torch.zeros(3, 320, dtype=torch.uint8), Q.Q8_0, 64)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F16], ids=lambda t: t.name)
+def test_swiglu_is_silu_of_gate_times_up_in_one_launch(qtype):
+    """`swiglu` over stacked gate and up rows against `F.silu(gate) * up` over `linear`'s outputs:
+    the same bits for float16 inputs (both round the halves, silu and the product to float16), within
+    float32's rounding of exp for float32 inputs; past GEMV_MAX_ROWS it is those ops. (bfloat16: the
+    interpreter truncates float32 to bfloat16, a GPU rounds; natively only.)"""
+    g = torch.Generator().manual_seed(80 + int(qtype))
+    k, n = _k(qtype), 10
+    w, values = weight(qtype, 2 * n, k, g)
+    dtypes = (torch.float32, torch.float16, torch.bfloat16) if NATIVE else (torch.float32, torch.float16)
+    for dtype in dtypes:
+        for rows in (1, 2, 5, lk.GEMV_MAX_ROWS + 1):
+            x = (torch.randn(rows, k, generator=g) * 4).to(DEVICE, dtype)
+            got = lk.swiglu(x, w, qtype, k)
+            gate, up = lk.linear(x, w, qtype, k).split(n, dim=-1)
+            want = F.silu(gate) * up
+            assert got.shape == (rows, n) and got.dtype == dtype
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            else:
+                assert torch.equal(got, want), (dtype, rows)
+    with pytest.raises(ValueError, match="an even count"):
+        lk.swiglu(x, w[:-1], qtype, k)
+
+
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.F16)], ids=lambda t: "+".join(
+    q.name for q in t))
+def test_two_types_stacked_by_outputs_in_one_product(types, monkeypatch):
+    """`linear_segments` (q and k of one type, v of another): the stacked outputs of both weights
+    with their bias parts, against float64; one launch of the two-type kernel where the first
+    weight's rows are whole tiles (K split too, its sums added in the kernel), each weight its own
+    launch where they are not, the tiled kernel past GEMV_MAX_ROWS."""
+    from mm3.backends.gpu import layout_triton
+
+    g = torch.Generator().manual_seed(90 + int(types[1]))
+    launches = []
+    for name in ("gemv_kernel", "gemv_segments_kernel", "gemm_kernel"):
+        real = getattr(layout_triton, name)
+        monkeypatch.setattr(layout_triton, name, _Counted(real, name, launches))
+    tile = lk.Config(block_n=4, block_c=8, num_warps=2)
+    for first, second, config, rows, k, want_launches in (
+            (8, 4, tile, 2, 256, ["gemv_segments_kernel"]), (8, 5, SPLIT, 3, 512, ["gemv_segments_kernel"]),
+            (6, 4, tile, 1, 256, ["gemv_kernel", "gemv_kernel"]),
+            (24, 4, lk.Config(block_n=16, block_c=8, num_warps=2), 2, 256, ["gemv_segments_kernel"]),  # tiles of 8
+            (8, 4, None, lk.GEMV_MAX_ROWS + 2, 256, ["gemm_kernel", "gemm_kernel"])):
+        (w1, v1), (w2, v2) = weight(types[0], first, k, g), weight(types[1], second, k, g)
+        bias = torch.randn(first + second, generator=g)
+        x = torch.randn(rows, k, generator=g)
+        launches.clear()
+        got = lk.linear_segments(x.to(DEVICE), [(w1, types[0]), (w2, types[1])], k, bias.to(DEVICE), config=config)
+        want = F.linear(x.double(), torch.cat([v1, v2]).double(), bias.double())
+        assert launches == want_launches, (first, rows)
+        assert got.shape == (rows, first + second)
+        assert ((got.cpu().double() - want).norm() / want.norm()).item() < 1e-6, (first, rows)
+        if config is SPLIT:  # the tiles' counters were set back: the same bits again
+            again = lk.linear_segments(x.to(DEVICE), [(w1, types[0]), (w2, types[1])], k, bias.to(DEVICE),
+                                       config=config)
+            assert torch.equal(got, again)
+    x = torch.randn(2, k, generator=g).to(DEVICE)  # each part as it would be alone, bit for bit
+    both = lk.linear_segments(x, [(w1, types[0]), (w2, types[1])], k, config=tile)
+    assert torch.equal(both[:, :8], lk.linear(x, w1, types[0], k, config=tile))
+    assert torch.equal(both[:, 8:], lk.linear(x, w2, types[1], k, config=tile))
+
+
+class _Counted:
+    """A kernel whose launches are recorded by name."""
+
+    def __init__(self, kernel, name, launches):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(self.name)
+        return self.kernel[grid]

@@ -109,10 +109,60 @@ def test_a_fused_product_stacks_the_layouts_as_views(layout_mode, monkeypatch):
     assert calls == [(16, dl.layout_of(Q.Q6_K, 256).row_bytes)]  # one product over the stacked rows
     assert gguf_ops._adjacent([p.stored("weight") for p in layers])
     assert all(p.form("weight") == "layout" for p in layers)
-    mixed = gguf_ops.Fused([_linear(Q.Q4_K, 4, 256, 20, DEVICE)[0], _linear(Q.Q6_K, 4, 256, 21, DEVICE)[0]])
+    mixed = gguf_ops.Fused([_linear(Q.Q4_K, 4, 256, 20, DEVICE)[0], _linear(Q.Q6_K, 4, 256, 21, DEVICE)[0],
+                            _linear(Q.Q4_K, 4, 256, 22, DEVICE)[0]])
     for p in mixed.parts:
         placement.relayout(p)
-    assert isinstance(mixed.choose(torch.float32, DEVICE)[3], products.Separate)  # chosen as a use would
+    assert isinstance(mixed.choose(torch.float32, DEVICE)[3], products.Separate)  # three runs of types: each its own
+
+
+def test_q_k_v_of_two_types_are_one_product(layout_mode, monkeypatch):
+    """q and k in one type, v in another (Q4_K_M): one two-type launch over each run's stacked
+    layout, each part's output as its own product gives it."""
+    parts = [_linear(qtype, n, 256, 40 + i, DEVICE) for i, (qtype, n) in enumerate(((Q.Q4_K, 8), (Q.Q4_K, 4),
+                                                                                      (Q.Q6_K, 4)))]
+    layers = [p for p, _, _ in parts]
+    for layer in layers:
+        placement.relayout(layer)
+    assert layout_kernels.fused_works("segments", Q.Q4_K, torch.float32, DEVICE, Q.Q6_K)  # checked before counting
+    calls = []
+    real = layout_kernels.linear_segments
+    monkeypatch.setattr(layout_kernels, "linear_segments", lambda *a, **kw: calls.append(
+        [(w.shape, q) for w, q in a[1]]) or real(*a, **kw))
+    fused = gguf_ops.Fused(layers)
+    x = torch.randn(2, 256)
+    outs = fused(x.to(DEVICE))
+    assert isinstance(fused.chosen_product().product, products.LayoutSegments)
+    for y, (_, _, values) in zip(outs, parts):
+        want = F.linear(x.double(), values.double())
+        assert y.shape == (2, values.shape[0]) and ((y.cpu().double() - want).norm() / want.norm()).item() < 1e-6
+    row_bytes = dl.layout_of(Q.Q4_K, 256).row_bytes
+    assert calls == [[((12, row_bytes), Q.Q4_K), ((4, dl.layout_of(Q.Q6_K, 256).row_bytes), Q.Q6_K)]]
+    assert gguf_ops._adjacent([p.stored("weight") for p in layers[:2]])  # q and k: views of one stack
+
+
+def test_a_gate_up_group_gives_silu_times_up_from_one_launch(layout_mode, monkeypatch):
+    """`Fused.swiglu` over parts held in the layout: one `layout_kernels.swiglu` launch, the numbers
+    of `F.silu(gate) * up` over the fused product's outputs; parts that cannot (another type each,
+    or no fusing) give the same through torch's ops."""
+    layers = [_linear(Q.Q4_K, 8, 256, 30 + i, DEVICE)[0] for i in range(2)]
+    for layer in layers:
+        placement.relayout(layer)
+    assert layout_kernels.fused_works("swiglu", Q.Q4_K, torch.float16, DEVICE)  # checked once, before counting
+    calls = []
+    real = layout_kernels.swiglu
+    monkeypatch.setattr(layout_kernels, "swiglu", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    fused = gguf_ops.Fused(layers)
+    x = torch.randn(2, 256).to(DEVICE, torch.float16)
+    gate, up = fused(x)
+    assert torch.equal(fused.swiglu(x), F.silu(gate) * up)
+    assert calls == [(16, dl.layout_of(Q.Q4_K, 256).row_bytes)]
+    fused.fuse = False
+    assert torch.equal(fused.swiglu(x), F.silu(gate) * up) and len(calls) == 1
+    mixed = gguf_ops.Fused([layers[0], _linear(Q.Q6_K, 8, 256, 32, DEVICE)[0]])
+    placement.relayout(mixed.parts[1])
+    gate, up = mixed(x)
+    assert torch.equal(mixed.swiglu(x), F.silu(gate) * up) and len(calls) == 1
 
 
 def test_rows_of_a_layout_keep_its_form(layout_mode):
@@ -186,3 +236,24 @@ def test_the_layout_kernels_serve_the_placed_weight(layout_mode):
     layer.set_stored("weight", Q.Q5_K, dl.to_blocks(w.cpu(), Q.Q5_K, 256).to(DEVICE))
     placement.relayout(layer)
     assert torch.equal(layer.stored("weight").cpu(), w.cpu())
+
+
+def test_a_fused_form_that_fails_its_check_is_left_out(layout_mode, monkeypatch):
+    """A SwiGLU kernel that cannot run (a compiler that refuses it) is left out with a warning:
+    the group's stacked product serves and torch's ops make silu(gate) * up."""
+    monkeypatch.setattr(layout_kernels, "_WORKS", {})
+
+    def broken(*args, **kw):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(layout_kernels, "swiglu", broken)
+    layers = [_linear(Q.Q8_0, 4, 64, 50 + i, DEVICE)[0] for i in range(2)]
+    for layer in layers:
+        placement.relayout(layer)
+    fused = gguf_ops.Fused(layers)
+    x = torch.randn(2, 64).to(DEVICE)
+    with pytest.warns(UserWarning, match="Q8_0 swiglu kernel cannot run"):
+        got = fused.swiglu(x)
+    assert fused.chosen_product().swiglu is None
+    gate, up = fused(x)
+    assert torch.equal(got, F.silu(gate) * up)

@@ -1,0 +1,229 @@
+"""An LM decode step's attention in Triton (imported only where Triton runs): the rotation's
+tables of the step's position (`rope_table_kernel`), the preparation of one position
+(`attn_prep_kernel`: q/k RMSNorm, rotation, the cache write at the device position), the attention
+of that position over the filled part of the cache (`attention_decode_kernel`, split over the keys,
+then `attention_combine_kernel`), and the depth decoder's short attention (`attention_short_kernel`).
+
+The preparation computes what `mm3.models.lm.Qwen3Attention` computes with torch, in the same
+roundings (the norm as `norm_kernels`; `q * cos + rotate_half(q) * sin` with each product and the
+sum rounded to the compute dtype; the tables' cos and sin are Triton's, which on a GPU are the
+CUDA math library's as torch's are, and elsewhere may differ from torch's in the last float32
+bit). The attention accumulates its softmax in float32 in another order than torch's: its result
+is torch's up to float32 rounding before the final cast. Positions are read from the device (the
+cache's `pos`), so a captured step replays at any position; the key splits past the filled length
+return at once, so a step costs what the filled keys cost.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .norm_kernels import cast, warps
+
+SPLIT = 256  # keys per program of the decode attention
+BLOCK_N = 16  # keys per iteration of a program
+
+
+@triton.jit
+def rope_table_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, D: tl.constexpr):
+    """The rotation's tables [D] (cos, sin of the angles pos * inv_freq, each half twice) for the
+    position `pos_ptr` holds: float32 angles, as `Qwen3LM.rope` computes them, rounded to the
+    tables' dtype."""
+    cols = tl.arange(0, D)
+    angle = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + cols % (D // 2))
+    tl.store(cos_ptr + cols, cast(tl.cos(angle), cos_ptr.dtype.element_ty))
+    tl.store(sin_ptr + cols, cast(tl.sin(angle), sin_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _rotated(src, w_ptr, cos_ptr, sin_ptr, n, eps, D: tl.constexpr):
+    """The head at `src` ([D], contiguous) RMS-normalized by w and rotated (RoPE with the tables
+    cos, sin [D]), in the roundings of torch's ops in the head's dtype: [D] of that dtype."""
+    cols = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    partner = (cols + half) % D
+    x = tl.load(src + cols)
+    xp = tl.load(src + partner)
+    var = tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0) / n
+    r = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+    w = tl.load(w_ptr + cols).to(tl.float32)
+    wp = tl.load(w_ptr + partner).to(tl.float32)
+    normed = cast(w * cast(x.to(tl.float32) * r, x.dtype).to(tl.float32), x.dtype).to(tl.float32)
+    other = cast(wp * cast(xp.to(tl.float32) * r, x.dtype).to(tl.float32), x.dtype).to(tl.float32)
+    rot = tl.where(cols < half, -other, other)
+    c = tl.load(cos_ptr + cols).to(tl.float32)
+    s = tl.load(sin_ptr + cols).to(tl.float32)
+    a = cast(normed * c, x.dtype).to(tl.float32)
+    b = cast(rot * s, x.dtype).to(tl.float32)
+    return cast(a + b, x.dtype)
+
+
+@triton.jit
+def attn_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, pos_ptr, out_ptr,
+                     sq, sk, sv, cap, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr):
+    """Program (row b, head h): a query head (h < HEADS) normalized and rotated into out [B, HEADS,
+    1, D]; else key head h - HEADS normalized, rotated and written with its value head into the
+    cache [B, KV_HEADS, cap, D] at the position `pos_ptr` holds."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, D)
+    if h < HEADS:
+        y = _rotated(q_ptr + b * sq + h * D, qw_ptr, cos_ptr, sin_ptr, D, eps, D)
+        tl.store(out_ptr + (b * HEADS + h) * D + cols, y)
+    else:
+        kh = h - HEADS
+        pos = tl.load(pos_ptr)
+        at = ((b * KV_HEADS + kh) * cap + pos) * D
+        y = _rotated(k_ptr + b * sk + kh * D, kw_ptr, cos_ptr, sin_ptr, D, eps, D)
+        tl.store(ck_ptr + at + cols, y)
+        tl.store(cv_ptr + at + cols, tl.load(v_ptr + b * sv + kh * D + cols))
+
+
+@triton.jit
+def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, cap, scale, n_splits,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """Program (row and key head bh, split): the G query heads of key head bh over keys
+    [split * SPLIT, (split + 1) * SPLIT) of the filled ones (pos + 1); their running maximum,
+    softmax sum and weighted values (float32) into m, l [BH, n_splits, GP] and acc [BH, n_splits,
+    GP, D]. A split past the filled keys returns at once (`attention_combine_kernel` skips it)."""
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    filled = tl.load(pos_ptr) + 1
+    start = split * SPLIT
+    if start >= filled:
+        return
+    end = tl.minimum(start + SPLIT, filled)
+    g = tl.arange(0, GP)
+    cols = tl.arange(0, D)
+    keys = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + (bh * G + g)[:, None] * D + cols[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
+    base = bh * cap * D
+    m = tl.full((GP,), float("-inf"), tl.float32)
+    den = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
+    for first in range(start, end, BLOCK_N):
+        n = first + keys
+        valid = n < end
+        at = base + n.to(tl.int64)[:, None] * D + cols[None, :]
+        k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    row = (bh * n_splits + split) * GP + g
+    tl.store(m_ptr + row, m)
+    tl.store(l_ptr + row, den)
+    tl.store(acc_ptr + row[:, None] * D + cols[None, :], acc)
+
+
+@triton.jit
+def attention_combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, n_splits, G: tl.constexpr, GP: tl.constexpr,
+                             D: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (row and query head): the splits that saw filled keys combined (by their maxima)
+    into the head's attention output, out [B, heads, 1, D] in out's dtype."""
+    bq = tl.program_id(0).to(tl.int64)
+    bh = bq // G
+    g = bq % G
+    used = (tl.load(pos_ptr) + SPLIT) // SPLIT  # splits holding a filled key: ceil((pos + 1) / SPLIT)
+    cols = tl.arange(0, D)
+    row = bh * n_splits * GP + g  # split 0 holds key 0: always filled
+    m = tl.load(m_ptr + row)
+    den = tl.load(l_ptr + row)
+    acc = tl.load(acc_ptr + row * D + cols)
+    for split in range(1, used):
+        row = (bh * n_splits + split) * GP + g
+        ms = tl.load(m_ptr + row)
+        m_new = tl.maximum(m, ms)
+        alpha = tl.exp(m - m_new)
+        beta = tl.exp(ms - m_new)
+        den = den * alpha + tl.load(l_ptr + row) * beta
+        acc = acc * alpha + tl.load(acc_ptr + row * D + cols) * beta
+        m = m_new
+    tl.store(out_ptr + bq * D + cols, cast(acc / den, out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def attention_short_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, out_ptr, at, s_len, cap, scale,
+                           sq0, sq1, sk0, sk1, sv0, sv1, HEADS: tl.constexpr, D: tl.constexpr,
+                           SP: tl.constexpr, CP: tl.constexpr):
+    """Program (row b, head h): the s_len new positions' keys and values written into the cache
+    [B, HEADS, cap, D] at at .. at + s_len - 1, then their queries' causal attention over the
+    cache's positions up to each one's own -> out [B, s_len, HEADS * D]."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, D)[None, :]
+    new = tl.arange(0, SP)[:, None]
+    fresh = new < s_len
+    base = (b * HEADS + h) * cap * D
+    written = base + (at + new) * D + cols
+    tl.store(ck_ptr + written, tl.load(k_ptr + b * sk0 + new * sk1 + h * D + cols, mask=fresh), mask=fresh)
+    tl.store(cv_ptr + written, tl.load(v_ptr + b * sv0 + new * sv1 + h * D + cols, mask=fresh), mask=fresh)
+    tl.debug_barrier()  # the program's threads read what the others wrote
+    q = tl.load(q_ptr + b * sq0 + new * sq1 + h * D + cols, mask=fresh, other=0.0)
+    keys = tl.arange(0, CP)[:, None]
+    filled = keys < at + s_len
+    kc = tl.load(ck_ptr + base + keys * D + cols, mask=filled, other=0.0).to(tl.float32)
+    vc = tl.load(cv_ptr + base + keys * D + cols, mask=filled, other=0.0).to(tl.float32)
+    scores = tl.sum(q.to(tl.float32)[:, None, :] * kc[None, :, :], axis=2) * scale  # [SP, CP]
+    scores = tl.where(tl.arange(0, CP)[None, :] <= at + new, scores, float("-inf"))
+    p = tl.exp(scores - tl.max(scores, axis=1)[:, None])
+    o = tl.sum(p[:, :, None] * vc[None, :, :], axis=1) / tl.sum(p, axis=1)[:, None]
+    tl.store(out_ptr + (b * s_len + new) * (HEADS * D) + h * D + cols, cast(o, q.dtype), mask=fresh)
+
+
+def rope_table(pos, inv_freq, dtype):
+    """`rope_table_kernel` -> (cos, sin) [1, 1, 1, D] of `dtype`."""
+    d = 2 * inv_freq.numel()
+    cos = torch.empty(1, 1, 1, d, dtype=dtype, device=pos.device)
+    sin = torch.empty_like(cos)
+    rope_table_kernel[(1,)](pos, inv_freq, cos, sin, D=d, num_warps=warps(d))
+    return cos, sin
+
+
+def prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, heads: int, kv_heads: int, d: int):
+    """`attn_prep_kernel` over rows [B] -> the rotated queries [B, heads, 1, D]."""
+    b = q.shape[0]
+    out = torch.empty(b, heads, 1, d, dtype=q.dtype, device=q.device)
+    attn_prep_kernel[(b, heads + kv_heads)](q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v, pos, out,
+                                            q.stride(0), k.stride(0), v.stride(0), cache_k.shape[2], eps,
+                                            HEADS=heads, KV_HEADS=kv_heads, D=d, num_warps=warps(d),
+                                            enable_fp_fusion=False)
+    return out
+
+
+def decode(q, cache_k, cache_v, pos, span: int, scale: float):
+    """The attention of q [B, heads, 1, D] over the first pos + 1 keys of cache_k, cache_v [B,
+    kv_heads, cap, D] (span: the keys a launch covers, >= pos + 1) -> [B, heads, 1, D]."""
+    b, heads, _, d = q.shape
+    kv_heads, cap = cache_k.shape[1], cache_k.shape[2]
+    g = heads // kv_heads
+    gp = triton.next_power_of_2(g)
+    n_splits = triton.cdiv(span, SPLIT)
+    m = torch.empty(b * kv_heads, n_splits, gp, dtype=torch.float32, device=q.device)
+    den = torch.empty_like(m)
+    acc = torch.empty(b * kv_heads, n_splits, gp, d, dtype=torch.float32, device=q.device)
+    attention_decode_kernel[(b * kv_heads, n_splits)](q, cache_k, cache_v, pos, m, den, acc, cap, scale, n_splits,
+                                                      G=g, GP=gp, D=d, SPLIT=SPLIT, BLOCK_N=BLOCK_N, num_warps=4)
+    out = torch.empty_like(q)
+    attention_combine_kernel[(b * heads,)](m, den, acc, pos, out, n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT,
+                                           num_warps=warps(d))
+    return out
+
+
+def short(q, k, v, cache_k, cache_v, at: int, scale: float):
+    """`attention_short_kernel` over rows [B] and heads -> [B, S, heads * D]."""
+    b, s, width = q.shape
+    heads, cap, d = cache_k.shape[1], cache_k.shape[2], cache_k.shape[3]
+    out = torch.empty(b, s, width, dtype=q.dtype, device=q.device)
+    attention_short_kernel[(b, heads)](q, k, v, cache_k, cache_v, out, at, s, cap, scale, q.stride(0), q.stride(1),
+                                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), HEADS=heads, D=d,
+                                       SP=triton.next_power_of_2(s), CP=triton.next_power_of_2(cap), num_warps=4)
+    return out

@@ -1,0 +1,253 @@
+"""The decoder layers' small kernels on the GPU code path (`mm3.backends.gpu.norm_kernels`,
+`attention_kernels`), run by Triton's interpreter over CPU tensors (`emulated()`) through the
+seam (`mm3.backends.steps`) and checked against the models' torch operations: RMSNorm (also on a
+head view of a fused product), the residual add with the norm after it, an LM decode step's
+preparation (the rotation's tables, norms, rotation, cache write at the device position), its attention over the filled
+keys (positions near the end of a bucket, garbage past them), and the depth decoder's short
+attention. Bit for bit in bfloat16 where the arithmetic is the same; the float32 sums of squares
+and the attention's softmax are summed in another order than torch's: within a few float32 ulps."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mm3.backends import steps
+from mm3.backends.gpu import attention_kernels
+from mm3.backends.gpu.emulation import emulated
+from mm3.models.lm import one_query_attention, rms_norm, rotate_half
+
+pytest.importorskip("triton", reason="this torch installation has no Triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+
+DTYPES = [torch.float32, torch.bfloat16]
+EPS = 1e-6
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance of a and b in units of their dtype's last place (bfloat16)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    ia = torch.where(ia < 0, -32768 - ia, ia)  # sign-magnitude -> ordered integers
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return int((ia - ib).abs().max())
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, ulps: int = 0, rtol: float = 2e-6):
+    """bfloat16: within `ulps` units in the last place; float32: within rtol (the sum's order)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.bfloat16:
+        assert _ulps(got, want) <= ulps
+    else:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol)
+
+
+def _rand(g, *shape, dtype=torch.float32, low=None):
+    t = torch.randn(*shape, generator=g) if low is None else torch.rand(*shape, generator=g) + low
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_of_rows_and_of_a_head_view(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, w = _rand(g, 2, 3, 64, dtype=dtype), _rand(g, 64, dtype=dtype, low=0.5)
+    fused = _rand(g, 2, 3, (4 + 2 + 2) * 16, dtype=dtype)  # a q/k/v product's output: heads are views of it
+    q = fused[..., :64].view(2, 3, 4, 16)
+    with emulated():
+        rows = steps.rms_norm(x, w, EPS)
+        heads = steps.rms_norm(q, w[:16].contiguous(), EPS)
+    _same(rows, rms_norm(x, w, EPS), ulps=1)
+    _same(heads, rms_norm(q, w[:16], EPS), ulps=1)
+    assert heads.is_contiguous() and not q.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_add_with_the_norm_after_it(dtype):
+    g = torch.Generator().manual_seed(2)
+    x, delta, w = _rand(g, 2, 1, 64, dtype=dtype), _rand(g, 2, 1, 64, dtype=dtype), _rand(g, 64, dtype=dtype, low=0.5)
+    with emulated():
+        total, normed = steps.add_rms_norm(x, delta, w, EPS)
+    assert torch.equal(total, x + delta)  # the same addition, bit for bit
+    _same(normed, rms_norm(x + delta, w, EPS), ulps=1)
+    shared = delta[:1].expand_as(x)  # one row added to every row (the depth decoder's position embedding)
+    with emulated():
+        total, normed = steps.add_rms_norm(x, shared, w, EPS)
+    assert torch.equal(total, x + delta[:1])
+    _same(normed, rms_norm(x + delta[:1], w, EPS), ulps=1)
+    assert steps.add_rms_norm(x, delta, w, EPS) is None  # a CPU tensor outside emulation: the CPU's to serve
+
+
+def _rope(position: int, d: int, dtype):
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    freqs = torch.tensor([position]).float()[:, None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_tables_of_the_device_position(dtype):
+    """The tables `Qwen3LM.rope` makes for one position, from the position on the device: the same
+    float32 angles; cos and sin may differ from torch's CPU ones in the last float32 bit."""
+    d = 128
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    for position in (0, 5, 9000):
+        with emulated():
+            cos, sin = steps.rope_table(torch.tensor([position]), inv, dtype)
+        want_cos, want_sin = _rope(position, d, dtype)
+        _same(cos, want_cos, ulps=1, rtol=3e-7)
+        _same(sin, want_sin, ulps=1, rtol=3e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("position", [0, 5, 31])
+def test_decode_preparation_writes_the_device_position(dtype, position):
+    """q/k norms and rotation as `Qwen3Attention` computes them; k and v written at `pos` only."""
+    g = torch.Generator().manual_seed(3 + position)
+    b, heads, kv_heads, d, cap = 2, 4, 2, 16, 32
+    fused = _rand(g, b, 1, (heads + 2 * kv_heads) * d, dtype=dtype)
+    q, k, v = fused.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    qn, kn = _rand(g, d, dtype=dtype, low=0.5), _rand(g, d, dtype=dtype, low=0.5)
+    cos, sin = _rope(position, d, dtype)
+    ck, cv = _rand(g, b, kv_heads, cap, d, dtype=dtype), _rand(g, b, kv_heads, cap, d, dtype=dtype)
+    want_k, want_v = ck.clone(), cv.clone()
+    with emulated():
+        got = steps.prepare_attention(q, k, v, qn, kn, EPS, cos, sin, ck, cv, None, torch.tensor([position]))
+    wq = rms_norm(q.view(b, 1, heads, d), qn, EPS).transpose(1, 2)
+    wk = rms_norm(k.view(b, 1, kv_heads, d), kn, EPS).transpose(1, 2)
+    want_k[:, :, position] = (wk * cos + rotate_half(wk) * sin)[:, :, 0]
+    want_v[:, :, position] = v.view(b, kv_heads, d)
+    _same(got, wq * cos + rotate_half(wq) * sin, ulps=1, rtol=1e-5)
+    _same(ck, want_k, ulps=1, rtol=1e-5)
+    assert torch.equal(cv, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("split", [attention_kernels.SPLIT, 16])
+def test_decode_attention_reads_only_the_filled_keys(dtype, split, monkeypatch):
+    """Over a bucket of 48 keys (one split, or three of 16) at positions 0, 15, 16, 46, 47: the
+    filled keys' attention (keys past the position are NaN: never read), GQA 2 query heads a key head."""
+    monkeypatch.setattr(attention_kernels, "SPLIT", split)
+    g = torch.Generator().manual_seed(4)
+    b, heads, kv_heads, d, bucket = 2, 4, 2, 16, 48
+    q = _rand(g, b, heads, 1, d, dtype=dtype)
+    ck, cv = _rand(g, b, kv_heads, bucket + 8, d, dtype=dtype), _rand(g, b, kv_heads, bucket + 8, d, dtype=dtype)
+    for position in (0, 15, 16, 46, 47):
+        k, v = ck.clone(), cv.clone()
+        k[:, :, position + 1:] = float("nan")
+        v[:, :, position + 1:] = float("nan")
+        with emulated():
+            got = steps.decode_attention(q, k, v, torch.tensor([position]), bucket, d ** -0.5)
+        want = one_query_attention(q.float(), k[:, :, :position + 1].float(), v[:, :, :position + 1].float(), None,
+                                   d ** -0.5)
+        assert got.shape == q.shape and got.dtype == dtype
+        if dtype == torch.bfloat16:  # the float32 result rounded once
+            assert _ulps(got, want.to(dtype)) <= 1
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [16, 256])
+def test_short_attention_over_a_frame_of_depth_steps(dtype, d):
+    """The depth decoder's 7 steps of a frame (2 positions, then 1 at a time) as `DepthAttention`
+    computes them with torch: the cache written at each step's positions, causal attention."""
+    g = torch.Generator().manual_seed(5)
+    b, heads, cap = 2, 2, 9
+    ck, cv = torch.zeros(b, heads, cap, d, dtype=dtype), torch.zeros(b, heads, cap, d, dtype=dtype)
+    wk, wv = ck.clone(), cv.clone()
+    at = 0
+    for s in (2, 1, 1, 1, 1, 1, 1):
+        fused = _rand(g, b, s, 3 * heads * d, dtype=dtype)
+        q, k, v = fused.split(heads * d, dim=-1)
+        with emulated():
+            got = steps.short_attention(q, k, v, ck, cv, at, d ** -0.5)
+        split = [t.view(b, s, heads, d).transpose(1, 2) for t in (q, k, v)]
+        wk[:, :, at:at + s], wv[:, :, at:at + s] = split[1], split[2]
+        want = F.scaled_dot_product_attention(split[0].float(), wk[:, :, :at + s].float(), wv[:, :, :at + s].float(),
+                                              is_causal=at == 0 and s > 1).transpose(1, 2).flatten(2, 3)
+        assert torch.equal(ck, wk) and torch.equal(cv, wv)
+        if dtype == torch.bfloat16:
+            assert _ulps(got, want.to(dtype)) <= 1
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        at += s
+
+
+def test_shapes_the_kernels_do_not_take_are_refused():
+    g = torch.Generator().manual_seed(6)
+    x = _rand(g, 2, 64, dtype=torch.float64)
+    q = _rand(g, 2, 4, 1, 12)  # head_dim 12: not a power of two
+    ck = _rand(g, 2, 2, 8, 12)
+    with emulated():
+        assert steps.rms_norm(x, torch.ones(64, dtype=torch.float64), EPS) is None
+        assert steps.decode_attention(q, ck, ck.clone(), torch.tensor([3]), 8, 0.3) is None
+        assert steps.decode_attention(_rand(g, 2, 4, 1, 16), _rand(g, 2, 2, 8, 16), _rand(g, 2, 2, 8, 16),
+                                      torch.tensor([3]), 9, 0.3) is None  # a span past the cache
+
+
+def _released():
+    """Each kernel with the constexprs and warps its launcher gives it at the released sizes (LM
+    4096 wide, 32 / 8 heads of 128; depth 16 heads of 256, bfloat16)."""
+    from mm3.backends.gpu import norm_kernels as nk
+
+    bf, f32, i64 = "*bf16", "*fp32", "*i64"
+    per, block = nk.tile(128)
+    norm = {"x_ptr": bf, "w_ptr": bf, "y_ptr": bf, "eps": "fp32"}
+    add_norm = {"x_ptr": bf, "d_ptr": bf, "w_ptr": bf, "s_ptr": bf, "y_ptr": bf, "eps": "fp32"}
+    rope = {"pos_ptr": i64, "inv_ptr": f32, "cos_ptr": bf, "sin_ptr": bf}
+    prep = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "cos_ptr": bf, "sin_ptr": bf,
+            "ck_ptr": bf, "cv_ptr": bf, "pos_ptr": i64, "out_ptr": bf, "eps": "fp32"}
+    decode = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "pos_ptr": i64, "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32,
+              "scale": "fp32"}
+    combine = {"m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "pos_ptr": i64, "out_ptr": bf}
+    short = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "ck_ptr": bf, "cv_ptr": bf, "out_ptr": bf, "scale": "fp32"}
+    split = {"SPLIT": attention_kernels.SPLIT}
+    return [
+        (nk.norm_rms_kernel, norm, {"ROWS": 1, "BLOCK": 4096}, nk.warps(4096)),
+        (nk.norm_rms_kernel, norm, {"ROWS": per, "BLOCK": block}, nk.warps(per * block)),
+        (nk.norm_add_rms_kernel, add_norm, {"ROWS": 1, "BLOCK": 4096}, nk.warps(4096)),
+        (attention_kernels.rope_table_kernel, rope, {"D": 128}, nk.warps(128)),
+        (attention_kernels.attn_prep_kernel, prep, {"HEADS": 32, "KV_HEADS": 8, "D": 128}, nk.warps(128)),
+        (attention_kernels.attention_decode_kernel, decode,
+         {"G": 4, "GP": 4, "D": 128, "BLOCK_N": attention_kernels.BLOCK_N, **split}, 4),
+        (attention_kernels.attention_combine_kernel, combine, {"G": 4, "GP": 4, "D": 128, **split}, nk.warps(128)),
+        (attention_kernels.attention_short_kernel, short, {"HEADS": 16, "D": 256, "SP": 2, "CP": 16}, 4),
+    ]
+
+
+def compiled_facts(arch: int = 90) -> list[tuple[str, int, int]]:
+    """(kernel, registers, spilled bytes) of each kernel at its released constexprs, compiled by
+    Triton's own compiler and ptxas for sm_<arch> (in a process where Triton does not interpret)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from mm3.backends.gpu.kernel_report import ptxas_facts
+
+    out = []
+    for fn, types, consts, num_warps in _released():
+        signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+        kernel = compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                         target=GPUTarget("cuda", arch, 32),
+                         options={"num_warps": num_warps, "enable_fp_fusion": False})
+        facts = ptxas_facts(kernel.asm["ptx"], arch)
+        out.append((fn.__name__, facts.registers, facts.spill_store_bytes + facts.spill_load_bytes))
+    return out
+
+
+def test_the_kernels_compile_for_sm90_without_spills():
+    """Every kernel at its released constexprs compiles for sm_90 (no GPU needed), within the
+    register file, spilling nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
+    code = ("import json; from tests.backends.gpu.test_layer_kernels import compiled_facts; "
+            "print(json.dumps(compiled_facts(90)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          check=False, cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-2000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(facts) == len(_released())
+    for name, registers, spilled in facts:
+        assert 0 < registers <= 255 and spilled == 0, (name, registers, spilled)
