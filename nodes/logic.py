@@ -17,8 +17,9 @@ from mm3.synth.audio import as_stereo
 from mm3.song.captions import caption_warning
 from mm3.plan.codes import parse_audio_codes
 from mm3.components import check_compatible
-from mm3.constants import MAX_PROMPT_TOKENS
+from mm3.constants import FRAME_RATE, MAX_PROMPT_TOKENS
 from mm3.errors import InputError
+from mm3.plan.lyric_edit import LyricRange, choose_range, replace_line, times_from_lrc
 from mm3.plan.lyrics_align import LyricHeads, song_lrc
 from mm3.song.numerics import FAST, Numerics
 from mm3.synth.output import atomic_write, write_audio
@@ -152,6 +153,35 @@ def lyric_timestamps(lm_model, depth_model, depth: ComponentHandle, song: Song, 
                                lm_seed=song.codes.lm_seed, device=device, dtype=dtype, progress=progress,
                                lyric_heads=heads, hiddens=False, numerics=numerics)
     return song_lrc(timed.codes, lead=lead)
+
+
+def lyric_range(song: Song, lrc: str | None, *, line: int | None = None, section: str | None = None,
+                margin: float) -> LyricRange:
+    """The seconds of sung line `line` or section `section` of `song`, from its LRC (MM3 Lyric
+    Timestamps: each line's start, matched to the song's prompt lines; `mm3.plan.lyric_edit`)."""
+    if not lrc or not str(lrc).strip():
+        raise ValueError("choosing the range by a lyric line needs the song's timestamps: wire lyrics_lrc from MM3 "
+                         "Lyric Timestamps (of the same codes)")
+    times = times_from_lrc(lrc, song.prompt.prompt.lines)
+    return choose_range(times, song.frames / FRAME_RATE, line=line, section=section, margin=margin)
+
+
+def change_words(lm_model, depth_model, lm: ComponentHandle, song: Song, lrc: str | None, line: int, words: str,
+                 lm_seed: int, margin: float, *, device, dtype: torch.dtype, progress: Progress | None = None,
+                 numerics: Numerics = FAST) -> tuple[Song, LyricRange]:
+    """`song` with sung line `line` singing `words` (`mm3.song.stages.change_words`): the lyrics
+    with that line replaced make the prompt, the line's seconds (`lyric_range`) are planned again
+    from `lm_seed`, the rest of the codes kept. Returns the new song and the range."""
+    lyrics, old = replace_line(song.prompt.lyrics, line, words)
+    try:
+        prompt = assemble_prompt(lm, song.prompt.caption, lyrics)
+    except ValueError as e:
+        raise InputError(f"line {line} with the new words: {e}") from None
+    chosen = lyric_range(song, lrc, line=line, margin=margin)
+    edit = chosen.record() | {"words": words.strip(), "replaced": old, "lm_seed": lm_seed}
+    new = stages.change_words(lm_model, depth_model, song, prompt, chosen.start, chosen.end,
+                              lm_seed, edit, device=device, dtype=dtype, progress=progress, numerics=numerics)
+    return new, chosen
 
 
 def encode_recording(vae_model, vae: ComponentHandle, audio: dict, condition: Conditions, *, device) -> Latents:

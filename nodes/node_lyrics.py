@@ -12,11 +12,16 @@ import logging
 
 from comfy_api.latest import io
 
+from mm3.constants import MAX_PROMPT_TOKENS
+from mm3.plan.lyric_edit import DEFAULT_MARGIN, MAX_WORDS_CHARS
+from mm3.song.request import MM3Request
 from mm3.plan.lyrics_align import LEAD_SECONDS, MAX_LEAD, LyricHeads, LyricHeadsError, untimed_warning
 from mm3.song.numerics import Numerics
 from . import logic
 from .comfy_models import compute_dtype, dit_compute_dtype, load, patcher
 from .common import ADVANCED, AUDIO_CODES, CATEGORY, DEPTH, LM, interruptible, node_progress
+from .handles import ar_memory, dtype_bytes
+from .node_stages import LM_SEED_MAX, MAX_LINE
 from .validation import verdict
 
 log = logging.getLogger("mm3")
@@ -79,14 +84,83 @@ class MM3LyricTimestamps(io.ComfyNode):
         return io.NodeOutput(text, ui=ui)
 
 
-def _heads(lm, heads: str) -> LyricHeads:
-    """The heads this node reads, checked against the LM (an error names the node's heads input)."""
+def _heads(lm, heads: str, node: str = "MM3 Lyric Timestamps") -> LyricHeads:
+    """The heads a node reads, checked against the LM (an error names the node's heads input)."""
     chosen = LyricHeads.parse(heads or "")
     try:
         chosen.resolve(lm.hparams, where="this node's heads input")
     except LyricHeadsError as e:
-        raise LyricHeadsError(f"MM3 Lyric Timestamps: heads {str(chosen)!r}: {e}") from None
+        raise LyricHeadsError(f"{node}: heads {str(chosen)!r}: {e}") from None
     return chosen
 
 
-NODES = [MM3LyricTimestamps]
+class MM3ChangeLine(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MM3ChangeLine", display_name="MM3 Change a Line", category=CATEGORY,
+            description="Gives one sung line new words and keeps the rest of the song: the lyrics with that line "
+                        "replaced become the prompt, the codes before the line are replayed under it, the line's "
+                        "seconds (from the song's lyric timestamps, with a margin) are planned again and the codes "
+                        "after it kept. Feed the codes to Condition Encode and MM3 Repaint (start and end from here, "
+                        "the original song's latents as its source), which keeps the audio outside those seconds. "
+                        "The players of the workflow show the song's lyric lines: click one to choose it.",
+            inputs=[
+                LM.Input("lm"), DEPTH.Input("depth"),
+                AUDIO_CODES.Input("codes", tooltip="The song to change (MM3 AR Plan or MM3 Load Audio Codes)."),
+                io.Int.Input("line", default=1, min=1, max=MAX_LINE,
+                             tooltip="Which sung line (1 = the first; section tags are not counted). Click a lyric "
+                                     "line in a player of this workflow to set it."),
+                io.String.Input("words", default="", placeholder="the new words of that line",
+                                tooltip=f"What the line sings instead: one line (no line breaks or [tags]), at most "
+                                        f"{MAX_WORDS_CHARS} characters; the whole prompt stays within "
+                                        f"{MAX_PROMPT_TOKENS} tokens."),
+                io.Int.Input("lm_seed", default=0, min=0, max=LM_SEED_MAX,
+                             tooltip="Picks the new take of the line's codes: another seed, another melody for "
+                                     f"the new words. The range reaches {DEFAULT_MARGIN:g} s into the neighbouring "
+                                     "lines (at most half-way), since the timestamps are approximate."),
+                io.String.Input("heads", default="", optional=True, extra_dict=ADVANCED,
+                                tooltip="The heads that time the lyrics, as on MM3 Lyric Timestamps (empty: the "
+                                        "released model's). Not used with lyrics_lrc wired in."),
+                io.Float.Input("lead", default=LEAD_SECONDS, min=-MAX_LEAD, max=MAX_LEAD, step=0.05, round=0.01,
+                               optional=True, extra_dict=ADVANCED,
+                               tooltip="Seconds added to every line's time, as on MM3 Lyric Timestamps."),
+                io.String.Input("lyrics_lrc", optional=True, force_input=True,
+                                tooltip="The song's lyric timestamps from MM3 Lyric Timestamps (of the same codes); "
+                                        "unwired, this node times the lines itself (heads, lead)."),
+            ],
+            outputs=[AUDIO_CODES.Output("codes", display_name="codes"),
+                     io.Float.Output("start", display_name="start"), io.Float.Output("end", display_name="end")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, heads=None) -> bool | str:
+        return verdict(logic.heads_problem(heads))
+
+    @classmethod
+    def execute(cls, lm, depth, codes, line: int, words: str, lm_seed: int, heads: str = "",
+                lead: float = LEAD_SECONDS, lyrics_lrc: str | None = None) -> io.NodeOutput:
+        lm_seed = logic.linked_seed(lm_seed, LM_SEED_MAX, "lm_seed")
+        chosen_heads = None if lyrics_lrc else _heads(lm, heads, "MM3 Change a Line")
+        with interruptible():
+            device = patcher(lm).load_device
+            dtype = compute_dtype(device)
+            numerics = Numerics(compute_dtype=dit_compute_dtype(dtype))
+            cfg = codes.plan.lm_cfg if codes.plan is not None else (codes.origin or MM3Request()).lm_cfg
+            tokens = codes.prompt.prompt.num_tokens + len(words)  # the new words: at most a token per character
+            need = ar_memory(lm.hparams, tokens, codes.frames, 1, cfg, device, dtype_bytes(dtype))
+            lm_model, depth_model = load([lm, depth], memory_required=need)
+            if chosen_heads is not None:
+                lyrics_lrc = logic.lyric_timestamps(lm_model, depth_model, depth, codes, chosen_heads, lead,
+                                                    device=device, dtype=dtype, progress=node_progress(),
+                                                    numerics=numerics)
+            song, chosen = logic.change_words(lm_model, depth_model, lm, codes, lyrics_lrc, line, words, lm_seed,
+                                              DEFAULT_MARGIN, device=device, dtype=dtype, progress=node_progress(),
+                                              numerics=numerics)
+        ui = {"text": [f"{chosen.describe()} now sings {words.strip()!r} (lm_seed {lm_seed})"]}
+        if chosen_heads is not None:
+            ui["lyrics_lrc"] = [lyrics_lrc]  # the song's lines in the players of this prompt (web/mm3.js)
+        return io.NodeOutput(song, chosen.start, chosen.end, ui=ui)
+
+
+NODES = [MM3LyricTimestamps, MM3ChangeLine]

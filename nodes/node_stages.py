@@ -27,6 +27,7 @@ from mm3.constants import (
 from mm3.song import stages
 from mm3.synth.flow import AUTO_SHIFT, MAX_SHIFT
 from mm3.song.numerics import Numerics
+from mm3.plan.lyric_edit import DEFAULT_MARGIN
 from mm3.plan.prompt import INSTRUMENTAL_LYRICS
 from mm3.song.request import shaping_of
 from mm3.song.settings import (
@@ -57,6 +58,7 @@ from .validation import out_of_range, prompt_texts, repaint_range, verdict
 # Seeds of song i / variation j are seed + i / seed + j and must stay in the request's 0..SEED_MAX.
 LM_SEED_MAX = SEED_MAX - (MAX_SONGS - 1)
 DIT_SEED_MAX = SEED_MAX - (MAX_VARIATIONS - 1)
+MAX_LINE = 9999  # the lyric line a node may name (the lyrics themselves say how many they have)
 
 
 def _device_dtype(handle):
@@ -269,6 +271,17 @@ class MM3Repaint(io.ComfyNode):
                                        "0.1-1 is safe, at most half the range."),
                 *_sampling_inputs(1, "Picks the new take of the repainted range: another seed, another rendering "
                                      "of those seconds. Variation j uses seed + j."),
+                io.String.Input("lyrics_lrc", optional=True, force_input=True,
+                                tooltip="The song's lyric timestamps (MM3 Lyric Timestamps of the source's codes), for "
+                                        "choosing the range by line or section."),
+                io.Int.Input("line", default=0, min=0, max=MAX_LINE, optional=True,
+                             tooltip="Repaint this sung line (1 = the first; section tags are not counted) instead of "
+                                     "start-end: its seconds come from lyrics_lrc, reaching "
+                                     f"{DEFAULT_MARGIN:g} s into the neighbouring lines (at most half-way). 0 = use "
+                                     "start and end. Click a lyric line in a player of this workflow to set it."),
+                io.String.Input("section", default="", optional=True,
+                                tooltip='Repaint a section instead of start-end: "chorus 2" is the second [chorus] '
+                                        '("chorus": the first), up to the next section tag. Empty: not used.'),
             ],
             outputs=[LATENTS.Output("latents", display_name="latents")],
         )
@@ -279,16 +292,23 @@ class MM3Repaint(io.ComfyNode):
 
     @classmethod
     def execute(cls, dit, condition, source, start: float, end: float, fade: float, seed: int, steps: int,
-                dit_cfg: float, variations: int, shift: float = AUTO_SHIFT) -> io.NodeOutput:
+                dit_cfg: float, variations: int, shift: float = AUTO_SHIFT, lyrics_lrc: str | None = None,
+                line: int = 0, section: str = "") -> io.NodeOutput:
+        what, record = "", ()
+        if line or (section or "").strip():
+            chosen = logic.lyric_range(source.conditions.song, lyrics_lrc, line=line or None,
+                                       section=None if line else section, margin=DEFAULT_MARGIN)
+            start, end, what = chosen.start, chosen.end, f"{chosen.label} {chosen.text!r}: "
+            record = tuple(chosen.record().items())
         if not start < end:
             raise ValueError(f"MM3 Repaint: start ({start:g} s) must be before end ({end:g} s)")
         seed = logic.linked_seed(seed, DIT_SEED_MAX, "seed")
-        repaint, synth = RepaintSettings(start, end, fade), SynthSettings(seed, steps, dit_cfg, variations, shift)
+        repaint, synth = RepaintSettings(start, end, fade, record), SynthSettings(seed, steps, dit_cfg, variations, shift)
         with interruptible():
             model, run = _loaded_dit(dit, condition)
             out = stages.repaint(model, dit.file(), condition, source, repaint, synth, **run)
         show_warnings(out.warnings)
-        return io.NodeOutput(out, ui={"text": [f"repainted {start:g}-{end:g} s with seed {seed}"]})
+        return io.NodeOutput(out, ui={"text": [f"repainted {what}{start:g}-{end:g} s with seed {seed}"]})
 
 
 class MM3VocoderDecode(io.ComfyNode):

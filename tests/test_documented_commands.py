@@ -243,7 +243,7 @@ def test_workflows_readme_lists_every_workflow_and_its_loaders_are_auto():
     text = (ROOT / "workflows" / "README.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| `(\w+)` \|", text, re.M)
     shipped = sorted(p.stem for p in (ROOT / "workflows" / "api").glob("*.json"))
-    assert sorted(rows) == shipped and len(shipped) == 9
+    assert sorted(rows) == shipped and len(shipped) == 10
     assert "Every loader is set to `auto`" in text
     for name in shipped:
         workflow = json.loads((ROOT / "workflows" / "api" / f"{name}.json").read_text(encoding="utf-8"))

@@ -6,7 +6,8 @@
 // - a live token count on MM3 Prompt while the caption and lyrics are typed, with the budget;
 // - an audio player on Save Song (ComfyUI's own AUDIO_UI widget);
 // - a live player on Vocoder Decode and Generate that plays each window as soon as it is decoded
-//   (web/mm3_player.js), with the waveform so far and the lyrics of an LRC text, when one arrives;
+//   (web/mm3_player.js), with the waveform so far and the lyrics of an LRC text, when one arrives; a
+//   click on a lyric line sets the line (or section) of the workflow's Change a Line and Repaint nodes;
 // - a seed's "control after generate" hidden while the seed is wired in;
 // - AR Plan workflows saved before its expert knobs moved onto MM3 Sampling Options load right;
 // - the "MM3 models" sidebar: which of the five components are present in the mm3 folders, each
@@ -17,7 +18,7 @@ import { PlayerView, readWav } from "./mm3_player.js";
 
 const TEXT_NODES = new Set(["MM3PromptAssemble", "MM3ARPlan", "MM3LoadAudioCodes", "MM3SaveAudioCodes", "MM3CaptionBuilder",
   "MM3Repaint", "MM3AudioCodesFromText", "MM3UnpackSongs", "MM3Generate",
-  "MM3LyricTimestamps"]);
+  "MM3LyricTimestamps", "MM3ChangeLine"]);
 const INFO = "mm3_info";
 const COUNT_DELAY_MS = 400;
 const KIND_TITLES = { lm: "Language model", depth: "Depth decoder", cond: "Condition encoder", dit: "DiT",
@@ -63,9 +64,38 @@ function audioContext(sampleRate) {
   }
 }
 
+// A lyric line or section clicked in a player ({ line: n } or { section: "chorus 2" }): the range of
+// the workflow's edits follows it. MM3 Change a Line takes a line; MM3 Repaint, where its lyrics_lrc is
+// wired in, a line or a section (the other set to none). Returns the nodes changed.
+export function chooseLyric(choice) {
+  const changed = [];
+  const set = (node, name, value) => {
+    const w = node.widgets?.find((x) => x.name === name);
+    if (!w) return false;
+    w.value = value;
+    w.callback?.(value);
+    return true;
+  };
+  for (const node of allNodes()) {
+    const type = node.comfyClass ?? node.type;
+    if (type === "MM3ChangeLine" && choice.line && set(node, "line", choice.line)) changed.push(node);
+    if (type === "MM3Repaint") {
+      const slot = node.inputs?.findIndex((i) => i.name === "lyrics_lrc") ?? -1;
+      if (slot < 0 || node.inputs[slot].link == null) continue;
+      if (set(node, "line", choice.line ?? 0)) {
+        set(node, "section", choice.section ?? "");
+        changed.push(node);
+      }
+    }
+  }
+  for (const node of changed) node.setDirtyCanvas?.(true, true);
+  return changed;
+}
+
 export function playerOf(node, makeContext = audioContext) {
   if (node.mm3Player) return node.mm3Player;
   const view = new PlayerView(makeContext);
+  view.onChoose = chooseLyric;
   const widget = node.addDOMWidget(PLAYER, "mm3player", view.root, {
     getValue: () => "", setValue: () => {}, serialize: false,
     getMinHeight: () => view.height(), getMaxHeight: () => view.height(),
@@ -119,16 +149,20 @@ export function onWindow(message) {
     const r = await api.fetchApi(`/view?${query}`);
     if (!r.ok) throw new Error(`${message.file.filename}: ${r.status}`);
     view.add(message, readWav(await r.arrayBuffer()));
+    if (lastLrc.promptId === message.prompt_id && view.lrc !== lastLrc.text) view.setLrc(lastLrc.text);
     fitHeight(node);
   }).catch((e) => console.warn(`MM3 live player: ${e}`));
   return view.queue;
 }
 
-// LRC text a node of the same prompt shows (ui "lyrics_lrc"): every live player of the prompt takes it.
+// LRC text a node of the same prompt shows (ui "lyrics_lrc"): every live player of the prompt takes it,
+// those whose first window comes later too (MM3 Lyric Timestamps may run before the decoding).
+let lastLrc = { promptId: null, text: "" };
 export function onExecuted(detail) {
   const lrc = detail?.output?.lyrics_lrc;
   if (!lrc) return;
   const text = Array.isArray(lrc) ? lrc.join("\n") : String(lrc);
+  lastLrc = { promptId: detail.prompt_id, text };
   for (const node of allNodes()) {
     const view = node.mm3Player;
     if (view && (view.promptId === detail.prompt_id || view.promptId === null)) {

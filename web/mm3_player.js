@@ -2,7 +2,8 @@
 // arrives as the engine decodes it (the "mm3.window" event names a 32-bit float WAV in ComfyUI's temp
 // folder) and is scheduled on one Web Audio clock right after the previous one, so the song plays
 // without gaps while it is still being made; a waveform drawn as the windows arrive, the position, and
-// optional LRC lyrics ("[mm:ss.xx]line") with the current line lit and click-to-seek. A volume slider;
+// optional LRC lyrics ("[mm:ss.xx]line") with the current line lit and click-to-seek (a click also
+// hands the line or section to `onChoose`: the editor sets the range of its Repaint nodes). A volume slider;
 // a song from a vocoder with random weights (a tiny test model: full-scale noise) is said to be noise
 // and played at a tenth of the volume.
 //
@@ -92,6 +93,21 @@ export function lineAt(lines, time) {
     } else hi = mid - 1;
   }
   return found;
+}
+
+// What each LRC line is in the lyrics, as the engine counts them (mm3/plan/lyric_edit.py): a sung line
+// { line: n } (from 1, section tags not counted), or a section tag { section: "chorus 2" } (the second
+// [chorus]). The LRC lists the lines in the lyrics' order, those the song never reached left out at the end.
+export function lyricChoices(lines) {
+  let sung = 0;
+  const seen = {};
+  return lines.map(({ text }) => {
+    const tags = String(text ?? "").trim().match(/^(\[[^\]]*\])+$/);
+    if (!tags) return { line: ++sung };
+    const name = [...tags[0].matchAll(/\[([^\]]*)\]/g)].map((m) => m[1].trim().toLowerCase()).filter(Boolean).join(" ");
+    seen[name] = (seen[name] ?? 0) + 1;
+    return { section: `${name} ${seen[name]}` };
+  });
 }
 
 // -- the schedule -------------------------------------------------------------------------------
@@ -425,14 +441,17 @@ export class PlayerView {
   _lines() {
     this.lyrics.replaceChildren?.();
     const lines = parseLrc(this.lrc);
+    const choices = lyricChoices(lines);
     this.lyrics.style.display = lines.length ? "" : "none";
-    this.lineEls = lines.map((line) => {
+    this.lineEls = lines.map((line, i) => {
       const row = document.createElement("div");
       row.textContent = line.text || "♪";
       row.style.cursor = "pointer";
-      row.title = `${clock(line.time)}: click to jump here`;
+      row.title = `${clock(line.time)}: click to jump here` +
+        (this.onChoose ? ` and to edit this ${choices[i].line ? "line" : "section"} (MM3 Repaint, Change a Line)` : "");
       row.onclick = () => {
         this.player?.seek(line.time);
+        this.onChoose?.(choices[i]);
         this.draw();
       };
       this.lyrics.append?.(row);

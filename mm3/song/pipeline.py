@@ -18,15 +18,15 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import overlap, stages
-from ..plan.ar import max_frames_for, plan
+from ..plan.ar import max_frames_for
 from ..plan.codes import REQUEST_CODES_PER_FRAME, AudioCodes, AudioCodesError, parse_audio_codes
 from ..components import ARCH_OF, DESCRIPTIONS, KINDS, check_compatible, check_loadable
-from ..constants import FRAME_RATE, MAX_DURATION
 from ..backends.cpu.bf16 import ruled
 from ..backends.device import empty_cache, pick_device, pick_dtype, total_bytes
 from ..errors import RunError
 from ..formats.fingerprint import file_fingerprint
-from ..plan.lyrics_align import LyricHeads
+from ..plan.lyric_edit import times_from_record
+from ..plan.lyrics_align import LyricHeads, LyricTime, lyric_times
 from ..lora.adapter import read_adapter
 from ..lora.attach import Applied, attach, layer_terms
 from ..lora.files import find_lora
@@ -410,22 +410,29 @@ class Pipeline:
         """The request's audio_codes with the frames of seconds [start, end) sampled anew from
         `lm_seed` (after the frames before them, END held off until the range is full); the frames
         after the range are kept. Returns the new codes text."""
-        prompt = self.prompt(request)
+        prompt = self.prompt_text(request)
         with self._stage("ar"):
             lm, depth = self._ar_models(request)
-            codes = parse_audio_codes(request.audio_codes, prompt.codes.num_semantic, depth.audio_vocab)
-            n = codes.shape[0] - 1
-            a, b = int(start * FRAME_RATE), min(n, int(end * FRAME_RATE))
-            if not 0 <= a < b:
-                raise RequestError(f"the range {start:g}..{end:g} s holds no frame of this {n / FRAME_RATE:.2f} s song")
-            # the request's duration is its replay's: the plan runs to frame b (at most MAX_AUDIO_FRAMES)
-            settings = PlanSettings(duration=min((b + 0.5) / FRAME_RATE, MAX_DURATION), lm_seed=lm_seed,
-                                    lm_cfg=request.lm_cfg, top_k=request.lm_top_k,
-                                    shaping=replace(request.shaping(), min_frames=b))
-            stages.set_ar_numerics(lm, depth, self.numerics(request.rng), device=self.device, dtype=self.dtype)
-            (song,) = plan(lm, depth, prompt, settings, device=self.device, dtype=self.dtype,
-                           progress=self._track(progress), prefix=codes[:a + 1] if a > 0 else None)
-        return AudioCodes(torch.cat([song.codes, codes[b + 1:]]), None, prompt).to_request_codes()
+            codes = parse_audio_codes(request.audio_codes, prompt.prompt.codes.num_semantic, depth.audio_vocab)
+            try:
+                settings = replace(request.plan_settings(), lm_seed=lm_seed)
+                new = stages.replan(lm, depth, prompt, codes, start, end, settings, device=self.device,
+                                    dtype=self.dtype, progress=self._track(progress),
+                                    numerics=self.numerics(request.rng))
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        return AudioCodes(new, None, prompt.prompt).to_request_codes()
+
+    def lyric_times(self, request: MM3Request, progress: Progress | None = None) -> list[LyricTime]:
+        """Each lyric line's start in the song of `request.audio_codes`: as the request records them
+        (`lyric_times`, for these lyrics), else from the LM's attention at the request's lyric heads
+        (`mm3.plan.lyrics_align`; the codes replayed through the LM only)."""
+        prompt = self.prompt(request)
+        recorded = times_from_record(request.lyric_times, prompt.lines)
+        if recorded is not None:
+            return recorded
+        song = self.replay(request, progress, lyric_heads=request.lyric_heads(), hiddens=False)
+        return lyric_times(song.codes.lyric_attention, prompt, lead=request.lrc_lead)
 
     def _resample(self, request: MM3Request, progress,
                   lyric_heads: LyricHeads | None = None) -> tuple[list[Song], list[torch.Generator]]:
@@ -529,8 +536,9 @@ class Pipeline:
                 songs, gens = self._resample(request, progress, lyric_heads)
             else:
                 songs, gens = [self.replay(request, progress, lyric_heads=lyric_heads)], None
-            if request.source_codes:
-                source = self.replay(request, progress, codes=parse_audio_codes(
+            if request.source_codes:  # made with request.source_lyrics where the repaint changed the words
+                made = replace(request, lyrics=request.source_lyrics) if request.source_lyrics else request
+                source = self.replay(made, progress, codes=parse_audio_codes(
                     request.source_codes, songs[0].prompt.prompt.codes.num_semantic, 1 << 62))
         elif on_audio is not None and self.can_overlap(request):
             return self._overlapped(request, progress, on_audio, lyric_heads)

@@ -36,7 +36,7 @@ from .settings import (
 EXTENSION_FIELDS = ("lm_temperature", "lm_top_p", "lm_penalty", "lm_penalty_strength", "lm_penalty_window",
                     "lm_dry_min_match", "min_duration", "takes", "require_ending", "ending_rounds", "lm_take",
                     "dit_shift", "continue_codes", "repaint_start", "repaint_end", "repaint_seed", "repaint_fade",
-                    "source_codes", "lrc_heads", "lrc_lead", "loras")
+                    "source_codes", "source_lyrics", "lrc_heads", "lrc_lead", "loras", "lyric_times", "lyric_edit")
 
 
 class RequestError(InputError):
@@ -94,10 +94,18 @@ class MM3Request:
     repaint_seed: int = -1
     repaint_fade: float = DEFAULT_REPAINT_FADE
     source_codes: str = ""
+    # A repaint that changed the words (`mm3.plan.lyric_edit`): the lyrics source_codes were made
+    # with ("" the same as lyrics), and what was edited (the line or section, its words, the range,
+    # the seed that planned it again).
+    source_lyrics: str = ""
+    lyric_edit: dict = field(default_factory=dict)
     # Lyric timestamps (`mm3.plan.lyrics_align`): the LM heads read ("" the released LM's) and the
     # seconds added to every stamp.
     lrc_heads: str = ""
     lrc_lead: float = LEAD_SECONDS
+    # Each lyric line's start in seconds (null: not reached), one per line of the normalised lyrics,
+    # "[start]" first: where a line or section is looked up without replaying the codes.
+    lyric_times: list = field(default_factory=list)
     # Adapters (LoRA) on the LM and the DiT, in order: `mm3.lora.use` says the entries' fields.
     loras: list = field(default_factory=list)
 
@@ -287,6 +295,18 @@ class MM3Request:
             check_codes_syntax(self.source_codes)
             if not self.repaints:
                 raise RequestError("source_codes is only used by a repaint (repaint_start and repaint_end)")
+        if self.source_lyrics:
+            if not self.source_codes:
+                raise RequestError("source_lyrics is only used with source_codes (a repaint that changed the words)")
+            from ..plan.prompt import size_problem, text_problem
+
+            problem = text_problem("source_lyrics", self.source_lyrics) or size_problem("lyrics", self.source_lyrics)
+            if problem:
+                raise RequestError(problem)
+        for i, t in enumerate(self.lyric_times):
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)
+                                  or t < 0):
+                raise RequestError(f"lyric_times[{i}] must be seconds (at least 0) or null, got {json.dumps(t)}")
         if self.repaints:
             if not self.audio_codes:
                 raise RequestError("a repaint needs the song's audio_codes (render or plan it first)")

@@ -18,6 +18,7 @@ from ..plan.ar import plan
 from ..synth.audio import CROP_LEFT_LATENTS, CROP_RIGHT_LATENTS, decode_windows, encode_audio, stitch, stitch_piece
 from ..plan.codes import AudioCodes
 from ..components import MODEL_FIELDS, check_compatible
+from ..constants import FRAME_RATE
 from ..filewatch import check
 from ..weights.layers import set_many_rows_bf16
 from ..synth.flow import NonFiniteError, encode_conditions, repaint_keep, sample_latents, windows_from_timeline
@@ -217,14 +218,22 @@ def _synth_fields(latents: Latents, song: Song) -> dict:
     out = dict(steps=synth.steps, dit_cfg=float(synth.dit_cfg), synth_batch_size=synth.variations,
                dit_shift=float(synth.shift), rng=latents.rng)
     if latents.repaint is None:
-        return out | dict(seed=synth.seed, repaint_start=-1.0, repaint_end=-1.0, repaint_seed=-1, source_codes="")
+        return out | dict(seed=synth.seed, repaint_start=-1.0, repaint_end=-1.0, repaint_seed=-1, source_codes="",
+                          source_lyrics="")
     source = latents.source
     kept_seed = source.synth.seed if source.synth is not None else (song.origin or MM3Request()).seed
     kept = source.conditions.song.codes
     r = latents.repaint
     return out | dict(seed=kept_seed, repaint_seed=synth.seed, repaint_start=float(r.start),
                       repaint_end=float(r.end), repaint_fade=float(r.fade),
-                      source_codes="" if torch.equal(kept.codes, song.codes.codes) else kept.to_request_codes())
+                      source_codes="" if torch.equal(kept.codes, song.codes.codes) else kept.to_request_codes(),
+                      source_lyrics=_source_lyrics(source.conditions.song, song),
+                      **({"lyric_edit": dict(r.chosen)} if r.chosen else {}))
+
+
+def _source_lyrics(kept: Song, song: Song) -> str:
+    """The lyrics the kept part was made with, where a repaint changed the words ("" otherwise)."""
+    return "" if kept.prompt.lyrics == song.prompt.lyrics else kept.prompt.lyrics
 
 
 def replay_requests(result: Song | Windows) -> list[MM3Request]:
@@ -313,6 +322,42 @@ def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, sett
         _check_hiddens(c, "planning")
     return [Song(_stored(c), prompt, depth, settings, takes, i, len(codes), origin) for i, c in enumerate(codes)], \
         candidates
+
+
+@torch.inference_mode()
+def replan(lm_model, depth_model, prompt: PromptText, codes: torch.Tensor, start: float, end: float,
+           settings: PlanSettings, *, device, dtype: torch.dtype, progress=None, numerics: Numerics = FAST,
+           frame_rate: float = FRAME_RATE) -> torch.Tensor:
+    """`codes` [F + 1, ncb] with the frames of seconds [start, end) sampled anew under `prompt`
+    (from `settings.lm_seed`, after the frames before them, END held off until the range is full);
+    the frames after the range are kept. `settings`: the song's plan settings (its shaping)."""
+    n = codes.shape[0] - 1
+    a, b = int(start * frame_rate + 1e-6), min(n, int(end * frame_rate + 1e-6))
+    if not 0 <= a < b:
+        raise ValueError(f"the range {start:g}..{end:g} s holds no frame of this {n / frame_rate:.2f} s song")
+    settings = replace(settings, duration=(b + 0.5) / frame_rate, songs=1,
+                       shaping=replace(settings.shaping, min_frames=b))
+    progress = watched(progress, lm_model, depth_model)
+    set_ar_numerics(lm_model, depth_model, numerics, device=device, dtype=dtype)
+    (song,) = plan(lm_model, depth_model, prompt.prompt, settings, device=device, dtype=dtype, progress=progress,
+                   prefix=codes[:a + 1] if a > 0 else None)
+    return torch.cat([song.codes.cpu(), codes[b + 1:]])
+
+
+@torch.inference_mode()
+def change_words(lm_model, depth_model, song: Song, prompt: PromptText, start: float, end: float, lm_seed: int,
+                 edit: dict, *, device, dtype: torch.dtype, progress=None, numerics: Numerics = FAST) -> Song:
+    """`song` singing other words in seconds [start, end): `prompt` holds its lyrics with one line
+    changed (`mm3.plan.lyric_edit.replace_line`); the frames of the range are planned again under it
+    from `lm_seed` (`replan`), the codes after the range kept, and the whole song replayed under it.
+    Its replay request records `edit` (`lyric_edit`) with the song's own plan and seeds."""
+    origin = request_of(song)
+    settings = replace(song.plan if song.plan is not None else origin.plan_settings(), lm_seed=lm_seed)
+    codes = replan(lm_model, depth_model, prompt, song.codes.codes, start, end, settings, device=device, dtype=dtype,
+                   progress=progress, numerics=numerics)
+    origin = replace(origin, lyric_edit=dict(edit), lyric_times=[])
+    return replay_song(lm_model, depth_model, prompt, song.depth, codes, lm_seed=origin.lm_seed, device=device,
+                       dtype=dtype, progress=progress, origin=origin, numerics=numerics)
 
 
 @torch.inference_mode()

@@ -67,6 +67,9 @@ class RepaintSettings:
     start: float
     end: float
     fade: float = DEFAULT_REPAINT_FADE
+    # The lyric line or section that chose the range, as a replay request's lyric_edit records it
+    # (`mm3.plan.lyric_edit.LyricRange.record`, as items); empty: chosen in seconds.
+    chosen: tuple = ()
 
     def __post_init__(self):
         for name in ("start", "end", "fade"):

@@ -56,6 +56,12 @@ NOTES = {
     "repaint_range": "Renders a 30 s song, then MM3 Repaint samples seconds 10-20 again with another seed and keeps "
                      "the rest (a short crossfade at the edges). Both are saved. To repaint your own recording, "
                      "feed MM3 Vocoder Encode's latents (a vocoder file with its encoder) as the source.",
+    "edit_a_line": "Changes the words of one sung line and keeps the rest of the song. MM3 Change a Line times "
+                   "the plan's lyric lines (the player on Vocoder Decode shows them after a run: click one to choose "
+                   "it, or set line: 1 = the first sung line, section tags not counted), plans that line's seconds "
+                   "again under the lyrics with its new words (lm_seed picks the take) and keeps the codes after "
+                   "it; MM3 Repaint renders those seconds anew over the original's latents and keeps the audio "
+                   "elsewhere. The replay JSON records the new lyrics, the edit and its seeds.",
     "songs_across_workers": "Needs ComfyUI-Distributed, its workers enabled, and this pack with a model set on every "
                             "server. Each server makes its own song: Distributed Seed gives the master lm_seed 42 and "
                             "worker i 42 + i (change it for other songs; keep it fixed). MM3 Pack Songs joins a "

@@ -73,8 +73,9 @@ def tiny_workflow(server, name: str, *, duration=1.2, steps=3, fmt=None, named=F
             inputs["min_duration"] = min(inputs["min_duration"], duration / 2)
         if cls in ("MM3FlowSampler", "MM3Repaint") and not isinstance(inputs["steps"], list):
             inputs["steps"] = steps
-        if cls == "MM3Repaint":  # the middle of the short song
-            inputs.update(start=duration / 3, end=2 * duration / 3, fade=0.04)
+        if cls == "MM3Repaint":  # the middle of the short song (where the range is not wired in)
+            inputs.update({k: v for k, v in (("start", duration / 3), ("end", 2 * duration / 3))
+                           if not isinstance(inputs[k], list)}, fade=0.04)
         if cls == "MM3SaveSong" and fmt:
             inputs["format"] = fmt
     for nid, values in node_inputs.items():

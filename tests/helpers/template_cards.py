@@ -31,6 +31,7 @@ CARDS = {
     "natural_ending_takes": ("A song that ends itself", "Four takes; keeps one that ends on its own", "#ff7a7a"),
     "continue_song": ("Continue a song", "A 30\u00a0s song carried on to 60\u00a0s", "#3fc7d6"),
     "repaint_range": ("Repaint a passage", "Seconds 10-20 made anew, the rest of the song kept", "#f47fc0"),
+    "edit_a_line": ("Change a line", "New words for one sung line, the rest of the song kept", "#ffd166"),
     "songs_across_workers": ("Songs on every GPU", "One song per server (needs ComfyUI-Distributed)", "#9aa7b8"),
     "variations_across_workers": ("Variations on every GPU",
                                   "One plan, one variation per server (needs ComfyUI-Distributed)", "#9aa7b8"),

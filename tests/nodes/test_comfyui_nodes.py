@@ -48,6 +48,7 @@ NODE_INPUTS = {  # node id -> its inputs in order
     "MM3LoadAudioCodes": ["lm", "depth", "codes_file", "model_check"],
     "MM3SaveSong": ["audio", "filename_prefix", "format", "mp3_bitrate", "peak_clip"],
     "MM3LyricTimestamps": ["lm", "depth", "codes", "lead"],
+    "MM3ChangeLine": ["lm", "depth", "codes", "line", "words", "lm_seed"],
 }
 NODE_IDS = set(NODE_INPUTS)
 def read_mp3_header(data: bytes) -> tuple[int, int, str]:
