@@ -2,7 +2,7 @@
 tables of the step's position (`rope_table_kernel`), the preparation of one position
 (`attn_prep_kernel`: q/k RMSNorm, rotation, the cache write at the device position), the attention
 of that position over the filled part of the cache (`attention_decode_kernel`, split over the keys,
-then `attention_combine_kernel`), and the depth decoder's short attention (`attention_short_kernel`).
+the last split of each key head combining them), and the depth decoder's short attention (`attention_short_kernel`).
 
 The preparation computes what `mm3.models.lm.Qwen3Attention` computes with torch, in the same
 roundings (the norm as `norm_kernels`; `q * cos + rotate_half(q) * sin` with each product and the
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .layout_kernels import counters
 from .norm_kernels import cast, warps
 
 SPLIT = 256  # keys per program of the decode attention
@@ -82,13 +83,15 @@ def attn_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, ck_p
 
 
 @triton.jit
-def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, cap, scale, n_splits,
-                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, cap, scale,
+                            n_splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                            BLOCK_N: tl.constexpr, COMBINE: tl.constexpr):
     """Program (row and key head bh, split): the G query heads of key head bh over keys
     [split * SPLIT, (split + 1) * SPLIT) of the filled ones (pos + 1); their running maximum,
     softmax sum and weighted values (float32) into m, l [BH, n_splits, GP] and acc [BH, n_splits,
-    GP, D]. A split past the filled keys returns at once (`attention_combine_kernel` skips it)."""
+    GP, D]. A split past the filled keys returns at once. With COMBINE, the last of key head bh's
+    splits to finish (counted in count_ptr[bh], which it sets back to zero) combines them into
+    out [B, heads, 1, D] as `attention_combine_kernel` does, in the same order: one launch."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     filled = tl.load(pos_ptr) + 1
@@ -122,6 +125,30 @@ def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
     tl.store(m_ptr + row, m)
     tl.store(l_ptr + row, den)
     tl.store(acc_ptr + row[:, None] * D + cols[None, :], acc)
+    if COMBINE:
+        tl.debug_barrier()  # every thread's partials are written before the count says so
+        used = (filled + SPLIT - 1) // SPLIT  # the splits holding a filled key
+        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == used - 1:  # the last of them: the splits in their order, the same bits whatever the timing
+            tl.debug_barrier()
+            row = bh * n_splits * GP + g
+            m = tl.load(m_ptr + row, volatile=True)
+            den = tl.load(l_ptr + row, volatile=True)
+            acc = tl.load(acc_ptr + row[:, None] * D + cols[None, :], volatile=True)
+            for other in range(1, used):
+                row = (bh * n_splits + other) * GP + g
+                ms = tl.load(m_ptr + row, volatile=True)
+                m_new = tl.maximum(m, ms)
+                alpha = tl.exp(m - m_new)
+                beta = tl.exp(ms - m_new)
+                den = den * alpha + tl.load(l_ptr + row, volatile=True) * beta
+                acc = acc * alpha[:, None] + tl.load(acc_ptr + row[:, None] * D + cols[None, :], volatile=True) * \
+                    beta[:, None]
+                m = m_new
+            heads = bh * G + g
+            tl.store(out_ptr + heads[:, None] * D + cols[None, :], cast(acc / den[:, None], out_ptr.dtype.element_ty),
+                     mask=(g < G)[:, None])
+            tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -199,9 +226,11 @@ def prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, heads
     return out
 
 
-def decode(q, cache_k, cache_v, pos, span: int, scale: float):
+def decode(q, cache_k, cache_v, pos, span: int, scale: float, two_launches: bool = False):
     """The attention of q [B, heads, 1, D] over the first pos + 1 keys of cache_k, cache_v [B,
-    kv_heads, cap, D] (span: the keys a launch covers, >= pos + 1) -> [B, heads, 1, D]."""
+    kv_heads, cap, D] (span: the keys a launch covers, >= pos + 1) -> [B, heads, 1, D], in one
+    launch (the last split of each key head combines them), or with `two_launches` the splits
+    combined by `attention_combine_kernel` (the same bits)."""
     b, heads, _, d = q.shape
     kv_heads, cap = cache_k.shape[1], cache_k.shape[2]
     g = heads // kv_heads
@@ -210,11 +239,15 @@ def decode(q, cache_k, cache_v, pos, span: int, scale: float):
     m = torch.empty(b * kv_heads, n_splits, gp, dtype=torch.float32, device=q.device)
     den = torch.empty_like(m)
     acc = torch.empty(b * kv_heads, n_splits, gp, d, dtype=torch.float32, device=q.device)
-    attention_decode_kernel[(b * kv_heads, n_splits)](q, cache_k, cache_v, pos, m, den, acc, cap, scale, n_splits,
-                                                      G=g, GP=gp, D=d, SPLIT=SPLIT, BLOCK_N=BLOCK_N, num_warps=4)
     out = torch.empty_like(q)
-    attention_combine_kernel[(b * heads,)](m, den, acc, pos, out, n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT,
-                                           num_warps=warps(d))
+    combine = not two_launches
+    counts = counters(q.device, b * kv_heads) if combine else m
+    attention_decode_kernel[(b * kv_heads, n_splits)](q, cache_k, cache_v, pos, m, den, acc, counts, out, cap, scale,
+                                                      n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
+                                                      COMBINE=combine, num_warps=4)
+    if not combine:
+        attention_combine_kernel[(b * heads,)](m, den, acc, pos, out, n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT,
+                                               num_warps=warps(d))
     return out
 
 

@@ -192,7 +192,7 @@ def _decode(x2: torch.Tensor, parts: list, sizes: list[int], k: int, bias: torch
     split_chunks = -(-chunks // (splits * block_c)) * block_c
     splits = -(-chunks // split_chunks)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x2.device) if splits > 1 else y
-    counts = _counts(x2.device, groups * tiles) if splits > 1 else y
+    counts = counters(x2.device, groups * tiles) if splits > 1 else y
     b = bias if bias is not None else y
     consts = dict(HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
                   BLOCK_C=block_c, num_warps=config.num_warps)
@@ -212,9 +212,10 @@ def _decode(x2: torch.Tensor, parts: list, sizes: list[int], k: int, bias: torch
 _COUNTS: dict = {}
 
 
-def _counts(device: torch.device, size: int) -> torch.Tensor:
-    """At least `size` int32 tile counters on `device` for the current stream, zero between
-    launches (each tile's last program sets its own back): made once, so a captured graph reads
+def counters(device: torch.device, size: int) -> torch.Tensor:
+    """At least `size` int32 counters on `device` for the current stream, zero between launches
+    (each kernel's last program of a group sets its own back; kernels on one stream run one after
+    another, so they share them): made once, so a captured graph reads
     the same buffer every replay."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     held = _COUNTS.get((device, stream))

@@ -150,6 +150,32 @@ def test_decode_attention_reads_only_the_filled_keys(dtype, split, monkeypatch):
             torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
 
 
+def test_decode_attention_in_one_launch_is_the_two_launches_bit_for_bit(monkeypatch):
+    """The last split of each key head combines the splits in the combining kernel's order: the
+    same bits as the two launches, at positions that fill one, two and all three splits of 16; the
+    counters are back at zero after each launch (a replayed graph finds them so)."""
+    from mm3.backends.gpu.frame_count import KernelCounter
+    from mm3.backends.gpu.layout_kernels import counters
+
+    monkeypatch.setattr(attention_kernels, "SPLIT", 16)
+    g = torch.Generator().manual_seed(5)
+    b, heads, kv_heads, d, bucket = 2, 8, 2, 16, 48
+    q = _rand(g, b, heads, 1, d, dtype=torch.bfloat16)
+    ck = _rand(g, b, kv_heads, bucket, d, dtype=torch.bfloat16)
+    cv = _rand(g, b, kv_heads, bucket, d, dtype=torch.bfloat16)
+    launches = []
+    for position in (3, 16, 31, 47):
+        pos = torch.tensor([position])
+        with KernelCounter() as one:
+            fused = attention_kernels.decode(q, ck, cv, pos, bucket, d ** -0.5)
+        with KernelCounter() as two:
+            split = attention_kernels.decode(q, ck, cv, pos, bucket, d ** -0.5, two_launches=True)
+        assert torch.equal(fused, split), position
+        assert not counters(q.device, b * kv_heads)[:b * kv_heads].any()
+        launches.append(tuple(sum(launch.source == "triton" for launch in c.launches) for c in (one, two)))
+    assert launches == [(1, 2)] * 4
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [16, 256])
 def test_short_attention_over_a_frame_of_depth_steps(dtype, d):
@@ -202,7 +228,7 @@ def _released():
     prep = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "cos_ptr": bf, "sin_ptr": bf,
             "ck_ptr": bf, "cv_ptr": bf, "pos_ptr": i64, "out_ptr": bf, "eps": "fp32"}
     decode = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "pos_ptr": i64, "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32,
-              "scale": "fp32"}
+              "count_ptr": "*i32", "out_ptr": bf, "scale": "fp32"}
     combine = {"m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "pos_ptr": i64, "out_ptr": bf}
     short = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "ck_ptr": bf, "cv_ptr": bf, "out_ptr": bf, "scale": "fp32"}
     split = {"SPLIT": attention_kernels.SPLIT}
@@ -213,7 +239,7 @@ def _released():
         (attention_kernels.rope_table_kernel, rope, {"D": 128}, nk.warps(128)),
         (attention_kernels.attn_prep_kernel, prep, {"HEADS": 32, "KV_HEADS": 8, "D": 128}, nk.warps(128)),
         (attention_kernels.attention_decode_kernel, decode,
-         {"G": 4, "GP": 4, "D": 128, "BLOCK_N": attention_kernels.BLOCK_N, **split}, 4),
+         {"G": 4, "GP": 4, "D": 128, "BLOCK_N": attention_kernels.BLOCK_N, "COMBINE": True, **split}, 4),
         (attention_kernels.attention_combine_kernel, combine, {"G": 4, "GP": 4, "D": 128, **split}, nk.warps(128)),
         (attention_kernels.attention_short_kernel, short, {"HEADS": 16, "D": 256, "SP": 2, "CP": 16}, 4),
     ]

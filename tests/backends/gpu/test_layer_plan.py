@@ -180,7 +180,7 @@ def test_a_decode_step_launches_a_few_kernels_a_layer(emulated_models):
     activation = {"torch silu": n_lm, "torch mul": n_lm}  # the MLP's SiLU x up (apart from these kernels)
     assert lm_step.kinds == Counter({"rope_table_kernel": 1, "torch add_": 1, "norm_rms_kernel": 1,
                                      "attn_prep_kernel": n_lm, "attention_decode_kernel": n_lm,
-                                     "attention_combine_kernel": n_lm, "norm_add_rms_kernel": 2 * n_lm,
+                                     "norm_add_rms_kernel": 2 * n_lm,
                                      **activation}), lm_step.kinds
     assert depth_step.kinds == Counter({"norm_add_rms_kernel": 2 * n_depth + 1, "attention_short_kernel": n_depth,
                                         "torch silu": n_depth, "torch mul": n_depth}), depth_step.kinds
