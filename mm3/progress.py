@@ -24,7 +24,6 @@ class Stage:
 
 # Every `on_progress` stage name the engine reports.
 STAGES = {
-    "cpu": Stage("timing CPU products", "frame"),
     "ar": Stage("planning", "frame"),
     "replay": Stage("replaying codes", "frame"),
     "cond": Stage("conditions", "window"),

@@ -35,15 +35,15 @@ SWITCHES = {s.name: s for s in (
     Switch("MM3_CACHE_DIR", "", None,
            "the folder of what the engine measured and built on this machine (default: the user cache folder + mm3)"),
     Switch("MM3_KERNELS", "auto", ("auto", "off", "triton", "layout"),
-           "the quantized GPU kernels: auto (the layout kernels on CUDA, timed elsewhere), off (torch's products), "
-           "or one family named"),
+           "the quantized GPU kernels: auto (the layout kernels wherever they read the weight, the block kernels "
+           "elsewhere), off (torch's products), or one family named"),
     Switch("MM3_CUDA_GRAPHS", "on", ("on", "off"), "the AR frame step replayed from CUDA graphs on CUDA"),
     Switch("MM3_KEEP_COPIES", "off", ("on", "off"),
            "keep float copies of the AR weights even where a fused kernel reads the blocks"),
     Switch("MM3_CPU_NATIVE", "on", ("on", "off"), "build and use the native integer kernel on the CPU"),
     Switch("MM3_CPU_PRODUCT", "auto", ("auto",) + CPU_FORMS,
-           "the form of the AR stage's few-row CPU products: auto (measured in whole frames once per machine) "
-           "or one form named"),
+           "the form of the AR stage's few-row CPU products: auto (the native integer kernel where it builds, "
+           "else torch's int4 product) or one form named"),
     Switch("MM3_CPU_BF16", "auto", ("auto", "on", "off"),
            "the DiT's CPU compute dtype: auto (measured on the machine's own products), on (bfloat16), off (float32)"),
 )}

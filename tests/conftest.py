@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 # parity tests compare float32 runs, so the suite pins it off and tests/backends/cpu/test_cpu_bf16.py turns it on.
 os.environ["MM3_CPU_BF16"] = "off"
 
-# The CPU product form of the AR stage is measured on the machine (mm3.backends.cpu.choice) and decides the
-# fast numerics' rounding; the suite names one and keeps its cache out of the user's folder.
+# The CPU product form of the AR stage (mm3.backends.cpu.choice: by rule, the native kernel where it builds)
+# decides the fast numerics' rounding; the suite names one and keeps its cache out of the user's folder.
 os.environ["MM3_CPU_PRODUCT"] = "int4"
 os.environ["MM3_CACHE_DIR"] = tempfile.mkdtemp(prefix="mm3-test-cache-")
 atexit.register(shutil.rmtree, os.environ["MM3_CACHE_DIR"], True)

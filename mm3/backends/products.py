@@ -17,9 +17,9 @@ rules, first match wins (`_base_for_linear`; `for_fused` stacks the parts where 
                                                  bfloat16 where `Linear.many_rows_bf16` (`Bf16Product`)
   6. otherwise                                -> `FloatWeight` over a dequantization per use
 
-The CPU form of a layer (`cpu.forms`, measured in whole frames by `cpu.choice` or named by
-`MM3_CPU_PRODUCT`) and the GPU kernel family of a weight (`gpu.kernel_choice`, `MM3_KERNELS`) are
-this table's inputs. Adapters attached to a layer (`Linear.low_rank`) run beside whichever product
+The CPU form of a layer (`cpu.forms`, given by `cpu.choice`'s rule or named by `MM3_CPU_PRODUCT`)
+and the GPU kernel family of a weight (`gpu.kernel_choice`'s rule, `MM3_KERNELS`) are this table's
+inputs. Adapters attached to a layer (`Linear.low_rank`) run beside whichever product
 serves (`WithLowRank`; a `Fused` layer's over its stacked output), so a quantized weight stays
 quantized. `KERNELS` is the one registry of kernels that read a packing of their own.
 """
@@ -278,15 +278,15 @@ def _base_for_linear(layer, dtype: torch.dtype, device: torch.device):
     major = cpu_forms.weight_major(layer, device)
     at_hand = layer.float_at_hand(dtype, device)
     if at_hand is not None:
-        return cpu_forms.timed(layer, FloatWeight(lambda: at_hand, major))
+        return FloatWeight(lambda: at_hand, major)
     per_use = FloatWeight(lambda: layer.get("weight", dtype, device, scratch=True), major, after=layer.blocks_read)
     wide = per_use
     if many_rows_bf16(layer, dtype, device):
         wide = Bf16Product(lambda: layer.get("weight", torch.bfloat16, device, scratch=True), after=layer.blocks_read)
     kernel = packed_takes(layer, dtype, device)
     if kernel is not None:
-        return cpu_forms.timed(layer, ByRows(PackedProduct(kernel, layer.packing, layer.out_features), wide))
-    return cpu_forms.timed(layer, per_use if wide is per_use else ByRows(per_use, wide))
+        return ByRows(PackedProduct(kernel, layer.packing, layer.out_features), wide)
+    return per_use if wide is per_use else ByRows(per_use, wide)
 
 
 def for_fused(fused, dtype: torch.dtype, device: torch.device):
@@ -329,10 +329,10 @@ def for_fused(fused, dtype: torch.dtype, device: torch.device):
     if all(many_rows_bf16(p, dtype, device) and p.float_at_hand(dtype, device) is None for p in parts):
         wide = split(Bf16Product(fused.stacked_weight_source(torch.bfloat16, device), after=fused.blocks_read))
     if packed[0] is not None and same and len(set(packed)) == 1:
-        return cpu_forms.timed(parts[0], ByRows(split(PackedProduct(packed[0], fused.packing, sum(fused.sizes))), wide))
+        return ByRows(split(PackedProduct(packed[0], fused.packing, sum(fused.sizes))), wide)
     if any(packed):  # a mix raised some parts to another type (v_proj in Q6_K): each part its own way
-        return ByRows(Separate(parts), cpu_forms.timed(parts[0], wide))
-    return cpu_forms.timed(parts[0], floats if wide is floats else ByRows(floats, wide))
+        return ByRows(Separate(parts), wide)
+    return floats if wide is floats else ByRows(floats, wide)
 
 
 def native_parts(product, dtype: torch.dtype, device: torch.device) -> list | None:
@@ -340,8 +340,6 @@ def native_parts(product, dtype: torch.dtype, device: torch.device) -> list | No
     decode-shaped inputs: the stacked packing's one, or each part's own where the parts multiply
     apart; None where anything else serves (another kernel or form, adapters beside it, a float
     copy). A block made of such layers can then run whole in the kernel library."""
-    if isinstance(product, cpu_forms.Timed):
-        product = product.product
     if isinstance(product, ByRows):
         product = product.decode
     if isinstance(product, Split):

@@ -10,14 +10,12 @@ numerics on the CPU (`mm3.backends.cpu.steps`); other devices get None until the
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Callable
 
 import torch
 
 from . import products
-from .cpu import forms as cpu_forms
 from .cpu import steps as cpu_steps
 from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, skip_draws
 from .gpu import steps as gpu_steps
@@ -154,7 +152,6 @@ def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
     if parts is None:
         return None
     attn = layer.self_attn
-    start = time.perf_counter()
     q = cpu_steps.lm_enter(x, layer.input_layernorm(dt, dev), layer.eps, parts, attn.q_norm(dt, dev),
                            attn.k_norm(dt, dev), attn.eps, cos, sin, cache.k[index], cache.v[index], cache.length)
     if q is None:
@@ -165,7 +162,6 @@ def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
                            layer.eps, parts)
     if y is None:  # lm_enter checked the whole layer's parts: the step is half done
         raise RuntimeError("the kernel library refused the second half of an LM decode step it began")
-    cpu_forms.add_to_clock(layer.mlp.gate_proj, start)
     return y
 
 
@@ -180,9 +176,5 @@ def depth_blocks(decoder, x: torch.Tensor, cache, eps: float) -> torch.Tensor | 
     if parts is None:
         return None
     norms = [w for block in blocks for w in (block.input_layernorm(dt, dev), block.post_attention_layernorm(dt, dev))]
-    start = time.perf_counter()
-    y = cpu_steps.depth_layers(x.contiguous(), norms, eps, parts, cache.k, cache.v, cache.length,
-                               blocks[0].attn.head_dim ** -0.5)
-    if y is not None:
-        cpu_forms.add_to_clock(blocks[0].gate_proj, start)
-    return y
+    return cpu_steps.depth_layers(x.contiguous(), norms, eps, parts, cache.k, cache.v, cache.length,
+                                  blocks[0].attn.head_dim ** -0.5)

@@ -4,10 +4,9 @@ A frame is the LM-head sampling, the 7 depth steps with their sampling, and the 
 the frame back. Each side runs the same prompt ids, seed and weights (`Context`); the time per frame
 is taken between the first and the last frame of a run, so the prompt prefill is left out. Ours runs
 with the models loaded for the fast numerics (the default) and for the reference numerics; the
-codes of the fast run are compared with the reference's. On the CPU the product forms are timed
-first, as the first plan on a machine times them (`mm3.backends.cpu.choice`, here always afresh and not
-cached): every candidate's ms per frame and the one chosen are reported, and the AR's weight
-bandwidth beside the machine's (a copy of a 1 GiB tensor).
+codes of the fast run are compared with the reference's. On the CPU the few-row product form the
+plan takes (`mm3.backends.cpu.choice`: by rule, or as `MM3_CPU_PRODUCT` names) is reported, and the
+AR's weight bandwidth beside the machine's (a copy of a 1 GiB tensor).
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ import time
 import torch
 
 from ..backends.cpu import choice as cpu_choice
-from ..plan.ar import PlanSettings, ScratchFrames, plan
+from ..plan.ar import PlanSettings, plan
 from ..constants import FRAME_RATE
-from ..backends.cpu.forms import FORMS
 from ..song.numerics import Numerics
 from ..progress import Progress
 from ..song.stages import set_ar_numerics
@@ -63,28 +61,16 @@ def _reference(ctx, frames: int):
 
 
 def cpu_products(ctx) -> dict | None:
-    """The CPU product forms timed afresh on the bench's models (`mm3.backends.cpu.choice.serve`), kept for
-    this process: each candidate's ms per frame and the chosen one, and the vector width the
-    native kernel was built for where it was a candidate; None off the CPU."""
-    from ..backends.device import ar_weight_budget
-
+    """The CPU product forms the plan gives the bench's models (`mm3.backends.cpu.choice.serve`), and
+    the vector width the native kernel was built for where a form reads it; None off the CPU."""
     lm, depth = ctx.ours("lm"), ctx.ours("depth")
-    settings = PlanSettings(duration=1.0, lm_seed=ctx.seed)
-    choice = cpu_choice.serve({"lm": lm, "depth": depth}, ctx.dtype, ctx.device,
-                              lambda: ScratchFrames(lm, depth, ctx.prompt(), settings, ctx.dtype, ctx.device),
-                              budget=ar_weight_budget(ctx.device), fresh=True)
+    choice = cpu_choice.serve({"lm": lm, "depth": depth}, ctx.device)
     if choice is None:
         return None
     from ..backends.cpu import native as cpu_native
 
-    return {"chosen": choice.label, "forms": choice.forms, "threads": choice.threads, "source": choice.source,
-            "candidates_ms_per_frame": choice.ms_per_frame, "candidates_cut_short": choice.stopped,
-            "native_vector_bits": cpu_native.vector_bits() if "native" in _timed_forms(choice) else None}
-
-
-def _timed_forms(choice) -> set[str]:
-    """The forms among a choice's candidates (labels "form xN" or "lm form + depth form xN")."""
-    return {word for label in choice.ms_per_frame for word in label.split() if word in FORMS}
+    return {"chosen": choice.label, "forms": choice.forms, "source": choice.source,
+            "native_vector_bits": cpu_native.vector_bits() if "native" in choice.forms.values() else None}
 
 
 def measure(ctx, frames: int) -> dict:

@@ -270,10 +270,7 @@ def summary(report: dict) -> str:
                          + ("" if ar is None else f"; the AR had planned the first window's frames after {ar:.2f} s"))
         if stage == "ar" and r.get("cpu_products"):
             cp = r["cpu_products"]
-            short = cp.get("candidates_cut_short", [])
-            timed = ", ".join(f"{k} {'>' if k in short else ''}{v:.1f}"
-                              for k, v in sorted(cp["candidates_ms_per_frame"].items(), key=lambda kv: kv[1]))
-            lines.append(f"           CPU products: {cp['chosen']} ({cp['source']}; ms/frame: {timed})")
+            lines.append(f"           CPU products: {cp['chosen']} ({cp['source']})")
         if stage == "ar" and r.get("profile"):
             from .profile import lines as profile_lines
 

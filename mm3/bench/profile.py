@@ -1,6 +1,6 @@
 """Where our AR frame goes: a few eager frames under torch's profiler (`bench --profile N`).
 
-The frames run one after another on scratch state (`mm3.plan.ar.ScratchFrames`, the prompt prefilled
+The frames run one after another on scratch state (`ScratchFrames`, the prompt prefilled
 before the profile starts), eagerly: on CUDA without graphs, so every kernel is seen with its own
 time on the device. Reported per frame: the wall time under the profiler, the operations (or, on
 CUDA, kernels) that took the most time, and the sum of all of them. On the CPU the profiler's own
@@ -11,15 +11,53 @@ not torch operations) do not appear: wall time less the operations' sum is their
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
-from ..plan.ar import PlanSettings, ScratchFrames
+from ..models.depth import RVQDepthDecoder
+from ..models.lm import Qwen3LM
+from ..plan.ar import FrameSampler, PlanSettings, rows_per_song
+from ..plan.prompt import Prompt
+from ..plan.shaping import Shaping
 from ..song.numerics import Numerics
 from ..song.stages import set_ar_numerics
 from .measure import sync
 
 TOP = 20  # entries kept
+
+
+class ScratchFrames:
+    """Whole AR frames of the prompt's first song on scratch state: a KV cache of their own (rewound
+    to the prompt before every run), their own sampler and draws."""
+
+    def __init__(self, lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings,
+                 dtype: torch.dtype, device: torch.device, frames: int):
+        rows = rows_per_song(lm.numerics, settings.lm_cfg, device)
+        frames = max(1, min(frames, lm.max_positions - prompt.num_tokens - 1))
+        self.cache = lm.new_cache(rows, prompt.num_tokens + frames + 1, dtype, device)
+        self.after_prompt = lm(lm.embed(prompt.ids[:rows].to(device), dtype), self.cache)[:, -1]
+        self.start = self.cache.length
+        one = replace(settings, songs=1, shaping=Shaping())
+        self.sampler = FrameSampler(lm, depth, prompt.codes, self.cache, one, dtype, device, frames)
+        self.generator = torch.Generator().manual_seed(0)
+        self.sizes = ((1, lm.head_ids[1] - lm.head_ids[0]), (1, depth.num_codebooks - 1, depth.audio_vocab))
+        self.device = device
+
+    def run(self, n: int) -> list[float]:
+        """n frames from the prompt on; each one's seconds."""
+        seconds = []
+        for _ in range(n):
+            if not seconds or self.cache.length + 1 > self.cache.max_len:
+                self.cache.length = self.start
+                self.cache.pos.fill_(self.start)
+                self.sampler.last = self.after_prompt
+            q_sem, q_dep = (torch.empty(size).exponential_(generator=self.generator).to(self.device)
+                            for size in self.sizes)
+            start = time.perf_counter()
+            self.sampler.step(q_sem, q_dep)
+            seconds.append(time.perf_counter() - start)
+        return seconds
 
 
 def profile_frames(ctx, frames: int, top: int = TOP) -> dict:

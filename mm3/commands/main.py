@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 
@@ -36,17 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _show_choices() -> None:
-    """The line a machine's first plan writes about the CPU products it measured (`mm3.backends.cpu.choice`),
-    on stderr, where nothing else has set up logging."""
-    choice_log = logging.getLogger("mm3.backends.cpu.choice")
-    if not logging.getLogger().handlers and not choice_log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        choice_log.addHandler(handler)
-        choice_log.setLevel(logging.INFO)
-
-
 def missing_package(e: ModuleNotFoundError) -> str | None:
     """The one-line message for a package that is not installed (None: a module of this engine
     itself is missing, which is a broken checkout rather than an install to make)."""
@@ -76,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    _show_choices()
     try:
         return args.func(args) or 0
     except Cancelled as e:

@@ -13,9 +13,6 @@ fuses products and caches the depth decoder's keys, equal up to rounding.
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
-
 import torch
 
 from ..backends.cpu import choice as cpu_choice
@@ -37,7 +34,7 @@ from ..models.lm import activation_bytes as lm_activation_bytes
 from ..progress import Cancelled, Progress
 from .prompt import Prompt
 from .replay import check_pair, checked_codes, feed_frames, frame_feedback, replay
-from .settings import PlanSettings, Shaping
+from .settings import PlanSettings, Shaping  # noqa: F401  (Shaping: importable from here as before)
 from .shaping import SemanticShaper
 from .sampling import (
     draw, exponential_draws, exponential_tail, guide, kth_largest, make_generator, resolve_seed, skip_draws,
@@ -202,40 +199,6 @@ def _draw(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return draw(probs, q)
     index = steps.draw_from_raw(probs, q)
     return draw(probs, steps.exponentials(q)) if index is None else index
-
-
-class ScratchFrames:
-    """Whole AR frames of the prompt's first song on scratch state, for timing the CPU product
-    forms (`mm3.backends.cpu.choice`): a KV cache of their own (rewound to the prompt before every run),
-    their own sampler and draws, so the songs planned afterwards are untouched."""
-
-    def __init__(self, lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSettings,
-                 dtype: torch.dtype, device: torch.device, frames: int = cpu_choice.TURN_FRAMES):
-        rows = rows_per_song(lm.numerics, settings.lm_cfg, device)
-        frames = max(1, min(frames, lm.max_positions - prompt.num_tokens - 1))
-        self.cache = lm.new_cache(rows, prompt.num_tokens + frames + 1, dtype, device)
-        self.after_prompt = lm(lm.embed(prompt.ids[:rows].to(device), dtype), self.cache)[:, -1]
-        self.start = self.cache.length
-        one = replace(settings, songs=1, shaping=Shaping())
-        self.sampler = FrameSampler(lm, depth, prompt.codes, self.cache, one, dtype, device, frames)
-        self.generator = torch.Generator().manual_seed(0)
-        self.sizes = ((1, lm.head_ids[1] - lm.head_ids[0]), (1, depth.num_codebooks - 1, depth.audio_vocab))
-        self.device = device
-
-    def run(self, n: int) -> list[float]:
-        """n frames from the prompt on; each one's seconds."""
-        seconds = []
-        for _ in range(n):
-            if not seconds or self.cache.length + 1 > self.cache.max_len:
-                self.cache.length = self.start
-                self.cache.pos.fill_(self.start)
-                self.sampler.last = self.after_prompt
-            q_sem, q_dep = (torch.empty(size).exponential_(generator=self.generator).to(self.device)
-                            for size in self.sizes)
-            start = time.perf_counter()
-            self.sampler.step(q_sem, q_dep)
-            seconds.append(time.perf_counter() - start)
-        return seconds
 
 
 def kv_bucket(n_keys: int, max_len: int) -> int:
@@ -438,8 +401,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     `on_frames(frames, final, codes)` after every frame: per song the frames emitted so far (a
     continued song's prefix counted), whether it is complete, and `codes(i)`: song i's code rows so
     far [frames + 1, ncb] on the CPU (prefix included), for a caller that renders as it plans.
-    On the CPU the models first take the product forms `mm3.backends.cpu.choice` chose for this machine
-    (timed on scratch frames at the first plan), and the frames run at its thread count.
+    On the CPU the models first take their few-row product forms (`mm3.backends.cpu.choice`: by rule,
+    or as `MM3_CPU_PRODUCT` names).
     """
     check_pair(lm, depth, prompt)
     device = model_device(lm) if device is None else indexed_device(device)
@@ -470,39 +433,36 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
     budget = ar_weight_budget(device) if weight_budget is None else int(weight_budget)
     if lm.numerics == "fast" and not keeps_ar_copies(device):
         budget = 0  # the fused kernels read the GGUF blocks themselves
-    choice = cpu_choice.serve({"lm": lm, "depth": depth}, dtype, device,
-                              lambda: ScratchFrames(lm, depth, prompt, settings, dtype, device), budget=budget,
-                              progress=progress)
+    cpu_choice.serve({"lm": lm, "depth": depth}, device)
     own = budget > 0 and dequantized_nbytes([depth, lm]) == 0  # copies someone else keeps are left alone
-    with cpu_choice.threads(choice):
-        if own:  # the depth decoder runs 7 times a frame: its weights first
-            cache_dequantized([depth, lm], dtype, budget, device)
-        try:
-            prior = None if prefix is None or not keep_hiddens else replay(
-                lm, depth, prompt, prefix, device=device, dtype=dtype, progress=progress).frame_hiddens
-            # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
-            # One spare position: the last frame is fed back too.
-            r = rows_per_song(lm.numerics, settings.lm_cfg, device)
-            cache = lm.new_cache(r, n_prompt + known + max_frames + 1, dtype, device)
-            last = lm(lm.embed(prompt.ids[:r].to(device), dtype), cache)[:, -1]  # [r, H], final-normed
-            if prefix is not None:
-                last = feed_frames(lm, depth, prefix.to(device), cs.code_offset, dtype, cache)
-            if n_songs > 1:
-                cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
-            sampler = FrameSampler(lm, depth, cs, cache, settings, dtype, device, max_frames, prefix)
-            sampler.last = last.contiguous()  # the layout of every later frame's (a compiled step guards on it)
-            # Raw draws where the library makes the draws in the frame's own thread (a CUDA frame's
-            # are made while the device runs the one before).
-            raw = sampler.library_draws and cpu_path(sampler.last) and not compile and \
-                steps.raw_draws_exact(lm.vocab_size) and steps.raw_draws_exact(depth.audio_vocab)
-            draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab, raw)
-            results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
-                                     compile=compile, graphs=graphs, emit_first=prefix is not None,
-                                     on_frames=None if on_frames is None else _song_so_far(on_frames, prefix))
-        finally:
-            if own:
-                release_dequantized([depth, lm])
-            CPU_SCRATCH.clear()
+    if own:  # the depth decoder runs 7 times a frame: its weights first
+        cache_dequantized([depth, lm], dtype, budget, device)
+    try:
+        prior = None if prefix is None or not keep_hiddens else replay(
+            lm, depth, prompt, prefix, device=device, dtype=dtype, progress=progress).frame_hiddens
+        # Prefill [cond, uncond] once; a batch of songs starts from copies (rows cond_i = 2i, uncond_i = 2i + 1).
+        # One spare position: the last frame is fed back too.
+        r = rows_per_song(lm.numerics, settings.lm_cfg, device)
+        cache = lm.new_cache(r, n_prompt + known + max_frames + 1, dtype, device)
+        last = lm(lm.embed(prompt.ids[:r].to(device), dtype), cache)[:, -1]  # [r, H], final-normed
+        if prefix is not None:
+            last = feed_frames(lm, depth, prefix.to(device), cs.code_offset, dtype, cache)
+        if n_songs > 1:
+            cache, last = cache.repeat(n_songs), last.repeat(n_songs, 1)
+        sampler = FrameSampler(lm, depth, cs, cache, settings, dtype, device, max_frames, prefix)
+        sampler.last = last.contiguous()  # the layout of every later frame's (a compiled step guards on it)
+        # Raw draws where the library makes the draws in the frame's own thread (a CUDA frame's
+        # are made while the device runs the one before).
+        raw = sampler.library_draws and cpu_path(sampler.last) and not compile and \
+            steps.raw_draws_exact(lm.vocab_size) and steps.raw_draws_exact(depth.audio_vocab)
+        draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab, raw)
+        results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
+                                 compile=compile, graphs=graphs, emit_first=prefix is not None,
+                                 on_frames=None if on_frames is None else _song_so_far(on_frames, prefix))
+    finally:
+        if own:
+            release_dequantized([depth, lm])
+        CPU_SCRATCH.clear()
     out = []
     for i, (codes, hiddens, ended) in enumerate(results):
         if hiddens.shape[0] == 0:

@@ -84,7 +84,7 @@ class _SongRender:
         ready = settled_windows(frames, final)
         if ready <= len(self.waves):
             return
-        with at_threads(job.threads):  # the caller's count, not the AR frames' (`mm3.backends.cpu.choice`)
+        with at_threads(job.threads):  # the caller's count, whatever the planning thread runs at
             self._render(frames, final, codes, ready)
 
     def _render(self, frames: int, final: bool, codes, ready: int) -> None:
@@ -140,7 +140,7 @@ class _Job:
     windows: int  # the most windows a song can have (for progress reports)
     first_seed: int | None  # lm_seed of song 0
     lyric_heads: LyricHeads | None = None  # the replay also keeps each song's lyric attention
-    threads: int = 1  # torch threads for the windows (the AR frames may run at another count)
+    threads: int = 1  # torch threads for the windows (the planning thread's count may differ)
     seconds: dict[str, float] = field(default_factory=lambda: {"plan": 0.0, "dit": 0.0, "vae": 0.0})
 
     @property

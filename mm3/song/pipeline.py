@@ -34,7 +34,6 @@ from ..lora.health import base_shapes, group_changes, warnings_of
 from ..lora.keys import KINDS as LORA_KINDS, NAMES as LORA_NAMES
 from ..lora.use import check_entries, use_of
 from .numerics import FAST, Numerics
-from .settings import PlanSettings
 from ..files.opener import open_component, read_component
 from ..progress import Cancelled, Progress
 from ..plan.prompt import Prompt, PromptError, build_prompt, lyrics_sent

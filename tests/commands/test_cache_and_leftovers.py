@@ -6,7 +6,6 @@ once-a-process state (the kernel library, the warning) is what is tested."""
 
 import builtins
 import errno
-import json
 import logging
 import os
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mm3.backends.cpu import choice as cpu_choice
+from mm3.cache_dir import RECORD_NAME, recorded, remember
 from mm3.commands.main import main as cli_main
 from mm3.backends.cpu import native as cpu_native
 from mm3.files.registry import Registry
@@ -30,7 +29,8 @@ needs_compiler = pytest.mark.skipif(cpu_native.build() is None,
 
 def run(args, cache, tmp_path, code=None):
     """The command line with arguments `args` (or the script `code` with them) with the cache folder
-    `cache`, the CPU forms timed (so a choice is measured and stored) and a temporary folder of its own."""
+    `cache`, the CPU forms by rule (the native kernel built where it can be) and a temporary folder
+    of its own."""
     env = {**os.environ, "MM3_CACHE_DIR": str(cache), "MM3_CPU_PRODUCT": "auto", "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir(exist_ok=True)
     cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "mm3", *args]
@@ -58,8 +58,8 @@ def unusable_cache(tmp_path, how) -> Path:
 # -- a cache folder that cannot be written ---------------------------------------------------------
 @pytest.mark.parametrize("how", ["a file", "below a file", "read-only", "cannot be made"])
 def test_a_cache_folder_that_cannot_be_written_never_fails_a_run(tiny, tmp_path, how):
-    """The song is made (the kernel library built for this process alone, the measured choice
-    not kept), with one warning naming the folder; nothing is left in the temporary folder."""
+    """The song is made (the kernel library built for this process alone, nothing measured kept),
+    with one warning naming the folder; nothing is left in the temporary folder."""
     cache = unusable_cache(tmp_path, how)
     out = tmp_path / "out" / "song.wav"
     done = run(["generate", "--models", str(tiny.gguf), *SONG, "--out", str(out)], cache, tmp_path)
@@ -90,31 +90,14 @@ def test_a_damaged_cached_library_is_built_again(tmp_path, damage):
         assert f"the CPU integer kernel {path} does not load" in again.stderr
 
 
-def write_record(cache: Path, entry) -> None:
-    cache.mkdir(parents=True, exist_ok=True)
-    (cache / cpu_choice.CACHE_NAME).write_text(json.dumps({"version": cpu_choice.CACHE_VERSION,
-                                                           "choices": {"k": entry}}))
-
-
-@pytest.mark.parametrize("threads", [100000, 0, True, 2.5])
-def test_a_cached_thread_count_out_of_range_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog, threads):
-    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
-    write_record(tmp_path, {"forms": {"lm": "int4"}, "threads": threads})
-    with caplog.at_level(logging.WARNING, logger="mm3.backends.cpu.choice"):
-        assert cpu_choice.cached("k") is None
-    assert f"(threads {threads}" in caplog.text and "timing again" in caplog.text
-    write_record(tmp_path, {"forms": {"lm": "int4"}, "threads": 1})
-    assert cpu_choice.cached("k").threads == 1
-
-
 def test_a_cache_record_that_is_a_folder_leaves_no_temporary(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
-    (tmp_path / cpu_choice.CACHE_NAME).mkdir()
-    with caplog.at_level(logging.WARNING, logger="mm3.backends.cpu.choice"):
+    (tmp_path / RECORD_NAME).mkdir()
+    with caplog.at_level(logging.WARNING, logger="mm3.cache_dir"):
         for _ in range(2):
-            cpu_choice.store("k", cpu_choice.Choice({"lm": "int4"}, 1))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [cpu_choice.CACHE_NAME]
-    assert f"cannot write the CPU record {tmp_path / cpu_choice.CACHE_NAME} (not a file)" in caplog.text
+            assert not remember("s", "k", {"form": "float32"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD_NAME]
+    assert f"cannot write the record {tmp_path / RECORD_NAME} (not a file)" in caplog.text
 
 
 # -- what a killed run leaves ------------------------------------------------------------------------
@@ -125,17 +108,17 @@ def aged(path: Path, seconds: float = 3600) -> Path:
 
 
 def test_a_killed_writers_cache_temporaries_are_removed_by_the_next(tmp_path, monkeypatch):
-    """Temporaries of the choice cache older than any write takes are a killed process's: the
-    next store removes them; a fresh one (a live writer's) stays."""
+    """Temporaries of the record older than any write takes are a killed process's: the next
+    write removes them; a fresh one (a live writer's) stays."""
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
-    old = tmp_path / f".{cpu_choice.CACHE_NAME}.4242.tmp"
+    old = tmp_path / f".{RECORD_NAME}.4242.tmp"
     old.write_text("{")
     aged(old)
-    fresh = tmp_path / f".{cpu_choice.CACHE_NAME}.4343.tmp"
+    fresh = tmp_path / f".{RECORD_NAME}.4343.tmp"
     fresh.write_text("{")
-    cpu_choice.store("k", cpu_choice.Choice({"lm": "int4"}, 1))
+    assert remember("s", "k", {"form": "float32"})
     assert not old.exists() and fresh.exists()
-    assert cpu_choice.cached("k").forms == {"lm": "int4"}
+    assert recorded("s")["k"]["form"] == "float32"
 
 
 @needs_compiler

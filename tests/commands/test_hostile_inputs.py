@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from mm3.backends.cpu import choice as cpu_choice
+from mm3.cache_dir import record_path, recorded
 from mm3.commands.main import main as cli_main
 from mm3.formats.gguf import GGUFFile, GGUFFormatError
 from mm3.files.inventory import scan as inventory_scan
@@ -195,9 +195,9 @@ def test_hostile_request_json(tiny, tmp_path, capsys, text, message):
 
 def test_deep_cache_record_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
-    cpu_choice.cache_file().write_text('{"version": ' + "[" * 100000 + "]" * 100000 + "}")
-    assert cpu_choice.cached("any machine") is None
-    assert "the cache record nests 100001 levels deep" in caplog.text
+    record_path().write_text('{"version": ' + "[" * 100000 + "]" * 100000 + "}")
+    assert recorded("any section") == {}
+    assert "the record nests 100001 levels deep" in caplog.text
 
 
 # -- request values and text inputs (defects 5 and 10) ---------------------------------------------

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mm3.backends.cpu import choice as cpu_choice
+from mm3.cache_dir import record_path, recorded
 from mm3.errors import InputError
 from mm3.formats.safetensors_raw import file_entries
 from mm3.formats.gguf import GGUFFile, GGUFFormatError, read_architecture
@@ -256,13 +256,13 @@ def test_request_raw(text):
 
 # -- the cache record ------------------------------------------------------------------------------------------------
 @settings(FUZZ, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(record=st.one_of(HOSTILE_TEXT, st.builds(lambda choices: json.dumps({"version": 1, "choices": choices}),
+@given(record=st.one_of(HOSTILE_TEXT, st.builds(lambda sections: json.dumps({"version": 1, "sections": sections}),
                                                 st.dictionaries(st.sampled_from(["k", "x"]), JSON, max_size=2))))
 def test_cache_record(folder, monkeypatch, record):
     monkeypatch.setenv("MM3_CACHE_DIR", str(folder / "cache"))  # the same for every example
-    path = cpu_choice.cache_file()
+    path = record_path()
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(record.encode() if isinstance(record, str) else record)
     with bounded():
-        choice = cpu_choice.cached("k")  # a damaged record or entry: None (warned), timed again
-    assert choice is None or isinstance(choice, cpu_choice.Choice)
+        section = recorded("k")  # a damaged record: {} (warned), measured again
+    assert isinstance(section, dict)

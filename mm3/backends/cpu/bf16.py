@@ -3,14 +3,15 @@ default library, in float32 through oneDNN, or in bfloat16.
 
 A DiT step is almost all large matrix products, and so are the LM's and depth decoder's products
 over many rows (the prompt's prefill, the replay of a song's codes; a frame's few-row products are
-`mm3.backends.cpu.choice`'s). Where the processor has no bfloat16 dot products, bfloat16 is
+`mm3.backends.cpu.choice`'s rule). Where the processor has no bfloat16 dot products, bfloat16 is
 emulated and always slower: float32 serves, by rule. Where it has them (AVX512-BF16, AMX), whether
 bfloat16 pays depends on the processor: with AMX it runs the DiT several times faster; with
 AVX512-BF16 alone (many cloud processors, AMD Zen 4) torch's bfloat16 products can be slower than
 its float32 ones, and oneDNN's float32 products (`matmul.onednn_matmul`) faster or slower than
-the default library's. So the form comes from timing the products the model runs (its own weight
-shapes, each candidate in turn, alternating), once per machine: it is kept in the CPU record of
-the cache folder, and later runs with the same seeds give the same audio. The price of bfloat16 is its
+the default library's: no rule over the processor's flags tells them apart. So the form comes from timing the products the model runs (its own weight shapes, each
+candidate in turn, alternating), once per machine: it is kept in the cache folder's record
+(`mm3.cache_dir.remember`, section `SECTION`), and later runs with the same seeds give the same
+audio. The price of bfloat16 is its
 precision, the GPUs' default (only the products; latents, Euler steps and the LM's activations stay
 float32). The reference numerics and RNG mode stay float32; `MM3_CPU_BF16` or a dtype named by the
 user (`--dtype float32`) decides instead.
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import switches
+from ...cache_dir import recorded, remember
 from ...weights.layers import Linear
 from . import choice, matmul
 
@@ -34,6 +36,7 @@ ROUNDS = 3  # each form's products timed this many times, alternating; the faste
 BUDGET_SECONDS = 10.0  # rounds after the first stop once the timing has taken this long
 PAYS = 0.9  # a form other than plain float32 serves where it takes at most this share of float32's time
 FORMS = ("float32", "onednn", "bfloat16")  # the default library's float32, oneDNN's float32, bfloat16 tensors
+SECTION = "cpu-compute-dtype"  # the record's section of these measurements
 
 _MEMO: dict[str, str] = {}  # this process's measurements by key (a record that cannot be written)
 
@@ -120,7 +123,7 @@ def candidates(with_bf16: bool | None = None) -> tuple[str, ...]:
 def measured(model: torch.nn.Module, among: tuple[str, ...] | None = None) -> str:
     """The fastest form (`FORMS`) of `model`'s products on this machine among `among` (None:
     `candidates()`), plain float32 unless another is faster by `PAYS`: timed once per processor,
-    thread count, torch, candidates and set of shapes, and kept in the CPU record (a record that
+    thread count, torch, candidates and set of shapes, and kept in the record (a record that
     cannot be read or written is timed again by the next process)."""
     among = candidates() if among is None else tuple(f for f in among if f in candidates(True))
     shapes = products(model)
@@ -131,14 +134,14 @@ def measured(model: torch.nn.Module, among: tuple[str, ...] | None = None) -> st
            + ",".join(f"{n}x{k}*{c}" for (n, k), c in sorted(shapes.items())))
     if key in _MEMO:
         return _MEMO[key]
-    known = choice.cached_entry(key)
+    known = recorded(SECTION).get(key)
     if isinstance(known, dict) and known.get("form") in among:
         chosen = known["form"]
     else:
         ms = time_products(shapes, among)
         fastest = min(ms, key=ms.get)
         chosen = fastest if ms[fastest] <= PAYS * ms["float32"] else "float32"
-        choice.store_entry(key, {"form": chosen, "ms": {k: round(v, 3) for k, v in ms.items()}})
+        remember(SECTION, key, {"form": chosen, "ms": {k: round(v, 3) for k, v in ms.items()}})
     _MEMO[key] = chosen
     return chosen
 

@@ -1,7 +1,6 @@
 """The forms a CPU product of a few rows can take, and which one each layer serves with.
 
-A decode step multiplies a few rows by large weights, so its speed is the speed of reading them,
-and which way of holding and reading a quantized weight is fastest depends on the processor:
+A decode step multiplies a few rows by large weights, so its speed is the speed of reading them:
 
   int4                  torch's int4 product over the weight repacked once (`cpu_int4`)
   native                this package's integer kernel built on the machine (`cpu_native`) for
@@ -11,7 +10,7 @@ and which way of holding and reading a quantized weight is fastest depends on th
   copy-linear           a float copy kept (within the memory budget), then `F.linear`
   copy-weight-major     the same, weight-major
 
-A layer's `cpu_form` (a `Serving`, set by `mm3.backends.cpu.choice` from a measured or named choice) picks
+A layer's `cpu_form` (a `Serving`, set by `mm3.backends.cpu.choice` by rule or as named) picks
 one; `mm3.backends.products` reads it when it chooses the layer's product, and `weight_copies` when
 it decides which weights get copies. Float weights at hand skip the holding part (only the
 `F.linear` / weight-major part applies); a type the int4 product cannot read is held as `copy`.
@@ -21,7 +20,6 @@ reference numerics have no form (`F.linear`, the reference's product).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -49,36 +47,15 @@ class Form:
 
 FORMS = {f.name: f for f in (Form("int4"), Form("native"), Form("dequant"), Form("dequant", True), Form("copy"),
                               Form("copy", True))}
-DEFAULT = FORMS["int4"]  # before a choice is applied (the form the engine had before it measured)
-
-
-class TooSlow(Exception):
-    """A timed frame ran past its clock's deadline (a candidate far slower than the best)."""
-
-
-class Clock:
-    """Seconds of products per component while the forms are timed; `deadline` (a
-    `time.perf_counter` value, None: none) stops a frame that runs past it by raising `TooSlow`."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.deadline: float | None = None
-
-    def add(self, component: str, start: float) -> None:
-        now = time.perf_counter()
-        self.seconds[component] = self.seconds.get(component, 0.0) + now - start
-        if self.deadline is not None and now > self.deadline:
-            raise TooSlow
+DEFAULT = FORMS["int4"]  # a layer given no form (the plan gives the LM and depth decoder theirs)
 
 
 @dataclass
 class Serving:
-    """A layer's CPU form, the component it belongs to, and `clock` (a `Clock` while the forms
-    are timed, else None)."""
+    """A layer's CPU form and the component it belongs to."""
 
     form: Form
     component: str = ""
-    clock: Clock | None = None
 
 
 def form_of(layer, device: torch.device) -> Form | None:
@@ -119,31 +96,3 @@ def wants_copy(layer, qtype, device: torch.device) -> bool:
     if form.holds in PACKED:
         return packed_kernel(layer, qtype, device) is None
     return form.holds == "copy"
-
-
-class Timed:
-    """A product whose seconds are added to its layer's clock (the forms are being timed)."""
-
-    def __init__(self, product, serving: Serving):
-        self.product, self.serving = product, serving
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None):
-        start = time.perf_counter()
-        y = self.product(x, bias)
-        if self.serving.clock is not None:
-            self.serving.clock.add(self.serving.component, start)
-        return y
-
-
-def add_to_clock(layer, start: float) -> None:
-    """Seconds since `start` of work done for `layer` outside its product (a block run whole in the
-    kernel library) added to its clock while the forms are timed."""
-    serving = getattr(layer, "cpu_form", None)
-    if serving is not None and serving.clock is not None:
-        serving.clock.add(serving.component, start)
-
-
-def timed(layer, product):
-    """`product`, wrapped in `Timed` while `layer`'s form is being timed."""
-    serving = getattr(layer, "cpu_form", None)
-    return product if serving is None or serving.clock is None else Timed(product, serving)

@@ -2,8 +2,8 @@
 
 `weight_major_linear`: a decode step multiplies a few rows by large weights, so its speed is the
 speed of reading them. On the CPU `x @ w.T` (`F.linear`) and `w @ x.T` (weight-major) read them at
-very different speeds, and which wins depends on the processor; `mm3.backends.cpu.forms` names the form
-each layer takes, as `mm3.backends.cpu.choice` measured it on the machine (inside whole AR frames).
+very different speeds; `mm3.backends.cpu.forms` names the form each layer takes (`mm3.backends.cpu.choice`
+gives it by rule, or as `MM3_CPU_PRODUCT` names).
 
 `onednn_matmul`: large float32 CPU products through oneDNN instead of MKL, which can be much
 faster for the DiT's shapes. oneDNN may use bfloat16 arithmetic where the CPU has it, so the

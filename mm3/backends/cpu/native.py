@@ -16,8 +16,8 @@ compiler (`CC`, else `cc`, `gcc` or `clang`; `-O3 -march=native`, with OpenMP wh
 has it) in the cache folder (`mm3.cache_dir`), keyed by the sources, the compiler and the
 processor, and loaded with ctypes.
 Where there is no compiler, the build fails or its product is wrong on a probe, `available()` is
-False and the other forms serve. It is one candidate form (`native`) that `mm3.backends.cpu.choice`
-times in whole frames beside the others; `MM3_CPU_NATIVE=off` keeps it from being built. The same
+False and the other forms serve. Where it is available, the rule of `mm3.backends.cpu.choice` gives
+the AR stage its form (`native`); `MM3_CPU_NATIVE=off` keeps it from being built. The same
 library serves an AR step's other small operations that torch runs as many: the fast numerics'
 RMSNorm (`rms_norm`), an embedding lookup's few quantized rows (`lookup`) and the depth decoder's
 attention over its short cache (`attend`) and the depth decoder's guided top-k draws

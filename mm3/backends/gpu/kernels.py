@@ -11,8 +11,8 @@ go through the same kernel instead of a cast copy.
 
 Used where Triton runs the device (CUDA, ROCm, XPU); `TRITON_INTERPRET=1` runs the same kernels on
 CPU tensors, which is how they are tested without a GPU. `MM3_KERNELS` picks: "auto" (default:
-on accelerators with Triton, these kernels or those over the device layout, whichever
-`mm3.backends.gpu.kernel_choice` measured faster there), "off", "triton" (these; also CPU tensors with the
+on accelerators with Triton, those over the device layout wherever they read the weight, these
+elsewhere: `mm3.backends.gpu.kernel_choice`), "off", "triton" (these; also CPU tensors with the
 interpreter) or "layout" (`mm3.backends.gpu.layout_kernels`; also CPU tensors with the interpreter).
 """
 

@@ -92,8 +92,8 @@ def test_the_timing_is_of_the_models_shapes_and_kept_per_machine(monkeypatch, tm
     assert timed == [{shape: n for shape, n in every.items() if n > 1}]  # the blocks' repeated products
     cpu_bf16.forget()  # another process on the same machine: the record answers
     assert cpu_bf16.dit_dtype("cpu", torch.float32, dit) == torch.float32 and len(timed) == 1
-    record = json.loads((tmp_path / "cpu-products.json").read_text())
-    entry = next(v for k, v in record["choices"].items() if k.startswith("large products;"))
+    record = json.loads((tmp_path / "record.json").read_text())
+    entry = next(v for k, v in record["sections"][cpu_bf16.SECTION].items() if k.startswith("large products;"))
     assert entry["form"] == "float32" and entry["ms"] == {f: ms[f] for f in cpu_bf16.candidates()}
 
 

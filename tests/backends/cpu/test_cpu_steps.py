@@ -292,7 +292,7 @@ def _semantic_draw(logits, r, cfg, k, q, excluded):
 def test_the_librarys_draws_are_torchs(gate):
     """Guided or not, one song or several, top-k below or above the width, many ties (rounded
     logits), infinite and NaN logits, excluded columns: the same index as torch's operations."""
-    from mm3.plan.sampling import draw, exponential_draws, guide, top_k_probs
+    from mm3.plan.sampling import draw, guide, top_k_probs
 
     g = torch.Generator().manual_seed(int(gate))
     for trial in range(400):

@@ -1,12 +1,13 @@
 """Where the device layout replaces the blocks (`mm3.backends.gpu.placement`) and which kernels serve a
 weight (`mm3.backends.gpu.kernel_choice`, `MM3_KERNELS`): one copy of the weight in the form its products
 read, the file's blocks back bit for bit when it leaves, memory counted as held, products routed to
-the layout kernels (fused parts stacked as views), and the measured choice kept on disk per machine.
+the layout kernels (fused parts stacked as views), and the family given by rule, nothing timed or kept.
 The layout runs on CUDA where there is one, else on CPU tensors through Triton's interpreter
 (`MM3_KERNELS=layout`)."""
 
 import json
 import os
+import warnings
 
 import gguf
 import pytest
@@ -187,37 +188,55 @@ def test_auto_takes_no_layout_on_the_cpu():
         kernels.configure()
 
 
-def test_the_measured_choice_is_kept_per_machine(tmp_path, monkeypatch):
-    """auto on an accelerator: timed once, then read back from the cache folder without timing."""
-    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernels, "available", lambda device_type: True)
-    kernels.configure("auto")
-    kernel_choice.forget()
-    timed = []
+def test_auto_takes_the_layout_by_rule():
+    """On an accelerator "auto" takes the layout kernels wherever the layout holds the type and
+    row length (every quantized type and length the block kernel reads), nothing for floats or a
+    type or length no kernel reads."""
+    assert kernel_choice.rule(Q.Q4_K, 4096) == "layout" and kernel_choice.rule(Q.Q8_0, 4096) == "layout"
+    assert all(kernel_choice.rule(t, 4096) == "layout" for t in dl.LAYOUT_TYPES)
+    assert kernel_choice.rule(Q.Q8_0, 32 * 3) == "layout" and kernel_choice.rule(Q.Q4_K, 128) is None  # a part super-block
+    assert kernel_choice.rule(Q.Q2_K, 4096) is None  # no kernel reads it
+    assert kernel_choice.rule(Q.BF16, 4096) is None and kernel_choice.rule(Q.F32, 4096) is None
 
-    def measure(qtype, n, k, device, names):
-        timed.append((qtype, n, k))
-        return {"layout": 0.5, "triton": 2.0}
 
-    monkeypatch.setattr(kernel_choice, "measure", measure)
-    xpu = torch.device("xpu")
-    try:
-        assert kernel_choice.family(Q.Q4_K, 4096, 4096, xpu) == "layout"
-        assert kernel_choice.family(Q.Q4_K, 4096, 4096, xpu) == "layout"
-        assert timed == [(Q.Q4_K, 4096, 4096)]
-        saved = json.loads((tmp_path / "cache" / "choices.json").read_text())
-        (machine,) = saved
-        assert machine.startswith("xpu | driver") and f"torch {torch.__version__}" in machine
-        assert saved[machine]["Q4_K/4096x4096"] == {"family": "layout", "ms": {"layout": 0.5, "triton": 2.0}}
-        kernel_choice.forget()  # a new process: the file answers
-        monkeypatch.setattr(kernel_choice, "measure", lambda *a: pytest.fail("timed again"))
-        assert kernel_choice.family(Q.Q4_K, 4096, 4096, xpu) == "layout"
-        kernels.configure("triton")  # a named family is taken as it is
-        assert kernel_choice.family(Q.Q4_K, 4096, 4096, xpu) == "triton"
-        assert kernel_choice.family(Q.Q2_K, 4096, 4096, xpu) is None  # no kernel reads it
-    finally:
+def test_auto_on_an_accelerator_times_nothing_and_drops_the_old_record(tmp_path, monkeypatch):
+    """No per-shape timing and no record: the kernel families' old record (`choices.json`, ours) is
+    removed, another program's file of that name left alone. Where a layout kernel does not run on
+    the device (an XPU this machine lacks), the block kernel serves; on CUDA, the layout."""
+    old = {"xpu | driver unknown | torch 2 | triton 3": {"Q4_K/4096x4096": {"family": "triton", "ms": {}}}}
+    for folder, content in (("ours", old), ("theirs", {"note": "not ours"})):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "choices.json").write_text(json.dumps(content))
+        monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path / folder))
+        monkeypatch.setenv("MM3_KERNELS", "auto")
         kernels.configure()
-        kernel_choice.forget()
+        try:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("xpu")
+            if not kernels.available(device.type):
+                pytest.skip("Triton does not run here")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a layout kernel that cannot run on the device says so
+                got = kernel_choice.family(Q.Q4_K, 4096, 4096, device)
+            assert got == ("layout" if device.type == "cuda" else "triton")
+            assert kernel_choice.family(Q.Q2_K, 4096, 4096, device) is None
+        finally:
+            monkeypatch.delenv("MM3_KERNELS")
+            kernels.configure()
+        assert sorted(p.name for p in (tmp_path / folder).iterdir()) == ([] if folder == "ours" else ["choices.json"])
+
+
+def test_a_named_family_is_taken_where_it_reads_the_type(monkeypatch):
+    for name in ("triton", "layout"):
+        monkeypatch.setenv("MM3_KERNELS", name)
+        kernels.configure()
+        try:
+            if not kernels.available("xpu"):
+                pytest.skip("Triton does not run here")
+            assert kernel_choice.family(Q.Q4_K, 4096, 4096, torch.device("xpu")) == name
+            assert kernel_choice.family(Q.Q2_K, 4096, 4096, torch.device("xpu")) is None
+        finally:
+            monkeypatch.delenv("MM3_KERNELS")
+            kernels.configure()
 
 
 def test_cache_dir(monkeypatch, tmp_path):
