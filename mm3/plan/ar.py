@@ -34,7 +34,7 @@ from ..models.lm import activation_bytes as lm_activation_bytes
 from ..progress import Cancelled, Progress
 from .prompt import Prompt
 from .replay import check_pair, checked_codes, feed_frames, frame_feedback, replay
-from .settings import PlanSettings, Shaping  # noqa: F401  (Shaping: importable from here as before)
+from .settings import PlanSettings
 from .shaping import SemanticShaper
 from .sampling import (
     draw, exponential_draws, exponential_tail, guide, kth_largest, make_generator, resolve_seed, skip_draws,
