@@ -401,15 +401,12 @@ class KernelCounter:
         first = min((i for i in per_layer if i is not None), default=None)  # the detail shows one LM layer
         # The first LM layer may differ from the rest (no residual handed into its norm): it stands
         # for itself, the others for every later layer.
-        if not layers_scaled or layers_scaled == counted:
-            weight = {True: 1.0, False: 1.0}
-        elif counted == 1:
-            weight = {True: float(layers_scaled), False: float(layers_scaled)}
-        else:
-            weight = {True: 1.0, False: (layers_scaled - 1) / (counted - 1)}
+        target = layers_scaled or counted
+        first_weight, later_weight = (target, target) if counted == 1 else (1, (target - 1) / (counted - 1))
         kinds, parts = dict.fromkeys(KINDS, 0.0), dict.fromkeys(PARTS, 0.0)
         for launch in self.launches:
-            w = launch.kernels * (weight[launch.layer == first] if launch.part == "lm_layer" else 1.0)
+            weight = 1 if launch.part != "lm_layer" else first_weight if launch.layer == first else later_weight
+            w = launch.kernels * weight
             kinds[launch.kind] = kinds.get(launch.kind, 0.0) + w
             parts[launch.part] = parts.get(launch.part, 0.0) + w
         triton, aten, detail = Counter(), Counter(), {}

@@ -364,20 +364,22 @@ def _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, par
             if BLOCK_M > 2:
                 s2 = _split_sum(part_ptr, m0 + 2, M, N, offs_n, n_ok, splits)
                 s3 = _split_sum(part_ptr, m0 + 3, M, N, offs_n, n_ok, splits)
-            _store_row(s0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
-            if BLOCK_M > 1:
-                _store_row(s1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
-            if BLOCK_M > 2:
-                _store_row(s2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
-                _store_row(s3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+            _store_rows(s0, s1, s2, s3, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS, BLOCK_M)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
-        _store_row(s0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
-        if BLOCK_M > 1:
-            _store_row(s1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
-        if BLOCK_M > 2:
-            _store_row(s2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
-            _store_row(s3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+        _store_rows(s0, s1, s2, s3, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS, BLOCK_M)
+
+
+@triton.jit
+def _store_rows(s0, s1, s2, s3, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """The program's BLOCK_M rows of y from their sums (`_store_row` each)."""
+    _store_row(s0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+    if BLOCK_M > 1:
+        _store_row(s1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+    if BLOCK_M > 2:
+        _store_row(s2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
+        _store_row(s3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, HAS_BIAS)
 
 
 @triton.jit

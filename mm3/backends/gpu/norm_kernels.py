@@ -81,11 +81,14 @@ def warps(block: int) -> int:
     return max(1, min(8, block // 256))
 
 
+TILE_VALUES = 2048  # values a program of short rows takes (16 heads of 128)
+
+
 def tile(n: int) -> tuple[int, int]:
-    """(rows a program takes, the row's block): short rows (the heads' 128 values) in tiles of
-    about 2048 values, long ones (the hidden size) one a program."""
+    """(rows a program takes, the row's block): short rows (the heads' values) in tiles of about
+    TILE_VALUES values, long ones (the hidden size) one a program."""
     block = triton.next_power_of_2(n)
-    return max(1, min(16, 2048 // block)), block
+    return max(1, min(16, TILE_VALUES // block)), block
 
 
 def leading(x: torch.Tensor) -> tuple[list[int], list[int]] | None:
