@@ -427,16 +427,19 @@ def test_the_librarys_repacking_is_the_tensor_operations_byte_for_byte(qtype, mo
 
 @needs_kernel
 def test_the_library_leaves_the_forms_it_does_not_make_to_the_tensor_operations(monkeypatch):
-    calls = []
-    real_tile = cpu_native._tile
-    monkeypatch.setattr(cpu_native, "_tile", lambda *a, **kw: calls.append(a[2]) or real_tile(*a, **kw))
+    """The library is asked to repack (`mm3_repack`) only the types and scale forms it makes
+    (`LIBRARY_REPACKS`); the others are packed by the tensor operations, the same bytes."""
+    lib, calls = cpu_native.library(), []
+    real = lib.mm3_repack
+    monkeypatch.setattr(lib, "mm3_repack", lambda *a: calls.append(a[1]) or real(*a))
     raw, _ = _raw(32, 256, 3, Q.Q4_K)
-    cpu_native.repack(raw, Q.Q4_K, 32, 256)
-    assert calls == []  # the library's
-    cpu_native.repack(raw, Q.Q4_K, 32, 256, scales="f32")
+    made = cpu_native.repack(raw, Q.Q4_K, 32, 256)
+    assert calls == [int(Q.Q4_K)] and made.scales == "super"  # the library's
+    wide = cpu_native.repack(raw, Q.Q4_K, 32, 256, scales="f32")
     raw1, _ = _raw(32, 256, 3, Q.Q4_1)
-    cpu_native.repack(raw1, Q.Q4_1, 32, 256)
-    assert calls == [4, 4]  # float32 scales, and a type it does not make
+    other = cpu_native.repack(raw1, Q.Q4_1, 32, 256)
+    assert calls == [int(Q.Q4_K)]  # float32 scales, and a type it does not make: not asked
+    assert wide.scales == "f32" and other.layout == cpu_native.TYPES[Q.Q4_1]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the tie to the parent is Linux's PR_SET_PDEATHSIG")
