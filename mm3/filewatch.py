@@ -62,7 +62,8 @@ def check(*paths: str | os.PathLike) -> None:
             now = None  # removed: the mapped version lives on until it is unmapped
         for ident, slot in entries:
             if fault_guard.faults(slot):
-                size = f"{ident[2]} bytes, now {now[2]}" if now is not None else f"{ident[2]} bytes, now removed"
+                size = f"{ident[2]} bytes, now {now[2]}" if now is not None and now[2] < ident[2] else \
+                    f"{ident[2]} bytes, read while shorter, now " + (f"{now[2]}" if now is not None else "removed")
                 raise FileChanged(f"{path} was cut short while in use ({size}): the run stopped; " + _ADVICE)
         if now is None:
             continue

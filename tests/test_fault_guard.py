@@ -64,12 +64,15 @@ from mm3.filewatch import FileChanged, check
 from mm3.formats.gguf.reader import GGUFFile
 
 path = sys.argv[1]
+size = os.path.getsize(path)
 f = GGUFFile(path)
 print("guarded" if fault_guard.library() is not None else "unguarded", flush=True)
 start = f.data_offset + f.tensors["big"].raw.data_ptr() - f.tensors["small"].raw.data_ptr()
 os.truncate(path, start + 4 * 1024 * 4)  # the first 4096 floats of "big" stay in the file
 big = f.tensors["big"].dequantize()
 print(int(big.sum()), int(big[-1]), flush=True)
+if sys.argv[2] == "grown again":
+    os.truncate(path, size)
 try:
     check(path)
 except FileChanged as e:
@@ -78,19 +81,24 @@ f.close()
 """
 
 
-def test_a_read_past_the_end_of_a_file_cut_short_gets_zeros_and_stops_the_run(cache, model):
-    done = run(READ_PAST_THE_CUT, model, cache=cache)
-    assert done.returncode == 0, done.stderr
+@pytest.mark.parametrize("after", ["", "grown again"])
+def test_a_read_past_the_end_of_a_file_cut_short_gets_zeros_and_stops_the_run(cache, model, after):
+    """The reads past the cut get zeros; `check` names the file, also where it has its old size
+    again by then (only the guard's count tells)."""
     size = os.path.getsize(model)
+    done = run(READ_PAST_THE_CUT, model, after, cache=cache)
+    assert done.returncode == 0, done.stderr
+    now = os.path.getsize(model)
     guarded, sums, error = done.stdout.splitlines()
     assert guarded == "guarded"
     assert sums == "4096 0"  # the floats left in the file, then zeros (the page holding the cut reads zeros past it)
-    assert error.startswith(f"{model} was cut short while in use (")
-    assert f", now {size}): the run stopped; write a new model file beside it" in error
+    what = f"{size} bytes, read while shorter, now {size}" if after else f"{size} bytes, now {now}"
+    assert error == (f"{model} was cut short while in use ({what}): the run stopped; write a new model file beside "
+                     "it and rename it over the old one, never into it")
 
 
 def test_without_the_guard_the_same_read_ends_the_process_with_sigbus(cache, model):
-    done = run(READ_PAST_THE_CUT, model, cache=cache, guarded=False)
+    done = run(READ_PAST_THE_CUT, model, "", cache=cache, guarded=False)
     assert done.stdout.splitlines() == ["unguarded"]
     assert done.returncode == -signal.SIGBUS
 
