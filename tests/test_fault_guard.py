@@ -156,47 +156,54 @@ def test_a_sigbus_outside_the_model_files_still_ends_the_process(cache, model, t
         assert "Fatal Python error: Bus error" in done.stderr
 
 
-CUT_IN_A_FRAME = """
+CUT_IN_A_UNIT = """
 import os, sys
 from mm3.commands.main import main
 from mm3.plan import ar
+from mm3.models.vocoder import Vocoder
 
-target, count = sys.argv[1], [0]
-real = ar.FrameSampler.step
+target, where, count = sys.argv[1], sys.argv[2], [0]
 
-def step(self, *a):
-    count[0] += 1
-    if count[0] == 3:  # inside the third frame, before it reads the LM's weights
-        os.truncate(target, os.path.getsize(target) // 2)
-    return real(self, *a)
+def cut_inside(real, at):
+    def unit(*a, **k):
+        count[0] += 1
+        if count[0] == at:  # inside the unit, before it reads the file's weights
+            os.truncate(target, os.path.getsize(target) // 2)
+        return real(*a, **k)
+    return unit
 
-ar.FrameSampler.step = step
-sys.exit(main(sys.argv[2:]))
+if where == "lm":  # the third AR frame
+    ar.FrameSampler.step = cut_inside(ar.FrameSampler.step, 3)
+else:  # the vocoder's last window (of one): no unit follows, the stage's end checks
+    Vocoder.decode_sides = cut_inside(Vocoder.decode_sides, 1)
+sys.exit(main(sys.argv[3:]))
 """
 
 
-@pytest.mark.parametrize("guarded", [True, False])
-def test_the_lm_file_cut_short_inside_a_frame_stops_the_run_naming_it(tiny, cache, tmp_path, guarded):
-    """Through the command line: the LM's file cut short inside an AR frame, which then reads past
-    its new end. With the guard: one line naming the file, nothing written; without: SIGBUS."""
+@pytest.mark.parametrize("where, guarded", [("lm", True), ("lm", False), ("vae", True)])
+def test_a_model_file_cut_short_inside_a_unit_stops_the_run_naming_it(tiny, cache, tmp_path, where, guarded):
+    """Through the command line: the LM's file cut short inside an AR frame, or the vocoder's inside
+    its last window (where only the stage's end checks), which then read past the new end. With the
+    guard: one line naming the file, nothing written; without: SIGBUS (the vocoder's too: the same
+    fault)."""
     import shutil
 
     models = tmp_path / "models"
     models.mkdir()
     for p in tiny.gguf.glob("*.gguf"):
         shutil.copy(p, models)
-    lm = next(models.glob("*language_model*.gguf"))
-    size = lm.stat().st_size
+    target = next(models.glob("*language_model*.gguf" if where == "lm" else "*vocoder*.gguf"))
+    size = target.stat().st_size
     out = tmp_path / "out"
     song = ["--caption", "a", "--lyrics", "b", "--duration", "2", "--steps", "2", "--seed", "1", "--lm-seed", "1",
             "--quiet", "--format", "wav16"]
-    done = run(CUT_IN_A_FRAME, lm, "generate", "--models", models, *song, "--out", out / "song.wav", cache=cache,
-               guarded=guarded, MM3_CPU_NATIVE="off")
+    done = run(CUT_IN_A_UNIT, target, where, "generate", "--models", models, *song, "--out", out / "song.wav",
+               cache=cache, guarded=guarded, MM3_CPU_NATIVE="off")
     if not guarded:
         assert done.returncode == -signal.SIGBUS, done.stderr
         return
     assert done.returncode == 1, done.stderr
     assert done.stderr.splitlines() == [
-        f"error: {lm} was cut short while in use ({size} bytes, now {size // 2}): the run stopped; write a new model "
-        "file beside it and rename it over the old one, never into it; nothing was written"]
+        f"error: {target} was cut short while in use ({size} bytes, now {size // 2}): the run stopped; write a new "
+        "model file beside it and rename it over the old one, never into it; nothing was written"]
     assert not out.exists() or list(out.iterdir()) == []
