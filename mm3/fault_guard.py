@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("fault_guard.c")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11")
 BUILD_SECONDS = 60
 _LIBRARY: list = []  # [ctypes library or None], once per process
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a mapping's finalizer may run in a collection while it is held
 
 
 def _compiler() -> str | None:
@@ -107,9 +107,27 @@ def build() -> Path | None:
 
 
 def _load():
+    """The guard loaded and installed; a cached build that does not load (cut short, damaged) is
+    built again once."""
     path = build()
     if path is None:
         return None
+    try:
+        return _install(path)
+    except OSError as e:
+        log.debug("cannot load the SIGBUS guard %s (%s): building it again", path, e)
+    path.unlink(missing_ok=True)
+    path = build()
+    if path is None:
+        return None
+    try:
+        return _install(path)
+    except OSError as e:
+        log.debug("cannot load the SIGBUS guard %s (%s)", path, e)
+        return None
+
+
+def _install(path: Path):
     try:
         lib = ctypes.CDLL(str(path))
         lib.mm3_guard_install.restype = ctypes.c_int
@@ -120,9 +138,8 @@ def _load():
         lib.mm3_guard_faults.argtypes = [ctypes.c_int]
         lib.mm3_guard_faults.restype = ctypes.c_long
         installed = lib.mm3_guard_install() == 1
-    except (OSError, AttributeError) as e:
-        log.debug("cannot load the SIGBUS guard %s (%s)", path, e)
-        return None
+    except AttributeError as e:  # a library of that name without the guard's functions
+        raise OSError(str(e)) from None
     finally:
         if path.parent.name.startswith("mm3-fault-guard-"):
             shutil.rmtree(path.parent, ignore_errors=True)

@@ -184,8 +184,7 @@ sys.exit(main(sys.argv[3:]))
 def test_a_model_file_cut_short_inside_a_unit_stops_the_run_naming_it(tiny, cache, tmp_path, where, guarded):
     """Through the command line: the LM's file cut short inside an AR frame, or the vocoder's inside
     its last window (where only the stage's end checks), which then read past the new end. With the
-    guard: one line naming the file, nothing written; without: SIGBUS (the vocoder's too: the same
-    fault)."""
+    guard: one line naming the file, nothing written; without: SIGBUS."""
     import shutil
 
     models = tmp_path / "models"
@@ -207,3 +206,16 @@ def test_a_model_file_cut_short_inside_a_unit_stops_the_run_naming_it(tiny, cach
         f"error: {target} was cut short while in use ({size} bytes, now {size // 2}): the run stopped; write a new "
         "model file beside it and rename it over the old one, never into it; nothing was written"]
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_a_damaged_build_in_the_cache_is_built_again(cache, model, tmp_path):
+    import shutil
+
+    own = tmp_path / "cache"
+    shutil.copytree(cache, own)
+    (built,) = (own / "native").glob("fault_guard-*.so")
+    built.write_bytes(b"not a library")
+    done = run(READ_PAST_THE_CUT, model, "", cache=own)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:2] == ["guarded", "4096 0"]
+    assert built.stat().st_size > 1000
