@@ -37,6 +37,7 @@ FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11")
 BUILD_SECONDS = 60
 _LIBRARY: list = []  # [ctypes library or None], once per process
 _LOCK = threading.RLock()  # re-entrant: a mapping's finalizer may run in a collection while it is held
+_GUARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a guarded mapping -> its release
 
 
 def _compiler() -> str | None:
@@ -185,8 +186,16 @@ def guard(mapping) -> int | None:
     if slot < 0:
         log.debug("the SIGBUS guard's table is full: a mapping goes unguarded")
         return None
-    weakref.finalize(mapping, _release, lib, slot)
+    _GUARDED[mapping] = weakref.finalize(mapping, _release, lib, slot)
     return slot
+
+
+def unguard(mapping) -> None:
+    """Stop guarding `mapping` now (it was just closed: its addresses may be mapped again for
+    another file), not when it is collected."""
+    release = _GUARDED.pop(mapping, None)
+    if release is not None:
+        release()
 
 
 def _release(lib, slot: int) -> None:

@@ -47,6 +47,12 @@ def watch(path: str | os.PathLike, fd: int, mapping) -> None:
         _WATCHED[key] = live + [entry]
 
 
+def closed(mapping) -> None:
+    """`mapping` (one `watch` recorded) was just closed: its addresses stop being guarded now, as
+    they may be mapped again for another file."""
+    fault_guard.unguard(mapping)
+
+
 def check(*paths: str | os.PathLike) -> None:
     """Raise `FileChanged` where a file of `paths` that a live mapping reads was changed in place
     since it was mapped, or cut short while it was read (a stat a file: microseconds)."""

@@ -126,6 +126,32 @@ out[1][1].close()  # the mapping closes as before: the guard holds none of its m
     assert done.stdout.splitlines() == ["0 0 120", "0 2"]
 
 
+def test_a_closed_model_file_is_no_longer_guarded(cache, model, tmp_path):
+    """A model file closed (unmapped) leaves the guard at once, not when its mapping is collected:
+    a file mapped later at those addresses and cut short still faults (SIGBUS), never reads zeros."""
+    code = """
+import mmap, os, sys
+from mm3 import fault_guard
+from mm3.formats.gguf.reader import GGUFFile
+
+f = GGUFFile(sys.argv[1])
+held = f._map  # the closed mapping object stays alive here
+size = len(held)
+f.close()
+other = sys.argv[2]
+with open(other, "wb") as g:  # as long as the model file: mapped at the addresses it left
+    g.write(bytes(size))
+with open(other, "rb") as g:
+    m = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)
+print("guarded" if fault_guard.library() is not None else "unguarded", flush=True)
+os.truncate(other, 0)
+print(m[len(m) - 1])
+"""
+    done = run(code, model, tmp_path / "other", cache=cache)
+    assert done.stdout.splitlines() == ["guarded"], done.stderr
+    assert done.returncode == -signal.SIGBUS
+
+
 SIGBUS_ELSEWHERE = """
 import faulthandler, mmap, os, signal, sys
 from mm3.formats.gguf.reader import GGUFFile

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from ..filewatch import watch
+from ..filewatch import closed, watch
 from ..formats.gguf.errors import GGUFFormatError
 from ..formats.gguf.reader import GGUF_MAGIC, CompressedTensor, GGUFFile
 
@@ -150,6 +150,8 @@ class Source:
                 m.close()
             except BufferError:
                 pass  # views still alive elsewhere keep the mapping; it closes when they go
+            else:
+                closed(m)  # unmapped: its addresses are no longer this file's
 
 
 def aligned(raw: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ...filecache import FileCache
-from ...filewatch import watch
+from ...filewatch import closed, watch
 from .errors import GGUFFormatError
 
 GGUF_MAGIC = b"GGUF"
@@ -340,6 +340,8 @@ class GGUFFile:
                 m.close()
             except BufferError:
                 pass  # tensors still alive elsewhere keep the mapping; it closes when they go
+            else:
+                closed(m)  # unmapped: its addresses are no longer this file's
 
     def __enter__(self):
         return self
