@@ -142,12 +142,16 @@ def _parts(owner: torch.nn.Module, blocks: list[tuple], dtype: torch.dtype, devi
 
 def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
              attend: Callable[..., torch.Tensor]) -> torch.Tensor | None:
-    """An LM layer's whole decode step (`layer`: a Qwen3 decoder layer; x [B, 1, dim]) in two calls
-    of the kernel library around `attend(q, keys, values, mask, scale)` over the cache, where the
-    native integer kernel serves all four of its products; else None, nothing written."""
-    if not _whole_steps(x):
-        return None
+    """An LM layer's whole decode step (`layer`: a Qwen3 decoder layer; x [B, 1, dim], not normed):
+    on the CPU in two calls of the kernel library around `attend(q, keys, values, mask, scale)` over
+    the cache, where the native integer kernel serves all four of its products (and the host knows
+    the position: no bucket); on the GPU path in five launches (`gpu.steps.lm_layer`) where the
+    device layout holds them; else None, nothing written."""
     dt, dev = x.dtype, x.device
+    if gpu_path(x):
+        return _gpu_lm_layer(layer, x, cos, sin, cache, index)
+    if not _whole_steps(x) or cache.bucket is not None:
+        return None
     parts = _parts(layer, [layer.products()], dt, dev)
     if parts is None:
         return None
@@ -165,16 +169,38 @@ def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
     return y
 
 
-def depth_blocks(decoder, x: torch.Tensor, cache, eps: float) -> torch.Tensor | None:
-    """The depth decoder's blocks over x [B, S, dim] and its cache in one call of the kernel library,
-    where the native integer kernel serves all their products; else None (each block runs itself)."""
-    if not _whole_steps(x):
-        return None
+def _gpu_lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int) -> torch.Tensor | None:
     dt, dev = x.dtype, x.device
+    parts = products.layout_block(layer.products(), dt, dev)
+    if parts is None:
+        return None
+    attn = layer.self_attn
+    span = cache.length + 1 if cache.bucket is None else cache.bucket
+    return gpu_steps.lm_layer(parts, x, (layer.input_layernorm(dt, dev), layer.post_attention_layernorm(dt, dev)),
+                              layer.eps, (attn.q_norm(dt, dev), attn.k_norm(dt, dev)), attn.eps, cos, sin,
+                              cache.k[index], cache.v[index], cache.pos, span, attn.heads, attn.head_dim ** -0.5)
+
+
+def depth_blocks(decoder, inputs: torch.Tensor, positions: torch.Tensor, cache, eps: float) -> torch.Tensor | None:
+    """The depth decoder's blocks over inputs [B, S, dim] plus their position embeddings and its
+    cache: on the CPU in one call of the kernel library where the native integer kernel serves all
+    their products, on the GPU path in five launches a block (`gpu.steps.depth_blocks`) where the
+    device layout holds them; else None, nothing computed (each block runs itself)."""
+    dt, dev = inputs.dtype, inputs.device
     blocks = decoder.layers
+    if gpu_path(inputs):
+        parts = [products.layout_block(b.products(), dt, dev) for b in blocks]
+        if None in parts:
+            return None
+        norms = [(b.input_layernorm(dt, dev), b.post_attention_layernorm(dt, dev)) for b in blocks]
+        return gpu_steps.depth_blocks(parts, inputs + positions, norms, eps, cache.k, cache.v, cache.length,
+                                      blocks[0].attn.head_dim ** -0.5)
+    if not _whole_steps(inputs):
+        return None
     parts = _parts(decoder, [b.products() for b in blocks], dt, dev)
     if parts is None:
         return None
     norms = [w for block in blocks for w in (block.input_layernorm(dt, dev), block.post_attention_layernorm(dt, dev))]
+    x = inputs + positions
     return cpu_steps.depth_layers(x.contiguous(), norms, eps, parts, cache.k, cache.v, cache.length,
                                   blocks[0].attn.head_dim ** -0.5)

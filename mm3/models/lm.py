@@ -306,14 +306,15 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, layer, normed=None, then=None):
         """The layer's output for x; `normed`: x already normalized by the input norm (the layer
-        before gave it); `then`: the weight of the norm after the layer: (output, output normed)."""
+        before gave it); `then`: the weight of the norm after the layer: (output, output normed,
+        or None where a back end's whole step ran: the next layer normalizes in its own step)."""
         dt, dev = x.dtype, x.device
         native = self.fast_numerics
         attn = self.self_attn
-        if native and x.shape[1] == 1 and cache.bucket is None and not attn.taps:  # a back end's whole step
+        if native and x.shape[1] == 1 and not attn.taps:  # a back end's whole step
             y = steps.lm_layer(self, x, cos, sin, cache, layer, one_query_attention)
             if y is not None:
-                return y if then is None else (y, rms_norm(y, then, self.eps, native))
+                return y if then is None else (y, None)
         h = rms_norm(x, self.input_layernorm(dt, dev), self.eps, native) if normed is None else normed
         x, h = add_rms_norm(x, attn(h, cos, sin, cache, layer), self.post_attention_layernorm(dt, dev), self.eps,
                             native)
@@ -459,7 +460,8 @@ class Qwen3LM(nn.Module):
         tables = steps.rope_table(cache.pos, self.inv_freq, dt) if s == 1 and self.fast_numerics else None
         cos, sin = tables or self.rope(cache.positions(s), dt)
         layers = self.model.layers if stop_after is None else self.model.layers[:stop_after + 1]
-        # Off the CPU library, each residual add goes with the norm after it (a back end's one call).
+        # Off the CPU library, each residual add goes with the norm after it (a back end's one call),
+        # unless a back end runs the next layer whole (h then None: that step normalizes).
         chained = self.fast_numerics and not cpu_path(x) and stop_after is None
         h = None
         for i, layer in enumerate(layers):
@@ -471,7 +473,7 @@ class Qwen3LM(nn.Module):
         cache.advance(s)
         if stop_after is not None:
             return x
-        return h if chained else rms_norm(x, self.model.norm(dt, dev), self.eps, self.fast_numerics)
+        return h if chained and h is not None else rms_norm(x, self.model.norm(dt, dev), self.eps, self.fast_numerics)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the vocabulary ids `head_ids` for hidden states h [..., H]."""

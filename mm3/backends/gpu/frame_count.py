@@ -88,17 +88,22 @@ LINE_RULES = {
 }
 
 
-def _layout_linear(counter, x, weight, qtype, k, bias=None, config=None):
-    return F.linear(x, counter.float_weight(weight, qtype, k, x.dtype), bias)
+def _layout_linear(counter, x, weight, qtype, k, bias=None, config=None, norm=None, residual=None):
+    return _layout_segments(counter, x, [(weight, qtype)], k, bias, config, norm=norm, residual=residual)
 
 
-def _layout_segments(counter, x, segments, k, bias=None, config=None):
+def _layout_segments(counter, x, segments, k, bias=None, config=None, norm=None, residual=None):
+    from .layout_kernels import torch_rms_norm
+
     weight = torch.cat([counter.float_weight(w, t, k, x.dtype) for w, t in segments])
-    return F.linear(x, weight, bias)
+    y = F.linear(torch_rms_norm(x, norm), weight, bias)
+    return y if residual is None else residual + y
 
 
-def _layout_swiglu(counter, x, weight, qtype, k, config=None):
-    gate, up = F.linear(x, counter.float_weight(weight, qtype, k, x.dtype)).chunk(2, dim=-1)
+def _layout_swiglu(counter, x, weight, qtype, k, config=None, norm=None):
+    from .layout_kernels import torch_rms_norm
+
+    gate, up = F.linear(torch_rms_norm(x, norm), counter.float_weight(weight, qtype, k, x.dtype)).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

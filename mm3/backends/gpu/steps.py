@@ -227,6 +227,66 @@ def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float):
     return attention_kernels.decode(q, cache_k, cache_v, pos, span, scale)
 
 
+def lm_layer(parts: tuple, x, norms: tuple, eps: float, head_norms: tuple, head_eps: float, cos, sin, cache_k,
+             cache_v, pos, span: int, heads: int, scale: float):
+    """An LM layer's whole decode step in five launches, x [B, 1, dim] -> the layer's output:
+    q/k/v with the input norm inside, the attention with the q/k norms, rotation and cache write
+    inside (`attention_kernels.step`), out with the residual add, gate/up with the second norm and
+    SwiGLU, down with the residual add. `parts`: `mm3.backends.products.layout_block`'s; `norms`:
+    the layer's two norm weights, `head_norms` the q and k norms'. None (nothing written) where the
+    kernels do not take these shapes."""
+    from .layout_kernels import GEMV_MAX_ROWS
+
+    if torch.compiler.is_compiling() or not _serves(x, *norms, *head_norms, cos, sin, cache_k, cache_v) or \
+            x.dim() != 3 or not x.is_contiguous():
+        return None
+    b, s, dim = x.shape
+    rows, kv_heads, cap, d = cache_k.shape
+    if s != 1 or rows != b or b > GEMV_MAX_ROWS or cache_k.dim() != 4 or cache_v.shape != cache_k.shape or \
+            not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not _pow2(d) or heads % kv_heads or \
+            not all(_vector(w, dim) for w in norms) or not all(_vector(t, d) for t in (*head_norms, cos, sin)) or \
+            not 0 < span <= cap or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != x.device:
+        return None
+    from . import attention_kernels
+
+    qkv_product, out, swiglu, down = parts
+    qkv = qkv_product.fused(x, norm=(norms[0], eps))
+    if qkv.shape[-1] != (heads + 2 * kv_heads) * d:
+        raise ValueError(f"a q/k/v product of {qkv.shape[-1]} outputs for {heads} query and {kv_heads} key heads "
+                         f"of {d}")
+    attended = attention_kernels.step(qkv.view(b, -1), *head_norms, head_eps, cos, sin, cache_k, cache_v, pos, span,
+                                      scale, heads)
+    x = out.fused(attended.view(b, 1, heads * d), residual=x)
+    return down.fused(swiglu.fused(x, norm=(norms[1], eps)), residual=x)
+
+
+def depth_blocks(parts: list, x, norms: list, eps: float, cache_k, cache_v, at: int, scale: float):
+    """The depth decoder's blocks over x [B, S, dim] (the position embeddings added) and its cache
+    (written at `at`, a host position) -> the last block's output, five launches a block: q/k/v
+    with the input norm inside, the short attention, out with the residual add, gate/up with the
+    second norm and SwiGLU, down with the residual add. `parts`: each block's `layout_block`;
+    `norms`: each block's two norm weights. None (nothing written) where the kernels do not take
+    these shapes."""
+    from .layout_kernels import GEMV_MAX_ROWS
+
+    if torch.compiler.is_compiling() or not _serves(x, cache_k, cache_v, *(w for pair in norms for w in pair)) or \
+            x.dim() != 3 or not x.is_contiguous() or cache_k.dim() != 5 or len(parts) != cache_k.shape[0]:
+        return None
+    b, s, dim = x.shape
+    _, rows, heads, cap, d = cache_k.shape
+    if rows != b or b * s > GEMV_MAX_ROWS or s > 16 or dim != heads * d or cache_v.shape != cache_k.shape or \
+            not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not _pow2(d) or not 0 <= at <= cap - s or \
+            not all(_vector(w, dim) for pair in norms for w in pair):
+        return None
+    from . import attention_kernels
+
+    for (qkv_product, out, swiglu, down), (first, second), ck, cv in zip(parts, norms, cache_k, cache_v):
+        q, k, v = qkv_product.fused(x, norm=(first, eps)).split(dim, dim=-1)
+        x = out.fused(attention_kernels.short(q, k, v, ck, cv, at, scale), residual=x)
+        x = down.fused(swiglu.fused(x, norm=(second, eps)), residual=x)
+    return x
+
+
 def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
     """The depth decoder's attention of new rows q, k, v [B, S, heads * D] over its short cache
     (written at `at`, a position the host knows: the cache restarts every frame) in one kernel
