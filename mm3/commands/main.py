@@ -17,8 +17,9 @@ CLI_REQUIREMENTS = "requirements-cli.txt"
 PIP_COMMANDS = {"torchaudio": "python -m pip install --no-deps torchaudio==<the version of your torch>"}
 
 # Modules that register a subcommand through `add_cli(subparsers)`.
-TOOLS = ("mm3.commands.jobs", "mm3.commands.align", "mm3.tools.info", "mm3.tools.tiny", "mm3.tools.convert", "mm3.tools.quantize",
-         "mm3.tools.download", "mm3.tools.kernels", "mm3.synth.codec", "mm3.commands.demo", "mm3.bench")
+TOOLS = ("mm3.commands.jobs", "mm3.commands.edit", "mm3.commands.align", "mm3.tools.info", "mm3.tools.tiny",
+         "mm3.tools.convert", "mm3.tools.quantize", "mm3.tools.download", "mm3.tools.kernels", "mm3.synth.codec",
+         "mm3.commands.demo", "mm3.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

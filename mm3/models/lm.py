@@ -238,7 +238,7 @@ class Qwen3Attention(nn.Module):
         cache.write(layer, k, v)
         keys, values, mask, causal = cache.attended(layer, s)
         if self.taps:
-            self._show(q, keys, mask, causal, cache.length, layer)
+            self.show_taps(q, keys, mask, causal, cache.length, layer)
         if s == 1 and self.fast_numerics and cpu_path(q):
             out = one_query_attention(q, keys, values, mask, self.head_dim ** -0.5)
         else:
@@ -261,8 +261,10 @@ class Qwen3Attention(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=self.heads != self.kv_heads)
 
-    def _show(self, q, keys, mask, causal: bool, position: int, layer: int) -> None:
-        """Each tap's heads' attention over its key span, computed apart from the layer's own."""
+    def show_taps(self, q, keys, mask, causal: bool, position: int, layer: int) -> None:
+        """Each tap's heads' attention over its key span, computed apart from the layer's own: what
+        `AttentionTap.observe` receives (the softmax over every key the query may see, restricted to
+        the span and renormalised; 0 for a query that sees none of it)."""
         group = self.heads // self.kv_heads  # query head h reads key head h // group (enable_gqa)
         s = q.shape[2]
         for tap in self.taps:

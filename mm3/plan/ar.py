@@ -238,7 +238,7 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-class _Draws:
+class FrameDraws:
     """Each frame's Exponential(1) draws for every song, made on the songs' CPU generators exactly as
     the reference consumes them: one over the whole LM vocabulary for the semantic code (only the
     head rows' part is kept; the rest is skipped cheaply where that is exact) and one over the
@@ -278,7 +278,7 @@ class _Draws:
         return torch.cat(sem), torch.stack(dep)  # [songs, C], [songs, ncb - 1, audio_vocab]
 
 
-def _sample_frames(sampler: FrameSampler, draws: _Draws, *, max_frames: int, device: torch.device,
+def sample_frames(sampler: FrameSampler, draws: FrameDraws, *, max_frames: int, device: torch.device,
                    progress: Progress, compile: bool = False, static_shapes: bool = False,
                    emit_first: bool = False, on_frames=None,
                    graphs: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
@@ -455,8 +455,8 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
         # are made while the device runs the one before).
         raw = sampler.library_draws and cpu_path(sampler.last) and not compile and \
             steps.raw_draws_exact(lm.vocab_size) and steps.raw_draws_exact(depth.audio_vocab)
-        draws = _Draws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab, raw)
-        results = _sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
+        draws = FrameDraws(gens, lm.vocab_size, lm.head_ids, depth.num_codebooks, depth.audio_vocab, raw)
+        results = sample_frames(sampler, draws, max_frames=max_frames, device=device, progress=progress,
                                  compile=compile, graphs=graphs, emit_first=prefix is not None,
                                  on_frames=None if on_frames is None else _song_so_far(on_frames, prefix))
     finally:
@@ -477,7 +477,7 @@ def plan(lm: Qwen3LM, depth: RVQDepthDecoder, prompt: Prompt, settings: PlanSett
 
 
 def _song_so_far(on_frames, prefix: torch.Tensor | None):
-    """`_sample_frames`' per-frame report as `plan`'s `on_frames` sees it: whole songs, a
+    """`sample_frames`' per-frame report as `plan`'s `on_frames` sees it: whole songs, a
     continued song's prefix in front."""
     def report(rows: list[int], final: list[bool], read):
         if prefix is None:

@@ -56,7 +56,7 @@ def exponential_draws(n: int, generator: torch.Generator | None, device=None) ->
 _SKIP_EXACT: dict[tuple[int, int], bool] = {}  # (n, start) -> the skip of exponential_tail checked exact
 
 
-def _skip_is_exact(n: int, start: int) -> bool:
+def skip_is_exact(n: int, start: int) -> bool:
     """Whether skipping `start` draws with int64 `random_` leaves a generator exactly where `start`
     Exponential draws leave it. CPU torch draws one 64-bit number per Exponential value (checked
     with torch 2.14); this is verified once per shape on a scratch generator rather than assumed."""
@@ -72,10 +72,10 @@ def _skip_is_exact(n: int, start: int) -> bool:
 
 def skip_draws(n: int, start: int, generator: torch.Generator | None) -> bool:
     """Moves a CPU generator past the first `start` of n Exponential draws without making them,
-    where that is exact for this shape (checked once: `_skip_is_exact`): by the kernel library's
+    where that is exact for this shape (checked once: `skip_is_exact`): by the kernel library's
     twists of its state (`steps.skip_draws`), else with cheap 64-bit draws (much cheaper than
     Exponential ones). False, untouched, elsewhere."""
-    if start <= 0 or generator is None or generator.device.type != "cpu" or not _skip_is_exact(n, start):
+    if start <= 0 or generator is None or generator.device.type != "cpu" or not skip_is_exact(n, start):
         return False
     if not steps.skip_draws(generator, start):
         torch.empty(start, dtype=torch.int64).random_(generator=generator)

@@ -17,13 +17,13 @@ import pytest
 
 from mm3.cache_dir import RECORD_NAME, recorded, remember
 from mm3.commands.main import main as cli_main
-from mm3.backends.cpu import native as cpu_native
+from mm3.backends.cpu import build as cpu_build
 from mm3.files.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[2]
 SONG = ["--caption", "a", "--lyrics", "b", "--duration", "2", "--steps", "2", "--seed", "1", "--lm-seed", "1",
         "--quiet", "--format", "wav16"]
-needs_compiler = pytest.mark.skipif(cpu_native.build() is None,
+needs_compiler = pytest.mark.skipif(cpu_build.build() is None,
                                     reason="the native integer kernel cannot be built here (no C compiler, or not x86-64)")
 
 
@@ -78,7 +78,7 @@ def test_a_damaged_cached_library_is_built_again(tmp_path, damage):
     """A cached kernel library emptied or overwritten is built again under its name; never the
     silent fall back to the one-thread build."""
     cache = tmp_path / "cache"
-    built = run([], cache, tmp_path, "from mm3.backends.cpu import native as cpu_native; print(cpu_native.build())")
+    built = run([], cache, tmp_path, "from mm3.backends.cpu import build as cpu_build; print(cpu_build.build())")
     path = Path(built.stdout.strip())
     assert built.returncode == 0 and path.parent == cache / "native"
     path.write_bytes(damage)

@@ -222,7 +222,7 @@ def test_the_tap_is_the_attention_renormalised_over_its_span():
         q, keys = torch.randn(2, 6, s, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
         start = n - s
         visible = torch.arange(n)[None] <= torch.arange(start, n)[:, None]
-        attn._show(q, keys, visible if case == "mask" else None, case == "causal", start, 3)
+        attn.show_taps(q, keys, visible if case == "mask" else None, case == "causal", start, 3)
         ((layer, position, w),) = tap.seen
         assert (layer, position) == (3, start) and w.shape == (2, 3, s, 5)
         full = torch.matmul(q, keys.repeat_interleave(3, dim=1).transpose(-1, -2)) / 8 ** 0.5

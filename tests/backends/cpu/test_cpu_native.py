@@ -5,6 +5,7 @@ where it cannot be built (no compiler, switched off, a wrong product): torch's k
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mm3.bench.random_models import random_tensor
-from mm3.backends.cpu import forms as cpu_forms, int4 as cpu_int4, native as cpu_native
+from mm3.backends.cpu import build as cpu_build, forms as cpu_forms, int4 as cpu_int4, native as cpu_native
 from mm3.backends import products
 from mm3.weights import layers as gguf_ops
 from mm3.backends.cpu.forms import FORMS, Serving
@@ -40,11 +41,27 @@ def _rel(a, b):
 
 
 @pytest.fixture
-def rebuilt(monkeypatch):
+def rebuilt():
     """The kernel library looked up afresh in this test (and again after it)."""
-    monkeypatch.setattr(cpu_native, "_LIBRARY", [])
+    cpu_native.forget()
     yield
-    cpu_native._LIBRARY.clear()
+    cpu_native.forget()
+
+
+def _logging_compiler(folder: Path, refuse: str | None = None) -> tuple[Path, Path]:
+    """A C compiler that writes each call's arguments to a log, then runs the system's (`refuse`: an
+    argument it fails on, as a compiler without that option does): (the compiler, its log)."""
+    real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    log, cc = folder / "cc.log", folder / "logging-cc"
+    refusal = f'for a in "$@"; do [ "$a" = "{refuse}" ] && {{ echo "unknown option $a" >&2; exit 1; }}; done\n' \
+        if refuse else ""
+    cc.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\n{refusal}exec "{real}" "$@"\n')
+    cc.chmod(0o755)
+    return cc, log
+
+
+def _calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
 
 
 @needs_kernel
@@ -110,10 +127,12 @@ def test_an_input_that_does_not_fit_the_packing_is_refused_before_the_kernel_rea
 @needs_kernel
 def test_without_openmp_a_one_thread_build_serves(monkeypatch, tmp_path, rebuilt):
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
-    real = cpu_native.build
-    monkeypatch.setattr(cpu_native, "build", lambda openmp=True: None if openmp else real(openmp=False))
+    cc, log = _logging_compiler(tmp_path, refuse="-fopenmp")
+    monkeypatch.setenv("CC", str(cc))
     assert cpu_native.available()
     assert len(list((tmp_path / "native").glob("*.so"))) == 1
+    builds = [call for call in _calls(log) if call != "--version"]
+    assert len(builds) == 2 and "-fopenmp" in builds[0] and "-fopenmp" not in builds[1]
 
 
 @needs_kernel
@@ -152,9 +171,9 @@ def test_every_code_path_of_the_source_multiplies_right(march, needs, bits, monk
     if not needs <= _cpu_flags():
         pytest.skip(f"this processor lacks {', '.join(sorted(needs - _cpu_flags()))}")
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
-    path = cpu_native.build(("-O3", *march, "-shared", "-fPIC", "-std=c11"))
+    path = cpu_build.build(("-O3", *march, "-shared", "-fPIC", "-std=c11"))
     assert path is not None
-    lib = cpu_native.load(path)
+    lib = cpu_build.load(path)
     assert lib.mm3_integer_vector_bits() == bits
     for qtype, n, k, rows in ((Q.Q8_0, 40, 96, 3), (Q.Q6_K, 272, 512, 2), (Q.Q8_0, 16, 32, 1), (Q.Q4_K, 48, 256, 3),
                               (Q.Q5_K, 32, 512, 2), (Q.Q4_0, 16, 64, 1)):
@@ -191,9 +210,9 @@ def test_every_code_path_rounds_the_inputs_alike(monkeypatch, tmp_path):
     results = []
     for march, needs, _ in VARIANTS:
         if needs <= _cpu_flags():
-            path = cpu_native.build(("-O3", *march, "-shared", "-fPIC", "-std=c11"))
+            path = cpu_build.build(("-O3", *march, "-shared", "-fPIC", "-std=c11"))
             assert path is not None
-            results.append((march, cpu_native.product(x, packed, cpu_native.load(path))[:, :n]))
+            results.append((march, cpu_native.product(x, packed, cpu_build.load(path))[:, :n]))
     plain = results[-1][1]
     assert torch.equal(plain[0], torch.round(ties * 8) / 8)  # halves to even
     for march, y in results[:-1]:
@@ -327,21 +346,20 @@ def test_a_compiled_function_traces_the_kernel_as_one_op():
 @needs_kernel
 def test_the_build_is_cached_per_source_compiler_and_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
-    runs = []
-    real = cpu_native._run
-    monkeypatch.setattr(cpu_native, "_run", lambda cmd: runs.append(cmd) or real(cmd))
-    first = cpu_native.build()
-    assert first is not None and first.parent == tmp_path / "native" and len(runs) == 2  # --version, the build
-    assert cpu_native.build() == first and len(runs) == 3  # found: only --version
-    monkeypatch.setattr(cpu_native, "_machine", lambda: "Another Processor 9000")
-    other = cpu_native.build()
-    assert other != first and other.is_file() and len(runs) == 5
+    cc, log = _logging_compiler(tmp_path)
+    monkeypatch.setenv("CC", str(cc))
+    first = cpu_build.build()
+    assert first is not None and first.parent == tmp_path / "native" and len(_calls(log)) == 2  # --version, the build
+    assert cpu_build.build() == first and len(_calls(log)) == 3  # found: only --version
+    monkeypatch.setattr(cpu_build, "machine", lambda: "Another Processor 9000")
+    other = cpu_build.build()
+    assert other != first and other.is_file() and len(_calls(log)) == 5
 
 
 def test_without_a_compiler_torchs_kernels_serve(monkeypatch, tmp_path, rebuilt, caplog):
     monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with caplog.at_level(logging.INFO, logger="mm3.backends.cpu.native"):
+    with caplog.at_level(logging.INFO, logger="mm3.backends.cpu"):
         assert not cpu_native.available() and cpu_native.vector_bits() == -1
     assert "torch's kernels alone" in caplog.text
     q8 = _layer(Q.Q8_0, 32, 256, 11)
@@ -349,10 +367,13 @@ def test_without_a_compiler_torchs_kernels_serve(monkeypatch, tmp_path, rebuilt,
     assert not list((tmp_path / "native").glob("*.so")) if (tmp_path / "native").exists() else True
 
 
-def test_the_switch_keeps_it_from_being_built(monkeypatch, rebuilt):
+def test_the_switch_keeps_it_from_being_built(monkeypatch, tmp_path, rebuilt):
+    monkeypatch.setenv("MM3_CACHE_DIR", str(tmp_path))
+    cc, log = _logging_compiler(tmp_path)
+    monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("MM3_CPU_NATIVE", "off")
-    monkeypatch.setattr(cpu_native, "build", lambda: pytest.fail("built although switched off"))
-    assert not cpu_native.available()
+    assert not cpu_native.available() and cpu_native.vector_bits() == -1
+    assert _calls(log) == []  # the compiler was not even asked its version
 
 
 @needs_kernel
@@ -406,16 +427,19 @@ def test_the_librarys_repacking_is_the_tensor_operations_byte_for_byte(qtype, mo
 
 @needs_kernel
 def test_the_library_leaves_the_forms_it_does_not_make_to_the_tensor_operations(monkeypatch):
-    calls = []
-    real_tile = cpu_native._tile
-    monkeypatch.setattr(cpu_native, "_tile", lambda *a, **kw: calls.append(a[2]) or real_tile(*a, **kw))
+    """The library is asked to repack (`mm3_repack`) only the types and scale forms it makes
+    (`LIBRARY_REPACKS`); the others are packed by the tensor operations, the same bytes."""
+    lib, calls = cpu_native.library(), []
+    real = lib.mm3_repack
+    monkeypatch.setattr(lib, "mm3_repack", lambda *a: calls.append(a[1]) or real(*a))
     raw, _ = _raw(32, 256, 3, Q.Q4_K)
-    cpu_native.repack(raw, Q.Q4_K, 32, 256)
-    assert calls == []  # the library's
-    cpu_native.repack(raw, Q.Q4_K, 32, 256, scales="f32")
+    made = cpu_native.repack(raw, Q.Q4_K, 32, 256)
+    assert calls == [int(Q.Q4_K)] and made.scales == "super"  # the library's
+    wide = cpu_native.repack(raw, Q.Q4_K, 32, 256, scales="f32")
     raw1, _ = _raw(32, 256, 3, Q.Q4_1)
-    cpu_native.repack(raw1, Q.Q4_1, 32, 256)
-    assert calls == [4, 4]  # float32 scales, and a type it does not make
+    other = cpu_native.repack(raw1, Q.Q4_1, 32, 256)
+    assert calls == [int(Q.Q4_K)]  # float32 scales, and a type it does not make: not asked
+    assert wide.scales == "f32" and other.layout == cpu_native.TYPES[Q.Q4_1]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the tie to the parent is Linux's PR_SET_PDEATHSIG")
@@ -432,7 +456,7 @@ def test_a_build_whose_process_is_killed_leaves_no_compiler_running(tmp_path):
                     "wait\n")
     fake.chmod(0o755)
     env = {**os.environ, "CC": str(fake), "MM3_CACHE_DIR": str(tmp_path / "cache")}
-    builder = subprocess.Popen([sys.executable, "-c", "from mm3.backends.cpu import native; native.build()"], env=env,
+    builder = subprocess.Popen([sys.executable, "-c", "from mm3.backends.cpu import build; build.build()"], env=env,
                                cwd=str(Path(__file__).resolve().parents[3]))
     try:
         deadline = time.monotonic() + 60

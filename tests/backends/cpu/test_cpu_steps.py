@@ -69,7 +69,6 @@ def test_an_embedding_of_a_type_the_library_does_not_read_is_dequantized_by_torc
 def test_the_library_is_not_loaded_for_what_it_cannot_serve(monkeypatch):
     """A norm or lookup on another device, or traced by torch.compile, is torch's: the library is
     neither built nor loaded for it (its lock would break a compiled graph)."""
-    monkeypatch.setattr(cpu_native, "_LIBRARY", [])
     monkeypatch.setattr(cpu_native, "library", lambda: pytest.fail("the library was looked up"))
     x, w = torch.empty(2, 1, 64, device="meta"), torch.empty(64, device="meta")
     assert cpu_steps.rms_norm(x, w, 1e-6) is None
@@ -512,15 +511,19 @@ def test_a_shape_whose_skip_is_not_exact_is_drawn_whole(monkeypatch):
     Exponential draws of some size consume its generator otherwise draws them all."""
     from mm3.plan import sampling
 
-    monkeypatch.setattr(sampling, "_skip_is_exact", lambda n, start: False)
+    monkeypatch.setattr(sampling, "skip_is_exact", lambda n, start: False)
     g = sampling.make_generator(1)
     state = g.get_state()
     assert not sampling.skip_draws(5000, 4000, g) and torch.equal(g.get_state(), state)
 
 
 def test_the_draw_arithmetic_is_checked_per_size(monkeypatch):
-    checked = []
-    monkeypatch.setattr(cpu_steps, "_RAW_EXACT", {})
-    monkeypatch.setattr(cpu_steps, "_check_raw_draws", lambda n: checked.append(n) or n < 1000)
-    assert cpu_steps.raw_draws_exact(64) and not cpu_steps.raw_draws_exact(168059)
-    assert cpu_steps.raw_draws_exact(64) and checked == [64, 168059]
+    """Once a size: the check asks for the library (and runs it) the first time only; another size
+    is checked on its own. Sizes no other test draws, so neither was checked before."""
+    asked = []
+    real = cpu_native.library
+    monkeypatch.setattr(cpu_native, "library", lambda: asked.append(1) or real())
+    first = cpu_steps.raw_draws_exact(977)
+    assert len(asked) == 1
+    assert cpu_steps.raw_draws_exact(977) == first and len(asked) == 1
+    assert cpu_steps.raw_draws_exact(1013) == first and len(asked) == 2

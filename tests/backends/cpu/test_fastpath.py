@@ -139,7 +139,7 @@ def test_raw_frame_draws_are_the_exponential_ones():
 
     if not cpu_steps.raw_draws_exact():
         pytest.skip("no kernel library on this machine (no C compiler): the frame's draws are torch's")
-    kinds = [ar._Draws([make_generator(s) for s in (3, 4)], 330, (200, 264), 8, 64, raw) for raw in (False, True)]
+    kinds = [ar.FrameDraws([make_generator(s) for s in (3, 4)], 330, (200, 264), 8, 64, raw) for raw in (False, True)]
     for active in ([True, True], [True, False], [False, True]):
         (sem, dep), (raw_sem, raw_dep) = (k.frame(active) for k in kinds)
         assert raw_sem.dtype == raw_dep.dtype == torch.int64 and sem.shape == raw_sem.shape == (2, 64)
@@ -196,8 +196,8 @@ def test_static_shapes_step_equals_reference(tiny_ar):
     sampler = ar.FrameSampler(t.lm, t.depth, prompt.codes, cache, PlanSettings(duration=1.0), torch.float32,
                               torch.device("cpu"))
     sampler.last = last
-    draws = ar._Draws([make_generator(2)], t.lm.vocab_size, t.lm.head_ids, 8, t.depth.audio_vocab)
-    ((codes, hiddens, ended),) = ar._sample_frames(sampler, draws, max_frames=25, device=torch.device("cpu"),
+    draws = ar.FrameDraws([make_generator(2)], t.lm.vocab_size, t.lm.head_ids, 8, t.depth.audio_vocab)
+    ((codes, hiddens, ended),) = ar.sample_frames(sampler, draws, max_frames=25, device=torch.device("cpu"),
                                                    progress=Progress(), static_shapes=True)
     assert torch.equal(codes, ref.codes) and rel(hiddens, ref.frame_hiddens) < 1e-5
 

@@ -78,7 +78,7 @@ def test_the_kernels_give_the_torch_operations_codes(emulated_models, eager, mon
 def test_the_static_step_reads_the_position_from_the_device(emulated_models, eager, monkeypatch):
     """The frame step as a CUDA graph captures it (`static_shapes`: `cache.bucket` set), with the
     host's count of filled positions hidden while it runs: the kernels read `cache.pos` only."""
-    real_frames, real_step = ar._sample_frames, ar.FrameSampler.step
+    real_frames, real_step = ar.sample_frames, ar.FrameSampler.step
     buckets = []
 
     def hidden_count(sampler, q_sem, q_dep):
@@ -90,7 +90,7 @@ def test_the_static_step_reads_the_position_from_the_device(emulated_models, eag
         finally:
             cache.length = length
 
-    monkeypatch.setattr(ar, "_sample_frames", functools.partial(real_frames, static_shapes=True))
+    monkeypatch.setattr(ar, "sample_frames", functools.partial(real_frames, static_shapes=True))
     monkeypatch.setattr(ar.FrameSampler, "step", hidden_count)
     got = _plan(emulated_models)
     assert buckets and all(b is not None for b in buckets)
