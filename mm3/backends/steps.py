@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .. import switches
 from . import products
 from .cpu import steps as cpu_steps
 from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, skip_draws
@@ -22,7 +23,7 @@ from .gpu import steps as gpu_steps
 from .gpu.emulation import cpu_path, gpu_path
 
 __all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "code_rows", "frame_feedback", "rope_table",
-           "prepare_attention", "decode_attention", "short_attention", "lm_layer", "depth_blocks", "top_k_draw",
+           "prepare_attention", "attention_step", "decode_attention", "short_attention", "lm_layer", "depth_blocks", "top_k_draw",
            "semantic_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
@@ -100,6 +101,16 @@ def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, ca
         if gpu_path(q) else None
 
 
+def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos: torch.Tensor, span: int,
+                   scale: float):
+    """An LM decode step's q/k norms, rotation, cache write at the device position `pos` and its
+    attention over the filled keys (`span` >= pos + 1 keys the call is sized for) in one call, from
+    q, k, v as one q/k/v product's split gives them -> [B, heads, 1, D], or None (nothing written)."""
+    if not gpu_path(q):
+        return None
+    return gpu_steps.attention_step(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span, scale)
+
+
 def decode_attention(q, cache_k, cache_v, pos: torch.Tensor, span: int, scale: float):
     """One query position's attention (q [B, heads, 1, D]) over the cache's first pos + 1 keys (`pos`
     on the device; `span` >= pos + 1 keys the call is sized for) -> [B, heads, 1, D], or None."""
@@ -169,9 +180,14 @@ def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
     return y
 
 
+def _whole_gpu_layers() -> bool:
+    """Whether the GPU back end runs LM layers and depth blocks whole (`MM3_GPU_LAYERS`)."""
+    return switches.value("MM3_GPU_LAYERS") == "whole"
+
+
 def _gpu_lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int) -> torch.Tensor | None:
     dt, dev = x.dtype, x.device
-    parts = products.layout_block(layer.products(), dt, dev)
+    parts = products.layout_block(layer.products(), dt, dev) if _whole_gpu_layers() else None
     if parts is None:
         return None
     attn = layer.self_attn
@@ -189,7 +205,7 @@ def depth_blocks(decoder, inputs: torch.Tensor, positions: torch.Tensor, cache, 
     dt, dev = inputs.dtype, inputs.device
     blocks = decoder.layers
     if gpu_path(inputs):
-        parts = [products.layout_block(b.products(), dt, dev) for b in blocks]
+        parts = [products.layout_block(b.products(), dt, dev) for b in blocks] if _whole_gpu_layers() else [None]
         if None in parts:
             return None
         norms = [(b.input_layernorm(dt, dev), b.post_attention_layernorm(dt, dev)) for b in blocks]

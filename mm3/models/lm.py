@@ -199,9 +199,10 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 class Qwen3Attention(nn.Module):
     taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
-    # The fast numerics (set by `set_numerics`): a decode step normalizes, rotates and caches in
-    # one call of a back end (`steps.prepare_attention`) and attends over the filled keys by a back
-    # end's call (`steps.decode_attention`) or, on the CPU, `one_query_attention`; norms are
+    # The fast numerics (set by `set_numerics`): a decode step normalizes, rotates, caches and
+    # attends in one call of a back end where one serves (`steps.attention_step`), else normalizes,
+    # rotates and caches in one (`steps.prepare_attention`) and attends over the filled keys by a
+    # back end's call (`steps.decode_attention`) or, on the CPU, `one_query_attention`; norms are
     # `rms_norm(..., native=True)`.
     fast_numerics = False
 
@@ -224,7 +225,12 @@ class Qwen3Attention(nn.Module):
         dt, dev = x.dtype, x.device
         q, k, v = self.qkv(x)
         native = self.fast_numerics
-        if native and s == 1 and not self.taps:  # a decode step: one back-end call, then the attention
+        if native and s == 1 and not self.taps:  # a decode step: one back-end call, or two
+            span = cache.length + 1 if cache.bucket is None else cache.bucket
+            out = steps.attention_step(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
+                                       cache.k[layer], cache.v[layer], cache.pos, span, self.head_dim ** -0.5)
+            if out is not None:
+                return self.o_proj(out.view(b, 1, -1))
             at = cache.length if cache.bucket is None else None  # the host position, where the step may read it
             rotated = steps.prepare_attention(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
                                               cache.k[layer], cache.v[layer], at, cache.pos)

@@ -227,7 +227,7 @@ class KernelCounter:
         kind = part = None
         layer = None
         f = sys._getframe(2)
-        while f is not None and (kind is None or part is None):
+        while f is not None and (kind is None or part is None or (part == "lm_layer" and layer is None)):
             module = f.f_globals.get("__name__", "")
             if module.startswith(self.roots) and module != __name__:
                 code = f.f_code
@@ -258,9 +258,9 @@ class KernelCounter:
                             part = found
                     if isinstance(part, tuple):
                         part, layer = part
-                    elif part == "lm_layer":
-                        index = f.f_locals.get("layer", f.f_locals.get("index"))
-                        layer = index if isinstance(index, int) else None
+                if part == "lm_layer" and layer is None:  # the layer's index: here, or in a caller's frame
+                    layer = next((v for v in (f.f_locals.get("layer"), f.f_locals.get("index"))
+                                  if isinstance(v, int) and not isinstance(v, bool)), None)
             f = f.f_back
         return kind or "other", part or "frame_glue", layer
 

@@ -248,7 +248,7 @@ def _decode(x2: torch.Tensor, parts: list, sizes: list[int], k: int, bias: torch
     counts = counters(x2.device, groups * tiles) if splits > 1 else y
     b = bias if bias is not None else y
     consts = dict(HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                  BLOCK_C=block_c, num_warps=config.num_warps, **fused.flags())
+                  BLOCK_C=block_c, num_warps=config.num_warps, PRECISE=not _interpreted(), **fused.flags())
     extra = fused.args(y)
     (q, qh, s, s2), code = parts[0]
     if len(parts) == 1:
@@ -294,7 +294,7 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Con
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > GEMV_MAX_ROWS or not n:
-        gate, up = linear(x, weight, qtype, k, config=config, norm=norm).split(n, dim=-1)
+        gate, up = linear(torch_rms_norm(x, norm), weight, qtype, k, config=config).split(n, dim=-1)
         return F.silu(gate) * up
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -433,7 +433,8 @@ def report_specs(decode: list, prefill: list) -> list:
                 ints["split_chunks"] = -(-chunks_of(k) // (splits * block_c)) * block_c
                 fn, config = gemv_kernel, DECODE
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
-                              "BLOCK_N": config.block_n, "BLOCK_C": block_c, "SWIGLU": False, "PRECISE": True}
+                              "BLOCK_N": config.block_n, "BLOCK_C": block_c, "SWIGLU": False, "PRECISE": True,
+                              "NORM": False, "RESIDUAL": False}
                 mix = {"loop_weights": config.block_n * block_c * dl.CHUNK // (32 * config.num_warps),
                        "inner_trips": dl.SLICES}
 
@@ -451,7 +452,8 @@ def report_specs(decode: list, prefill: list) -> list:
             signature = {**pointers, **{a: "i32" for a in ints}, "eps": "fp32",
                          **dict.fromkeys(constexprs, "constexpr")}
             signature = {a: signature[a] for a in fn.arg_names}
-            aligned = tuple(pointers) + tuple(a for a, v in ints.items() if v % 16 == 0)
+            aligned = tuple(a for a in pointers if a in signature) + \
+                tuple(a for a, v in ints.items() if v % 16 == 0 and a in signature)
             specs.append(KernelSpec(
                 name=f"layout/{qtype.name}/{shape}", family="layout", weight_type=qtype.name, shape=shape, fn=fn,
                 signature=signature, constexprs=constexprs, aligned=aligned,
@@ -469,9 +471,10 @@ def _empty_weight(qtype: QT, n: int, k: int) -> torch.Tensor:
 
 def fused_report_specs(decode: list) -> list:
     """The decode kernels' fused forms (family "fused"), bfloat16 inputs, two rows: per common type
-    the SwiGLU epilogue (at the gate/up products) and the K split with its in-kernel sum (at the
-    products whose grid splits), and the two-type kernel of the Q4_K_M and Q5_K_M q/k/v groups (v in
-    Q6_K)."""
+    the SwiGLU epilogue (at the gate/up products) without and with the RMSNorm of its inputs inside
+    (the frame's form), and the K split with its in-kernel sum and the residual add (at the products
+    whose grid splits), and the two-type kernel of the Q4_K_M and Q5_K_M q/k/v groups (v in Q6_K)
+    without and with the norm."""
     from .kernel_report import KernelSpec
     from .layout_triton import gemv_kernel, gemv_segments_kernel
 
@@ -493,7 +496,8 @@ def fused_report_specs(decode: list) -> list:
         if len(qtypes) == 2:
             ints["N1"] = n - n // 3  # q and k of a group with as many v rows as k rows
         constexprs = {"QTYPE": CODES[qtypes[0]], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
-                      "BLOCK_N": config.block_n, "BLOCK_C": block_c, **extra}
+                      "BLOCK_N": config.block_n, "BLOCK_C": block_c, "NORM": False, "RESIDUAL": False,
+                      "PRECISE": True, **extra}
         signature = {**pointers, **{a: "i32" for a in ints}, "eps": "fp32", **dict.fromkeys(constexprs, "constexpr")}
         signature = {a: signature[a] for a in fn.arg_names}
         aligned = tuple(pointers) + tuple(a for a, v in ints.items() if v % 16 == 0)
@@ -512,12 +516,14 @@ def fused_report_specs(decode: list) -> list:
     qkv = [launch for launch in decode if launch.layer.endswith("qkv")]
     specs = []
     for qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0):
-        specs.append(spec(f"fused/{qtype.name}/swiglu", gemv_kernel, (qtype,), gate_up,
-                          {"SWIGLU": True, "PRECISE": True}, halve=True))
+        for norm in (False, True):
+            specs.append(spec(f"fused/{qtype.name}/swiglu" + "+norm" * norm, gemv_kernel, (qtype,), gate_up,
+                              {"SWIGLU": True, "NORM": norm}, halve=True))
         if split:
-            specs.append(spec(f"fused/{qtype.name}/split", gemv_kernel, (qtype,), split,
-                              {"PARTIAL": True, "SWIGLU": False, "PRECISE": True}))
+            specs.append(spec(f"fused/{qtype.name}/split+residual", gemv_kernel, (qtype,), split,
+                              {"PARTIAL": True, "SWIGLU": False, "RESIDUAL": True}))
     for qtype in (QT.Q4_K, QT.Q5_K):
-        specs.append(spec(f"fused/{qtype.name}+Q6_K/qkv", gemv_segments_kernel, (qtype, QT.Q6_K), qkv,
-                          {"QTYPE2": CODES[QT.Q6_K]}))
+        for norm in (False, True):
+            specs.append(spec(f"fused/{qtype.name}+Q6_K/qkv" + "+norm" * norm, gemv_segments_kernel,
+                              (qtype, QT.Q6_K), qkv, {"QTYPE2": CODES[QT.Q6_K], "NORM": norm}))
     return specs

@@ -239,16 +239,28 @@ def _slice_runtime(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE: tl.co
 
 
 @triton.jit
-def _x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, NORM: tl.constexpr):
+def _rounded(v, dt: tl.constexpr, NATIVE: tl.constexpr):
+    """v (float32) rounded to `dt` and back: the device's own conversion (round to nearest even on
+    a GPU, one instruction), or `norm_kernels.cast` where it would truncate (the interpreter)."""
+    if NATIVE:
+        return v.to(dt).to(tl.float32)
+    else:
+        return cast(v, dt).to(tl.float32)
+
+
+@triton.jit
+def _x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, NORM: tl.constexpr, NATIVE: tl.constexpr):
     """Input row m's values 32 i + j of chunks cs: float32 [1, C, 32] (zeros past K or M); with
     NORM the row's RMSNorm by the weight at nw_ptr (r: the row's `_rstd`), in the roundings of
     `norm_kernels`: the normalized value and its product with the weight each rounded to x's dtype."""
     col = cs[None, :, None] * 256 + 32 * i + tl.arange(0, 32)[None, None, :]
     x = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=(col < K) & (m < M), other=0.0)
     if NORM:
-        dt = x_ptr.dtype.element_ty
-        w = tl.load(nw_ptr + col, mask=col < K, other=0.0).to(tl.float32)
-        return cast(w * cast(x.to(tl.float32) * r, dt).to(tl.float32), dt).to(tl.float32)
+        dt: tl.constexpr = x_ptr.dtype.element_ty
+        w = tl.load(nw_ptr + col, mask=col < K, other=0.0)
+        if NATIVE:  # the product of two values of dt is exact in float32: dt's own product rounds it the same
+            return (w * (x.to(tl.float32) * r).to(dt)).to(tl.float32)
+        return _rounded(w.to(tl.float32) * _rounded(x.to(tl.float32) * r, dt, NATIVE), dt, NATIVE)
     return x.to(tl.float32)
 
 
@@ -270,7 +282,7 @@ def _rstd(x_ptr, m, M, x_stride, K, eps, NORM: tl.constexpr, BLOCK: tl.constexpr
 @triton.jit
 def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
                rows, m0, c_lo, c_hi, nw_ptr, eps, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, NATIVE: tl.constexpr):
     """The k-loop: float32 [BLOCK_N, BLOCK_C, 32] sums of weight rows `rows` (of these planes) times
     input rows m0..m0 + 3 (those past BLOCK_M stay zero) over chunks [c_lo, c_hi); with NORM the
     inputs RMS-normalized first (`_x_slice`), each program reading its rows whole for their norm."""
@@ -288,12 +300,12 @@ def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh
                                QTYPE, BLOCK_N, BLOCK_C)
         for i in tl.static_range(8):
             w = _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
-            acc0 += w * _x_slice(x_ptr, m0, M, x_stride, cs, K, i, nw_ptr, r0, NORM)
+            acc0 += w * _x_slice(x_ptr, m0, M, x_stride, cs, K, i, nw_ptr, r0, NORM, NATIVE)
             if BLOCK_M > 1:
-                acc1 += w * _x_slice(x_ptr, m0 + 1, M, x_stride, cs, K, i, nw_ptr, r1, NORM)
+                acc1 += w * _x_slice(x_ptr, m0 + 1, M, x_stride, cs, K, i, nw_ptr, r1, NORM, NATIVE)
             if BLOCK_M > 2:
-                acc2 += w * _x_slice(x_ptr, m0 + 2, M, x_stride, cs, K, i, nw_ptr, r2, NORM)
-                acc3 += w * _x_slice(x_ptr, m0 + 3, M, x_stride, cs, K, i, nw_ptr, r3, NORM)
+                acc2 += w * _x_slice(x_ptr, m0 + 2, M, x_stride, cs, K, i, nw_ptr, r2, NORM, NATIVE)
+                acc3 += w * _x_slice(x_ptr, m0 + 3, M, x_stride, cs, K, i, nw_ptr, r3, NORM, NATIVE)
     return acc0, acc1, acc2, acc3
 
 
@@ -310,8 +322,9 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
     split over the grid's third axis (`_store`). SWIGLU (no split, no bias): W is [2 N, K], gate
     rows then up rows; the tile takes BLOCK_N / 2 of each, interleaved, and y[m, n] =
     silu(gate) * up in y's dtype (`_store_swiglu`). NORM: the inputs RMS-normalized by the weight
-    at nw_ptr (eps) on the way in (`_x_slice`); RESIDUAL (not with SWIGLU): y = res + the product,
-    each rounded to y's dtype as torch adds a layer's output to the residual stream (`_store_row`)."""
+    at nw_ptr (eps) on the way in (`_x_slice`; PRECISE: rounded by the device's own conversions, as
+    on a GPU, else as `norm_kernels.cast`); RESIDUAL (not with SWIGLU): y = res + the product, each
+    rounded to y's dtype as torch adds a layer's output to the residual stream (`_store_row`)."""
     pid_n = tl.program_id(1)
     if SWIGLU:
         r = tl.arange(0, BLOCK_N)
@@ -325,7 +338,7 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
     c_hi = tl.minimum(chunks, c_lo + split_chunks)
     acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
                                         s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, QTYPE, BLOCK_M,
-                                        BLOCK_N, BLOCK_C, NORM)
+                                        BLOCK_N, BLOCK_C, NORM, PRECISE)
     if SWIGLU:
         _store_swiglu(acc0, m0, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
         if BLOCK_M > 1:
@@ -345,11 +358,12 @@ def gemv_segments_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, q2_ptr, qh2_ptr, s
                          nw_ptr, res_ptr, res_stride, eps,
                          QTYPE: tl.constexpr, QTYPE2: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_C: tl.constexpr, NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+                         BLOCK_C: tl.constexpr, NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+                         PRECISE: tl.constexpr = True):
     """`gemv_kernel` over two weights of different types stacked by their outputs: rows [0, N1) of
     QTYPE (planes q, qh, s, s2), rows [N1, N) of QTYPE2 (planes q2, qh2, s3, s4); N1 is a multiple
     of BLOCK_N, so each program reads one of them (a q/k/v group whose v has another type). NORM and
-    RESIDUAL as `gemv_kernel`'s."""
+    RESIDUAL (and PRECISE: the device's own roundings) as `gemv_kernel`'s."""
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m0 = tl.program_id(0) * BLOCK_M
@@ -358,12 +372,12 @@ def gemv_segments_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, q2_ptr, qh2_ptr, s
     if pid_n * BLOCK_N < N1:
         acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride,
                                             qh_stride, s_stride, s2_stride, offs_n, m0, c_lo, c_hi, nw_ptr, eps,
-                                            QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM)
+                                            QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, PRECISE)
     else:
         rows = tl.minimum(offs_n, N - 1) - N1
         acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q2_ptr, qh2_ptr, s3_ptr, s4_ptr, M, K, x_stride, q2_stride,
                                             qh2_stride, s3_stride, s4_stride, rows, m0, c_lo, c_hi, nw_ptr, eps,
-                                            QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM)
+                                            QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM, PRECISE)
     _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
            res_stride, HAS_BIAS, PARTIAL, BLOCK_M, RESIDUAL)
 

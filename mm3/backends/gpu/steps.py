@@ -227,6 +227,30 @@ def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float):
     return attention_kernels.decode(q, cache_k, cache_v, pos, span, scale)
 
 
+def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, span: int, scale: float):
+    """An LM decode step's q/k norms, rotation, cache write at the device position `pos` and its
+    attention over the filled keys (a launch sized for `span` keys) in one kernel
+    (`attention_kernels.step`) -> [B, heads, 1, D], or None (nothing written). q, k, v [B, 1, .]:
+    adjacent pieces of each row of one q/k/v product's output, as its split gives them."""
+    if not _serves(q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v) or q.dim() != 3 or cache_k.dim() != 4:
+        return None
+    b, s, width = q.shape
+    rows, kv_heads, cap, d = cache_k.shape
+    size = q.element_size()
+    if s != 1 or rows != b or k.shape != (b, 1, kv_heads * d) or v.shape != k.shape or width % d or \
+            (width // d) % kv_heads or not _pow2(d) or cache_v.shape != cache_k.shape or \
+            not (cache_k.is_contiguous() and cache_v.is_contiguous()) or \
+            not all(_vector(t, d) for t in (q_norm, k_norm, cos, sin)) or not 0 < span <= cap or \
+            pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device or \
+            k.data_ptr() != q.data_ptr() + width * size or v.data_ptr() != k.data_ptr() + kv_heads * d * size or \
+            not q.stride(0) == k.stride(0) == v.stride(0) >= width + 2 * kv_heads * d:
+        return None
+    from . import attention_kernels
+
+    return attention_kernels.step(q[:, 0], q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span, scale,
+                                  width // d)
+
+
 def lm_layer(parts: tuple, x, norms: tuple, eps: float, head_norms: tuple, head_eps: float, cos, sin, cache_k,
              cache_v, pos, span: int, heads: int, scale: float):
     """An LM layer's whole decode step in five launches, x [B, 1, dim] -> the layer's output:

@@ -230,6 +230,9 @@ def _released():
     decode = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "pos_ptr": i64, "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32,
               "count_ptr": "*i32", "out_ptr": bf, "scale": "fp32"}
     combine = {"m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "pos_ptr": i64, "out_ptr": bf}
+    step = {"qkv_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "k_ptr": bf, "v_ptr": bf,
+            "pos_ptr": i64, "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "count_ptr": "*i32", "out_ptr": bf,
+            "eps": "fp32", "scale": "fp32"}
     short = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "ck_ptr": bf, "cv_ptr": bf, "out_ptr": bf, "scale": "fp32"}
     split = {"SPLIT": attention_kernels.SPLIT}
     return [
@@ -241,6 +244,8 @@ def _released():
         (attention_kernels.attention_decode_kernel, decode,
          {"G": 4, "GP": 4, "D": 128, "BLOCK_N": attention_kernels.BLOCK_N, "COMBINE": True, **split}, 4),
         (attention_kernels.attention_combine_kernel, combine, {"G": 4, "GP": 4, "D": 128, **split}, nk.warps(128)),
+        (attention_kernels.attention_step_kernel, step, {"HEADS": 32, "KV_HEADS": 8, "G": 4, "GP": 4, "D": 128,
+                                                          "BLOCK_N": attention_kernels.BLOCK_N, **split}, 4),
         (attention_kernels.attention_short_kernel, short, {"HEADS": 16, "D": 256, "SP": 2, "CP": 16}, 4),
     ]
 
