@@ -31,7 +31,7 @@ from ..plan.replay import Replayer
 from ..plan.sampling import resolve_seed
 from .stages import (
     STORE, Audio, Conditions, Latents, ModelFile, PromptText, Song, Windows, _check_hiddens, _stored,
-    set_ar_numerics, stitch_windows)
+    set_ar_numerics, stitch_windows, unchanged, watched)
 from ..plan.codes import AudioCodes
 from .settings import PlanSettings, SynthSettings, Takes
 
@@ -56,6 +56,9 @@ class Models:
     dit: torch.nn.Module
     vae: torch.nn.Module
     files: dict[str, ModelFile]
+
+    def networks(self) -> tuple:
+        return self.lm, self.depth, self.cond, self.dit, self.vae
 
 
 @dataclass
@@ -120,6 +123,7 @@ class _SongRender:
         job.seconds["dit"] += mid - start
         job.seconds["vae"] += time.perf_counter() - mid
         if job.on_audio is not None:
+            unchanged(*job.models.networks())  # a window made over a file cut short is not heard
             job.on_audio(self.index, k, windows, piece, job.sample_rate)
 
 
@@ -174,7 +178,7 @@ def plan_and_render(models: Models, prompt: PromptText, settings: PlanSettings, 
     check_compatible(dict(files))
     settings = replace(settings, lm_seed=resolve_seed(settings.lm_seed))
     device = torch.device(device)
-    progress = progress or Progress()
+    progress = watched(progress, *models.networks())
     capacity = max_frames_for(settings.duration, prompt.prompt.num_tokens, models.lm.max_positions,
                               settings.frame_rate)
     hop = int(files["cond"].hparams["output_hop_length"])
@@ -200,6 +204,7 @@ def plan_and_render(models: Models, prompt: PromptText, settings: PlanSettings, 
         planned = plan(models.lm, models.depth, prompt.prompt, settings, device=device, dtype=dtype,
                        progress=progress, weight_budget=weight_budget, prefix=prefix, keep_hiddens=False,
                        on_frames=on_frames)
+    unchanged(*models.networks())
     total = time.perf_counter() - start
     job.seconds["plan"] = total - job.seconds["dit"] - job.seconds["vae"]
     audio = [_song_audio(job, render, c, settings, takes, synth, i, len(planned), origin)

@@ -275,9 +275,10 @@ def set_ar_numerics(lm_model, depth_model, numerics: Numerics, *, device, dtype:
 def watched(progress: Progress | None, *models) -> Progress:
     """`progress` for a stage that reads `models`: whether a file they were built from (and still
     map) was rewritten in place is checked now, before the stage, and at every poll between its
-    units, ending the stage with `FileChanged` (`mm3.filewatch`) instead of a fault or garbage."""
+    units, ending the stage with `FileChanged` (`mm3.filewatch`) instead of a fault or garbage;
+    the stage's end checks again (`unchanged`)."""
     progress = progress or Progress()
-    paths = [path for m in models if (path := getattr(m, "source_file", None))]
+    paths = _paths(models)
     if not paths:
         return progress
     check(*paths)
@@ -287,6 +288,29 @@ def watched(progress: Progress | None, *models) -> Progress:
         return progress.should_stop()
 
     return Progress(progress.on_progress, should_stop)
+
+
+def unchanged(*models) -> None:
+    """As a stage ends: `FileChanged` where a file `models` map was changed or cut short while its
+    last unit read it (`mm3.filewatch.check`), so that unit's result never leaves the stage."""
+    check(*_paths(models))
+
+
+def checked(on_window, *models):
+    """`on_window` (a `WindowStream`, or None) called only once `models` are `unchanged`: a window
+    denoised over a file cut short is not heard."""
+    if on_window is None:
+        return None
+
+    def call(k: int, latent: torch.Tensor) -> None:
+        unchanged(*models)
+        on_window(k, latent)
+
+    return call
+
+
+def _paths(models) -> list[str]:
+    return [path for m in models if (path := getattr(m, "source_file", None))]
 
 
 # -- the stages -----------------------------------------------------------------------------------
@@ -318,6 +342,7 @@ def plan_songs(lm_model, depth_model, prompt: PromptText, depth: ModelFile, sett
         codes, candidates = plan_and_replay_takes(lm_model, depth_model, prompt.prompt, settings, takes,
                                                   weight_budget=weight_budget, prefix=prefix,
                                                   lyric_heads=lyric_heads, **kw)
+    unchanged(lm_model, depth_model)
     for c in codes:
         _check_hiddens(c, "planning")
     return [Song(_stored(c), prompt, depth, settings, takes, i, len(codes), origin) for i, c in enumerate(codes)], \
@@ -341,6 +366,7 @@ def replan(lm_model, depth_model, prompt: PromptText, codes: torch.Tensor, start
     set_ar_numerics(lm_model, depth_model, numerics, device=device, dtype=dtype)
     (song,) = plan(lm_model, depth_model, prompt.prompt, settings, device=device, dtype=dtype, progress=progress,
                    prefix=codes[:a + 1] if a > 0 else None)
+    unchanged(lm_model, depth_model)
     return torch.cat([song.codes.cpu(), codes[b + 1:]])
 
 
@@ -377,6 +403,7 @@ def replay_song(lm_model, depth_model, prompt: PromptText, depth: ModelFile, cod
     set_ar_numerics(lm_model, depth_model, numerics, device=device, dtype=dtype)
     song = replay(lm_model, depth_model, prompt.prompt, codes, device=device, dtype=dtype, progress=progress,
                   lm_seed=lm_seed, lyric_heads=lyric_heads, hiddens=hiddens, tap=tap)
+    unchanged(lm_model, depth_model)
     _check_hiddens(song, "replaying codes")
     return Song(_stored(song), prompt, depth, origin=origin, model_check=model_check)
 
@@ -390,6 +417,7 @@ def encode(cond_model, cond: ModelFile, song: Song, *, device, dtype: torch.dtyp
     progress = watched(progress, cond_model)
     warnings = _file_warnings(song, cond)
     conds = encode_conditions(cond_model, song.codes.frame_hiddens, device=device, dtype=dtype, progress=progress)
+    unchanged(cond_model)
     return Conditions(song, [c.to(STORE) for c in conds], int(cond.hparams["output_hop_length"]), cond, warnings)
 
 
@@ -406,7 +434,8 @@ def sample(dit_model, dit: ModelFile, conditions: Conditions, synth: SynthSettin
     latents = sample_latents(dit_model, conditions.conds, steps=synth.steps, dit_cfg=synth.dit_cfg,
                              seed=None if generator is not None else synth.seed, generator=generator,
                              variations=synth.variations, device=device, dtype=dtype, progress=progress,
-                             weight_cache=weight_cache, on_window=on_window, **numerics.sampler(synth.steps, synth.shift))
+                             weight_cache=weight_cache, on_window=checked(on_window, dit_model), **numerics.sampler(synth.steps, synth.shift))
+    unchanged(dit_model)
     return Latents(conditions, [x.to(STORE) for x in latents], synth, dit,
                    rng="reference" if generator is not None else "independent", warnings=warnings)
 
@@ -425,8 +454,9 @@ def repaint(dit_model, dit: ModelFile, conditions: Conditions, source: Latents, 
                         conditions.cond.hparams["output_sampling_rate"], conditions.hop, source.covered)
     latents = sample_latents(dit_model, conditions.conds, steps=synth.steps, dit_cfg=synth.dit_cfg, seed=synth.seed,
                              variations=synth.variations, device=device, dtype=dtype, progress=progress,
-                             weight_cache=weight_cache, keep=keep, on_window=on_window,
+                             weight_cache=weight_cache, keep=keep, on_window=checked(on_window, dit_model),
                              **numerics.sampler(synth.steps, synth.shift))
+    unchanged(dit_model)
     kept = source.synth
     if kept is None or (kept.steps, kept.shift, kept.dit_cfg) != (synth.steps, synth.shift, synth.dit_cfg):
         warnings.append("the kept part comes from recorded audio or from other DiT settings: the replay JSON of this "
@@ -446,6 +476,7 @@ def encode_recording(vae_model, vae: ModelFile, wave: torch.Tensor, sample_rate:
         raise ValueError(f"{vae.name} holds no encoder (encoder.* tensors): convert the vocoder with its encoder "
                          "checkpoint to encode audio")
     timeline = encode_audio(vae_model, wave.to(device), int(sample_rate)).cpu()
+    unchanged(vae_model)
     windows, covered = windows_from_timeline(timeline, [c.shape[1] for c in conditions.conds])
     return Latents(conditions, [w.to(STORE) for w in windows], None, vae=vae, covered=covered)
 
@@ -460,6 +491,7 @@ def decode(vae_model, vae: ModelFile, latents: Latents, *, device, numerics: Num
     hop = latents.conditions.hop
     waves = decode_windows(vae_model, latents.latents, hop=hop, device=device, progress=progress,
                            exact=numerics.exact)
+    unchanged(vae_model)
     return Windows(latents, [w.float().to(STORE) for w in waves], hop, int(vae.hparams["sampling_rate"]), vae,
                    warnings)
 
@@ -483,6 +515,7 @@ class WindowStream:
         quiet = Progress(should_stop=self.progress.should_stop)
         (wave,) = decode_windows(self.vae_model, [latent], hop=self.hop, device=self.device, progress=quiet,
                                  exact=self.numerics.exact)
+        unchanged(self.vae_model)
         self.waves.append(wave.float().to(STORE))
         self.progress.on_progress("vae", k + 1, self.count, {"window": k, "windows": self.count})
         self.on_audio(k, self.count, stitch_piece(self.waves[-1], k, self.count, self.hop), self.sample_rate)

@@ -249,11 +249,12 @@ def test_a_model_file_changed_in_place_while_in_use_is_an_error_for_the_run(tiny
     if how == "replaced":
         assert done.returncode == 0, done.stderr
         return
-    now = f"{size} bytes, now {size // 2}" if how == "cut short" else f"still {size} bytes"
+    what = f"was cut short while in use ({size} bytes, now {size // 2})" if how == "cut short" else \
+        f"changed on disk while in use (still {size} bytes)"
     assert done.returncode == 1, done.stderr
     assert done.stderr.splitlines()[-1] == (
-        f"error: {lm} changed on disk while in use ({now}): the run stopped; write a new model file beside it "
-        "and rename it over the old one, never into it; nothing was written")
+        f"error: {lm} {what}: the run stopped; write a new model file beside it and rename it over the old one, "
+        "never into it; nothing was written")
     assert not out.exists() or list(out.iterdir()) == []
 
 
