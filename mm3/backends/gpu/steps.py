@@ -227,6 +227,17 @@ def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float):
     return attention_kernels.decode(q, cache_k, cache_v, pos, span, scale)
 
 
+def _attends(b: int, heads: int, cache_k, cache_v, vectors, span: int, pos) -> bool:
+    """Whether the one-launch attention step takes b rows of `heads` query heads over these caches
+    ([B, kv_heads, cap, D], contiguous), the head vectors (q/k norms, cos, sin) of D values, a
+    launch of `span` keys and the device position `pos`."""
+    if cache_k.dim() != 4 or cache_v.shape != cache_k.shape or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        return False
+    rows, kv_heads, cap, d = cache_k.shape
+    return rows == b and _pow2(d) and heads % kv_heads == 0 and all(_vector(t, d) for t in vectors) and \
+        0 < span <= cap and pos.dtype == torch.int64 and pos.numel() == 1 and pos.device == cache_k.device
+
+
 def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, span: int, scale: float):
     """An LM decode step's q/k norms, rotation, cache write at the device position `pos` and its
     attention over the filled keys (a launch sized for `span` keys) in one kernel
@@ -235,20 +246,16 @@ def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache
     if not _serves(q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v) or q.dim() != 3 or cache_k.dim() != 4:
         return None
     b, s, width = q.shape
-    rows, kv_heads, cap, d = cache_k.shape
-    size = q.element_size()
-    if s != 1 or rows != b or k.shape != (b, 1, kv_heads * d) or v.shape != k.shape or width % d or \
-            (width // d) % kv_heads or not _pow2(d) or cache_v.shape != cache_k.shape or \
-            not (cache_k.is_contiguous() and cache_v.is_contiguous()) or \
-            not all(_vector(t, d) for t in (q_norm, k_norm, cos, sin)) or not 0 < span <= cap or \
-            pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device or \
-            k.data_ptr() != q.data_ptr() + width * size or v.data_ptr() != k.data_ptr() + kv_heads * d * size or \
-            not q.stride(0) == k.stride(0) == v.stride(0) >= width + 2 * kv_heads * d:
+    kv_width, size = cache_k.shape[1] * cache_k.shape[3], q.element_size()
+    if s != 1 or width % cache_k.shape[3] or k.shape != (b, 1, kv_width) or v.shape != k.shape or \
+            not _attends(b, width // cache_k.shape[3], cache_k, cache_v, (q_norm, k_norm, cos, sin), span, pos) or \
+            k.data_ptr() != q.data_ptr() + width * size or v.data_ptr() != k.data_ptr() + kv_width * size or \
+            not q.stride(0) == k.stride(0) == v.stride(0) >= width + 2 * kv_width:
         return None
     from . import attention_kernels
 
     return attention_kernels.step(q[:, 0], q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span, scale,
-                                  width // d)
+                                  width // cache_k.shape[3])
 
 
 def lm_layer(parts: tuple, x, norms: tuple, eps: float, head_norms: tuple, head_eps: float, cos, sin, cache_k,
@@ -265,12 +272,10 @@ def lm_layer(parts: tuple, x, norms: tuple, eps: float, head_norms: tuple, head_
             x.dim() != 3 or not x.is_contiguous():
         return None
     b, s, dim = x.shape
-    rows, kv_heads, cap, d = cache_k.shape
-    if s != 1 or rows != b or b > GEMV_MAX_ROWS or cache_k.dim() != 4 or cache_v.shape != cache_k.shape or \
-            not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not _pow2(d) or heads % kv_heads or \
-            not all(_vector(w, dim) for w in norms) or not all(_vector(t, d) for t in (*head_norms, cos, sin)) or \
-            not 0 < span <= cap or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != x.device:
+    if s != 1 or b > GEMV_MAX_ROWS or not all(_vector(w, dim) for w in norms) or \
+            not _attends(b, heads, cache_k, cache_v, (*head_norms, cos, sin), span, pos):
         return None
+    kv_heads, d = cache_k.shape[1], cache_k.shape[3]
     from . import attention_kernels
 
     qkv_product, out, swiglu, down = parts
