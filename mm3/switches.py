@@ -38,6 +38,9 @@ SWITCHES = {s.name: s for s in (
            "the quantized GPU kernels: auto (the layout kernels wherever they read the weight, the block kernels "
            "elsewhere), off (torch's products), or one family named"),
     Switch("MM3_CUDA_GRAPHS", "on", ("on", "off"), "the AR frame step replayed from CUDA graphs on CUDA"),
+    Switch("MM3_GPU_LAYERS", "whole", ("whole", "chained"),
+           "an AR decode step's LM layers and depth blocks on the GPU: whole (five launches a layer, each norm "
+           "inside the product that reads it) or chained (each norm with its residual add a launch of its own)"),
     Switch("MM3_KEEP_COPIES", "off", ("on", "off"),
            "keep float copies of the AR weights even where a fused kernel reads the blocks"),
     Switch("MM3_CPU_NATIVE", "on", ("on", "off"), "build and use the native integer kernel on the CPU"),

@@ -90,6 +90,11 @@ class LayoutProduct:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return custom_ops.layout_linear(x, self.weight(), self.qtype, self.in_features, bias)
 
+    def fused(self, x: torch.Tensor, norm: tuple | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of x RMS-normalized by `norm` (weight, eps), plus `residual`, in one launch
+        for decode-shaped inputs (`layout_kernels.linear`)."""
+        return layout_kernels.linear(x, self.weight(), self.qtype, self.in_features, norm=norm, residual=residual)
+
 
 KERNELS = {"int4": cpu_int4, "native": cpu_native}  # a CPU kernel (`cpu_forms.PACKED`) -> its module
 
@@ -184,6 +189,11 @@ class LayoutSegments:
         return custom_ops.layout_segments(x, self.weight(), self.weight2(), self.qtype, self.qtype2,
                                           self.in_features, bias)
 
+    def fused(self, x: torch.Tensor, norm: tuple | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """As `LayoutProduct.fused`."""
+        return layout_kernels.linear_segments(x, [(self.weight(), self.qtype), (self.weight2(), self.qtype2)],
+                                              self.in_features, norm=norm, residual=residual)
+
 
 class LayoutSwiGLU:
     """`silu(gate) * up` of a (gate, up) group held in the device layout, from one launch
@@ -194,6 +204,11 @@ class LayoutSwiGLU:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return custom_ops.layout_swiglu(x, self.weight(), self.qtype, self.in_features)
+
+    def fused(self, x: torch.Tensor, norm: tuple | None = None) -> torch.Tensor:
+        """`silu(gate) * up` of x RMS-normalized by `norm` (weight, eps), in one launch for
+        decode-shaped inputs (`layout_kernels.swiglu`)."""
+        return layout_kernels.swiglu(x, self.weight(), self.qtype, self.in_features, norm=norm)
 
 
 class Split:
@@ -356,6 +371,20 @@ def native_parts(product, dtype: torch.dtype, device: torch.device) -> list | No
         product.ready()
         return None if product.bound is None else [product.bound]
     return None
+
+
+def layout_block(layers: tuple, dtype: torch.dtype, device: torch.device) -> tuple | None:
+    """A block's four layers (q/k/v, out, gate/up, down: `products()` of an LM layer or depth
+    block) as the products a back end's whole decode step launches with their norm and residual
+    inside (`fused`): (q/k/v stacked, out, gate/up's SwiGLU, down), or None where any of them is
+    not held in the device layout as one product (adapters beside it, parts apart, another form)."""
+    qkv, out, gate_up, down = (layer.product_for(dtype, device) for layer in layers)
+    stacked = qkv.product if isinstance(qkv, Split) else None
+    swiglu = gate_up.swiglu if isinstance(gate_up, Split) else None
+    if not isinstance(stacked, (LayoutProduct, LayoutSegments)) or not isinstance(swiglu, LayoutSwiGLU) or \
+            not isinstance(out, LayoutProduct) or not isinstance(down, LayoutProduct):
+        return None
+    return stacked, out, swiglu, down
 
 
 def native_blocks(held: tuple | None, blocks: list[tuple], dtype: torch.dtype, device: torch.device) -> tuple:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .. import switches
 from . import products
 from .cpu import steps as cpu_steps
 from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, skip_draws
@@ -22,7 +23,7 @@ from .gpu import steps as gpu_steps
 from .gpu.emulation import cpu_path, gpu_path
 
 __all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "code_rows", "frame_feedback", "rope_table",
-           "prepare_attention", "decode_attention", "short_attention", "lm_layer", "depth_blocks", "top_k_draw",
+           "prepare_attention", "attention_step", "decode_attention", "short_attention", "lm_layer", "depth_blocks", "top_k_draw",
            "semantic_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
@@ -100,6 +101,16 @@ def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, ca
         if gpu_path(q) else None
 
 
+def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos: torch.Tensor, span: int,
+                   scale: float):
+    """An LM decode step's q/k norms, rotation, cache write at the device position `pos` and its
+    attention over the filled keys (`span` >= pos + 1 keys the call is sized for) in one call, from
+    q, k, v as one q/k/v product's split gives them -> [B, heads, 1, D], or None (nothing written)."""
+    if not gpu_path(q):
+        return None
+    return gpu_steps.attention_step(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span, scale)
+
+
 def decode_attention(q, cache_k, cache_v, pos: torch.Tensor, span: int, scale: float):
     """One query position's attention (q [B, heads, 1, D]) over the cache's first pos + 1 keys (`pos`
     on the device; `span` >= pos + 1 keys the call is sized for) -> [B, heads, 1, D], or None."""
@@ -142,12 +153,16 @@ def _parts(owner: torch.nn.Module, blocks: list[tuple], dtype: torch.dtype, devi
 
 def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
              attend: Callable[..., torch.Tensor]) -> torch.Tensor | None:
-    """An LM layer's whole decode step (`layer`: a Qwen3 decoder layer; x [B, 1, dim]) in two calls
-    of the kernel library around `attend(q, keys, values, mask, scale)` over the cache, where the
-    native integer kernel serves all four of its products; else None, nothing written."""
-    if not _whole_steps(x):
-        return None
+    """An LM layer's whole decode step (`layer`: a Qwen3 decoder layer; x [B, 1, dim], not normed):
+    on the CPU in two calls of the kernel library around `attend(q, keys, values, mask, scale)` over
+    the cache, where the native integer kernel serves all four of its products (and the host knows
+    the position: no bucket); on the GPU path in five launches (`gpu.steps.lm_layer`) where the
+    device layout holds them; else None, nothing written."""
     dt, dev = x.dtype, x.device
+    if gpu_path(x):
+        return _gpu_lm_layer(layer, x, cos, sin, cache, index)
+    if not _whole_steps(x) or cache.bucket is not None:
+        return None
     parts = _parts(layer, [layer.products()], dt, dev)
     if parts is None:
         return None
@@ -165,16 +180,43 @@ def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
     return y
 
 
-def depth_blocks(decoder, x: torch.Tensor, cache, eps: float) -> torch.Tensor | None:
-    """The depth decoder's blocks over x [B, S, dim] and its cache in one call of the kernel library,
-    where the native integer kernel serves all their products; else None (each block runs itself)."""
-    if not _whole_steps(x):
-        return None
+def _whole_gpu_layers() -> bool:
+    """Whether the GPU back end runs LM layers and depth blocks whole (`MM3_GPU_LAYERS`)."""
+    return switches.value("MM3_GPU_LAYERS") == "whole"
+
+
+def _gpu_lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int) -> torch.Tensor | None:
     dt, dev = x.dtype, x.device
+    parts = products.layout_block(layer.products(), dt, dev) if _whole_gpu_layers() else None
+    if parts is None:
+        return None
+    attn = layer.self_attn
+    span = cache.length + 1 if cache.bucket is None else cache.bucket
+    return gpu_steps.lm_layer(parts, x, (layer.input_layernorm(dt, dev), layer.post_attention_layernorm(dt, dev)),
+                              layer.eps, (attn.q_norm(dt, dev), attn.k_norm(dt, dev)), attn.eps, cos, sin,
+                              cache.k[index], cache.v[index], cache.pos, span, attn.heads, attn.head_dim ** -0.5)
+
+
+def depth_blocks(decoder, inputs: torch.Tensor, positions: torch.Tensor, cache, eps: float) -> torch.Tensor | None:
+    """The depth decoder's blocks over inputs [B, S, dim] plus their position embeddings and its
+    cache: on the CPU in one call of the kernel library where the native integer kernel serves all
+    their products, on the GPU path in five launches a block (`gpu.steps.depth_blocks`) where the
+    device layout holds them; else None, nothing computed (each block runs itself)."""
+    dt, dev = inputs.dtype, inputs.device
     blocks = decoder.layers
+    if gpu_path(inputs):
+        parts = [products.layout_block(b.products(), dt, dev) for b in blocks] if _whole_gpu_layers() else [None]
+        if None in parts:
+            return None
+        norms = [(b.input_layernorm(dt, dev), b.post_attention_layernorm(dt, dev)) for b in blocks]
+        return gpu_steps.depth_blocks(parts, inputs + positions, norms, eps, cache.k, cache.v, cache.length,
+                                      blocks[0].attn.head_dim ** -0.5)
+    if not _whole_steps(inputs):
+        return None
     parts = _parts(decoder, [b.products() for b in blocks], dt, dev)
     if parts is None:
         return None
     norms = [w for block in blocks for w in (block.input_layernorm(dt, dev), block.post_attention_layernorm(dt, dev))]
+    x = inputs + positions
     return cpu_steps.depth_layers(x.contiguous(), norms, eps, parts, cache.k, cache.v, cache.length,
                                   blocks[0].attn.head_dim ** -0.5)

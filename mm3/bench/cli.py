@@ -219,6 +219,7 @@ def _run(args) -> dict:
                 report["ar"]["profile"] = profile_frames(ctx, args.profile)
             if device.type == "cuda":  # the kernels of a frame: counted, and as the profiler sees them
                 report["ar"]["frame_kernels"] = _frame_kernels(ctx)
+                report["ar"]["positions"] = _positions(ctx)  # a long song's last frames against its first
             if ctx.light:  # strict memory: the AR group leaves before the synthesis group loads
                 ctx.release("lm", "depth")
                 if device.type == "cuda":
@@ -242,6 +243,18 @@ def _frame_kernels(ctx) -> dict:
     try:
         return on_device(ctx.ours("lm"), ctx.ours("depth"), ctx.prompt().codes, ctx.dtype, ctx.device)
     except Exception as e:  # a count that fails costs its figure, never the bench
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _positions(ctx) -> dict:
+    """`frame_kernels.position_cost` for our models, or what stopped it."""
+    from .frame_kernels import position_cost
+
+    try:
+        return position_cost(ctx.ours("lm"), ctx.ours("depth"), ctx.prompt().codes, ctx.dtype, ctx.device)
+    except Exception as e:  # a figure that fails costs itself, never the bench
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
         torch.cuda.empty_cache()
@@ -283,6 +296,13 @@ def summary(report: dict) -> str:
                 graph = k.get("profiled_graph") or {}
                 lines.append(f"           kernels a frame: {k['counted']} counted (eager), profiled "
                              f"{k['profiled_eager']['kernels']} eager, {graph.get('kernels', 'n/a')} in a graph replay")
+        if stage == "ar" and r.get("positions"):
+            pc = r["positions"]
+            if "error" in pc:
+                lines.append(f"           late frames: not timed ({pc['error']})")
+            else:
+                costs = ", ".join(f"{ms:.2f} ms after {n} positions" for n, ms in pc["ms_per_frame_at"].items())
+                lines.append(f"           a frame as the song grows: {costs} ({pc['late_over_first']}x)")
         if stage == "ar" and r.get("machine_copy_gb_per_s"):
             lines.append(f"           weights read at {r['ours_weight_gb_per_s']:.2f} GB/s, "
                          f"{100 * r['weight_bandwidth_share']:.1f} % of a 1 GiB copy's {r['machine_copy_gb_per_s']:.1f} GB/s")

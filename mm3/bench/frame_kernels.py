@@ -24,6 +24,8 @@ from pathlib import Path
 RELEASED_LM_LAYERS = 36
 REAL_LAYERS = 2  # LM layers `real` runs by default (each layer launches the same kernels)
 PROMPT_POSITIONS = 64  # filled KV positions before the frame (its bucket: the first, 256)
+LATE_POSITIONS = 9000  # filled KV positions at a 6-minute song's last frames (25 frames a second)
+POSITION_FRAMES = 20  # frames timed at each position
 
 
 def models_folder(config: str, quant: str, work: Path, lm_layers: int | None = None, seed: int = 0) -> Path:
@@ -202,6 +204,37 @@ def on_device(lm, depth, codes, dtype, device) -> dict:
             except Exception as e:  # a driver that refuses the capture
                 out["graph_error"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def position_cost(lm, depth, codes, dtype, device, positions=(PROMPT_POSITIONS, LATE_POSITIONS),
+                  frames: int = POSITION_FRAMES) -> dict:
+    """What a frame costs as the song grows: ms per frame over `frames` frame steps after each count
+    of filled KV positions (clamped to what the LM holds), run as a plan runs them (replayed from
+    CUDA graphs where `frame_graphs.wanted`, else eager), and the last count's over the first."""
+    import torch
+
+    from ..backends.gpu import frame_graphs
+    from .measure import sync
+
+    device = torch.device(device)
+    at = {}
+    for wanted in positions:
+        filled = max(0, min(int(wanted), lm.max_positions - frames - 2))
+        with torch.inference_mode():
+            sampler, q_sem, q_dep = frame_sampler(lm, depth, codes, dtype, device, filled)
+            step = frame_graphs.GraphedStep(sampler, device) if frame_graphs.wanted(device, False) else sampler.step
+            step(q_sem, q_dep)  # warm-up: kernels compiled, the graph captured and checked
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(frames):
+                step(q_sem, q_dep)
+            sync(device)
+            at[str(filled)] = round((time.perf_counter() - start) * 1000 / frames, 3)
+            del sampler, step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    first, last = at[min(at, key=int)], at[max(at, key=int)]
+    return {"ms_per_frame_at": at, "frames": frames, "late_over_first": round(last / first, 3) if first else None}
 
 
 def _profiled(run, device) -> dict:

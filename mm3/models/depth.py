@@ -176,10 +176,15 @@ class RVQDepthDecoder(nn.Module):
             raise ValueError(f"depth sequence of {start + s} positions exceeds {self.max_positions}")
         dt, dev = inputs_embeds.dtype, inputs_embeds.device
         positions = self._positions(start, s, dt, dev)
-        # Off the CPU library, each residual add (the position embeddings' too) goes with the norm
-        # after it: a back end's one call.
-        chained = self.fast_numerics and not cpu_path(inputs_embeds)
-        if chained:
+        whole = None
+        if self.fast_numerics and cache is not None:  # the blocks in one back-end call where one serves
+            whole = steps.depth_blocks(self, inputs_embeds, positions, cache, NORM_EPS)
+        h = None
+        if whole is not None:
+            x = whole
+        elif self.fast_numerics and not cpu_path(inputs_embeds):
+            # Off the CPU library, each residual add (the position embeddings' too) goes with the
+            # norm after it: a back end's one call.
             x, h = add_rms_norm(inputs_embeds, positions.expand_as(inputs_embeds),
                                 self.layers[0].input_layernorm(dt, dev), NORM_EPS, True)
             for i, layer in enumerate(self.layers):
@@ -187,14 +192,8 @@ class RVQDepthDecoder(nn.Module):
                                               else self.norm)(dt, dev))
         else:
             x = inputs_embeds + positions
-            whole = None
-            if self.fast_numerics and cache is not None:  # the blocks in one back-end call where one serves
-                whole = steps.depth_blocks(self, x, cache, NORM_EPS)
-            if whole is not None:
-                x = whole
-            else:
-                for i, layer in enumerate(self.layers):
-                    x = layer(x, cache, i)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cache, i)
         if cache is not None:
             cache.length += s
-        return h if chained else rms_norm(x, self.norm(dt, dev), NORM_EPS, self.fast_numerics)
+        return h if h is not None else rms_norm(x, self.norm(dt, dev), NORM_EPS, self.fast_numerics)

@@ -199,9 +199,10 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 class Qwen3Attention(nn.Module):
     taps: tuple[AttentionTap, ...] = ()  # set while `Qwen3LM.tapped` covers this layer
-    # The fast numerics (set by `set_numerics`): a decode step normalizes, rotates and caches in
-    # one call of a back end (`steps.prepare_attention`) and attends over the filled keys by a back
-    # end's call (`steps.decode_attention`) or, on the CPU, `one_query_attention`; norms are
+    # The fast numerics (set by `set_numerics`): a decode step normalizes, rotates, caches and
+    # attends in one call of a back end where one serves (`steps.attention_step`), else normalizes,
+    # rotates and caches in one (`steps.prepare_attention`) and attends over the filled keys by a
+    # back end's call (`steps.decode_attention`) or, on the CPU, `one_query_attention`; norms are
     # `rms_norm(..., native=True)`.
     fast_numerics = False
 
@@ -224,7 +225,12 @@ class Qwen3Attention(nn.Module):
         dt, dev = x.dtype, x.device
         q, k, v = self.qkv(x)
         native = self.fast_numerics
-        if native and s == 1 and not self.taps:  # a decode step: one back-end call, then the attention
+        if native and s == 1 and not self.taps:  # a decode step: one back-end call, or two
+            span = cache.length + 1 if cache.bucket is None else cache.bucket
+            out = steps.attention_step(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
+                                       cache.k[layer], cache.v[layer], cache.pos, span, self.head_dim ** -0.5)
+            if out is not None:
+                return self.o_proj(out.view(b, 1, -1))
             at = cache.length if cache.bucket is None else None  # the host position, where the step may read it
             rotated = steps.prepare_attention(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
                                               cache.k[layer], cache.v[layer], at, cache.pos)
@@ -308,14 +314,15 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, layer, normed=None, then=None):
         """The layer's output for x; `normed`: x already normalized by the input norm (the layer
-        before gave it); `then`: the weight of the norm after the layer: (output, output normed)."""
+        before gave it); `then`: the weight of the norm after the layer: (output, output normed,
+        or None where a back end's whole step ran: the next layer normalizes in its own step)."""
         dt, dev = x.dtype, x.device
         native = self.fast_numerics
         attn = self.self_attn
-        if native and x.shape[1] == 1 and cache.bucket is None and not attn.taps:  # a back end's whole step
+        if native and x.shape[1] == 1 and not attn.taps:  # a back end's whole step
             y = steps.lm_layer(self, x, cos, sin, cache, layer, one_query_attention)
             if y is not None:
-                return y if then is None else (y, rms_norm(y, then, self.eps, native))
+                return y if then is None else (y, None)
         h = rms_norm(x, self.input_layernorm(dt, dev), self.eps, native) if normed is None else normed
         x, h = add_rms_norm(x, attn(h, cos, sin, cache, layer), self.post_attention_layernorm(dt, dev), self.eps,
                             native)
@@ -461,7 +468,8 @@ class Qwen3LM(nn.Module):
         tables = steps.rope_table(cache.pos, self.inv_freq, dt) if s == 1 and self.fast_numerics else None
         cos, sin = tables or self.rope(cache.positions(s), dt)
         layers = self.model.layers if stop_after is None else self.model.layers[:stop_after + 1]
-        # Off the CPU library, each residual add goes with the norm after it (a back end's one call).
+        # Off the CPU library, each residual add goes with the norm after it (a back end's one call),
+        # unless a back end runs the next layer whole (h then None: that step normalizes).
         chained = self.fast_numerics and not cpu_path(x) and stop_after is None
         h = None
         for i, layer in enumerate(layers):
@@ -473,7 +481,7 @@ class Qwen3LM(nn.Module):
         cache.advance(s)
         if stop_after is not None:
             return x
-        return h if chained else rms_norm(x, self.model.norm(dt, dev), self.eps, self.fast_numerics)
+        return h if chained and h is not None else rms_norm(x, self.model.norm(dt, dev), self.eps, self.fast_numerics)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the vocabulary ids `head_ids` for hidden states h [..., H]."""

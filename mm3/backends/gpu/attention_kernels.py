@@ -2,7 +2,8 @@
 tables of the step's position (`rope_table_kernel`), the preparation of one position
 (`attn_prep_kernel`: q/k RMSNorm, rotation, the cache write at the device position), the attention
 of that position over the filled part of the cache (`attention_decode_kernel`, split over the keys,
-the last split of each key head combining them), and the depth decoder's short attention (`attention_short_kernel`).
+the last split of each key head combining them), both in one launch from the fused q/k/v row
+(`attention_step_kernel`), and the depth decoder's short attention (`attention_short_kernel`).
 
 The preparation computes what `mm3.models.lm.Qwen3Attention` computes with torch, in the same
 roundings (the norm as `norm_kernels`; `q * cos + rotate_half(q) * sin` with each product and the
@@ -39,16 +40,18 @@ def rope_table_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, D: tl.constexpr):
 
 
 @triton.jit
-def _rotated(src, w_ptr, cos_ptr, sin_ptr, n, eps, D: tl.constexpr):
-    """The head at `src` ([D], contiguous) RMS-normalized by w and rotated (RoPE with the tables
-    cos, sin [D]), in the roundings of torch's ops in the head's dtype: [D] of that dtype."""
-    cols = tl.arange(0, D)
+def _rotated(src, heads, valid, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr):
+    """Heads `heads` [R] of the row at `src` ([D] contiguous values each; `valid` [R]: the others
+    read as zeros) RMS-normalized by w and rotated (RoPE with the tables cos, sin [D]), in the
+    roundings of torch's ops in the row's dtype: [R, D] of that dtype."""
+    cols = tl.arange(0, D)[None, :]
     half: tl.constexpr = D // 2
     partner = (cols + half) % D
-    x = tl.load(src + cols)
-    xp = tl.load(src + partner)
-    var = tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0) / n
-    r = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+    at = src + heads.to(tl.int64)[:, None] * D
+    x = tl.load(at + cols, mask=valid[:, None], other=0.0)
+    xp = tl.load(at + partner, mask=valid[:, None], other=0.0)
+    var = tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1) / D
+    r = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))[:, None]
     w = tl.load(w_ptr + cols).to(tl.float32)
     wp = tl.load(w_ptr + partner).to(tl.float32)
     normed = cast(w * cast(x.to(tl.float32) * r, x.dtype).to(tl.float32), x.dtype).to(tl.float32)
@@ -62,6 +65,16 @@ def _rotated(src, w_ptr, cos_ptr, sin_ptr, n, eps, D: tl.constexpr):
 
 
 @triton.jit
+def _write_position(k_src, v_src, kh, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, at, eps, D: tl.constexpr):
+    """Key head kh of a row's keys (at k_src + kh * D) normalized, rotated and written with its
+    value head (v_src + kh * D) into the caches at element offset `at`."""
+    cols = tl.arange(0, D)[None, :]
+    one = tl.full((1,), 0, tl.int32) + kh
+    tl.store(ck_ptr + at + cols, _rotated(k_src, one, one >= 0, kw_ptr, cos_ptr, sin_ptr, eps, D))
+    tl.store(cv_ptr + at + cols, tl.load(v_src + one.to(tl.int64)[:, None] * D + cols))
+
+
+@triton.jit
 def attn_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, pos_ptr, out_ptr,
                      sq, sk, sv, cap, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr):
     """Program (row b, head h): a query head (h < HEADS) normalized and rotated into out [B, HEADS,
@@ -69,40 +82,24 @@ def attn_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, ck_p
     cache [B, KV_HEADS, cap, D] at the position `pos_ptr` holds."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    cols = tl.arange(0, D)
+    cols = tl.arange(0, D)[None, :]
     if h < HEADS:
-        y = _rotated(q_ptr + b * sq + h * D, qw_ptr, cos_ptr, sin_ptr, D, eps, D)
+        one = tl.full((1,), 0, tl.int32) + h
+        y = _rotated(q_ptr + b * sq, one, one >= 0, qw_ptr, cos_ptr, sin_ptr, eps, D)
         tl.store(out_ptr + (b * HEADS + h) * D + cols, y)
     else:
         kh = h - HEADS
-        pos = tl.load(pos_ptr)
-        at = ((b * KV_HEADS + kh) * cap + pos) * D
-        y = _rotated(k_ptr + b * sk + kh * D, kw_ptr, cos_ptr, sin_ptr, D, eps, D)
-        tl.store(ck_ptr + at + cols, y)
-        tl.store(cv_ptr + at + cols, tl.load(v_ptr + b * sv + kh * D + cols))
+        at = ((b * KV_HEADS + kh) * cap + tl.load(pos_ptr)) * D
+        _write_position(k_ptr + b * sk, v_ptr + b * sv, kh, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, at, eps, D)
 
 
 @triton.jit
-def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, cap, scale,
-                            n_splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                            BLOCK_N: tl.constexpr, COMBINE: tl.constexpr):
-    """Program (row and key head bh, split): the G query heads of key head bh over keys
-    [split * SPLIT, (split + 1) * SPLIT) of the filled ones (pos + 1); their running maximum,
-    softmax sum and weighted values (float32) into m, l [BH, n_splits, GP] and acc [BH, n_splits,
-    GP, D]. A split past the filled keys returns at once. With COMBINE, the last of key head bh's
-    splits to finish (counted in count_ptr[bh], which it sets back to zero) combines them into
-    out [B, heads, 1, D] as `attention_combine_kernel` does, in the same order: one launch."""
-    bh = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    filled = tl.load(pos_ptr) + 1
-    start = split * SPLIT
-    if start >= filled:
-        return
-    end = tl.minimum(start + SPLIT, filled)
-    g = tl.arange(0, GP)
+def _partials(q, k_ptr, v_ptr, bh, start, end, cap, scale, GP: tl.constexpr, D: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """The running maximum, softmax sum and weighted values (float32) of the queries q [GP, D]
+    (float32) of key head bh over the cache's keys [start, end)."""
     cols = tl.arange(0, D)
     keys = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + (bh * G + g)[:, None] * D + cols[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
     base = bh * cap * D
     m = tl.full((GP,), float("-inf"), tl.float32)
     den = tl.zeros((GP,), tl.float32)
@@ -121,6 +118,18 @@ def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
         den = den * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
+    return m, den, acc
+
+
+@triton.jit
+def _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n_splits, filled,
+            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr):
+    """A split's partials into m, l [BH, n_splits, GP] and acc [BH, n_splits, GP, D]; with COMBINE,
+    the last of key head bh's splits to finish (counted in count_ptr[bh], which it sets back to
+    zero) combines them into out [B, heads, 1, D] as `attention_combine_kernel` does, in the same
+    order."""
+    g = tl.arange(0, GP)
+    cols = tl.arange(0, D)
     row = (bh * n_splits + split) * GP + g
     tl.store(m_ptr + row, m)
     tl.store(l_ptr + row, den)
@@ -149,6 +158,60 @@ def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
             tl.store(out_ptr + heads[:, None] * D + cols[None, :], cast(acc / den[:, None], out_ptr.dtype.element_ty),
                      mask=(g < G)[:, None])
             tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, cap, scale,
+                            n_splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                            BLOCK_N: tl.constexpr, COMBINE: tl.constexpr):
+    """Program (row and key head bh, split): the G query heads of key head bh over keys
+    [split * SPLIT, (split + 1) * SPLIT) of the filled ones (pos + 1) (`_partials`); a split past
+    the filled keys returns at once; the partials stored, and with COMBINE combined by the last
+    split (`_finish`): one launch."""
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    filled = tl.load(pos_ptr) + 1
+    start = split * SPLIT
+    if start >= filled:
+        return
+    g = tl.arange(0, GP)
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + (bh * G + g)[:, None] * D + cols[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
+    m, den, acc = _partials(q, k_ptr, v_ptr, bh, start, tl.minimum(start + SPLIT, filled), cap, scale, GP, D,
+                            BLOCK_N)
+    _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n_splits, filled, G, GP, D, SPLIT,
+            COMBINE)
+
+
+@triton.jit
+def attention_step_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+                          count_ptr, out_ptr, sq, cap, eps, scale, n_splits, HEADS: tl.constexpr,
+                          KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                          SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """An LM decode step's attention from its fused q/k/v row (qkv [B, (HEADS + 2 KV_HEADS) D], row
+    stride sq) in one launch: as `attn_prep_kernel` then `attention_decode_kernel`. Each program
+    normalizes and rotates its G query heads itself (`_rotated`); the program whose split holds
+    the position `pos_ptr` holds writes the new key and value into the cache first, so its own
+    threads read them after a barrier (no other program reads that position)."""
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    start = split * SPLIT
+    if start > pos:
+        return
+    b = bh // KV_HEADS
+    kh = bh % KV_HEADS
+    row = qkv_ptr + b * sq
+    g = tl.arange(0, GP)
+    if pos < start + SPLIT:  # this split holds the new position: write it, then read it with the rest
+        _write_position(row + HEADS * D, row + (HEADS + KV_HEADS) * D, kh, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr,
+                        (bh * cap + pos) * D, eps, D)
+        tl.debug_barrier()
+    q = _rotated(row, kh * G + g, g < G, qw_ptr, cos_ptr, sin_ptr, eps, D).to(tl.float32)
+    m, den, acc = _partials(q, k_ptr, v_ptr, bh, start, tl.minimum(start + SPLIT, pos + 1), cap, scale, GP, D,
+                            BLOCK_N)
+    _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n_splits, pos + 1, G, GP, D, SPLIT,
+            True)
 
 
 @triton.jit
@@ -248,6 +311,25 @@ def decode(q, cache_k, cache_v, pos, span: int, scale: float, two_launches: bool
     if not combine:
         attention_combine_kernel[(b * heads,)](m, den, acc, pos, out, n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT,
                                                num_warps=warps(d))
+    return out
+
+
+def step(qkv, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span: int, scale: float, heads: int):
+    """`attention_step_kernel`: the attention of an LM decode step from its fused q/k/v rows qkv
+    [B, 1, (heads + 2 kv_heads) D], the new key and value written into cache_k, cache_v [B,
+    kv_heads, cap, D] at `pos` (span: the keys a launch covers, >= pos + 1) -> [B, heads, 1, D]."""
+    b, kv_heads, cap, d = cache_k.shape
+    g = heads // kv_heads
+    gp = triton.next_power_of_2(g)
+    n_splits = triton.cdiv(span, SPLIT)
+    m = torch.empty(b * kv_heads, n_splits, gp, dtype=torch.float32, device=qkv.device)
+    den = torch.empty_like(m)
+    acc = torch.empty(b * kv_heads, n_splits, gp, d, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(b, heads, 1, d, dtype=qkv.dtype, device=qkv.device)
+    attention_step_kernel[(b * kv_heads, n_splits)](
+        qkv, q_norm, k_norm, cos, sin, cache_k, cache_v, pos, m, den, acc, counters(qkv.device, b * kv_heads), out,
+        qkv.stride(0), cap, eps, scale, n_splits, HEADS=heads, KV_HEADS=kv_heads, G=g, GP=gp, D=d, SPLIT=SPLIT,
+        BLOCK_N=BLOCK_N, num_warps=4)
     return out
 
 

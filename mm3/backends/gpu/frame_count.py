@@ -88,17 +88,22 @@ LINE_RULES = {
 }
 
 
-def _layout_linear(counter, x, weight, qtype, k, bias=None, config=None):
-    return F.linear(x, counter.float_weight(weight, qtype, k, x.dtype), bias)
+def _layout_linear(counter, x, weight, qtype, k, bias=None, config=None, norm=None, residual=None):
+    return _layout_segments(counter, x, [(weight, qtype)], k, bias, config, norm=norm, residual=residual)
 
 
-def _layout_segments(counter, x, segments, k, bias=None, config=None):
+def _layout_segments(counter, x, segments, k, bias=None, config=None, norm=None, residual=None):
+    from .layout_kernels import torch_rms_norm
+
     weight = torch.cat([counter.float_weight(w, t, k, x.dtype) for w, t in segments])
-    return F.linear(x, weight, bias)
+    y = F.linear(torch_rms_norm(x, norm), weight, bias)
+    return y if residual is None else residual + y
 
 
-def _layout_swiglu(counter, x, weight, qtype, k, config=None):
-    gate, up = F.linear(x, counter.float_weight(weight, qtype, k, x.dtype)).chunk(2, dim=-1)
+def _layout_swiglu(counter, x, weight, qtype, k, config=None, norm=None):
+    from .layout_kernels import torch_rms_norm
+
+    gate, up = F.linear(torch_rms_norm(x, norm), counter.float_weight(weight, qtype, k, x.dtype)).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -222,7 +227,7 @@ class KernelCounter:
         kind = part = None
         layer = None
         f = sys._getframe(2)
-        while f is not None and (kind is None or part is None):
+        while f is not None and (kind is None or part is None or (part == "lm_layer" and layer is None)):
             module = f.f_globals.get("__name__", "")
             if module.startswith(self.roots) and module != __name__:
                 code = f.f_code
@@ -253,9 +258,9 @@ class KernelCounter:
                             part = found
                     if isinstance(part, tuple):
                         part, layer = part
-                    elif part == "lm_layer":
-                        index = f.f_locals.get("layer", f.f_locals.get("index"))
-                        layer = index if isinstance(index, int) else None
+                if part == "lm_layer" and layer is None:  # the layer's index: here, or in a caller's frame
+                    layer = next((v for v in (f.f_locals.get("layer"), f.f_locals.get("index"))
+                                  if isinstance(v, int) and not isinstance(v, bool)), None)
             f = f.f_back
         return kind or "other", part or "frame_glue", layer
 

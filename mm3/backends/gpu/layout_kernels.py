@@ -116,17 +116,66 @@ def planes(weight: torch.Tensor, qtype: QT, k: int) -> tuple:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, bias: torch.Tensor | None = None,
-           config: Config | None = None) -> torch.Tensor:
+           config: Config | None = None, *, norm: tuple | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] @ W.T (+ bias) -> [..., n] in x's dtype; W as the layout [n, row_bytes] uint8
-    (a float tensor [n, k] for F16/BF16/F32) on x's device."""
-    return linear_segments(x, [(weight, qtype)], k, bias, config)
+    (a float tensor [n, k] for F16/BF16/F32) on x's device. `norm` (weight [k], eps): x
+    RMS-normalized first; `residual` (x's leading shape, [..., n]): added to the product; decode-shaped
+    inputs do both inside the one launch (`Fusion`)."""
+    return linear_segments(x, [(weight, qtype)], k, bias, config, norm=norm, residual=residual)
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """What a decode launch does around its product: the inputs' RMSNorm (`norm_weight`, `eps`) on
+    the way in, a residual added on the way out (`residual`, rows of the output's width)."""
+
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    residual: torch.Tensor | None = None
+
+    def args(self, y: torch.Tensor) -> tuple:
+        """(norm weight, residual, its row stride, eps) as the kernels take them (y where unused)."""
+        res = self.residual
+        return (y if self.norm_weight is None else self.norm_weight, y if res is None else res,
+                0 if res is None else res.stride(0), float(self.eps))
+
+    def flags(self) -> dict:
+        return dict(NORM=self.norm_weight is not None, RESIDUAL=self.residual is not None)
+
+
+def _fused(x2: torch.Tensor, n: int, norm: tuple | None, residual: torch.Tensor | None) -> Fusion:
+    """The `Fusion` of a launch over rows x2 [m, k] with n outputs, its tensors checked."""
+    weight, eps = norm if norm is not None else (None, 0.0)
+    if weight is not None and (weight.shape != (x2.shape[1],) or weight.dtype != x2.dtype or
+                               weight.device != x2.device or not weight.is_contiguous()):
+        raise ValueError(f"a norm weight of {x2.shape[1]} {x2.dtype} values on {x2.device}, got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    if residual is not None:
+        residual = residual.reshape(-1, residual.shape[-1])
+        if residual.shape != (x2.shape[0], n) or residual.dtype != x2.dtype or residual.stride(-1) != 1:
+            raise ValueError(f"a residual of {x2.shape[0]} rows of {n} {x2.dtype} values, got {residual.dtype} "
+                             f"{list(residual.shape)}")
+    return Fusion(weight, eps, residual)
+
+
+def torch_rms_norm(x: torch.Tensor, norm: tuple | None) -> torch.Tensor:
+    """x RMS-normalized by `norm` (weight, eps) with torch's operations, in `mm3.models.lm.rms_norm`'s
+    arithmetic (x itself where `norm` is None): what a wide launch leaves to torch."""
+    if norm is None:
+        return x
+    weight, eps = norm
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor | None = None,
-                    config: Config | None = None) -> torch.Tensor:
+                    config: Config | None = None, *, norm: tuple | None = None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` of weights stacked by their outputs, each (weight, qtype) in its own type (one or
     two): y = [x @ W1.T, x @ W2.T] (+ bias). Decode-shaped inputs take one launch (two types:
-    `gemv_segments_kernel`, where the first weight's rows are whole decode tiles)."""
+    `gemv_segments_kernel`, where the first weight's rows are whole decode tiles). `norm` and
+    `residual` as `linear`'s."""
     import triton
 
     from .layout_triton import gemm_kernel
@@ -141,6 +190,7 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    fused = _fused(x2, n, norm, residual)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     parts = [(planes(w, qtype, k), CODES[qtype]) for w, qtype in segments]
     if not (m and n):
@@ -153,11 +203,13 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
                 block_n //= 2
             config = dataclasses.replace(config, block_n=block_n)
         if len(parts) == 1 or sizes[0] % config.block_n == 0:
-            _decode(x2, parts, sizes, k, bias, y, config)
+            _decode(x2, parts, sizes, k, bias, y, config, fused)
         else:  # the first weight ends inside a tile: each its own launch
             for (p, b, at), size in zip(_bounds(parts, sizes, bias), sizes):
-                _decode(x2, [p], [size], k, b, y[:, at:at + size], config)
+                res = None if fused.residual is None else fused.residual[:, at:at + size]
+                _decode(x2, [p], [size], k, b, y[:, at:at + size], config, dataclasses.replace(fused, residual=res))
         return y.view(*x.shape[:-1], n)
+    x2 = torch_rms_norm(x2, norm)
     config = config or (INTERPRETED[1] if _interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
     for ((q, qh, s, s2), code), b, at in _bounds(parts, sizes, bias):
         size = q.shape[0]
@@ -167,6 +219,7 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
                           q.stride(0), qh.stride(0), s.stride(0), s2.stride(0), chunks_of(k), QTYPE=code,
                           HAS_BIAS=b is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           BLOCK_C=config.block_c, num_warps=config.num_warps, num_stages=config.num_stages)
+    y = y if fused.residual is None else fused.residual + y
     return y.view(*x.shape[:-1], n)
 
 
@@ -180,10 +233,10 @@ def _bounds(parts: list, sizes: list[int], bias: torch.Tensor | None) -> list:
 
 
 def _decode(x2: torch.Tensor, parts: list, sizes: list[int], k: int, bias: torch.Tensor | None, y: torch.Tensor,
-            config: Config) -> None:
+            config: Config, fused: Fusion = Fusion()) -> None:
     """One decode launch writing y [m, sum(sizes)] (a view with unit column stride): `gemv_kernel`,
     or `gemv_segments_kernel` for two weights; K split where the grid is small, the partial sums
-    added by the tile's last program."""
+    added by the tile's last program; the norm and residual of `fused` inside it."""
     from .layout_triton import gemv_kernel, gemv_segments_kernel
 
     m, n = x2.shape[0], sum(sizes)
@@ -195,18 +248,19 @@ def _decode(x2: torch.Tensor, parts: list, sizes: list[int], k: int, bias: torch
     counts = counters(x2.device, groups * tiles) if splits > 1 else y
     b = bias if bias is not None else y
     consts = dict(HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                  BLOCK_C=block_c, num_warps=config.num_warps)
+                  BLOCK_C=block_c, num_warps=config.num_warps, PRECISE=not _interpreted(), **fused.flags())
+    extra = fused.args(y)
     (q, qh, s, s2), code = parts[0]
     if len(parts) == 1:
         gemv_kernel[(groups, tiles, splits)](
             x2, q, qh, s, s2, b, y, part, counts, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0),
-            s.stride(0), s2.stride(0), chunks, split_chunks, QTYPE=code, **consts)
+            s.stride(0), s2.stride(0), chunks, split_chunks, *extra, QTYPE=code, **consts)
         return
     (q2, qh2, s3, s4), code2 = parts[1]
     gemv_segments_kernel[(groups, tiles, splits)](
         x2, q, qh, s, s2, q2, qh2, s3, s4, b, y, part, counts, m, n, sizes[0], k, x2.stride(0), y.stride(0),
         q.stride(0), qh.stride(0), s.stride(0), s2.stride(0), q2.stride(0), qh2.stride(0), s3.stride(0),
-        s4.stride(0), chunks, split_chunks, QTYPE=code, QTYPE2=code2, **consts)
+        s4.stride(0), chunks, split_chunks, *extra, QTYPE=code, QTYPE2=code2, **consts)
 
 
 _COUNTS: dict = {}
@@ -224,11 +278,12 @@ def counters(device: torch.device, size: int) -> torch.Tensor:
     return held
 
 
-def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Config | None = None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Config | None = None, *,
+           norm: tuple | None = None) -> torch.Tensor:
     """silu(gate) * up in x's dtype, W [2 n, k] (as `linear`'s) holding the gate rows then the up
     rows: for decode-shaped inputs one launch of `gemv_kernel` (SWIGLU: each program computes
     matching gate and up rows and stores the product, never the halves; the same arithmetic as
-    `F.silu(gate) * up` over `linear`'s outputs), else `linear` and torch's ops."""
+    `F.silu(gate) * up` over `linear`'s outputs), else `linear` and torch's ops. `norm` as `linear`'s."""
     from .layout_triton import gemv_kernel
 
     if x.shape[-1] != k:
@@ -239,11 +294,12 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Con
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > GEMV_MAX_ROWS or not n:
-        gate, up = linear(x, weight, qtype, k, config=config).split(n, dim=-1)
+        gate, up = linear(torch_rms_norm(x, norm), weight, qtype, k, config=config).split(n, dim=-1)
         return F.silu(gate) * up
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     q, qh, s, s2 = planes(weight, qtype, k)
+    fused = _fused(x2, n, norm, None)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not m:
         return y.view(*x.shape[:-1], n)
@@ -252,8 +308,9 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Con
     chunks = chunks_of(k)
     gemv_kernel[(-(-m // block_m), -(-n // (config.block_n // 2)), 1)](
         x2, q, qh, s, s2, y, y, y, y, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0), s.stride(0),
-        s2.stride(0), chunks, chunks, QTYPE=CODES[qtype], HAS_BIAS=False, PARTIAL=False, BLOCK_M=block_m,
-        BLOCK_N=config.block_n, BLOCK_C=block_c, SWIGLU=True, PRECISE=not _interpreted(), num_warps=config.num_warps)
+        s2.stride(0), chunks, chunks, *fused.args(y), QTYPE=CODES[qtype], HAS_BIAS=False, PARTIAL=False,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_C=block_c, SWIGLU=True, PRECISE=not _interpreted(),
+        num_warps=config.num_warps, **fused.flags())
     return y.view(*x.shape[:-1], n)
 
 
@@ -368,14 +425,16 @@ def report_specs(decode: list, prefill: list) -> list:
                     "chunks": chunks_of(k)}
             pointers = {"x_ptr": "*" + x_type, "q_ptr": plane_types[0], "qh_ptr": plane_types[1],
                         "s_ptr": plane_types[2], "s2_ptr": plane_types[3], "b_ptr": "*" + x_type,
-                        "y_ptr": "*" + x_type}
+                        "y_ptr": "*" + x_type, "nw_ptr": "*" + x_type, "res_ptr": "*" + x_type}
+            ints["res_stride"] = n
             if shape == "decode":
                 pointers.update(part_ptr="*fp32", count_ptr="*i32")
                 block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
                 ints["split_chunks"] = -(-chunks_of(k) // (splits * block_c)) * block_c
                 fn, config = gemv_kernel, DECODE
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
-                              "BLOCK_N": config.block_n, "BLOCK_C": block_c, "SWIGLU": False, "PRECISE": True}
+                              "BLOCK_N": config.block_n, "BLOCK_C": block_c, "SWIGLU": False, "PRECISE": True,
+                              "NORM": False, "RESIDUAL": False}
                 mix = {"loop_weights": config.block_n * block_c * dl.CHUNK // (32 * config.num_warps),
                        "inner_trips": dl.SLICES}
 
@@ -390,9 +449,11 @@ def report_specs(decode: list, prefill: list) -> list:
 
                 def programs(launch, sms, config=config):
                     return -(-launch.rows // config.block_m) * -(-launch.n // config.block_n)
-            signature = {**pointers, **{a: "i32" for a in ints}, **dict.fromkeys(constexprs, "constexpr")}
+            signature = {**pointers, **{a: "i32" for a in ints}, "eps": "fp32",
+                         **dict.fromkeys(constexprs, "constexpr")}
             signature = {a: signature[a] for a in fn.arg_names}
-            aligned = tuple(pointers) + tuple(a for a, v in ints.items() if v % 16 == 0)
+            aligned = tuple(a for a in pointers if a in signature) + \
+                tuple(a for a, v in ints.items() if v % 16 == 0 and a in signature)
             specs.append(KernelSpec(
                 name=f"layout/{qtype.name}/{shape}", family="layout", weight_type=qtype.name, shape=shape, fn=fn,
                 signature=signature, constexprs=constexprs, aligned=aligned,
@@ -410,9 +471,10 @@ def _empty_weight(qtype: QT, n: int, k: int) -> torch.Tensor:
 
 def fused_report_specs(decode: list) -> list:
     """The decode kernels' fused forms (family "fused"), bfloat16 inputs, two rows: per common type
-    the SwiGLU epilogue (at the gate/up products) and the K split with its in-kernel sum (at the
-    products whose grid splits), and the two-type kernel of the Q4_K_M and Q5_K_M q/k/v groups (v in
-    Q6_K)."""
+    the SwiGLU epilogue (at the gate/up products) without and with the RMSNorm of its inputs inside
+    (the frame's form), and the K split with its in-kernel sum and the residual add (at the products
+    whose grid splits), and the two-type kernel of the Q4_K_M and Q5_K_M q/k/v groups (v in Q6_K)
+    without and with the norm."""
     from .kernel_report import KernelSpec
     from .layout_triton import gemv_kernel, gemv_segments_kernel
 
@@ -421,9 +483,10 @@ def fused_report_specs(decode: list) -> list:
         k, n, rows = first.k, first.n, first.rows
         block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
         config = DECODE
-        pointers = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+        pointers = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+                    "nw_ptr": "*bf16", "res_ptr": "*bf16"}
         ints = {"M": rows, "N": n // 2 if halve else n, "K": k, "x_stride": k, "y_stride": n, "chunks": chunks_of(k),
-                "split_chunks": -(-chunks_of(k) // (splits * block_c)) * block_c}
+                "split_chunks": -(-chunks_of(k) // (splits * block_c)) * block_c, "res_stride": n}
         weight_args = []
         for names, qtype in zip((("q", "qh", "s", "s2"), ("q2", "qh2", "s3", "s4")), qtypes):
             arrays = planes(_empty_weight(qtype, n, k), qtype, k)
@@ -433,8 +496,9 @@ def fused_report_specs(decode: list) -> list:
         if len(qtypes) == 2:
             ints["N1"] = n - n // 3  # q and k of a group with as many v rows as k rows
         constexprs = {"QTYPE": CODES[qtypes[0]], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
-                      "BLOCK_N": config.block_n, "BLOCK_C": block_c, **extra}
-        signature = {**pointers, **{a: "i32" for a in ints}, **dict.fromkeys(constexprs, "constexpr")}
+                      "BLOCK_N": config.block_n, "BLOCK_C": block_c, "NORM": False, "RESIDUAL": False,
+                      "PRECISE": True, **extra}
+        signature = {**pointers, **{a: "i32" for a in ints}, "eps": "fp32", **dict.fromkeys(constexprs, "constexpr")}
         signature = {a: signature[a] for a in fn.arg_names}
         aligned = tuple(pointers) + tuple(a for a, v in ints.items() if v % 16 == 0)
 
@@ -452,12 +516,14 @@ def fused_report_specs(decode: list) -> list:
     qkv = [launch for launch in decode if launch.layer.endswith("qkv")]
     specs = []
     for qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0):
-        specs.append(spec(f"fused/{qtype.name}/swiglu", gemv_kernel, (qtype,), gate_up,
-                          {"SWIGLU": True, "PRECISE": True}, halve=True))
+        for norm in (False, True):
+            specs.append(spec(f"fused/{qtype.name}/swiglu" + "+norm" * norm, gemv_kernel, (qtype,), gate_up,
+                              {"SWIGLU": True, "NORM": norm}, halve=True))
         if split:
-            specs.append(spec(f"fused/{qtype.name}/split", gemv_kernel, (qtype,), split,
-                              {"PARTIAL": True, "SWIGLU": False, "PRECISE": True}))
+            specs.append(spec(f"fused/{qtype.name}/split+residual", gemv_kernel, (qtype,), split,
+                              {"PARTIAL": True, "SWIGLU": False, "RESIDUAL": True}))
     for qtype in (QT.Q4_K, QT.Q5_K):
-        specs.append(spec(f"fused/{qtype.name}+Q6_K/qkv", gemv_segments_kernel, (qtype, QT.Q6_K), qkv,
-                          {"QTYPE2": CODES[QT.Q6_K]}))
+        for norm in (False, True):
+            specs.append(spec(f"fused/{qtype.name}+Q6_K/qkv" + "+norm" * norm, gemv_segments_kernel,
+                              (qtype, QT.Q6_K), qkv, {"QTYPE2": CODES[QT.Q6_K], "NORM": norm}))
     return specs

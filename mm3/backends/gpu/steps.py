@@ -227,6 +227,95 @@ def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float):
     return attention_kernels.decode(q, cache_k, cache_v, pos, span, scale)
 
 
+def _attends(b: int, heads: int, cache_k, cache_v, vectors, span: int, pos) -> bool:
+    """Whether the one-launch attention step takes b rows of `heads` query heads over these caches
+    ([B, kv_heads, cap, D], contiguous), the head vectors (q/k norms, cos, sin) of D values, a
+    launch of `span` keys and the device position `pos`."""
+    if cache_k.dim() != 4 or cache_v.shape != cache_k.shape or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        return False
+    rows, kv_heads, cap, d = cache_k.shape
+    return rows == b and _pow2(d) and heads % kv_heads == 0 and all(_vector(t, d) for t in vectors) and \
+        0 < span <= cap and pos.dtype == torch.int64 and pos.numel() == 1 and pos.device == cache_k.device
+
+
+def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, span: int, scale: float):
+    """An LM decode step's q/k norms, rotation, cache write at the device position `pos` and its
+    attention over the filled keys (a launch sized for `span` keys) in one kernel
+    (`attention_kernels.step`) -> [B, heads, 1, D], or None (nothing written). q, k, v [B, 1, .]:
+    adjacent pieces of each row of one q/k/v product's output, as its split gives them."""
+    if not _serves(q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v) or q.dim() != 3 or cache_k.dim() != 4:
+        return None
+    b, s, width = q.shape
+    kv_width, size = cache_k.shape[1] * cache_k.shape[3], q.element_size()
+    if s != 1 or width % cache_k.shape[3] or k.shape != (b, 1, kv_width) or v.shape != k.shape or \
+            not _attends(b, width // cache_k.shape[3], cache_k, cache_v, (q_norm, k_norm, cos, sin), span, pos) or \
+            k.data_ptr() != q.data_ptr() + width * size or v.data_ptr() != k.data_ptr() + kv_width * size or \
+            not q.stride(0) == k.stride(0) == v.stride(0) >= width + 2 * kv_width:
+        return None
+    from . import attention_kernels
+
+    return attention_kernels.step(q[:, 0], q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span, scale,
+                                  width // cache_k.shape[3])
+
+
+def lm_layer(parts: tuple, x, norms: tuple, eps: float, head_norms: tuple, head_eps: float, cos, sin, cache_k,
+             cache_v, pos, span: int, heads: int, scale: float):
+    """An LM layer's whole decode step in five launches, x [B, 1, dim] -> the layer's output:
+    q/k/v with the input norm inside, the attention with the q/k norms, rotation and cache write
+    inside (`attention_kernels.step`), out with the residual add, gate/up with the second norm and
+    SwiGLU, down with the residual add. `parts`: `mm3.backends.products.layout_block`'s; `norms`:
+    the layer's two norm weights, `head_norms` the q and k norms'. None (nothing written) where the
+    kernels do not take these shapes."""
+    from .layout_kernels import GEMV_MAX_ROWS
+
+    if torch.compiler.is_compiling() or not _serves(x, *norms, *head_norms, cos, sin, cache_k, cache_v) or \
+            x.dim() != 3 or not x.is_contiguous():
+        return None
+    b, s, dim = x.shape
+    if s != 1 or b > GEMV_MAX_ROWS or not all(_vector(w, dim) for w in norms) or \
+            not _attends(b, heads, cache_k, cache_v, (*head_norms, cos, sin), span, pos):
+        return None
+    kv_heads, d = cache_k.shape[1], cache_k.shape[3]
+    from . import attention_kernels
+
+    qkv_product, out, swiglu, down = parts
+    qkv = qkv_product.fused(x, norm=(norms[0], eps))
+    if qkv.shape[-1] != (heads + 2 * kv_heads) * d:
+        raise ValueError(f"a q/k/v product of {qkv.shape[-1]} outputs for {heads} query and {kv_heads} key heads "
+                         f"of {d}")
+    attended = attention_kernels.step(qkv.view(b, -1), *head_norms, head_eps, cos, sin, cache_k, cache_v, pos, span,
+                                      scale, heads)
+    x = out.fused(attended.view(b, 1, heads * d), residual=x)
+    return down.fused(swiglu.fused(x, norm=(norms[1], eps)), residual=x)
+
+
+def depth_blocks(parts: list, x, norms: list, eps: float, cache_k, cache_v, at: int, scale: float):
+    """The depth decoder's blocks over x [B, S, dim] (the position embeddings added) and its cache
+    (written at `at`, a host position) -> the last block's output, five launches a block: q/k/v
+    with the input norm inside, the short attention, out with the residual add, gate/up with the
+    second norm and SwiGLU, down with the residual add. `parts`: each block's `layout_block`;
+    `norms`: each block's two norm weights. None (nothing written) where the kernels do not take
+    these shapes."""
+    from .layout_kernels import GEMV_MAX_ROWS
+
+    if torch.compiler.is_compiling() or not _serves(x, cache_k, cache_v, *(w for pair in norms for w in pair)) or \
+            x.dim() != 3 or not x.is_contiguous() or cache_k.dim() != 5 or len(parts) != cache_k.shape[0]:
+        return None
+    b, s, dim = x.shape
+    _, rows, heads, cap, d = cache_k.shape
+    if rows != b or b * s > GEMV_MAX_ROWS or s > 16 or dim != heads * d or cache_v.shape != cache_k.shape or \
+            not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not _pow2(d) or not 0 <= at <= cap - s or \
+            not all(_vector(w, dim) for pair in norms for w in pair):
+        return None
+    from . import attention_kernels
+
+    for (qkv_product, out, swiglu, down), (first, second), ck, cv in zip(parts, norms, cache_k, cache_v):
+        q, k, v = qkv_product.fused(x, norm=(first, eps)).split(dim, dim=-1)
+        x = out.fused(attention_kernels.short(q, k, v, ck, cv, at, scale), residual=x)
+        x = down.fused(swiglu.fused(x, norm=(second, eps)), residual=x)
+    return x
+
+
 def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
     """The depth decoder's attention of new rows q, k, v [B, S, heads * D] over its short cache
     (written at `at`, a position the host knows: the cache restarts every frame) in one kernel

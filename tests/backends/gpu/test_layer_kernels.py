@@ -230,6 +230,9 @@ def _released():
     decode = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "pos_ptr": i64, "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32,
               "count_ptr": "*i32", "out_ptr": bf, "scale": "fp32"}
     combine = {"m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "pos_ptr": i64, "out_ptr": bf}
+    step = {"qkv_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "k_ptr": bf, "v_ptr": bf,
+            "pos_ptr": i64, "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "count_ptr": "*i32", "out_ptr": bf,
+            "eps": "fp32", "scale": "fp32"}
     short = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "ck_ptr": bf, "cv_ptr": bf, "out_ptr": bf, "scale": "fp32"}
     split = {"SPLIT": attention_kernels.SPLIT}
     return [
@@ -241,6 +244,8 @@ def _released():
         (attention_kernels.attention_decode_kernel, decode,
          {"G": 4, "GP": 4, "D": 128, "BLOCK_N": attention_kernels.BLOCK_N, "COMBINE": True, **split}, 4),
         (attention_kernels.attention_combine_kernel, combine, {"G": 4, "GP": 4, "D": 128, **split}, nk.warps(128)),
+        (attention_kernels.attention_step_kernel, step, {"HEADS": 32, "KV_HEADS": 8, "G": 4, "GP": 4, "D": 128,
+                                                          "BLOCK_N": attention_kernels.BLOCK_N, **split}, 4),
         (attention_kernels.attention_short_kernel, short, {"HEADS": 16, "D": 256, "SP": 2, "CP": 16}, 4),
     ]
 
@@ -277,3 +282,29 @@ def test_the_kernels_compile_for_sm90_without_spills():
     assert len(facts) == len(_released())
     for name, registers, spilled in facts:
         assert 0 < registers <= 255 and spilled == 0, (name, registers, spilled)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_attention_step_prepares_and_attends_in_one_launch(dtype, monkeypatch):
+    """`attention_kernels.step` from the fused q/k/v row: the same bits as the preparation kernel
+    then the decode attention (the queries, the cache written at the position, the output), at
+    positions at the start, inside and at the end of splits of 16 (GQA: 4 query heads a key head)."""
+    from mm3.backends.gpu.frame_count import KernelCounter
+
+    monkeypatch.setattr(attention_kernels, "SPLIT", 16)
+    g = torch.Generator().manual_seed(7)
+    b, heads, kv_heads, d, cap = 2, 8, 2, 16, 48
+    fused = _rand(g, b, 1, (heads + 2 * kv_heads) * d, dtype=dtype)
+    q, k, v = fused.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    qn, kn = _rand(g, d, dtype=dtype, low=0.5), _rand(g, d, dtype=dtype, low=0.5)
+    ck, cv = _rand(g, b, kv_heads, cap, d, dtype=dtype), _rand(g, b, kv_heads, cap, d, dtype=dtype)
+    for position in (0, 15, 16, 30, 47):
+        pos = torch.tensor([position])
+        cos, sin = _rope(position, d, dtype)
+        k1, v1, k2, v2 = ck.clone(), cv.clone(), ck.clone(), cv.clone()
+        rotated = attention_kernels.prepare(q, k, v, qn, kn, EPS, cos, sin, k1, v1, pos, heads, kv_heads, d)
+        want = attention_kernels.decode(rotated, k1, v1, pos, cap, d ** -0.5)
+        with KernelCounter() as counted:
+            got = attention_kernels.step(fused.view(b, -1), qn, kn, EPS, cos, sin, k2, v2, pos, cap, d ** -0.5, heads)
+        assert [launch.name for launch in counted.launches if launch.source == "triton"] == ["attention_step_kernel"]
+        assert torch.equal(got, want) and torch.equal(k2, k1) and torch.equal(v2, v1), position

@@ -28,7 +28,7 @@ pytest.importorskip("triton", reason="this torch installation has no Triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
 
 SETTINGS = PlanSettings(duration=0.04, lm_seed=5)  # the prompt, then 2 frames
-KERNELS = ("rms_norm", "add_rms_norm", "rope_table", "prepare_attention", "decode_attention", "short_attention")
+KERNELS = ("rms_norm", "add_rms_norm", "rope_table", "attention_step", "short_attention")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,14 @@ def eager(emulated_models):
 def test_the_kernels_give_the_torch_operations_codes(emulated_models, eager, monkeypatch):
     song, served = eager
     assert served == set(KERNELS)  # every kernel served the plan
+    apart_served = set()
+    with monkeypatch.context() as mp:  # the attention's preparation and the attention apart: the same codes
+        mp.setattr(gpu_steps, "attention_step", lambda *a: None)
+        for name in ("prepare_attention", "decode_attention"):
+            real = getattr(gpu_steps, name)
+            mp.setattr(gpu_steps, name, lambda *a, real=real, name=name: apart_served.add(name) or real(*a))
+        apart = _plan(emulated_models)
+    assert apart_served == {"prepare_attention", "decode_attention"} and torch.equal(apart.codes, song.codes)
     for name in KERNELS:
         monkeypatch.setattr(gpu_steps, name, lambda *a: None)
     want = _plan(emulated_models)
@@ -156,8 +164,7 @@ class _Counted:
 
 def test_a_decode_step_launches_a_few_kernels_a_layer(emulated_models):
     """An LM decode step through the static (captured) path and a depth step, in bfloat16: per LM
-    layer its attention's preparation, the attention (2) and the two residual adds with their
-    norms, beside the MLP's activation; per depth block its short attention and the two adds with
+    layer its attention with its preparation (1) and the two residual adds with their norms, beside the MLP's activation; per depth block its short attention and the two adds with
     norms; per step the rotation tables (LM) or the position add with the first norm (depth)."""
     lm, depth, _ = emulated_models
     dt, rows = torch.bfloat16, 2
@@ -179,8 +186,7 @@ def test_a_decode_step_launches_a_few_kernels_a_layer(emulated_models):
             depth(y, depth_cache)
     activation = {"torch silu": n_lm, "torch mul": n_lm}  # the MLP's SiLU x up (apart from these kernels)
     assert lm_step.kinds == Counter({"rope_table_kernel": 1, "torch add_": 1, "norm_rms_kernel": 1,
-                                     "attn_prep_kernel": n_lm, "attention_decode_kernel": n_lm,
-                                     "norm_add_rms_kernel": 2 * n_lm,
+                                     "attention_step_kernel": n_lm, "norm_add_rms_kernel": 2 * n_lm,
                                      **activation}), lm_step.kinds
     assert depth_step.kinds == Counter({"norm_add_rms_kernel": 2 * n_depth + 1, "attention_short_kernel": n_depth,
                                         "torch silu": n_depth, "torch mul": n_depth}), depth_step.kinds

@@ -188,3 +188,40 @@ class _Counted:
     def __getitem__(self, grid):
         self.launches.append(self.name)
         return self.kernel[grid]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F16], ids=lambda t: t.name)
+def test_the_norm_before_and_the_residual_after_inside_one_launch(qtype, monkeypatch):
+    """`norm` and `residual` inside the decode launch (one row, a split K, four rows; one type, two
+    stacked types, the SwiGLU form) against the norm kernel, the product and torch's add apart: the
+    same bits. The inputs are multiples of 1/4 below 2, so every sum of their squares is exact in
+    any order (the kernels sum in different orders); past GEMV_MAX_ROWS torch's operations do it."""
+    from mm3.backends.gpu import layout_triton
+    from mm3.backends.gpu.norm_kernels import rms_norm
+
+    launches = []
+    for name in ("gemv_kernel", "gemv_segments_kernel"):
+        monkeypatch.setattr(layout_triton, name, _Counted(getattr(layout_triton, name), name, launches))
+    g = torch.Generator().manual_seed(100 + int(qtype))
+    k, eps = _k(qtype), 1e-6
+    w, _ = weight(qtype, 8, k, g)
+    second = {Q.Q4_K: Q.Q6_K, Q.Q6_K: Q.Q8_0, Q.Q8_0: Q.F16, Q.F16: Q.Q8_0}[qtype]
+    v, _ = weight(second, 4, k, g)
+    for dtype in (torch.float32, torch.float16):
+        nw = (torch.rand(k, generator=g) + 0.5).to(DEVICE, dtype)
+        for rows, config in ((1, None), (2, SPLIT), (4, None), (lk.GEMV_MAX_ROWS + 1, None)):
+            x = (torch.randint(-7, 8, (rows, k), generator=g) / 4).to(DEVICE, dtype)
+            res = torch.randn(rows, 12, generator=g).to(DEVICE, dtype)
+            normed = rms_norm(x, nw, eps) if rows <= lk.GEMV_MAX_ROWS else lk.torch_rms_norm(x, (nw, eps))
+            segments = [(w, qtype), (v, second)]
+            launches.clear()
+            got = lk.linear_segments(x, segments, k, config=config, norm=(nw, eps), residual=res)
+            assert len(launches) == (rows <= lk.GEMV_MAX_ROWS)
+            assert torch.equal(got, res + lk.linear_segments(normed, segments, k, config=config)), (dtype, rows)
+            got = lk.linear(x, w, qtype, k, config=config, norm=(nw, eps), residual=res[:, :8])
+            assert torch.equal(got, res[:, :8] + lk.linear(normed, w, qtype, k, config=config)), (dtype, rows)
+            assert torch.equal(lk.swiglu(x, w, qtype, k, norm=(nw, eps)), lk.swiglu(normed, w, qtype, k))
+    with pytest.raises(ValueError, match="a residual of 4 rows of 8"):
+        lk.linear(x[:4], w, qtype, k, residual=res[:4, :7])
+    with pytest.raises(ValueError, match=f"a norm weight of {k}"):
+        lk.linear(x, w, qtype, k, norm=(nw[1:], eps))

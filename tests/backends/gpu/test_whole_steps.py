@@ -1,0 +1,94 @@
+"""The GPU back end's whole decode steps (`mm3.backends.gpu.steps.lm_layer`, `depth_blocks`) on the
+GPU code path (`emulated()`: Triton's interpreter over CPU tensors), over random Q4_K_M files small
+enough to interpret (q/k in Q4_K and v in Q6_K: the two-type product): five launches a layer, with
+the norms, the residual adds, the attention's preparation and SwiGLU inside, against the models'
+chained path (`MM3_GPU_LAYERS=chained`: each norm with its residual add its own launch): the same
+bits in float16, the KV caches included; where the device layout does not hold a layer's products,
+the chained path."""
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from mm3.backends import products
+from mm3.backends.gpu.emulation import emulated
+from mm3.backends.gpu.frame_count import KernelCounter
+
+pytest.importorskip("triton", reason="this torch installation has no Triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+
+DTYPE = torch.float16  # the interpreter rounds float32 to float16 as a GPU does (bfloat16 it truncates)
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory):
+    """An LM of 1 layer and a depth decoder of 1 block, hidden 256 (heads of 128), in Q4_K_M."""
+    from mm3.bench.checkpoints import COMPONENTS
+    from mm3.bench.random_models import write_random_models
+    from mm3.formats.diffusers import DIFFUSERS_DEFAULTS
+    from mm3.tools.tiny import RELEASED_LM_CONFIG, build_tokenizer
+
+    tokenizer, special, code_offset = build_tokenizer("small")
+    lm_cfg = {**RELEASED_LM_CONFIG, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "vocab_size": code_offset + 64}
+    cfgs = {c: dict(DIFFUSERS_DEFAULTS[c]) for c in COMPONENTS}
+    cfgs["rvq_depth_decoder"].update(hidden_size=256, num_layers=1, num_attention_heads=2, intermediate_size=512)
+    folder = tmp_path_factory.mktemp("small-q4km")
+    write_random_models(folder, lm_cfg, cfgs, "Q4_K_M", tokenizer, special["<|audio_end|>"],
+                        ("language_model", "rvq_depth_decoder"))
+    return folder
+
+
+def _steps(folder, whole: bool, monkeypatch):
+    """An LM decode step at a device position (the captured form: bucket set, the host count not
+    read) and two depth passes (2 positions, then 1): (outputs, caches, Triton launches)."""
+    from mm3.bench.frame_kernels import _load
+
+    monkeypatch.setenv("MM3_GPU_LAYERS", "whole" if whole else "chained")
+    g = torch.Generator().manual_seed(0)
+    with emulated(), torch.inference_mode():
+        lm, depth, _ = _load(folder)
+        cache = lm.new_cache(2, 40, DTYPE, "cpu")
+        lm(torch.randn(2, 3, lm.hidden_size, generator=g).to(DTYPE), cache)
+        cache.bucket, cache.host_counting = 16, False
+        depth_cache = depth.new_cache(2, DTYPE, "cpu")
+        with KernelCounter() as counter:
+            out = [lm(torch.randn(2, 1, lm.hidden_size, generator=g).to(DTYPE), cache),
+                   depth(torch.randn(2, 2, depth.hidden_size, generator=g).to(DTYPE), depth_cache),
+                   depth(torch.randn(2, 1, depth.hidden_size, generator=g).to(DTYPE), depth_cache)]
+    monkeypatch.undo()
+    launches = Counter(launch.name for launch in counter.launches if launch.source == "triton")
+    return out, [cache.k, cache.v, depth_cache.k, depth_cache.v], launches
+
+
+def test_whole_steps_are_the_chained_path_bit_for_bit(small_models, monkeypatch):
+    whole, whole_caches, launches = _steps(small_models, True, monkeypatch)
+    chained, chained_caches, chained_launches = _steps(small_models, False, monkeypatch)
+    for got, want in zip(whole + whole_caches, chained + chained_caches):
+        assert torch.equal(got, want)
+    # LM: 1 layer of q/k/v (two types), attention, out, gate/up, down; its tables and final norm.
+    # Depth: 2 passes of 1 block (q/k/v, attention, out, gate/up, down) and the final norm; its
+    # position table expanded at the first pass.
+    assert launches == Counter({"gemv_kernel": 3 + 2 * 4, "gemv_segments_kernel": 1, "attention_step_kernel": 1,
+                                "rope_table_kernel": 1, "norm_rms_kernel": 1 + 2, "attention_short_kernel": 2,
+                                "lookup_rows_kernel": 1})
+    # chained: the norms with their residual adds apart (the attention in one launch either way)
+    assert chained_launches["attention_step_kernel"] == 1
+    assert sum(chained_launches.values()) == sum(launches.values()) + 2 + 2 * 2
+
+
+def test_layers_the_device_layout_does_not_hold_take_the_chained_path(tiny):
+    """The tiny files' float32 weights multiply with torch on the CPU: no whole step is offered."""
+    from mm3.files.opener import open_component
+    from mm3.models.lm import Qwen3LM
+
+    component = open_component(tiny.file("mm3-lm"), expect="lm")
+    try:
+        with emulated():
+            lm = Qwen3LM.load(component)
+            layer = lm.model.layers[0]
+            assert products.layout_block(layer.products(), torch.float32, torch.device("cpu")) is None
+    finally:
+        component.close()
