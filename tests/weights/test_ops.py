@@ -76,15 +76,11 @@ def test_layers_match_plain_torch(model_file):
 def test_either_binder_multiplies_as_plain_torch(model_file, installed):
     """Without a back end (the portable binder: torch's own operations) and with the back ends'
     binder, a layer's product and a table's rows are the dequantized weights' through plain torch."""
+    from mm3.backends.binder import Backends  # importing the back ends installs theirs: the binder to restore
     from mm3.weights import binding
 
     previous = binding.binder()
-    if installed == "portable":
-        binding.install(binding.Portable())
-    else:
-        from mm3.backends.binder import Backends
-
-        binding.install(Backends())
+    binding.install(binding.Portable() if installed == "portable" else Backends())
     try:
         f = GGUFFile(model_file)
         m = Tiny()
