@@ -377,12 +377,16 @@ def layout_block(layers: tuple, dtype: torch.dtype, device: torch.device) -> tup
     """A block's four layers (q/k/v, out, gate/up, down: `products()` of an LM layer or depth
     block) as the products a back end's whole decode step launches with their norm and residual
     inside (`fused`): (q/k/v stacked, out, gate/up's SwiGLU, down), or None where any of them is
-    not held in the device layout as one product (adapters beside it, parts apart, another form)."""
+    not held in the device layout as one product (adapters beside it, parts apart, another form)
+    or the kernels' norm and residual do not compute right there (`layout_kernels.fused_works`)."""
     qkv, out, gate_up, down = (layer.product_for(dtype, device) for layer in layers)
     stacked = qkv.product if isinstance(qkv, Split) else None
     swiglu = gate_up.swiglu if isinstance(gate_up, Split) else None
     if not isinstance(stacked, (LayoutProduct, LayoutSegments)) or not isinstance(swiglu, LayoutSwiGLU) or \
             not isinstance(out, LayoutProduct) or not isinstance(down, LayoutProduct):
+        return None
+    qtypes = {stacked.qtype, getattr(stacked, "qtype2", stacked.qtype), out.qtype, swiglu.qtype, down.qtype}
+    if not all(layout_kernels.fused_works("norm", qtype, dtype, device) for qtype in qtypes):
         return None
     return stacked, out, swiglu, down
 

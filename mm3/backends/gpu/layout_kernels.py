@@ -342,8 +342,10 @@ def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def fused_works(form: str, qtype: QT, dtype: torch.dtype, device: torch.device, second: QT | None = None) -> bool:
-    """`works` for a fused decode form: "swiglu" (`swiglu` over `qtype`) or "segments"
-    (`linear_segments` over `qtype` then `second`), checked once per process against torch."""
+    """`works` for a fused decode form: "swiglu" (`swiglu` over `qtype`), "segments"
+    (`linear_segments` over `qtype` then `second`) or "norm" (`linear` with the inputs' RMSNorm
+    inside and a residual added: the prologue and epilogue every decode form shares), checked once
+    per process against torch."""
     device = indexed_device(device)
     key = (form, qtype, second, dtype, device)
     if key not in _WORKS:
@@ -363,18 +365,25 @@ def _check(qtype: QT, dtype: torch.dtype, device: torch.device, form: str = "lin
             (w1, v1), (w2, v2) = _sample(qtype, 24, k, g), _sample(second, 16, k, g)
             weights, values = [(w1.to(device), qtype), (w2.to(device), second)], torch.cat([v1, v2])
         else:
-            weight, values = _sample(qtype, 80 if form == "swiglu" else 40, k, g)
+            weight, values = _sample(qtype, 40 if form == "linear" else 80, k, g)
             weight = weight.to(device)
-        for rows in (2,) if form == "swiglu" else (2, GEMV_MAX_ROWS + 1):
+        for rows in (2,) if form in ("swiglu", "norm") else (2, GEMV_MAX_ROWS + 1):
             x = torch.randn(rows, k, generator=g)
-            want = x.to(dtype).double() @ values.to(dtype).double().T
             xd = x.to(device, dtype)
+            norm = (torch.rand(k, generator=g) + 0.5).to(dtype)
+            if form == "norm":  # the inputs normalized first: torch's arithmetic, as the norm kernels'
+                x = torch_rms_norm(x.to(dtype), (norm, 1e-6)).float()
+            want = x.to(dtype).double() @ values.to(dtype).double().T
             if form == "segments":
                 got = linear_segments(xd, weights, k)
             elif form == "swiglu":
                 got = swiglu(xd, weight, qtype, k)
                 gate, up = want.split(want.shape[1] // 2, dim=-1)
                 want = F.silu(gate) * up
+            elif form == "norm":  # the prologue every decode form shares, and the residual's epilogue
+                residual = torch.randn(rows, weight.shape[0], generator=g).to(dtype)
+                got = linear(xd, weight, qtype, k, norm=(norm.to(device), 1e-6), residual=residual.to(device))
+                want = want + residual.double()
             else:
                 got = linear(xd, weight, qtype, k)
             error = float((got.double().cpu() - want).norm() / want.norm())

@@ -221,6 +221,7 @@ def test_the_norm_before_and_the_residual_after_inside_one_launch(qtype, monkeyp
             got = lk.linear(x, w, qtype, k, config=config, norm=(nw, eps), residual=res[:, :8])
             assert torch.equal(got, res[:, :8] + lk.linear(normed, w, qtype, k, config=config)), (dtype, rows)
             assert torch.equal(lk.swiglu(x, w, qtype, k, norm=(nw, eps)), lk.swiglu(normed, w, qtype, k))
+    assert lk.fused_works("norm", qtype, torch.float16, DEVICE)  # the self-check a whole layer asks first
     with pytest.raises(ValueError, match="a residual of 4 rows of 8"):
         lk.linear(x[:4], w, qtype, k, residual=res[:4, :7])
     with pytest.raises(ValueError, match=f"a norm weight of {k}"):
