@@ -28,6 +28,7 @@ import threading
 import weakref
 from pathlib import Path
 
+from . import compiler
 from .cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
@@ -38,17 +39,6 @@ BUILD_SECONDS = 60
 _LIBRARY: list = []  # [ctypes library or None], once per process
 _LOCK = threading.RLock()  # re-entrant: a mapping's finalizer may run in a collection while it is held
 _GUARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a guarded mapping -> its release
-
-
-def _compiler() -> str | None:
-    named = os.environ.get("CC", "").strip()
-    if named:
-        return shutil.which(named) or named
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
 
 
 def _folder() -> tuple[Path, bool]:
@@ -69,7 +59,7 @@ def build() -> Path | None:
     (not POSIX, no compiler, a failed build), with the reason in the debug log."""
     if os.name != "posix":
         return None
-    cc = _compiler()
+    cc = compiler.find()
     if cc is None:
         log.debug("no C compiler: a model file cut short while in use ends the process (SIGBUS)")
         return None
@@ -91,8 +81,7 @@ def build() -> Path | None:
         log.debug("no folder to build the SIGBUS guard in (%s)", e)
         return None
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=BUILD_SECONDS)
+        done = compiler.run([cc, *FLAGS, str(SOURCE), "-o", tmp], BUILD_SECONDS)
         if done.returncode == 0:
             os.replace(tmp, folder / name)
             return folder / name
@@ -110,22 +99,16 @@ def build() -> Path | None:
 def _load():
     """The guard loaded and installed; a cached build that does not load (cut short, damaged) is
     built again once."""
-    path = build()
-    if path is None:
-        return None
-    try:
-        return _install(path)
-    except OSError as e:
-        log.debug("cannot load the SIGBUS guard %s (%s): building it again", path, e)
-    path.unlink(missing_ok=True)
-    path = build()
-    if path is None:
-        return None
-    try:
-        return _install(path)
-    except OSError as e:
-        log.debug("cannot load the SIGBUS guard %s (%s)", path, e)
-        return None
+    for again in (False, True):
+        path = build()
+        if path is None:
+            return None
+        try:
+            return _install(path)
+        except OSError as e:
+            log.debug("cannot load the SIGBUS guard %s (%s)%s", path, e, "" if again else ": building it again")
+        path.unlink(missing_ok=True)
+    return None
 
 
 def _install(path: Path):

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent / "mm3"
 
 LAYERS = (
     ("base", ("mm3", "mm3.errors", "mm3.constants", "mm3.filecache", "mm3.progress", "mm3.cache_dir", "mm3.switches",
-              "mm3.filewatch", "mm3.fault_guard", "mm3.bounded")),
+              "mm3.filewatch", "mm3.fault_guard", "mm3.compiler", "mm3.tethered", "mm3.bounded")),
     ("formats", ("mm3.formats", "mm3.lora")),
     ("weights", ("mm3.weights",)),
     ("backends", ("mm3.backends",)),

@@ -4,8 +4,8 @@ The C files (`csrc/`: the products and repacking, `integer_product.c`; a decode 
 operations, `decode_steps.c`) are compiled once per machine into one library with the system's C
 compiler (`CC`, else `cc`, `gcc` or `clang`; `-O3 -march=native`, with OpenMP where the compiler
 has it) in the cache folder (`mm3.cache_dir`), keyed by the sources, the compiler and the
-processor, and loaded with ctypes. The compiler runs tied to this process (`tethered.py`): a build
-cut short by this process's death or the time limit leaves no compiler running. Whether a loaded
+processor, and loaded with ctypes. The compiler runs tied to this process (`mm3.compiler.run`): a
+build cut short by this process's death or the time limit leaves no compiler running. Whether a loaded
 library computes what it should is `native`'s question (its probe).
 """
 
@@ -18,11 +18,11 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ... import compiler
 from ...cache_dir import cache_dir, clear_stale, writable
 
 log = logging.getLogger(__name__)
@@ -43,42 +43,6 @@ def machine() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def _compiler() -> str | None:
-    named = os.environ.get("CC", "").strip()
-    if named:
-        return shutil.which(named) or named
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-TETHERED = Path(__file__).with_name("tethered.py")
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    """`cmd` run to its end, tied to this process (`tethered`): a build interrupted by this process's
-    death or by the time limit leaves no compiler running."""
-    runner = subprocess.Popen([sys.executable, str(TETHERED), str(os.getpid()), *cmd], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = runner.communicate(timeout=BUILD_SECONDS)
-    except subprocess.TimeoutExpired:
-        runner.terminate()  # the runner kills the command's whole process group
-        try:
-            runner.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            runner.kill()
-            runner.communicate()
-        raise
-    except BaseException:  # Ctrl-C while building: take the compiler down with us
-        runner.terminate()
-        runner.wait()
-        raise
-    return subprocess.CompletedProcess(cmd, runner.returncode, out, err)
-
-
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 
 
@@ -90,12 +54,12 @@ def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True, again: bool = Fal
     caller removes once it is loaded (`load_built`)."""
     if platform.machine().lower() not in ("x86_64", "amd64") or os.name != "posix":
         return None
-    cc = _compiler()
+    cc = compiler.find()
     if cc is None:
         log.info("no C compiler found (set CC to name one): the CPU products use torch's kernels alone")
         return None
     try:
-        done = _run([cc, "--version"])
+        done = compiler.run([cc, "--version"], BUILD_SECONDS)
         if done.returncode != 0:
             raise OSError((done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1])
         version = done.stdout
@@ -128,7 +92,7 @@ def build(flags: tuple[str, ...] = FLAGS, openmp: bool = True, again: bool = Fal
         why, tmp = str(e), None
     else:
         try:
-            done = _run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"])
+            done = compiler.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], BUILD_SECONDS)
             if done.returncode == 0:
                 os.replace(tmp, out)
                 log.info("built the CPU integer kernel with %s%s", Path(cc).name, "" if openmp else " (one thread)")

@@ -289,6 +289,17 @@ def prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, heads
     return out
 
 
+def _splits(b: int, heads: int, kv_heads: int, d: int, span: int, device) -> tuple:
+    """(query heads a key head, that padded to a power of two, key splits of a launch over `span`
+    keys, the splits' partials m, l [B kv_heads, splits, GP] and acc [.., D] in float32)."""
+    g = heads // kv_heads
+    gp = triton.next_power_of_2(g)
+    n_splits = triton.cdiv(span, SPLIT)
+    m = torch.empty(b * kv_heads, n_splits, gp, dtype=torch.float32, device=device)
+    acc = torch.empty(b * kv_heads, n_splits, gp, d, dtype=torch.float32, device=device)
+    return g, gp, n_splits, (m, torch.empty_like(m), acc)
+
+
 def decode(q, cache_k, cache_v, pos, span: int, scale: float, two_launches: bool = False):
     """The attention of q [B, heads, 1, D] over the first pos + 1 keys of cache_k, cache_v [B,
     kv_heads, cap, D] (span: the keys a launch covers, >= pos + 1) -> [B, heads, 1, D], in one
@@ -296,12 +307,7 @@ def decode(q, cache_k, cache_v, pos, span: int, scale: float, two_launches: bool
     combined by `attention_combine_kernel` (the same bits)."""
     b, heads, _, d = q.shape
     kv_heads, cap = cache_k.shape[1], cache_k.shape[2]
-    g = heads // kv_heads
-    gp = triton.next_power_of_2(g)
-    n_splits = triton.cdiv(span, SPLIT)
-    m = torch.empty(b * kv_heads, n_splits, gp, dtype=torch.float32, device=q.device)
-    den = torch.empty_like(m)
-    acc = torch.empty(b * kv_heads, n_splits, gp, d, dtype=torch.float32, device=q.device)
+    g, gp, n_splits, (m, den, acc) = _splits(b, heads, kv_heads, d, span, q.device)
     out = torch.empty_like(q)
     combine = not two_launches
     counts = counters(q.device, b * kv_heads) if combine else m
@@ -319,12 +325,7 @@ def step(qkv, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span: int, s
     [B, 1, (heads + 2 kv_heads) D], the new key and value written into cache_k, cache_v [B,
     kv_heads, cap, D] at `pos` (span: the keys a launch covers, >= pos + 1) -> [B, heads, 1, D]."""
     b, kv_heads, cap, d = cache_k.shape
-    g = heads // kv_heads
-    gp = triton.next_power_of_2(g)
-    n_splits = triton.cdiv(span, SPLIT)
-    m = torch.empty(b * kv_heads, n_splits, gp, dtype=torch.float32, device=qkv.device)
-    den = torch.empty_like(m)
-    acc = torch.empty(b * kv_heads, n_splits, gp, d, dtype=torch.float32, device=qkv.device)
+    g, gp, n_splits, (m, den, acc) = _splits(b, heads, kv_heads, d, span, qkv.device)
     out = torch.empty(b, heads, 1, d, dtype=qkv.dtype, device=qkv.device)
     attention_step_kernel[(b * kv_heads, n_splits)](
         qkv, q_norm, k_norm, cos, sin, cache_k, cache_v, pos, m, den, acc, counters(qkv.device, b * kv_heads), out,
