@@ -4,7 +4,10 @@ enough to interpret (q/k in Q4_K and v in Q6_K: the two-type product): five laun
 the norms, the residual adds, the attention's preparation and SwiGLU inside, against the models'
 chained path (`MM3_GPU_LAYERS=chained`: each norm with its residual add its own launch): the same
 bits in float16, the KV caches included; where the device layout does not hold a layer's products,
-the chained path."""
+the chained path. On a CUDA device the same steps run natively in bfloat16 (`.ci/gpu`), within
+bfloat16's rounding: there the norm's sums of squares run in another order in each kernel."""
+
+import contextlib
 
 import os
 from collections import Counter
@@ -18,9 +21,13 @@ from mm3.backends.gpu.emulation import emulated
 from mm3.backends.gpu.frame_count import KernelCounter
 
 pytest.importorskip("triton", reason="this torch installation has no Triton")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
 
-DTYPE = torch.float16  # the interpreter rounds float32 to float16 as a GPU does (bfloat16 it truncates)
+NATIVE = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+pytestmark = pytest.mark.skipif(not NATIVE and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs a CUDA device or Triton's interpreter")
+DEVICE = torch.device("cuda" if NATIVE else "cpu")
+# The interpreter rounds float32 to float16 as a GPU does (bfloat16 it truncates); a GPU runs bfloat16.
+DTYPE = torch.bfloat16 if NATIVE else torch.float16
 
 
 @pytest.fixture(scope="module")
@@ -49,30 +56,37 @@ def _steps(folder, whole: bool, monkeypatch):
 
     monkeypatch.setenv("MM3_GPU_LAYERS", "whole" if whole else "chained")
     g = torch.Generator().manual_seed(0)
-    with emulated(), torch.inference_mode():
+
+    def rows(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, DTYPE)
+
+    with contextlib.nullcontext() if NATIVE else emulated(), torch.inference_mode():
         lm, depth, _ = _load(folder)
+        lm, depth = lm.to(DEVICE), depth.to(DEVICE)
         for block in (*lm.model.layers, *depth.layers):  # the kernels' self-checks, made once, not counted
             for layer in block.products():
                 for part in getattr(layer, "parts", [layer]):
-                    layout_kernels.fused_works("norm", part.qtype("weight"), DTYPE, torch.device("cpu"))
-        cache = lm.new_cache(2, 40, DTYPE, "cpu")
-        lm(torch.randn(2, 3, lm.hidden_size, generator=g).to(DTYPE), cache)
+                    layout_kernels.fused_works("norm", part.qtype("weight"), DTYPE, DEVICE)
+        cache = lm.new_cache(2, 40, DTYPE, DEVICE)
+        lm(rows(2, 3, lm.hidden_size), cache)
         cache.bucket, cache.host_counting = 16, False
-        depth_cache = depth.new_cache(2, DTYPE, "cpu")
+        depth_cache = depth.new_cache(2, DTYPE, DEVICE)
         with KernelCounter() as counter:
-            out = [lm(torch.randn(2, 1, lm.hidden_size, generator=g).to(DTYPE), cache),
-                   depth(torch.randn(2, 2, depth.hidden_size, generator=g).to(DTYPE), depth_cache),
-                   depth(torch.randn(2, 1, depth.hidden_size, generator=g).to(DTYPE), depth_cache)]
+            out = [lm(rows(2, 1, lm.hidden_size), cache), depth(rows(2, 2, depth.hidden_size), depth_cache),
+                   depth(rows(2, 1, depth.hidden_size), depth_cache)]
     monkeypatch.undo()
     launches = Counter(launch.name for launch in counter.launches if launch.source == "triton")
     return out, [cache.k, cache.v, depth_cache.k, depth_cache.v], launches
 
 
-def test_whole_steps_are_the_chained_path_bit_for_bit(small_models, monkeypatch):
+def test_whole_steps_are_the_chained_path(small_models, monkeypatch):
     whole, whole_caches, launches = _steps(small_models, True, monkeypatch)
     chained, chained_caches, chained_launches = _steps(small_models, False, monkeypatch)
     for got, want in zip(whole + whole_caches, chained + chained_caches):
-        assert torch.equal(got, want)
+        if NATIVE:
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(got, want)
     # LM: 1 layer of q/k/v (two types), attention, out, gate/up, down; its tables and final norm.
     # Depth: 2 passes of 1 block (q/k/v, attention, out, gate/up, down) and the final norm; its
     # position table expanded at the first pass.
@@ -84,6 +98,7 @@ def test_whole_steps_are_the_chained_path_bit_for_bit(small_models, monkeypatch)
     assert sum(chained_launches.values()) == sum(launches.values()) + 2 + 2 * 2
 
 
+@pytest.mark.skipif(NATIVE, reason="the emulated CPU path's products")
 def test_layers_the_device_layout_does_not_hold_take_the_chained_path(tiny):
     """The tiny files' float32 weights multiply with torch on the CPU: no whole step is offered."""
     from mm3.files.opener import open_component
