@@ -159,8 +159,8 @@ def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
     the position: no bucket); on the GPU path in five launches (`gpu.steps.lm_layer`) where the
     device layout holds them; else None, nothing written."""
     dt, dev = x.dtype, x.device
-    if gpu_path(x):
-        return _gpu_lm_layer(layer, x, cos, sin, cache, index)
+    if gpu_path(x):  # (torch.compile traces the model's own operations)
+        return None if torch.compiler.is_compiling() else _gpu_lm_layer(layer, x, cos, sin, cache, index)
     if not _whole_steps(x) or cache.bucket is not None:
         return None
     parts = _parts(layer, [layer.products()], dt, dev)
@@ -205,7 +205,9 @@ def depth_blocks(decoder, inputs: torch.Tensor, positions: torch.Tensor, cache, 
     dt, dev = inputs.dtype, inputs.device
     blocks = decoder.layers
     if gpu_path(inputs):
-        parts = [products.layout_block(b.products(), dt, dev) for b in blocks] if _whole_gpu_layers() else [None]
+        if torch.compiler.is_compiling() or not _whole_gpu_layers():
+            return None
+        parts = [products.layout_block(b.products(), dt, dev) for b in blocks]
         if None in parts:
             return None
         norms = [(b.input_layernorm(dt, dev), b.post_attention_layernorm(dt, dev)) for b in blocks]
