@@ -9,6 +9,7 @@ layout's kernels. It needs `TRITON_INTERPRET=1` in the environment before Triton
 
 from __future__ import annotations
 
+import contextlib
 import os
 from contextlib import contextmanager
 
@@ -38,6 +39,12 @@ def emulated(kernel_mode: str = "layout"):
     finally:
         _ON[0] = was
         kernels.configure(before)
+
+
+def on_gpu_path(device):
+    """The GPU code path for tensors on `device`: as they are on a device Triton runs (nothing to
+    do), emulated for CPU tensors (`emulated`)."""
+    return emulated() if torch.device(device).type == "cpu" else contextlib.nullcontext()
 
 
 def gpu_path(t: torch.Tensor) -> bool:

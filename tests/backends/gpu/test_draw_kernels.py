@@ -12,7 +12,7 @@ import torch
 
 from mm3.backends import steps
 from mm3.backends.gpu import steps as gpu_steps
-from mm3.backends.gpu.emulation import emulated
+from mm3.backends.gpu.emulation import on_gpu_path
 from mm3.plan.sampling import draw, guide, kth_largest, top_k_probs
 
 pytest.importorskip("triton", reason="this torch installation has no Triton")
@@ -59,7 +59,7 @@ def case(seed):
 
 @pytest.mark.parametrize("seeds", [range(0, 16), range(16, 32), range(32, 48)], ids=("a", "b", "c"))
 def test_the_draw_is_torchs(seeds):
-    with emulated():
+    with on_gpu_path(DEVICE):
         for seed in seeds:
             logits, r, cfg, k, q, excluded, gate = case(seed)
             want = torch_draw(logits, r, cfg, k, q, excluded, gate)
@@ -81,7 +81,7 @@ def test_rows_longer_than_a_block_draw_as_torch(gate, dtype):
     excluded = torch.rand(n, generator=g) < 0.1
     excluded[8995] = True
     want = torch_draw(logits, 2, 1.5, 50, q, excluded, gate)
-    with emulated():
+    with on_gpu_path(DEVICE):
         got = steps.top_k_draw(logits.to(DEVICE), 2, 1.5, 50, q.to(DEVICE), excluded.to(DEVICE), gate)
     assert torch.equal(got.cpu(), want)
 
@@ -94,7 +94,7 @@ def test_ties_at_the_kth_value_are_kept():
     logits[0, 30:36] = 2.0
     q = torch.full((1, 64), 100.0)
     q[0, 33] = 1e-3
-    with emulated():
+    with on_gpu_path(DEVICE):
         for gate in (False, True):
             got = steps.top_k_draw(logits.to(DEVICE), 1, 1.0, 3, q.to(DEVICE), None, gate)
             assert got.item() == 33 == torch_draw(logits, 1, 1.0, 3, q, None, gate).item()
@@ -110,7 +110,7 @@ def test_the_lm_draw_gives_its_code_and_end_flag():
     q = torch.empty(2, n).exponential_(generator=g)
     excluded = torch.zeros(n, dtype=torch.bool)
     excluded[:2] = True
-    with emulated():
+    with on_gpu_path(DEVICE):
         codes, end = steps.semantic_draw(logits.to(DEVICE), 2, 1.5, 20, q.to(DEVICE), excluded.to(DEVICE), start,
                                          offset, end_id)
     token = torch_draw(logits, 2, 1.5, 20, q, excluded, True) + start
@@ -120,12 +120,12 @@ def test_the_lm_draw_gives_its_code_and_end_flag():
 
 
 def test_what_the_kernel_does_not_take_is_left_to_torch():
-    logits, q = torch.randn(2, 8), torch.rand(1, 8) + 0.5
-    with emulated():
+    logits, q = torch.randn(2, 8, device=DEVICE), torch.rand(1, 8, device=DEVICE) + 0.5
+    with on_gpu_path(DEVICE):
         assert steps.top_k_draw(logits, 2, 1.5, 3, q.double()) is None
         assert steps.top_k_draw(logits, 3, 1.5, 3, q) is None
-        assert steps.top_k_draw(logits, 2, 1.5, 3, q, torch.zeros(7, dtype=torch.bool)) is None
-        assert steps.top_k_draw(logits, 2, 1.5, 3, torch.zeros(1, 8, dtype=torch.int64)) is None  # raw draws
+        assert steps.top_k_draw(logits, 2, 1.5, 3, q, torch.zeros(7, dtype=torch.bool, device=DEVICE)) is None
+        assert steps.top_k_draw(logits, 2, 1.5, 3, torch.zeros(1, 8, dtype=torch.int64, device=DEVICE)) is None
     if not NATIVE:
         assert steps.semantic_draw(logits, 2, 1.5, 3, q, None, 0, 0, 1) is None  # plain CPU tensors: the CPU path
     assert gpu_steps.top_k_draw(logits, 2, 1.5, 0, q) is None

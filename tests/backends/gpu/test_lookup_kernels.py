@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mm3.backends import steps
-from mm3.backends.gpu.emulation import emulated
+from mm3.backends.gpu.emulation import on_gpu_path
 from mm3.formats.gguf.quants import SCALE_OFFSETS, dequantize
 from mm3.plan.replay import frame_feedback
 
@@ -51,7 +51,7 @@ def test_rows_equal_the_torch_dequantization_bit_for_bit(qtype):
     g = torch.Generator().manual_seed(int(qtype))
     held, values = table(qtype, 12, g)
     ids = torch.tensor([11, 0, 5, 5, 3], device=DEVICE)
-    with emulated():
+    with on_gpu_path(DEVICE):
         for dtype in (torch.float32, torch.bfloat16):
             rows = steps.lookup(held, qtype, ids, K, dtype)
             assert rows is not None and rows.dtype == dtype and rows.device == DEVICE
@@ -62,7 +62,7 @@ def test_codes_repeat_per_song_with_the_offset_added_on_the_device():
     g = torch.Generator().manual_seed(1)
     held, values = table(Q.Q6_K, 20, g)
     codes = torch.tensor([4, 0, 9], device=DEVICE)
-    with emulated():
+    with on_gpu_path(DEVICE):
         rows = steps.code_rows(held, Q.Q6_K, codes, K, torch.bfloat16, repeat=2, add=7)
         one = steps.code_rows(held, Q.Q6_K, codes.int(), K, torch.float32, add=3)
     want = values[codes.cpu().repeat_interleave(2) + 7].to(torch.bfloat16)
@@ -74,7 +74,7 @@ def test_what_the_kernels_do_not_take_is_left_to_torch():
     g = torch.Generator().manual_seed(2)
     held, _ = table(Q.Q4_K, 4, g)
     ids = torch.tensor([1], device=DEVICE)
-    with emulated():
+    with on_gpu_path(DEVICE):
         assert steps.lookup(held, Q.Q2_K, ids, K, torch.float32) is None  # a type they do not read
         assert steps.lookup(held, Q.Q4_K, ids, K + 256, torch.float32) is None  # rows of another width
         assert steps.lookup(held, Q.Q4_K, ids.float(), K, torch.float32) is None
@@ -96,7 +96,7 @@ def test_the_frame_feedback_is_one_kernel_with_torchs_numbers(lm_type, audio_typ
     depth = types.SimpleNamespace(num_codebooks=ncb, audio_vocab=vocab, audio_embeddings=types.SimpleNamespace(
         lookup=lambda ids, dt: audio_values[ids].to(dt)))
     want = frame_feedback(lm, depth, frame.repeat_interleave(repeat, dim=0), offset, dtype)
-    with emulated():
+    with on_gpu_path(DEVICE):
         got = steps.frame_feedback(lm_table, lm_type, audio_table, audio_type, frame.to(DEVICE), offset, vocab, K,
                                    dtype, repeat)
     assert got.shape == want.shape == (songs * repeat, 1, K) and got.dtype == dtype

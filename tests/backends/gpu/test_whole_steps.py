@@ -7,7 +7,6 @@ bits in float16, the KV caches included; where the device layout does not hold a
 the chained path. On a CUDA device the same steps run natively in bfloat16 (`.ci/gpu`), within
 bfloat16's rounding: there the norm's sums of squares run in another order in each kernel."""
 
-import contextlib
 
 import os
 from collections import Counter
@@ -17,7 +16,7 @@ import torch
 
 from mm3.backends import products
 from mm3.backends.gpu import layout_kernels
-from mm3.backends.gpu.emulation import emulated
+from mm3.backends.gpu.emulation import emulated, on_gpu_path
 from mm3.backends.gpu.frame_count import KernelCounter
 
 pytest.importorskip("triton", reason="this torch installation has no Triton")
@@ -60,7 +59,7 @@ def _steps(folder, whole: bool, monkeypatch):
     def rows(*shape):
         return torch.randn(*shape, generator=g).to(DEVICE, DTYPE)
 
-    with contextlib.nullcontext() if NATIVE else emulated(), torch.inference_mode():
+    with on_gpu_path(DEVICE), torch.inference_mode():
         lm, depth, _ = _load(folder)
         lm, depth = lm.to(DEVICE), depth.to(DEVICE)
         for block in (*lm.model.layers, *depth.layers):  # the kernels' self-checks, made once, not counted
