@@ -81,7 +81,7 @@ def warps(block: int) -> int:
     return max(1, min(8, block // 256))
 
 
-TILE_VALUES = 2048  # values a program of short rows takes (16 heads of 128)
+TILE_VALUES = 2048  # values one norm program takes when rows are short (head views): a launch size, not a model size
 
 
 def tile(n: int) -> tuple[int, int]:
