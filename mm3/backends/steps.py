@@ -191,10 +191,10 @@ def _gpu_lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int) -> torch.
     if parts is None:
         return None
     attn = layer.self_attn
-    span = cache.length + 1 if cache.bucket is None else cache.bucket
     return gpu_steps.lm_layer(parts, x, (layer.input_layernorm(dt, dev), layer.post_attention_layernorm(dt, dev)),
                               layer.eps, (attn.q_norm(dt, dev), attn.k_norm(dt, dev)), attn.eps, cos, sin,
-                              cache.k[index], cache.v[index], cache.pos, span, attn.heads, attn.head_dim ** -0.5)
+                              cache.k[index], cache.v[index], cache.pos, cache.span(), attn.heads,
+                              attn.head_dim ** -0.5)
 
 
 def depth_blocks(decoder, inputs: torch.Tensor, positions: torch.Tensor, cache, eps: float) -> torch.Tensor | None:

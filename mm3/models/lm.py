@@ -147,6 +147,11 @@ class KVCache:
         # From an empty cache the causal flag is the mask; one new position sees everything.
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end], mask, start == 0 and s > 1
 
+    def span(self) -> int:
+        """The keys a one-position step's attention launch covers: the bucket where one is set (a
+        static shape), else the filled positions and the one being written."""
+        return self.length + 1 if self.bucket is None else self.bucket
+
     def advance(self, s: int):
         self.pos += s
         if self.host_counting:
@@ -226,9 +231,8 @@ class Qwen3Attention(nn.Module):
         q, k, v = self.qkv(x)
         native = self.fast_numerics
         if native and s == 1 and not self.taps:  # a decode step: one back-end call, or two
-            span = cache.length + 1 if cache.bucket is None else cache.bucket
             out = steps.attention_step(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
-                                       cache.k[layer], cache.v[layer], cache.pos, span, self.head_dim ** -0.5)
+                                       cache.k[layer], cache.v[layer], cache.pos, cache.span(), self.head_dim ** -0.5)
             if out is not None:
                 return self.o_proj(out.view(b, 1, -1))
             at = cache.length if cache.bucket is None else None  # the host position, where the step may read it
@@ -257,8 +261,7 @@ class Qwen3Attention(nn.Module):
         """A decode step's attention of q [B, heads, 1, D] over the cache (its position written): a
         back end's call over the filled keys where one serves, else torch's."""
         scale = self.head_dim ** -0.5
-        span = cache.length + 1 if cache.bucket is None else cache.bucket
-        out = steps.decode_attention(q, cache.k[layer], cache.v[layer], cache.pos, span, scale)
+        out = steps.decode_attention(q, cache.k[layer], cache.v[layer], cache.pos, cache.span(), scale)
         if out is not None:
             return out
         keys, values, mask, _ = cache.attended(layer, 1)
