@@ -2,7 +2,8 @@
 draws) and the back ends, beyond each layer's own product.
 
 A model asks here, at a decode step, whether a back end runs a piece of it (a norm, an
-attention's preparation, a whole LM layer, the depth decoder's blocks, a guided draw) and gets the
+attention's preparation, a whole LM layer, the depth decoder's blocks, a guided draw; the DiT's
+attention over a window) and gets the
 result, or None where no back end serves it; the model then runs its own torch operations. Each
 answer is given before anything is written. Today the CPU back end's kernel library serves the fast
 numerics on the CPU (`mm3.backends.cpu.steps`); other devices get None until their back end serves.
@@ -17,13 +18,13 @@ import torch
 
 from .. import switches
 from . import products
-from .cpu import steps as cpu_steps
+from .cpu import long_attention as cpu_long_attention, steps as cpu_steps
 from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, skip_draws
 from .gpu import steps as gpu_steps
 from .gpu.emulation import cpu_path, gpu_path
 
 __all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "code_rows", "frame_feedback", "rope_table",
-           "prepare_attention", "attention_step", "decode_attention", "short_attention", "lm_layer", "depth_blocks", "top_k_draw",
+           "prepare_attention", "attention_step", "decode_attention", "short_attention", "long_attention", "lm_layer", "depth_blocks", "top_k_draw",
            "semantic_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
@@ -122,6 +123,12 @@ def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
     if cpu_path(q):
         return cpu_steps.attend(q, k, v, cache_k, cache_v, at, scale)
     return gpu_steps.short_attention(q, k, v, cache_k, cache_v, at, scale) if gpu_path(q) else None
+
+
+def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """Every position's attention over all positions of q, k, v [B, S, heads, D] (the DiT's, scale
+    1 / sqrt(D)) -> [B, S, heads * D], or None."""
+    return cpu_long_attention.attention(q, k, v) if cpu_path(q) else None
 
 
 def top_k_draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int, q: torch.Tensor,

@@ -1,7 +1,7 @@
 """The C library of the CPU kernels (`mm3.backends.cpu.native`), built on the machine that runs it.
 
 The C files (`csrc/`: the products and repacking, `integer_product.c`; a decode step's small
-operations, `decode_steps.c`) are compiled once per machine into one library with the system's C
+operations, `decode_steps.c`; the DiT's attention in bfloat16, `long_attention.c`) are compiled once per machine into one library with the system's C
 compiler (`CC`, else `cc`, `gcc` or `clang`; `-O3 -march=native`, with OpenMP where the compiler
 has it) in the cache folder (`mm3.cache_dir`), keyed by the sources, the compiler and the
 processor, and loaded with ctypes. The compiler runs tied to this process (`mm3.compiler.run`): a
@@ -27,7 +27,8 @@ from ...cache_dir import cache_dir, clear_stale, writable
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("integer_product.c", "decode_steps.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("integer_product.c", "decode_steps.c", "long_attention.c"))
 BUILD_SECONDS = 120
 STALE_SECONDS = 2 * BUILD_SECONDS  # a build's temporary older than this was left by a killed process
 TEMP_PREFIX = "mm3-native-"  # a build's own folder where the cache folder cannot be written
@@ -165,6 +166,9 @@ def load(path: Path):
     lib.mm3_decode_prepare.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + \
         [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_void_p]
     lib.mm3_decode_prepare.restype = ctypes.c_int
+    lib.mm3_long_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p,
+                                                                                     ctypes.c_int]
+    lib.mm3_long_attention.restype = ctypes.c_int
     return lib
 
 
