@@ -83,6 +83,17 @@ def test_large_scores_and_equal_keys():
 
 
 @needs_kernel
+def test_views_at_any_offset_and_row_stride():
+    """q, k, v as views of wider rows at an odd element offset (a fused q/k/v output, say) give the
+    bits of the same tensors made contiguous."""
+    b, s, heads, d = 2, 19, 2, 32
+    rows = torch.randn(b, s, 3 * heads * d + 1, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    q, k, v = (rows[..., 1 + i * heads * d:1 + (i + 1) * heads * d].unflatten(-1, (heads, d)) for i in range(3))
+    assert q.storage_offset() % 2 == 1 and not q.is_contiguous()
+    assert torch.equal(long_attention.run(q, k, v), long_attention.run(q.contiguous(), k.contiguous(), v.contiguous()))
+
+
+@needs_kernel
 def test_threads_do_not_change_a_bit():
     """Each query row is one thread's work from start to end: one thread and two give the same bits."""
     q, k, v = _qkv(2, 45, 2, 64, seed=2)

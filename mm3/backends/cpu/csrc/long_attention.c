@@ -64,10 +64,8 @@ static void pack_head(const uint16_t *k, const uint16_t *v, int64_t stride, int6
    key blocks at a time share each broadcast of a query pair. */
 static void score_rows(const uint16_t *q, int64_t stride, int rows, const uint16_t *keys, int64_t s_pad, int64_t d,
                        float scale, float *scores) {
-    int32_t pairs[ROWS][MAX_VECTORS * 8];
-    for (int r = 0; r < ROWS; r++)
-        for (int64_t i = 0; i < d / 2; i++)
-            pairs[r][i] = r < rows ? ((const int32_t *)(q + r * stride))[i] : 0;
+    int32_t pairs[ROWS][MAX_VECTORS * 8] = {{0}};
+    for (int r = 0; r < rows; r++) memcpy(pairs[r], q + r * stride, sizeof(uint16_t) * d);  /* any alignment */
     const __m512 scaled = _mm512_set1_ps(scale);
     const int64_t blocks = s_pad / KEYS;
     int64_t block = 0;
