@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .binding import binder
-from .layers import FLOAT_TYPES, Embedding, Fused, WeightSlots, _adjacent
+from .layers import FLOAT_TYPES, Embedding, Fused, WeightSlots, adjacent
 
 
 def _slots(modules) -> list[tuple[WeightSlots, str]]:
@@ -48,7 +48,7 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
                     continue
                 kept = [p._dequantized.get("weight") for p in fused.parts]
                 if all(k is not None and k.dtype == dtype and k.device == stored[0].device for k in kept) \
-                        and _adjacent(kept):
+                        and adjacent(kept):
                     used += fused.nbytes(dtype)
                 elif budget_bytes is None or used + fused.nbytes(dtype) <= budget_bytes:
                     used += fused.keep_dequantized(dtype)

@@ -160,7 +160,7 @@ class Linear(WeightSlots):
         return out
 
 
-def _adjacent(tensors: list[torch.Tensor]) -> bool:
+def adjacent(tensors: list[torch.Tensor]) -> bool:
     """True when the tensors are consecutive contiguous pieces of one storage."""
     first = tensors[0]
     offset = first.storage_offset()
@@ -287,7 +287,7 @@ class Fused:
         """What gives `stacked_weight`: a view kept for the product (the parts' adjacent kept
         copies, or their resident float weights restacked), else a buffer written per use."""
         kept = [p._dequantized.get("weight") for p in self.parts]
-        if all(k is not None and k.dtype == dtype and k.device == device for k in kept) and _adjacent(kept):
+        if all(k is not None and k.dtype == dtype and k.device == device for k in kept) and adjacent(kept):
             stack = _stacked(kept)
             return lambda: stack
         stored = [p.stored("weight") for p in self.parts]
@@ -332,7 +332,7 @@ class Fused:
         """The parts' (or these of them) resident stored weights as one stack; once per device, the
         parts become views of it (their file views stay their homes)."""
         parts = self.parts if parts is None else parts
-        if not _adjacent(stored):
+        if not adjacent(stored):
             stack = torch.cat(stored)
             start = 0
             for p, s in zip(parts, stored):

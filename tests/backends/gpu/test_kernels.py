@@ -126,7 +126,7 @@ def test_layers_read_quantized_weights_through_the_kernel(monkeypatch):
         want = F.linear(x.cpu().double(), v.double())
         assert ((y.cpu().double() - want).norm() / want.norm()).item() < 1e-6
     stored = [p.stored("weight") for p, _ in parts]
-    assert gguf_ops._adjacent(stored)  # restacked once: the parts are views of one block stack
+    assert gguf_ops.adjacent(stored)  # restacked once: the parts are views of one block stack
     assert calls == [Q.Q4_K, Q.Q6_K]
 
 

@@ -108,7 +108,7 @@ def test_a_fused_product_stacks_the_layouts_as_views(layout_mode, monkeypatch):
         y, want = y.cpu(), F.linear(x.double(), values.double())
         assert ((y.double() - want).norm() / want.norm()).item() < 1e-6
     assert calls == [(16, dl.layout_of(Q.Q6_K, 256).row_bytes)]  # one product over the stacked rows
-    assert gguf_ops._adjacent([p.stored("weight") for p in layers])
+    assert gguf_ops.adjacent([p.stored("weight") for p in layers])
     assert all(p.form("weight") == "layout" for p in layers)
     mixed = gguf_ops.Fused([_linear(Q.Q4_K, 4, 256, 20, DEVICE)[0], _linear(Q.Q6_K, 4, 256, 21, DEVICE)[0],
                             _linear(Q.Q4_K, 4, 256, 22, DEVICE)[0]])
@@ -139,7 +139,7 @@ def test_q_k_v_of_two_types_are_one_product(layout_mode, monkeypatch):
         assert y.shape == (2, values.shape[0]) and ((y.cpu().double() - want).norm() / want.norm()).item() < 1e-6
     row_bytes = dl.layout_of(Q.Q4_K, 256).row_bytes
     assert calls == [[((12, row_bytes), Q.Q4_K), ((4, dl.layout_of(Q.Q6_K, 256).row_bytes), Q.Q6_K)]]
-    assert gguf_ops._adjacent([p.stored("weight") for p in layers[:2]])  # q and k: views of one stack
+    assert gguf_ops.adjacent([p.stored("weight") for p in layers[:2]])  # q and k: views of one stack
 
 
 def test_a_gate_up_group_gives_silu_times_up_from_one_launch(layout_mode, monkeypatch):
