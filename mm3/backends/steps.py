@@ -211,7 +211,7 @@ def depth_blocks(decoder, inputs: torch.Tensor, positions: torch.Tensor, cache, 
         if None in parts:
             return None
         norms = [(b.input_layernorm(dt, dev), b.post_attention_layernorm(dt, dev)) for b in blocks]
-        return gpu_steps.depth_blocks(parts, inputs + positions, norms, eps, cache.k, cache.v, cache.length,
+        return gpu_steps.depth_blocks(parts, inputs, positions, norms, eps, cache.k, cache.v, cache.length,
                                       blocks[0].attn.head_dim ** -0.5)
     if not _whole_steps(inputs):
         return None

@@ -1,7 +1,8 @@
 """The GPU back end's whole decode steps (`mm3.backends.gpu.steps.lm_layer`, `depth_blocks`) on the
 GPU code path (`emulated()`: Triton's interpreter over CPU tensors), over random Q4_K_M files small
 enough to interpret (q/k in Q4_K and v in Q6_K: the two-type product): five launches a layer, with
-the norms, the residual adds, the attention's preparation and SwiGLU inside, against the models'
+the norms, the residual adds, the attention's preparation and SwiGLU inside (and the depth
+passes' position embeddings inside the first block's products), against the models'
 chained path (`MM3_GPU_LAYERS=chained`: each norm with its residual add its own launch): the same
 bits in float16, the KV caches included; where the device layout does not hold a layer's products,
 the chained path. On a CUDA device the same steps run natively in bfloat16 (`.ci/gpu`), within
@@ -50,7 +51,8 @@ def small_models(tmp_path_factory):
 
 def _steps(folder, whole: bool, monkeypatch):
     """An LM decode step at a device position (the captured form: bucket set, the host count not
-    read) and two depth passes (2 positions, then 1): (outputs, caches, Triton launches)."""
+    read) and two depth passes (2 positions, then 1): (outputs, caches, Triton launches, torch's
+    operations)."""
     from mm3.bench.frame_kernels import _load
 
     monkeypatch.setenv("MM3_GPU_LAYERS", "whole" if whole else "chained")
@@ -75,12 +77,13 @@ def _steps(folder, whole: bool, monkeypatch):
                    depth(rows(2, 1, depth.hidden_size), depth_cache)]
     monkeypatch.undo()
     launches = Counter(launch.name for launch in counter.launches if launch.source == "triton")
-    return out, [cache.k, cache.v, depth_cache.k, depth_cache.v], launches
+    torch_ops = Counter(launch.name for launch in counter.launches if launch.source == "aten")
+    return out, [cache.k, cache.v, depth_cache.k, depth_cache.v], launches, torch_ops
 
 
 def test_whole_steps_are_the_chained_path(small_models, monkeypatch):
-    whole, whole_caches, launches = _steps(small_models, True, monkeypatch)
-    chained, chained_caches, chained_launches = _steps(small_models, False, monkeypatch)
+    whole, whole_caches, launches, torch_ops = _steps(small_models, True, monkeypatch)
+    chained, chained_caches, chained_launches, _ = _steps(small_models, False, monkeypatch)
     for got, want in zip(whole + whole_caches, chained + chained_caches):
         if NATIVE:
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -92,6 +95,8 @@ def test_whole_steps_are_the_chained_path(small_models, monkeypatch):
     assert launches == Counter({"gemv_kernel": 3 + 2 * 4, "gemv_segments_kernel": 1, "attention_step_kernel": 1,
                                 "rope_table_kernel": 1, "norm_rms_kernel": 1 + 2, "attention_short_kernel": 2,
                                 "lookup_rows_kernel": 1})
+    # the depth passes' position embeddings added inside the first block's q/k/v and out: no add of their own
+    assert "add" not in torch_ops, torch_ops
     # chained: the norms with their residual adds apart (the attention in one launch either way)
     assert chained_launches["attention_step_kernel"] == 1
     assert sum(chained_launches.values()) == sum(launches.values()) + 2 + 2 * 2
