@@ -116,3 +116,64 @@ def test_layers_the_device_layout_does_not_hold_take_the_chained_path(tiny):
             assert products.layout_block(layer.products(), torch.float32, torch.device("cpu")) is None
     finally:
         component.close()
+
+
+def test_a_layers_whole_step_products_are_looked_up_once_then_again_only_after_a_change(small_models, monkeypatch):
+    """The seam asks `products.layout_block` at a layer's (a depth decoder's) first whole step and
+    holds the answer, weakly: a later step asks nothing; a move, a rebound product, another dtype
+    are seen at the next step, and so is `MM3_GPU_LAYERS`. The kernels themselves are not run
+    (the GPU steps stand in, counted)."""
+    import gc
+    import weakref
+
+    from mm3.backends import steps
+    from mm3.backends.gpu import steps as gpu_steps
+    from mm3.bench.frame_kernels import _load
+
+    looked, whole = [], []
+    lookup = products.layout_block
+    monkeypatch.setattr(products, "layout_block", lambda *a: looked.append(1) or lookup(*a))
+    monkeypatch.setattr(gpu_steps, "lm_layer", lambda parts, x, *a: whole.append(parts) or x)
+    monkeypatch.setattr(gpu_steps, "depth_blocks", lambda parts, x, *a: whole.append(parts) or x)
+    monkeypatch.setattr(layout_kernels, "works", lambda *a: True)  # no self-checks: no kernel runs
+    monkeypatch.setattr(layout_kernels, "fused_works", lambda *a: True)
+    monkeypatch.setenv("MM3_GPU_LAYERS", "whole")
+    with on_gpu_path(DEVICE), torch.inference_mode():
+        lm, depth, _ = _load(small_models)
+        lm, depth = lm.to(DEVICE), depth.to(DEVICE)
+        layer = lm.model.layers[0]
+        cache = lm.new_cache(2, 40, DTYPE, DEVICE)
+        cache.bucket, cache.host_counting = 16, False
+
+        def step(dtype=DTYPE):
+            """(layout_block calls, whole steps) of one LM layer step."""
+            looked.clear(), whole.clear()
+            steps.lm_layer(layer, torch.zeros(2, 1, lm.hidden_size, dtype=dtype, device=DEVICE), None, None, cache,
+                           0, None)
+            return len(looked), len(whole)
+
+        assert step() == (1, 1)
+        assert step() == (0, 1) and step() == (0, 1)
+        out = weakref.ref(layer.self_attn.o_proj.chosen_product())
+        layer.to(DEVICE)  # a move: every weight settled again, every product chosen again
+        whole.clear()
+        gc.collect()
+        assert out() is None  # the held answer keeps no product alive
+        assert step() == (1, 1) and step() == (0, 1)
+        layer.mlp.down_proj.fused_kernels = False  # rebound: torch's product, no whole step
+        assert step() == (1, 0) and step() == (0, 0)
+        layer.mlp.down_proj.fused_kernels = True
+        assert step() == (1, 1)
+        assert step(torch.float32) == (1, 1) and step(torch.float32) == (0, 1)
+        monkeypatch.setenv("MM3_GPU_LAYERS", "chained")
+        assert step(torch.float32) == (0, 0)
+        monkeypatch.setenv("MM3_GPU_LAYERS", "whole")
+        assert step(torch.float32) == (0, 1)
+
+        depth_cache = depth.new_cache(2, DTYPE, DEVICE)
+        inputs = torch.zeros(2, 1, depth.hidden_size, dtype=DTYPE, device=DEVICE)
+        positions = torch.zeros(1, 1, depth.hidden_size, dtype=DTYPE, device=DEVICE)
+        for asked in (len(depth.layers), 0):
+            looked.clear(), whole.clear()
+            steps.depth_blocks(depth, inputs, positions, depth_cache, 1e-6)
+            assert (len(looked), len(whole)) == (asked, 1)
