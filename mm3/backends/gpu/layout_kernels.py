@@ -515,7 +515,7 @@ def fused_report_specs(decode: list) -> list:
     (the frame's form), and the K split with its in-kernel sum and the residual add (at the products
     whose grid splits), and the two-type kernel of the Q4_K_M and Q5_K_M q/k/v groups (v in Q6_K)
     without and with the norm; the residual's and the norm's with rows added to the stream ("+add":
-    the depth decoder's first block, its position embeddings)."""
+    the depth decoder's first block, its position embeddings; q/k/v of one type, its form there)."""
     from .kernel_report import KernelSpec
     from .layout_triton import gemv_kernel, gemv_segments_kernel
 
@@ -561,6 +561,8 @@ def fused_report_specs(decode: list) -> list:
         for norm in (False, True):
             specs.append(spec(f"fused/{qtype.name}/swiglu" + "+norm" * norm, gemv_kernel, (qtype,), gate_up,
                               {"SWIGLU": True, "NORM": norm}, halve=True))
+        specs.append(spec(f"fused/{qtype.name}/qkv+norm+add", gemv_kernel, (qtype,), qkv,
+                          {"SWIGLU": False, "NORM": True, "ADD": True}))
         for add in (False, True) if split else ():
             specs.append(spec(f"fused/{qtype.name}/split+residual" + "+add" * add, gemv_kernel, (qtype,), split,
                               {"PARTIAL": True, "SWIGLU": False, "RESIDUAL": True, "ADD": add}))

@@ -204,8 +204,8 @@ def test_the_fused_decode_kernels_load_wide_and_spill_nothing():
     rows = report(90, ("fused",), ["Q4_K", "Q4_K+Q6_K"])
     by_name = {r["name"]: r for r in rows}
     assert sorted(by_name) == ["fused/Q4_K+Q6_K/qkv", "fused/Q4_K+Q6_K/qkv+norm", "fused/Q4_K+Q6_K/qkv+norm+add",
-                               "fused/Q4_K/split+residual", "fused/Q4_K/split+residual+add", "fused/Q4_K/swiglu",
-                               "fused/Q4_K/swiglu+norm"]
+                               "fused/Q4_K/qkv+norm+add", "fused/Q4_K/split+residual", "fused/Q4_K/split+residual+add",
+                               "fused/Q4_K/swiglu", "fused/Q4_K/swiglu+norm"]
     for r in rows:
         assert r["spills"] == 0 and r["weight_load_bytes_by_width"] == {"16": 1.0}, r
         assert r["grids"] and r["min_waves"] >= 2, r
