@@ -90,10 +90,13 @@ class LayoutProduct:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return custom_ops.layout_linear(x, self.weight(), self.qtype, self.in_features, bias)
 
-    def fused(self, x: torch.Tensor, norm: tuple | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The product of x RMS-normalized by `norm` (weight, eps), plus `residual`, in one launch
-        for decode-shaped inputs (`layout_kernels.linear`)."""
-        return layout_kernels.linear(x, self.weight(), self.qtype, self.in_features, norm=norm, residual=residual)
+    def fused(self, x: torch.Tensor, norm: tuple | None = None, residual: torch.Tensor | None = None,
+              add: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of x RMS-normalized by `norm` (weight, eps), plus `residual`, with rows `add`
+        added to the rows normalized or to the residual, in one launch for decode-shaped inputs
+        (`layout_kernels.linear`)."""
+        return layout_kernels.linear(x, self.weight(), self.qtype, self.in_features, norm=norm, residual=residual,
+                                     add=add)
 
 
 KERNELS = {"int4": cpu_int4, "native": cpu_native}  # a CPU kernel (`cpu_forms.PACKED`) -> its module
@@ -189,10 +192,11 @@ class LayoutSegments:
         return custom_ops.layout_segments(x, self.weight(), self.weight2(), self.qtype, self.qtype2,
                                           self.in_features, bias)
 
-    def fused(self, x: torch.Tensor, norm: tuple | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, norm: tuple | None = None, residual: torch.Tensor | None = None,
+              add: torch.Tensor | None = None) -> torch.Tensor:
         """As `LayoutProduct.fused`."""
         return layout_kernels.linear_segments(x, [(self.weight(), self.qtype), (self.weight2(), self.qtype2)],
-                                              self.in_features, norm=norm, residual=residual)
+                                              self.in_features, norm=norm, residual=residual, add=add)
 
 
 class LayoutSwiGLU:

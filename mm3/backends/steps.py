@@ -29,6 +29,9 @@ __all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "code_rows", "fra
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
 _HELD: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+# an LM layer or a depth decoder on the GPU path -> (dtype, device, its layers' checks (`_unchanged`), each
+# block's `products.layout_block` held weakly): asked once, again only where a layer's answer can have changed
+_LAYOUT: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def held_parts(owner: torch.nn.Module):
@@ -192,11 +195,59 @@ def _whole_gpu_layers() -> bool:
     return switches.value("MM3_GPU_LAYERS") == "whole"
 
 
+def _ref(obj):
+    return None if obj is None else weakref.ref(obj)
+
+
+def _version(layer, parts) -> object:
+    """A layer's weights' version (a `Linear`'s; a `Fused` group's: whether it fuses and its parts')."""
+    return layer.version if parts is None else (layer.fuse, *[p.version for p in parts])
+
+
+def _unchanged(checks: tuple) -> bool:
+    """Whether every layer of `checks` ((layer, its product then, held weakly, its `_version` then,
+    its parts), ...) holds the same product and version now: what `products.layout_block` read of
+    it is the same (a move, new weights, adapters or settings change the version and drop the
+    product; one chosen again is another)."""
+    for layer, ref, version, parts in checks:
+        product = layer.chosen_product()
+        if (product is not None if ref is None else ref() is not product) or _version(layer, parts) != version:
+            return False
+    return True
+
+
+def _layout_blocks(owner: torch.nn.Module, blocks, dtype: torch.dtype, device: torch.device) -> list | None:
+    """Each block's `products.layout_block` (None where any block has none), asked at `owner`'s
+    first whole step for `dtype` on `device` and held for it, weakly (the products stay the
+    layers'), while every layer keeps the product and version it had then (`_unchanged`); asked
+    again after a layer moved, was rebound or changed, or for another dtype or device. `blocks`:
+    a callable giving each block's layers (`products()`), called when asking."""
+    held = _LAYOUT.get(owner)
+    if held is not None and held[0] == dtype and held[1] == device and _unchanged(held[2]):
+        if held[3] is None:
+            return None
+        parts = [tuple(ref() for ref in refs) for refs in held[3]]
+        if not any(None in block for block in parts):
+            return parts
+    layers = blocks()
+    parts = [products.layout_block(block, dtype, device) for block in layers]
+    if None in parts:
+        parts = None
+    checks = []
+    for layer in (layer for block in layers for layer in block):  # as the lookups left them
+        inner = getattr(layer, "parts", None)
+        checks.append((layer, _ref(layer.chosen_product()), _version(layer, inner), inner))
+    _LAYOUT[owner] = (dtype, device, tuple(checks), None if parts is None else
+                      [tuple(weakref.ref(product) for product in block) for block in parts])
+    return parts
+
+
 def _gpu_lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int) -> torch.Tensor | None:
     dt, dev = x.dtype, x.device
-    parts = products.layout_block(layer.products(), dt, dev) if _whole_gpu_layers() else None
-    if parts is None:
+    held = _layout_blocks(layer, lambda: [layer.products()], dt, dev) if _whole_gpu_layers() else None
+    if held is None:
         return None
+    parts = held[0]
     attn = layer.self_attn
     return gpu_steps.lm_layer(parts, x, (layer.input_layernorm(dt, dev), layer.post_attention_layernorm(dt, dev)),
                               layer.eps, (attn.q_norm(dt, dev), attn.k_norm(dt, dev)), attn.eps, cos, sin,
@@ -214,11 +265,11 @@ def depth_blocks(decoder, inputs: torch.Tensor, positions: torch.Tensor, cache, 
     if gpu_path(inputs):
         if torch.compiler.is_compiling() or not _whole_gpu_layers():
             return None
-        parts = [products.layout_block(b.products(), dt, dev) for b in blocks]
-        if None in parts:
+        parts = _layout_blocks(decoder, lambda: [b.products() for b in blocks], dt, dev)
+        if parts is None:
             return None
         norms = [(b.input_layernorm(dt, dev), b.post_attention_layernorm(dt, dev)) for b in blocks]
-        return gpu_steps.depth_blocks(parts, inputs + positions, norms, eps, cache.k, cache.v, cache.length,
+        return gpu_steps.depth_blocks(parts, inputs, positions, norms, eps, cache.k, cache.v, cache.length,
                                       blocks[0].attn.head_dim ** -0.5)
     if not _whole_steps(inputs):
         return None

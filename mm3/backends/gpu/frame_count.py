@@ -88,16 +88,20 @@ LINE_RULES = {
 }
 
 
-def _layout_linear(counter, x, weight, qtype, k, bias=None, config=None, norm=None, residual=None):
-    return _layout_segments(counter, x, [(weight, qtype)], k, bias, config, norm=norm, residual=residual)
+def _layout_linear(counter, x, weight, qtype, k, bias=None, config=None, norm=None, residual=None, add=None):
+    return _layout_segments(counter, x, [(weight, qtype)], k, bias, config, norm=norm, residual=residual, add=add)
 
 
-def _layout_segments(counter, x, segments, k, bias=None, config=None, norm=None, residual=None):
-    from .layout_kernels import torch_rms_norm
+def _layout_segments(counter, x, segments, k, bias=None, config=None, norm=None, residual=None, add=None):
+    from .layout_kernels import plus_rows, torch_rms_norm
+
+    def plus(rows):  # `add`'s rows added to these, as the launch adds them
+        return rows if add is None else plus_rows(rows.reshape(-1, rows.shape[-1]), add.reshape(-1, add.shape[-1])) \
+            .view(rows.shape)
 
     weight = torch.cat([counter.float_weight(w, t, k, x.dtype) for w, t in segments])
-    y = F.linear(torch_rms_norm(x, norm), weight, bias)
-    return y if residual is None else residual + y
+    y = F.linear(torch_rms_norm(x if norm is None else plus(x), norm), weight, bias)
+    return y if residual is None else plus(residual) + y
 
 
 def _layout_swiglu(counter, x, weight, qtype, k, config=None, norm=None):

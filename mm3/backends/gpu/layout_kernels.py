@@ -116,35 +116,49 @@ def planes(weight: torch.Tensor, qtype: QT, k: int) -> tuple:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, bias: torch.Tensor | None = None,
-           config: Config | None = None, *, norm: tuple | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           config: Config | None = None, *, norm: tuple | None = None, residual: torch.Tensor | None = None,
+           add: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] @ W.T (+ bias) -> [..., n] in x's dtype; W as the layout [n, row_bytes] uint8
     (a float tensor [n, k] for F16/BF16/F32) on x's device. `norm` (weight [k], eps): x
-    RMS-normalized first; `residual` (x's leading shape, [..., n]): added to the product; decode-shaped
-    inputs do both inside the one launch (`Fusion`)."""
-    return linear_segments(x, [(weight, qtype)], k, bias, config, norm=norm, residual=residual)
+    RMS-normalized first; `residual` (x's leading shape, [..., n]): added to the product; `add`
+    (with one of them: rows [..., p, k] with `norm`, [..., p, n] with `residual`): added first, as
+    torch adds it, to the rows normalized or to the residual, row i taking add's row i % p (the
+    depth decoder's position embeddings); decode-shaped inputs do all inside the one launch (`Fusion`)."""
+    return linear_segments(x, [(weight, qtype)], k, bias, config, norm=norm, residual=residual, add=add)
 
 
 @dataclass(frozen=True)
 class Fusion:
     """What a decode launch does around its product: the inputs' RMSNorm (`norm_weight`, `eps`) on
-    the way in, a residual added on the way out (`residual`, rows of the output's width)."""
+    the way in, a residual added on the way out (`residual`, rows of the output's width), and rows
+    added to the stream the norm reads or the residual holds (`add` [p, width]: row i of the
+    stream takes row i % p)."""
 
     norm_weight: torch.Tensor | None = None
     eps: float = 0.0
     residual: torch.Tensor | None = None
+    add: torch.Tensor | None = None
 
     def args(self, y: torch.Tensor) -> tuple:
-        """(norm weight, residual, its row stride, eps) as the kernels take them (y where unused)."""
-        res = self.residual
+        """(norm weight, residual, its row stride, added rows, their count and row stride, eps) as
+        the kernels take them (y where unused)."""
+        res, add = self.residual, self.add
         return (y if self.norm_weight is None else self.norm_weight, y if res is None else res,
-                0 if res is None else res.stride(0), float(self.eps))
+                0 if res is None else res.stride(0), y if add is None else add, 1 if add is None else add.shape[0],
+                0 if add is None else add.stride(0), float(self.eps))
 
     def flags(self) -> dict:
-        return dict(NORM=self.norm_weight is not None, RESIDUAL=self.residual is not None)
+        return dict(NORM=self.norm_weight is not None, RESIDUAL=self.residual is not None, ADD=self.add is not None)
+
+    def column_slice(self, at: int, size: int) -> Fusion:
+        """This fusion for the output columns [at, at + size) (the residual's and its added rows')."""
+        res, add = self.residual, self.add
+        return dataclasses.replace(self, residual=None if res is None else res[:, at:at + size],
+                                   add=None if add is None or res is None else add[:, at:at + size])
 
 
-def _fused(x2: torch.Tensor, n: int, norm: tuple | None, residual: torch.Tensor | None) -> Fusion:
+def _fused(x2: torch.Tensor, n: int, norm: tuple | None, residual: torch.Tensor | None,
+           add: torch.Tensor | None = None) -> Fusion:
     """The `Fusion` of a launch over rows x2 [m, k] with n outputs, its tensors checked."""
     weight, eps = norm if norm is not None else (None, 0.0)
     if weight is not None and (weight.shape != (x2.shape[1],) or weight.dtype != x2.dtype or
@@ -156,7 +170,24 @@ def _fused(x2: torch.Tensor, n: int, norm: tuple | None, residual: torch.Tensor 
         if residual.shape != (x2.shape[0], n) or residual.dtype != x2.dtype or residual.stride(-1) != 1:
             raise ValueError(f"a residual of {x2.shape[0]} rows of {n} {x2.dtype} values, got {residual.dtype} "
                              f"{list(residual.shape)}")
-    return Fusion(weight, eps, residual)
+    if add is not None:
+        if (weight is None) == (residual is None):
+            raise ValueError("rows to add go with a norm or with a residual, one of them")
+        width = x2.shape[1] if residual is None else n
+        add = add.reshape(-1, add.shape[-1])
+        if add.shape[1] != width or add.shape[0] < 1 or x2.shape[0] % add.shape[0] or add.dtype != x2.dtype or \
+                add.device != x2.device or add.stride(-1) != 1:
+            raise ValueError(f"rows to add of {width} {x2.dtype} values, a count dividing {x2.shape[0]}, got "
+                             f"{add.dtype} {list(add.shape)}")
+    return Fusion(weight, eps, residual, add)
+
+
+def plus_rows(rows: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+    """rows [m, w] plus add [p, w] (row i taking add's row i % p; p divides m) with torch's add:
+    what `Fusion.add` computes inside a launch."""
+    if add is None:
+        return rows
+    return (rows.view(-1, add.shape[0], rows.shape[-1]) + add).view(rows.shape)
 
 
 def torch_rms_norm(x: torch.Tensor, norm: tuple | None) -> torch.Tensor:
@@ -171,11 +202,11 @@ def torch_rms_norm(x: torch.Tensor, norm: tuple | None) -> torch.Tensor:
 
 def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor | None = None,
                     config: Config | None = None, *, norm: tuple | None = None,
-                    residual: torch.Tensor | None = None) -> torch.Tensor:
+                    residual: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` of weights stacked by their outputs, each (weight, qtype) in its own type (one or
     two): y = [x @ W1.T, x @ W2.T] (+ bias). Decode-shaped inputs take one launch (two types:
-    `gemv_segments_kernel`, where the first weight's rows are whole decode tiles). `norm` and
-    `residual` as `linear`'s."""
+    `gemv_segments_kernel`, where the first weight's rows are whole decode tiles). `norm`,
+    `residual` and `add` as `linear`'s."""
     import triton
 
     from .layout_triton import gemm_kernel
@@ -190,7 +221,7 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    fused = _fused(x2, n, norm, residual)
+    fused = _fused(x2, n, norm, residual, add)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     parts = [(planes(w, qtype, k), CODES[qtype]) for w, qtype in segments]
     if not (m and n):
@@ -206,10 +237,9 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
             _decode(x2, parts, sizes, k, bias, y, config, fused)
         else:  # the first weight ends inside a tile: each its own launch
             for (p, b, at), size in zip(_bounds(parts, sizes, bias), sizes):
-                res = None if fused.residual is None else fused.residual[:, at:at + size]
-                _decode(x2, [p], [size], k, b, y[:, at:at + size], config, dataclasses.replace(fused, residual=res))
+                _decode(x2, [p], [size], k, b, y[:, at:at + size], config, fused.column_slice(at, size))
         return y.view(*x.shape[:-1], n)
-    x2 = torch_rms_norm(x2, norm)
+    x2 = torch_rms_norm(x2 if norm is None else plus_rows(x2, fused.add), norm)
     config = config or (INTERPRETED[1] if _interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
     for ((q, qh, s, s2), code), b, at in _bounds(parts, sizes, bias):
         size = q.shape[0]
@@ -219,7 +249,7 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
                           q.stride(0), qh.stride(0), s.stride(0), s2.stride(0), chunks_of(k), QTYPE=code,
                           HAS_BIAS=b is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           BLOCK_C=config.block_c, num_warps=config.num_warps, num_stages=config.num_stages)
-    y = y if fused.residual is None else fused.residual + y
+    y = y if fused.residual is None else plus_rows(fused.residual, fused.add) + y
     return y.view(*x.shape[:-1], n)
 
 
@@ -434,8 +464,9 @@ def report_specs(decode: list, prefill: list) -> list:
                     "chunks": chunks_of(k)}
             pointers = {"x_ptr": "*" + x_type, "q_ptr": plane_types[0], "qh_ptr": plane_types[1],
                         "s_ptr": plane_types[2], "s2_ptr": plane_types[3], "b_ptr": "*" + x_type,
-                        "y_ptr": "*" + x_type, "nw_ptr": "*" + x_type, "res_ptr": "*" + x_type}
-            ints["res_stride"] = n
+                        "y_ptr": "*" + x_type, "nw_ptr": "*" + x_type, "res_ptr": "*" + x_type,
+                        "add_ptr": "*" + x_type}
+            ints.update(res_stride=n, add_rows=1, add_stride=n)
             if shape == "decode":
                 pointers.update(part_ptr="*fp32", count_ptr="*i32")
                 block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
@@ -443,7 +474,7 @@ def report_specs(decode: list, prefill: list) -> list:
                 fn, config = gemv_kernel, DECODE
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
                               "BLOCK_N": config.block_n, "BLOCK_C": block_c, "SWIGLU": False, "PRECISE": True,
-                              "NORM": False, "RESIDUAL": False}
+                              "NORM": False, "RESIDUAL": False, "ADD": False}
                 mix = {"loop_weights": config.block_n * block_c * dl.CHUNK // (32 * config.num_warps),
                        "inner_trips": dl.SLICES}
 
@@ -483,7 +514,8 @@ def fused_report_specs(decode: list) -> list:
     the SwiGLU epilogue (at the gate/up products) without and with the RMSNorm of its inputs inside
     (the frame's form), and the K split with its in-kernel sum and the residual add (at the products
     whose grid splits), and the two-type kernel of the Q4_K_M and Q5_K_M q/k/v groups (v in Q6_K)
-    without and with the norm."""
+    without and with the norm; the residual's and the norm's with rows added to the stream ("+add":
+    the depth decoder's first block, its position embeddings; q/k/v of one type, its form there)."""
     from .kernel_report import KernelSpec
     from .layout_triton import gemv_kernel, gemv_segments_kernel
 
@@ -493,9 +525,10 @@ def fused_report_specs(decode: list) -> list:
         block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
         config = DECODE
         pointers = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-                    "nw_ptr": "*bf16", "res_ptr": "*bf16"}
+                    "nw_ptr": "*bf16", "res_ptr": "*bf16", "add_ptr": "*bf16"}
         ints = {"M": rows, "N": n // 2 if halve else n, "K": k, "x_stride": k, "y_stride": n, "chunks": chunks_of(k),
-                "split_chunks": -(-chunks_of(k) // (splits * block_c)) * block_c, "res_stride": n}
+                "split_chunks": -(-chunks_of(k) // (splits * block_c)) * block_c, "res_stride": n,
+                "add_rows": 2 if extra.get("ADD") else 1, "add_stride": n if extra.get("RESIDUAL") else k}
         weight_args = []
         for names, qtype in zip((("q", "qh", "s", "s2"), ("q2", "qh2", "s3", "s4")), qtypes):
             arrays = planes(_empty_weight(qtype, n, k), qtype, k)
@@ -506,7 +539,7 @@ def fused_report_specs(decode: list) -> list:
             ints["N1"] = n - n // 3  # q and k of a group with as many v rows as k rows
         constexprs = {"QTYPE": CODES[qtypes[0]], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
                       "BLOCK_N": config.block_n, "BLOCK_C": block_c, "NORM": False, "RESIDUAL": False,
-                      "PRECISE": True, **extra}
+                      "ADD": False, "PRECISE": True, **extra}
         signature = {**pointers, **{a: "i32" for a in ints}, "eps": "fp32", **dict.fromkeys(constexprs, "constexpr")}
         signature = {a: signature[a] for a in fn.arg_names}
         aligned = tuple(pointers) + tuple(a for a, v in ints.items() if v % 16 == 0)
@@ -528,11 +561,13 @@ def fused_report_specs(decode: list) -> list:
         for norm in (False, True):
             specs.append(spec(f"fused/{qtype.name}/swiglu" + "+norm" * norm, gemv_kernel, (qtype,), gate_up,
                               {"SWIGLU": True, "NORM": norm}, halve=True))
-        if split:
-            specs.append(spec(f"fused/{qtype.name}/split+residual", gemv_kernel, (qtype,), split,
-                              {"PARTIAL": True, "SWIGLU": False, "RESIDUAL": True}))
+        specs.append(spec(f"fused/{qtype.name}/qkv+norm+add", gemv_kernel, (qtype,), qkv,
+                          {"SWIGLU": False, "NORM": True, "ADD": True}))
+        for add in (False, True) if split else ():
+            specs.append(spec(f"fused/{qtype.name}/split+residual" + "+add" * add, gemv_kernel, (qtype,), split,
+                              {"PARTIAL": True, "SWIGLU": False, "RESIDUAL": True, "ADD": add}))
     for qtype in (QT.Q4_K, QT.Q5_K):
-        for norm in (False, True):
-            specs.append(spec(f"fused/{qtype.name}+Q6_K/qkv" + "+norm" * norm, gemv_segments_kernel,
-                              (qtype, QT.Q6_K), qkv, {"QTYPE2": CODES[QT.Q6_K], "NORM": norm}))
+        for norm, add in ((False, False), (True, False), (True, True)):
+            specs.append(spec(f"fused/{qtype.name}+Q6_K/qkv" + "+norm" * norm + "+add" * add, gemv_segments_kernel,
+                              (qtype, QT.Q6_K), qkv, {"QTYPE2": CODES[QT.Q6_K], "NORM": norm, "ADD": add}))
     return specs

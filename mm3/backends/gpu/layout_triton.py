@@ -249,31 +249,47 @@ def _rounded(v, dt: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, NORM: tl.constexpr, NATIVE: tl.constexpr):
-    """Input row m's values 32 i + j of chunks cs: float32 [1, C, 32] (zeros past K or M); with
-    NORM the row's RMSNorm by the weight at nw_ptr (r: the row's `_rstd`), in the roundings of
-    `norm_kernels`: the normalized value and its product with the weight each rounded to x's dtype."""
-    col = cs[None, :, None] * 256 + 32 * i + tl.arange(0, 32)[None, None, :]
-    x = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=(col < K) & (m < M), other=0.0)
-    if NORM:
-        dt: tl.constexpr = x_ptr.dtype.element_ty
-        w = tl.load(nw_ptr + col, mask=col < K, other=0.0)
-        if NATIVE:  # the product of two values of dt is exact in float32: dt's own product rounds it the same
-            return (w * (x.to(tl.float32) * r).to(dt)).to(tl.float32)
-        return _rounded(w.to(tl.float32) * _rounded(x.to(tl.float32) * r, dt, NATIVE), dt, NATIVE)
-    return x.to(tl.float32)
+def _added(v, m, M, col, ok, add_ptr, add_rows, add_stride, dt: tl.constexpr, NATIVE: tl.constexpr):
+    """v (float32 values of row m at columns col) plus row m % add_rows of the rows at add_ptr,
+    rounded to `dt` as torch adds two tensors of it (`_rounded`)."""
+    a = tl.load(add_ptr + (m % add_rows).to(tl.int64) * add_stride + col, mask=ok & (m < M), other=0.0)
+    return _rounded(v + a.to(tl.float32), dt, NATIVE)
 
 
 @triton.jit
-def _rstd(x_ptr, m, M, x_stride, K, eps, NORM: tl.constexpr, BLOCK: tl.constexpr = 512):
+def _x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, add_ptr, add_rows, add_stride, NORM: tl.constexpr,
+             ADD: tl.constexpr, NATIVE: tl.constexpr):
+    """Input row m's values 32 i + j of chunks cs: float32 [1, C, 32] (zeros past K or M); with
+    NORM the row's RMSNorm by the weight at nw_ptr (r: the row's `_rstd`), in the roundings of
+    `norm_kernels`: the normalized value and its product with the weight each rounded to x's dtype;
+    with NORM and ADD the row normalized is x's plus a row at add_ptr (`_added`)."""
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    col = cs[None, :, None] * 256 + 32 * i + tl.arange(0, 32)[None, None, :]
+    x = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=(col < K) & (m < M), other=0.0).to(tl.float32)
+    if NORM:
+        if ADD:
+            x = _added(x, m, M, col, col < K, add_ptr, add_rows, add_stride, dt, NATIVE)
+        w = tl.load(nw_ptr + col, mask=col < K, other=0.0)
+        if NATIVE:  # the product of two values of dt is exact in float32: dt's own product rounds it the same
+            return (w * (x * r).to(dt)).to(tl.float32)
+        return _rounded(w.to(tl.float32) * _rounded(x * r, dt, NATIVE), dt, NATIVE)
+    return x
+
+
+@triton.jit
+def _rstd(x_ptr, m, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM: tl.constexpr, ADD: tl.constexpr,
+          NATIVE: tl.constexpr, BLOCK: tl.constexpr = 512):
     """1 / sqrt(mean(x[m]^2) + eps) of input row m in float32, correctly rounded twice as
-    `norm_kernels` computes it (the sum of squares in another order); 1.0 without NORM."""
+    `norm_kernels` computes it (the sum of squares in another order); with ADD of the row plus a
+    row at add_ptr (`_added`); 1.0 without NORM."""
     if NORM:
         acc = tl.zeros((BLOCK,), tl.float32)
         for k0 in range(0, K, BLOCK):
             col = k0 + tl.arange(0, BLOCK)
-            v = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=(col < K) & (m < M), other=0.0)
-            acc += v.to(tl.float32) * v.to(tl.float32)
+            v = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=(col < K) & (m < M), other=0.0).to(tl.float32)
+            if ADD:
+                v = _added(v, m, M, col, col < K, add_ptr, add_rows, add_stride, x_ptr.dtype.element_ty, NATIVE)
+            acc += v * v
         return tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, axis=0) / K + eps))
     else:
         return 1.0
@@ -281,15 +297,17 @@ def _rstd(x_ptr, m, M, x_stride, K, eps, NORM: tl.constexpr, BLOCK: tl.constexpr
 
 @triton.jit
 def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
-               rows, m0, c_lo, c_hi, nw_ptr, eps, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, NATIVE: tl.constexpr):
+               rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
+               ADD: tl.constexpr, NATIVE: tl.constexpr):
     """The k-loop: float32 [BLOCK_N, BLOCK_C, 32] sums of weight rows `rows` (of these planes) times
     input rows m0..m0 + 3 (those past BLOCK_M stay zero) over chunks [c_lo, c_hi); with NORM the
-    inputs RMS-normalized first (`_x_slice`), each program reading its rows whole for their norm."""
-    r0 = _rstd(x_ptr, m0, M, x_stride, K, eps, NORM)
-    r1 = _rstd(x_ptr, m0 + 1, M, x_stride, K, eps, NORM and BLOCK_M > 1)
-    r2 = _rstd(x_ptr, m0 + 2, M, x_stride, K, eps, NORM and BLOCK_M > 2)
-    r3 = _rstd(x_ptr, m0 + 3, M, x_stride, K, eps, NORM and BLOCK_M > 2)
+    inputs RMS-normalized first (`_x_slice`; ADD: each plus a row at add_ptr), each program reading its
+    rows whole for their norm."""
+    r0 = _rstd(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE)
+    r1 = _rstd(x_ptr, m0 + 1, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM and BLOCK_M > 1, ADD, NATIVE)
+    r2 = _rstd(x_ptr, m0 + 2, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM and BLOCK_M > 2, ADD, NATIVE)
+    r3 = _rstd(x_ptr, m0 + 3, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM and BLOCK_M > 2, ADD, NATIVE)
     acc0 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
@@ -300,23 +318,27 @@ def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh
                                QTYPE, BLOCK_N, BLOCK_C)
         for i in tl.static_range(8):
             w = _slice(q_ptr, rows, cs, q_stride, K, wq, wh, sa, sb, i, QTYPE, BLOCK_N, BLOCK_C)
-            acc0 += w * _x_slice(x_ptr, m0, M, x_stride, cs, K, i, nw_ptr, r0, NORM, NATIVE)
+            acc0 += w * _x_slice(x_ptr, m0, M, x_stride, cs, K, i, nw_ptr, r0, add_ptr, add_rows,
+                                 add_stride, NORM, ADD, NATIVE)
             if BLOCK_M > 1:
-                acc1 += w * _x_slice(x_ptr, m0 + 1, M, x_stride, cs, K, i, nw_ptr, r1, NORM, NATIVE)
+                acc1 += w * _x_slice(x_ptr, m0 + 1, M, x_stride, cs, K, i, nw_ptr, r1, add_ptr, add_rows,
+                                 add_stride, NORM, ADD, NATIVE)
             if BLOCK_M > 2:
-                acc2 += w * _x_slice(x_ptr, m0 + 2, M, x_stride, cs, K, i, nw_ptr, r2, NORM, NATIVE)
-                acc3 += w * _x_slice(x_ptr, m0 + 3, M, x_stride, cs, K, i, nw_ptr, r3, NORM, NATIVE)
+                acc2 += w * _x_slice(x_ptr, m0 + 2, M, x_stride, cs, K, i, nw_ptr, r2, add_ptr, add_rows,
+                                 add_stride, NORM, ADD, NATIVE)
+                acc3 += w * _x_slice(x_ptr, m0 + 3, M, x_stride, cs, K, i, nw_ptr, r3, add_ptr, add_rows,
+                                 add_stride, NORM, ADD, NATIVE)
     return acc0, acc1, acc2, acc3
 
 
 @triton.jit
 def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
                 M, N, K, x_stride, y_stride, q_stride, qh_stride, s_stride, s2_stride, chunks, split_chunks,
-                nw_ptr, res_ptr, res_stride, eps,
+                nw_ptr, res_ptr, res_stride, add_ptr, add_rows, add_stride, eps,
                 QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                 SWIGLU: tl.constexpr = False, PRECISE: tl.constexpr = True, NORM: tl.constexpr = False,
-                RESIDUAL: tl.constexpr = False):
+                RESIDUAL: tl.constexpr = False, ADD: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) for BLOCK_M (1, 2 or 4) input rows, BLOCK_N weight
     rows and the chunks [pid_k * split_chunks, + split_chunks) (whole tiles of BLOCK_C); PARTIAL: K
     split over the grid's third axis (`_store`). SWIGLU (no split, no bias): W is [2 N, K], gate
@@ -324,7 +346,10 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
     silu(gate) * up in y's dtype (`_store_swiglu`). NORM: the inputs RMS-normalized by the weight
     at nw_ptr (eps) on the way in (`_x_slice`; PRECISE: rounded by the device's own conversions, as
     on a GPU, else as `norm_kernels.cast`); RESIDUAL (not with SWIGLU): y = res + the product, each
-    rounded to y's dtype as torch adds a layer's output to the residual stream (`_store_row`)."""
+    rounded to y's dtype as torch adds a layer's output to the residual stream (`_store_row`). ADD
+    (with NORM or RESIDUAL): the stream, the rows normalized or the residual, is the stored rows plus
+    rows at add_ptr (row m: add_rows' row m % add_rows, add_stride apart), rounded to x's dtype as
+    torch adds them: the depth decoder's position embeddings, added where they are read."""
     pid_n = tl.program_id(1)
     if SWIGLU:
         r = tl.arange(0, BLOCK_N)
@@ -337,8 +362,8 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
     c_lo = tl.program_id(2) * split_chunks
     c_hi = tl.minimum(chunks, c_lo + split_chunks)
     acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
-                                        s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, QTYPE, BLOCK_M,
-                                        BLOCK_N, BLOCK_C, NORM, PRECISE)
+                                        s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows,
+                                        add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE)
     if SWIGLU:
         _store_swiglu(acc0, m0, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
         if BLOCK_M > 1:
@@ -348,22 +373,22 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
             _store_swiglu(acc3, m0 + 3, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
     else:
         _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
-               res_stride, HAS_BIAS, PARTIAL, BLOCK_M, RESIDUAL)
+               res_stride, add_ptr, add_rows, add_stride, HAS_BIAS, PARTIAL, BLOCK_M, RESIDUAL, ADD)
 
 
 @triton.jit
 def gemv_segments_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, q2_ptr, qh2_ptr, s3_ptr, s4_ptr, b_ptr, y_ptr,
                          part_ptr, count_ptr, M, N, N1, K, x_stride, y_stride, q_stride, qh_stride, s_stride,
                          s2_stride, q2_stride, qh2_stride, s3_stride, s4_stride, chunks, split_chunks,
-                         nw_ptr, res_ptr, res_stride, eps,
+                         nw_ptr, res_ptr, res_stride, add_ptr, add_rows, add_stride, eps,
                          QTYPE: tl.constexpr, QTYPE2: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_C: tl.constexpr, NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                         PRECISE: tl.constexpr = True):
+                         PRECISE: tl.constexpr = True, ADD: tl.constexpr = False):
     """`gemv_kernel` over two weights of different types stacked by their outputs: rows [0, N1) of
     QTYPE (planes q, qh, s, s2), rows [N1, N) of QTYPE2 (planes q2, qh2, s3, s4); N1 is a multiple
-    of BLOCK_N, so each program reads one of them (a q/k/v group whose v has another type). NORM and
-    RESIDUAL (and PRECISE: the device's own roundings) as `gemv_kernel`'s."""
+    of BLOCK_N, so each program reads one of them (a q/k/v group whose v has another type). NORM,
+    RESIDUAL and ADD (and PRECISE: the device's own roundings) as `gemv_kernel`'s."""
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m0 = tl.program_id(0) * BLOCK_M
@@ -372,20 +397,22 @@ def gemv_segments_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, q2_ptr, qh2_ptr, s
     if pid_n * BLOCK_N < N1:
         acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride,
                                             qh_stride, s_stride, s2_stride, offs_n, m0, c_lo, c_hi, nw_ptr, eps,
-                                            QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, PRECISE)
+                                            add_ptr, add_rows, add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM,
+                                            ADD, PRECISE)
     else:
         rows = tl.minimum(offs_n, N - 1) - N1
         acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q2_ptr, qh2_ptr, s3_ptr, s4_ptr, M, K, x_stride, q2_stride,
                                             qh2_stride, s3_stride, s4_stride, rows, m0, c_lo, c_hi, nw_ptr, eps,
-                                            QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM, PRECISE)
+                                            add_ptr, add_rows, add_stride, QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM,
+                                            ADD, PRECISE)
     _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
-           res_stride, HAS_BIAS, PARTIAL, BLOCK_M, RESIDUAL)
+           res_stride, add_ptr, add_rows, add_stride, HAS_BIAS, PARTIAL, BLOCK_M, RESIDUAL, ADD)
 
 
 @triton.jit
 def _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
-           res_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
-           RESIDUAL: tl.constexpr):
+           res_stride, add_ptr, add_rows, add_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+           BLOCK_M: tl.constexpr, RESIDUAL: tl.constexpr, ADD: tl.constexpr):
     """The program's rows of y, or with PARTIAL its partial sums (float32 [splits, M, N] at
     part_ptr), then a count of the tile's programs done (count_ptr, one int32 per tile, zero before);
     the last one adds the splits' sums in their order (the same bits whatever the timing), stores
@@ -415,24 +442,29 @@ def _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, par
             if BLOCK_M > 2:
                 s2 = _split_sum(part_ptr, m0 + 2, M, N, offs_n, n_ok, splits)
                 s3 = _split_sum(part_ptr, m0 + 3, M, N, offs_n, n_ok, splits)
-            _store_rows(s0, s1, s2, s3, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, HAS_BIAS,
-                        BLOCK_M, RESIDUAL)
+            _store_rows(s0, s1, s2, s3, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride,
+                        add_ptr, add_rows, add_stride, HAS_BIAS, BLOCK_M, RESIDUAL, ADD)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
-        _store_rows(s0, s1, s2, s3, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, HAS_BIAS,
-                        BLOCK_M, RESIDUAL)
+        _store_rows(s0, s1, s2, s3, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride,
+                        add_ptr, add_rows, add_stride, HAS_BIAS, BLOCK_M, RESIDUAL, ADD)
 
 
 @triton.jit
 def _store_rows(s0, s1, s2, s3, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, RESIDUAL: tl.constexpr):
+                add_ptr, add_rows, add_stride, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                RESIDUAL: tl.constexpr, ADD: tl.constexpr):
     """The program's BLOCK_M rows of y from their sums (`_store_row` each)."""
-    _store_row(s0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, HAS_BIAS, RESIDUAL)
+    _store_row(s0, m0, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, add_ptr, add_rows,
+                   add_stride, HAS_BIAS, RESIDUAL, ADD)
     if BLOCK_M > 1:
-        _store_row(s1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, HAS_BIAS, RESIDUAL)
+        _store_row(s1, m0 + 1, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, add_ptr, add_rows,
+                   add_stride, HAS_BIAS, RESIDUAL, ADD)
     if BLOCK_M > 2:
-        _store_row(s2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, HAS_BIAS, RESIDUAL)
-        _store_row(s3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, HAS_BIAS, RESIDUAL)
+        _store_row(s2, m0 + 2, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, add_ptr, add_rows,
+                   add_stride, HAS_BIAS, RESIDUAL, ADD)
+        _store_row(s3, m0 + 3, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, add_ptr, add_rows,
+                   add_stride, HAS_BIAS, RESIDUAL, ADD)
 
 
 @triton.jit
@@ -447,16 +479,19 @@ def _split_sum(part_ptr, m, M, N, offs_n, n_ok, splits):
 
 
 @triton.jit
-def _store_row(y, m, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, HAS_BIAS: tl.constexpr,
-               RESIDUAL: tl.constexpr):
-    """Row m of y: its sums (+ bias) in y's dtype; with RESIDUAL, res[m] + that, rounded again."""
+def _store_row(y, m, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, add_ptr, add_rows,
+               add_stride, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ADD: tl.constexpr):
+    """Row m of y: its sums (+ bias) in y's dtype; with RESIDUAL, res[m] + that, rounded again
+    (with ADD, res[m] plus a row at add_ptr first, rounded: `_added`)."""
     dt = y_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     out = y.to(dt)
     if RESIDUAL:
-        res = tl.load(res_ptr + m.to(tl.int64) * res_stride + offs_n, mask=n_ok & (m < M), other=0.0)
-        out = cast(res.to(tl.float32) + out.to(tl.float32), dt)
+        res = tl.load(res_ptr + m.to(tl.int64) * res_stride + offs_n, mask=n_ok & (m < M), other=0.0).to(tl.float32)
+        if ADD:
+            res = _added(res, m, M, offs_n, n_ok, add_ptr, add_rows, add_stride, dt, False)
+        out = cast(res + out.to(tl.float32), dt)
     tl.store(y_ptr + m.to(tl.int64) * y_stride + offs_n, out, mask=n_ok & (m < M))
 
 

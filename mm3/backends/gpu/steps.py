@@ -289,30 +289,35 @@ def lm_layer(parts: tuple, x, norms: tuple, eps: float, head_norms: tuple, head_
     return down.fused(swiglu.fused(x, norm=(norms[1], eps)), residual=x)
 
 
-def depth_blocks(parts: list, x, norms: list, eps: float, cache_k, cache_v, at: int, scale: float):
-    """The depth decoder's blocks over x [B, S, dim] (the position embeddings added) and its cache
-    (written at `at`, a host position) -> the last block's output, five launches a block: q/k/v
-    with the input norm inside, the short attention, out with the residual add, gate/up with the
-    second norm and SwiGLU, down with the residual add. `parts`: each block's `layout_block`;
-    `norms`: each block's two norm weights. None (nothing written) where the kernels do not take
-    these shapes."""
+def depth_blocks(parts: list, x, positions, norms: list, eps: float, cache_k, cache_v, at: int, scale: float):
+    """The depth decoder's blocks over x [B, S, dim] plus its position embeddings `positions`
+    [1, S, dim] and its cache (written at `at`, a host position) -> the last block's output, five
+    launches a block: q/k/v with the input norm inside, the short attention, out with the residual
+    add, gate/up with the second norm and SwiGLU, down with the residual add; the first block's q/k/v
+    and out add the positions where they read x (no launch of their own). `parts`: each block's
+    `layout_block`; `norms`: each block's two norm weights. None (nothing written) where the
+    kernels do not take these shapes."""
     from .layout_kernels import GEMV_MAX_ROWS
 
-    if torch.compiler.is_compiling() or not _serves(x, cache_k, cache_v, *(w for pair in norms for w in pair)) or \
+    if torch.compiler.is_compiling() or not _serves(x, positions, cache_k, cache_v,
+                                                    *(w for pair in norms for w in pair)) or \
             x.dim() != 3 or not x.is_contiguous() or cache_k.dim() != 5 or len(parts) != cache_k.shape[0]:
         return None
     b, s, dim = x.shape
     _, rows, heads, cap, d = cache_k.shape
     if rows != b or b * s > GEMV_MAX_ROWS or s > 16 or dim != heads * d or cache_v.shape != cache_k.shape or \
             not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not _pow2(d) or not 0 <= at <= cap - s or \
-            not all(_vector(w, dim) for pair in norms for w in pair):
+            not all(_vector(w, dim) for pair in norms for w in pair) or positions.shape != (1, s, dim) or \
+            not positions.is_contiguous():
         return None
     from . import attention_kernels
 
+    add = positions[0]  # [S, dim]: row i of x's B * S rows takes position i % S
     for (qkv_product, out, swiglu, down), (first, second), ck, cv in zip(parts, norms, cache_k, cache_v):
-        q, k, v = qkv_product.fused(x, norm=(first, eps)).split(dim, dim=-1)
-        x = out.fused(attention_kernels.short(q, k, v, ck, cv, at, scale), residual=x)
+        q, k, v = qkv_product.fused(x, norm=(first, eps), add=add).split(dim, dim=-1)
+        x = out.fused(attention_kernels.short(q, k, v, ck, cv, at, scale), residual=x, add=add)
         x = down.fused(swiglu.fused(x, norm=(second, eps)), residual=x)
+        add = None
     return x
 
 

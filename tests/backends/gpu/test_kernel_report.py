@@ -194,7 +194,8 @@ def test_decode_kernels_spend_few_instructions_per_weight(arch):
 
 def test_the_fused_decode_kernels_load_wide_and_spill_nothing():
     """The SwiGLU epilogue, the in-kernel split-K sum with the residual add and the two-type q/k/v
-    kernel for sm_90, with and without the RMSNorm of their inputs inside: 16-byte weight loads, no
+    kernel for sm_90, with and without the RMSNorm of their inputs inside (and the residual and the
+    norm with the depth decoder's position rows added, "+add"): 16-byte weight loads, no
     spills, two waves or more at their released products; the norm costs at most 2.1 instructions a
     weight (two input rows normalized, each value shared by the tile's 4 weight rows; 2.0 measured)."""
     pytest.importorskip("triton", reason="this torch installation has no Triton")
@@ -202,7 +203,8 @@ def test_the_fused_decode_kernels_load_wide_and_spill_nothing():
 
     rows = report(90, ("fused",), ["Q4_K", "Q4_K+Q6_K"])
     by_name = {r["name"]: r for r in rows}
-    assert sorted(by_name) == ["fused/Q4_K+Q6_K/qkv", "fused/Q4_K+Q6_K/qkv+norm", "fused/Q4_K/split+residual",
+    assert sorted(by_name) == ["fused/Q4_K+Q6_K/qkv", "fused/Q4_K+Q6_K/qkv+norm", "fused/Q4_K+Q6_K/qkv+norm+add",
+                               "fused/Q4_K/qkv+norm+add", "fused/Q4_K/split+residual", "fused/Q4_K/split+residual+add",
                                "fused/Q4_K/swiglu", "fused/Q4_K/swiglu+norm"]
     for r in rows:
         assert r["spills"] == 0 and r["weight_load_bytes_by_width"] == {"16": 1.0}, r

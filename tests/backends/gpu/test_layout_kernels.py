@@ -226,3 +226,41 @@ def test_the_norm_before_and_the_residual_after_inside_one_launch(qtype, monkeyp
         lk.linear(x[:4], w, qtype, k, residual=res[:4, :7])
     with pytest.raises(ValueError, match=f"a norm weight of {k}"):
         lk.linear(x, w, qtype, k, norm=(nw[1:], eps))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rows_added_to_the_stream_inside_the_launch(dtype, monkeypatch):
+    """`add` (the depth decoder's position embeddings: row i of the inputs takes row i % p): inside
+    the normed product (one type and two stacked, K split or not) the same bits as the product
+    over torch's sum, and inside the residual's epilogue the same bits as torch's sum plus the
+    product; no launch more. The sums round (random values), as torch rounds them."""
+    from mm3.backends.gpu import layout_triton
+
+    launches = []
+    for name in ("gemv_kernel", "gemv_segments_kernel"):
+        monkeypatch.setattr(layout_triton, name, _Counted(getattr(layout_triton, name), name, launches))
+    g = torch.Generator().manual_seed(5)
+    k, eps = 512, 1e-6
+    w, _ = weight(Q.Q4_K, 8, k, g)
+    v, _ = weight(Q.Q6_K, 4, k, g)
+    nw = (torch.rand(k, generator=g) + 0.5).to(DEVICE, dtype)
+    assert lk.decode_grid(4, 8, k, lk.REFERENCE_SMS, SPLIT)[4] == 2  # SPLIT: K over two programs
+    for songs, positions, config in ((2, 2, None), (3, 1, SPLIT)):
+        x = torch.randn(songs, positions, k, generator=g).to(DEVICE, dtype)
+        pos = torch.randn(1, positions, k, generator=g).to(DEVICE, dtype)
+        res = torch.randn(songs, positions, 8, generator=g).to(DEVICE, dtype)
+        pos8 = torch.randn(1, positions, 8, generator=g).to(DEVICE, dtype)
+        for segments in ([(w, Q.Q4_K)], [(w, Q.Q4_K), (v, Q.Q6_K)]):
+            launches.clear()
+            got = lk.linear_segments(x, segments, k, config=config, norm=(nw, eps), add=pos[0])
+            assert len(launches) == 1
+            want = lk.linear_segments(x + pos, segments, k, config=config, norm=(nw, eps))
+            assert torch.equal(got, want), (dtype, songs, positions, len(segments))
+        launches.clear()
+        got = lk.linear(x, w, Q.Q4_K, k, config=config, residual=res, add=pos8)
+        assert len(launches) == 1
+        assert torch.equal(got, (res + pos8) + lk.linear(x, w, Q.Q4_K, k, config=config)), (dtype, songs, positions)
+    with pytest.raises(ValueError, match="with a norm or with a residual"):
+        lk.linear(x, w, Q.Q4_K, k, add=pos[0])
+    with pytest.raises(ValueError, match="a count dividing 3"):
+        lk.linear(x, w, Q.Q4_K, k, residual=res, add=torch.zeros(4, 8, dtype=dtype, device=DEVICE))

@@ -1,7 +1,8 @@
 """The GPU back end's whole decode steps (`mm3.backends.gpu.steps.lm_layer`, `depth_blocks`) on the
 GPU code path (`emulated()`: Triton's interpreter over CPU tensors), over random Q4_K_M files small
 enough to interpret (q/k in Q4_K and v in Q6_K: the two-type product): five launches a layer, with
-the norms, the residual adds, the attention's preparation and SwiGLU inside, against the models'
+the norms, the residual adds, the attention's preparation and SwiGLU inside (and the depth
+passes' position embeddings inside the first block's products), against the models'
 chained path (`MM3_GPU_LAYERS=chained`: each norm with its residual add its own launch): the same
 bits in float16, the KV caches included; where the device layout does not hold a layer's products,
 the chained path. On a CUDA device the same steps run natively in bfloat16 (`.ci/gpu`), within
@@ -50,7 +51,8 @@ def small_models(tmp_path_factory):
 
 def _steps(folder, whole: bool, monkeypatch):
     """An LM decode step at a device position (the captured form: bucket set, the host count not
-    read) and two depth passes (2 positions, then 1): (outputs, caches, Triton launches)."""
+    read) and two depth passes (2 positions, then 1): (outputs, caches, Triton launches, torch's
+    operations)."""
     from mm3.bench.frame_kernels import _load
 
     monkeypatch.setenv("MM3_GPU_LAYERS", "whole" if whole else "chained")
@@ -75,12 +77,13 @@ def _steps(folder, whole: bool, monkeypatch):
                    depth(rows(2, 1, depth.hidden_size), depth_cache)]
     monkeypatch.undo()
     launches = Counter(launch.name for launch in counter.launches if launch.source == "triton")
-    return out, [cache.k, cache.v, depth_cache.k, depth_cache.v], launches
+    torch_ops = Counter(launch.name for launch in counter.launches if launch.source == "aten")
+    return out, [cache.k, cache.v, depth_cache.k, depth_cache.v], launches, torch_ops
 
 
 def test_whole_steps_are_the_chained_path(small_models, monkeypatch):
-    whole, whole_caches, launches = _steps(small_models, True, monkeypatch)
-    chained, chained_caches, chained_launches = _steps(small_models, False, monkeypatch)
+    whole, whole_caches, launches, torch_ops = _steps(small_models, True, monkeypatch)
+    chained, chained_caches, chained_launches, _ = _steps(small_models, False, monkeypatch)
     for got, want in zip(whole + whole_caches, chained + chained_caches):
         if NATIVE:
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -92,6 +95,8 @@ def test_whole_steps_are_the_chained_path(small_models, monkeypatch):
     assert launches == Counter({"gemv_kernel": 3 + 2 * 4, "gemv_segments_kernel": 1, "attention_step_kernel": 1,
                                 "rope_table_kernel": 1, "norm_rms_kernel": 1 + 2, "attention_short_kernel": 2,
                                 "lookup_rows_kernel": 1})
+    # the depth passes' position embeddings added inside the first block's q/k/v and out: no add of their own
+    assert "add" not in torch_ops, torch_ops
     # chained: the norms with their residual adds apart (the attention in one launch either way)
     assert chained_launches["attention_step_kernel"] == 1
     assert sum(chained_launches.values()) == sum(launches.values()) + 2 + 2 * 2
@@ -111,3 +116,64 @@ def test_layers_the_device_layout_does_not_hold_take_the_chained_path(tiny):
             assert products.layout_block(layer.products(), torch.float32, torch.device("cpu")) is None
     finally:
         component.close()
+
+
+def test_a_layers_whole_step_products_are_looked_up_once_then_again_only_after_a_change(small_models, monkeypatch):
+    """The seam asks `products.layout_block` at a layer's (a depth decoder's) first whole step and
+    holds the answer, weakly: a later step asks nothing; a move, a rebound product, another dtype
+    are seen at the next step, and so is `MM3_GPU_LAYERS`. The kernels themselves are not run
+    (the GPU steps stand in, counted)."""
+    import gc
+    import weakref
+
+    from mm3.backends import steps
+    from mm3.backends.gpu import steps as gpu_steps
+    from mm3.bench.frame_kernels import _load
+
+    looked, whole = [], []
+    lookup = products.layout_block
+    monkeypatch.setattr(products, "layout_block", lambda *a: looked.append(1) or lookup(*a))
+    monkeypatch.setattr(gpu_steps, "lm_layer", lambda parts, x, *a: whole.append(parts) or x)
+    monkeypatch.setattr(gpu_steps, "depth_blocks", lambda parts, x, *a: whole.append(parts) or x)
+    monkeypatch.setattr(layout_kernels, "works", lambda *a: True)  # no self-checks: no kernel runs
+    monkeypatch.setattr(layout_kernels, "fused_works", lambda *a: True)
+    monkeypatch.setenv("MM3_GPU_LAYERS", "whole")
+    with on_gpu_path(DEVICE), torch.inference_mode():
+        lm, depth, _ = _load(small_models)
+        lm, depth = lm.to(DEVICE), depth.to(DEVICE)
+        layer = lm.model.layers[0]
+        cache = lm.new_cache(2, 40, DTYPE, DEVICE)
+        cache.bucket, cache.host_counting = 16, False
+
+        def step(dtype=DTYPE):
+            """(layout_block calls, whole steps) of one LM layer step."""
+            looked.clear(), whole.clear()
+            steps.lm_layer(layer, torch.zeros(2, 1, lm.hidden_size, dtype=dtype, device=DEVICE), None, None, cache,
+                           0, None)
+            return len(looked), len(whole)
+
+        assert step() == (1, 1)
+        assert step() == (0, 1) and step() == (0, 1)
+        out = weakref.ref(layer.self_attn.o_proj.chosen_product())
+        layer.to(DEVICE)  # a move: every weight settled again, every product chosen again
+        whole.clear()
+        gc.collect()
+        assert out() is None  # the held answer keeps no product alive
+        assert step() == (1, 1) and step() == (0, 1)
+        layer.mlp.down_proj.fused_kernels = False  # rebound: torch's product, no whole step
+        assert step() == (1, 0) and step() == (0, 0)
+        layer.mlp.down_proj.fused_kernels = True
+        assert step() == (1, 1)
+        assert step(torch.float32) == (1, 1) and step(torch.float32) == (0, 1)
+        monkeypatch.setenv("MM3_GPU_LAYERS", "chained")
+        assert step(torch.float32) == (0, 0)
+        monkeypatch.setenv("MM3_GPU_LAYERS", "whole")
+        assert step(torch.float32) == (0, 1)
+
+        depth_cache = depth.new_cache(2, DTYPE, DEVICE)
+        inputs = torch.zeros(2, 1, depth.hidden_size, dtype=DTYPE, device=DEVICE)
+        positions = torch.zeros(1, 1, depth.hidden_size, dtype=DTYPE, device=DEVICE)
+        for asked in (len(depth.layers), 0):
+            looked.clear(), whole.clear()
+            steps.depth_blocks(depth, inputs, positions, depth_cache, 1e-6)
+            assert (len(looked), len(whole)) == (asked, 1)
