@@ -64,8 +64,10 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | Non
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """`run`'s result where the kernel takes these tensors and pays for their head shape here
-    (`pays`), else None (torch's attention serves)."""
-    if torch.compiler.is_compiling() or not takes(q, k, v) or cpu_native.library() is None:
+    (`pays`), else None (torch's attention serves: also where a gradient is asked, which the
+    kernel does not give)."""
+    if torch.compiler.is_compiling() or not takes(q, k, v) or cpu_native.library() is None or \
+            (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         return None
     return run(q, k, v) if pays(q.shape[2], q.shape[3]) else None
 

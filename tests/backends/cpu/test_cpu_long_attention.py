@@ -108,7 +108,8 @@ def test_threads_do_not_change_a_bit():
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("what", ["float32", "head of 16", "head of 48", "another layout", "no positions"])
+@pytest.mark.parametrize("what", ["float32", "head of 16", "head of 48", "another layout", "no positions",
+                                  "a gradient"])
 def test_what_it_does_not_take_goes_to_torch(what, timed):
     set_pays, asked = timed
     set_pays(True)
@@ -120,10 +121,12 @@ def test_what_it_does_not_take_goes_to_torch(what, timed):
         q, k, v = _qkv(1, 8, 2, d)
     elif what == "another layout":
         k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    elif what == "a gradient":
+        q.requires_grad_(True)
     else:
         q, k, v = _qkv(1, 0, 2, 64)
-    assert not long_attention.takes(q, k, v)
     assert steps.long_attention(q, k, v) is None
+    assert what == "a gradient" or not long_attention.takes(q, k, v)
     assert asked == []
 
 
