@@ -3,10 +3,11 @@ draws) and the back ends, beyond each layer's own product.
 
 A model asks here, at a decode step, whether a back end runs a piece of it (a norm, an
 attention's preparation, a whole LM layer, the depth decoder's blocks, a guided draw; the DiT's
-attention over a window) and gets the
-result, or None where no back end serves it; the model then runs its own torch operations. Each
-answer is given before anything is written. Today the CPU back end's kernel library serves the fast
-numerics on the CPU (`mm3.backends.cpu.steps`); other devices get None until their back end serves.
+attention over a window) and gets the result, or None where no back end serves it; the model then
+runs its own torch operations. Each answer is given before anything is written. The CPU back end's
+kernel library serves the fast numerics (`mm3.backends.cpu.steps`) and the DiT's bfloat16
+attention (`mm3.backends.cpu.long_attention`); the GPU back end's kernels serve a decode step's
+pieces and whole layers (`mm3.backends.gpu.steps`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from .gpu import steps as gpu_steps
 from .gpu.emulation import cpu_path, gpu_path
 
 __all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "code_rows", "frame_feedback", "rope_table",
-           "prepare_attention", "attention_step", "decode_attention", "short_attention", "long_attention", "lm_layer", "depth_blocks", "top_k_draw",
-           "semantic_draw", "draw_from_raw", "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
+           "prepare_attention", "attention_step", "decode_attention", "short_attention", "long_attention",
+           "lm_layer", "depth_blocks", "top_k_draw", "semantic_draw", "draw_from_raw", "exponentials", "raw_draws",
+           "raw_draws_exact", "skip_draws"]
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
 _HELD: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
