@@ -1,7 +1,8 @@
 """The back ends' answers to the layers (`mm3.weights.binding`): each layer's product from the rule
 table (`products`), the form a weight takes where it moves (`gpu.placement`), a table's rows (the
-CPU library's one call, else the dequantization op), and packings for the CPU kernels
-(`products.KERNELS`, the one registry of kernels that read a packing of their own)."""
+CPU library's one call, else the dequantization op), packings for the CPU kernels
+(`products.KERNELS`, the one registry of kernels that read a packing of their own), and the form a
+kept float copy takes (`cpu.onednn`: oneDNN's layout for bfloat16 on the CPU)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ..weights.binding import Portable
 from . import products, steps
 from .cpu import forms as cpu_forms
 from .cpu import int4 as cpu_int4
+from .cpu import onednn as cpu_onednn
 from .gpu import custom_ops, placement
 
 
@@ -52,3 +54,6 @@ class Backends(Portable):
 
     def wants_copy(self, layer, qtype, device: torch.device) -> bool:
         return cpu_forms.wants_copy(layer, qtype, device)
+
+    def kept_form(self, layer, name: str, value: torch.Tensor) -> torch.Tensor:
+        return cpu_onednn.laid_out(value) if name == "weight" else value

@@ -11,7 +11,8 @@ rules, first match wins (`_base_for_linear`; `for_fused` stacks the parts where 
                                                  a group of two types: `LayoutSegments`; gate/up
                                                  also `LayoutSwiGLU`, for `Fused.swiglu`)
   3. a GPU kernel reads the GGUF blocks       -> `KernelProduct` (`gpu.kernels`, `kernel_reads`)
-  4. a float weight of the dtype at hand      -> `FloatWeight` (weight-major where the CPU form says)
+  4. a float weight of the dtype at hand      -> `FloatWeight` (weight-major where the CPU form says;
+                                                 a copy kept in oneDNN's layout: `cpu.onednn.Product`)
   5. the CPU form's packed kernel (few rows)  -> `ByRows(PackedProduct, per-use)` (`cpu.native`,
                                                  `cpu.int4`; `packed_takes`), the many rows in
                                                  bfloat16 where `Linear.many_rows_bf16` (`Bf16Product`)
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 from ..weights.low_rank import LowRank
 from .cpu.matmul import DECODE_MAX_ROWS, weight_major_linear
-from .cpu import forms as cpu_forms, int4 as cpu_int4, native as cpu_native, steps as cpu_steps
+from .cpu import forms as cpu_forms, int4 as cpu_int4, native as cpu_native, onednn as cpu_onednn, steps as cpu_steps
 from .gpu import custom_ops, kernels, layout_kernels
 
 Weight = Callable[[], torch.Tensor]  # the weight a product reads, on the input's device
@@ -294,6 +295,9 @@ def _base_for_linear(layer, dtype: torch.dtype, device: torch.device):
         return LayoutProduct(lambda: stored, qtype, layer.in_features)
     if kernel_reads(layer, dtype, device):
         return KernelProduct(_resident(stored, device) or (lambda: layer.fetch("weight", device)), qtype)
+    kept = layer.kept_copy(dtype, device)
+    if cpu_onednn.is_laid_out(kept):
+        return cpu_onednn.Product(kept)
     major = cpu_forms.weight_major(layer, device)
     at_hand = layer.float_at_hand(dtype, device)
     if at_hand is not None:

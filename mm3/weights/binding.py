@@ -78,6 +78,11 @@ class Portable:
         """Whether a float copy of `layer`'s weight would serve its products on `device`."""
         return True
 
+    def kept_form(self, layer, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A float copy of a `Linear`'s slot (`value`, not shared with other layers) in the form
+        its product reads best (here: as it is)."""
+        return value
+
 
 _BINDER: list[Portable] = [Portable()]
 

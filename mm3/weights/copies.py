@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .binding import binder
-from .layers import FLOAT_TYPES, Embedding, Fused, WeightSlots, adjacent
+from .layers import FLOAT_TYPES, Embedding, Fused, Linear, WeightSlots, adjacent
 
 
 def _slots(modules) -> list[tuple[WeightSlots, str]]:
@@ -37,6 +37,8 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
     want = None if device is None else torch.device(device)
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     done: set[int] = set()
+    grouped = {id(p) for m in modules for sub in m.modules() for v in vars(sub).values()
+               if isinstance(v, Fused) and v.fuse for p in v.parts}  # parts whose copies a stack may view
     for m in modules:
         for sub in m.modules():
             for fused in (v for v in vars(sub).values() if isinstance(v, Fused) and v.fuse):
@@ -70,7 +72,10 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
                     continue
                 if budget_bytes is not None and used + nbytes > budget_bytes:
                     continue  # a smaller tensor further on may still fit
-                sub.keep_copy(name, sub.get(name, dtype))
+                copy = sub.get(name, dtype)
+                if isinstance(sub, Linear) and id(sub) not in grouped:
+                    copy = binder().kept_form(sub, name, copy)  # the form its product reads best
+                sub.keep_copy(name, copy)
                 used += nbytes
     return used
 

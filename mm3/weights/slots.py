@@ -117,16 +117,21 @@ class WeightSlots(nn.Module):
             self._dequantized.clear()
             self._changed()
 
+    def kept_copy(self, dtype: torch.dtype, device: torch.device, name: str = "weight") -> torch.Tensor | None:
+        """The float copy of the slot kept in `dtype` on `device`, in the form the back end gave it
+        (`binder().kept_form`: a plain tensor, or one only its product reads), or None."""
+        cached = self._dequantized.get(name)
+        return cached if cached is not None and cached.dtype == dtype and cached.device == device else None
+
     def keeps_copy(self, dtype: torch.dtype, device: torch.device, name: str = "weight") -> bool:
         """Whether a float copy of the slot in `dtype` is kept on `device` (it then serves)."""
-        cached = self._dequantized.get(name)
-        return cached is not None and cached.dtype == dtype and cached.device == device
+        return self.kept_copy(dtype, device, name) is not None
 
     def float_at_hand(self, dtype: torch.dtype, device: torch.device, name: str = "weight") -> torch.Tensor | None:
-        """The slot as floats of `dtype` on `device` when no work makes them: a kept copy, or the
-        stored float tensor itself; else None."""
-        cached = self._dequantized.get(name)
-        if cached is not None and cached.dtype == dtype and cached.device == device:
+        """The slot as floats of `dtype` on `device` when no work makes them: a kept copy (a plain
+        tensor), or the stored float tensor itself; else None."""
+        cached = self.kept_copy(dtype, device, name)
+        if cached is not None and cached.layout == torch.strided:
             return cached
         value = self.stored(name)
         if self._slot_types[name] in FLOAT_TYPES and value.dtype == dtype and value.device == device:
