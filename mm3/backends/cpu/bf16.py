@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ... import switches
-from ...cache_dir import recorded, remember
 from ...weights.layers import Linear
-from . import choice, matmul
+from . import matmul, timings
 
 NATIVE_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's, where this torch has them
 TIMED_ROWS = 512  # the rows a timed product multiplies: a DiT window's and a prompt's order (hundreds)
@@ -38,7 +37,7 @@ PAYS = 0.9  # a form other than plain float32 serves where it takes at most this
 FORMS = ("float32", "onednn", "bfloat16")  # the default library's float32, oneDNN's float32, bfloat16 tensors
 SECTION = "cpu-compute-dtype"  # the record's section of these measurements
 
-_MEMO: dict[str, str] = {}  # this process's measurements by key (a record that cannot be written)
+_MEMO: dict[str, dict] = {}  # this process's measurements by key (a record that cannot be written)
 
 
 def native() -> bool:
@@ -129,21 +128,16 @@ def measured(model: torch.nn.Module, among: tuple[str, ...] | None = None) -> st
     shapes = products(model)
     if not shapes or among == ("float32",):
         return "float32"
-    key = (f"large products; cpu={choice.processor()}; cores={choice.usable_cores()}; torch={torch.__version__}; "
-           f"threads={torch.get_num_threads()}; forms={','.join(among)}; products="
-           + ",".join(f"{n}x{k}*{c}" for (n, k), c in sorted(shapes.items())))
-    if key in _MEMO:
-        return _MEMO[key]
-    known = recorded(SECTION).get(key)
-    if isinstance(known, dict) and known.get("form") in among:
-        chosen = known["form"]
-    else:
+    key = timings.key("large products", f"forms={','.join(among)}; products="
+                      + ",".join(f"{n}x{k}*{c}" for (n, k), c in sorted(shapes.items())))
+
+    def timed() -> dict:
         ms = time_products(shapes, among)
         fastest = min(ms, key=ms.get)
-        chosen = fastest if ms[fastest] <= PAYS * ms["float32"] else "float32"
-        remember(SECTION, key, {"form": chosen, "ms": {k: round(v, 3) for k, v in ms.items()}})
-    _MEMO[key] = chosen
-    return chosen
+        return {"form": fastest if ms[fastest] <= PAYS * ms["float32"] else "float32",
+                "ms": {k: round(v, 3) for k, v in ms.items()}}
+
+    return timings.kept(SECTION, key, _MEMO, lambda known: known.get("form") in among, timed)["form"]
 
 
 def time_products(shapes: Counter, among: tuple[str, ...] = FORMS, rows: int = TIMED_ROWS) -> dict[str, float]:

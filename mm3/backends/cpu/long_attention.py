@@ -18,8 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ...cache_dir import recorded, remember
-from . import choice, native as cpu_native
+from . import native as cpu_native, timings
 
 TIMED_POSITIONS = 512  # positions of the timed attention: a DiT window's order (hundreds)
 ROUNDS = 3  # each side timed this many times, alternating; the fastest counts
@@ -27,7 +26,7 @@ PAYS = 0.9  # the kernel serves where it takes at most this share of torch's tim
 MAX_HEAD_DIM = 256  # head sizes the kernel takes: multiples of 32 up to this
 SECTION = "cpu-long-attention"  # the record's section of these timings
 
-_MEMO: dict[str, bool] = {}
+_MEMO: dict[str, dict] = {}  # this process's timings by key
 
 
 def forget() -> None:
@@ -76,19 +75,12 @@ def pays(heads: int, head_dim: int) -> bool:
     """Whether the kernel is faster than torch's attention by `PAYS` for `heads` heads of
     `head_dim` on this machine: timed once per processor, thread count, torch and head shape, and
     kept in the record."""
-    key = (f"long attention; cpu={choice.processor()}; cores={choice.usable_cores()}; torch={torch.__version__}; "
-           f"threads={torch.get_num_threads()}; heads={heads}x{head_dim}")
-    if key in _MEMO:
-        return _MEMO[key]
-    known = recorded(SECTION).get(key)
-    if isinstance(known, dict) and isinstance(known.get("serves"), bool):
-        serves = known["serves"]
-    else:
+    def timed() -> dict:
         ms = time_both(heads, head_dim)
-        serves = ms["kernel"] <= PAYS * ms["torch"]
-        remember(SECTION, key, {"serves": serves, "ms": {k: round(v, 3) for k, v in ms.items()}})
-    _MEMO[key] = serves
-    return serves
+        return {"serves": ms["kernel"] <= PAYS * ms["torch"], "ms": {k: round(v, 3) for k, v in ms.items()}}
+
+    key = timings.key("long attention", f"heads={heads}x{head_dim}")
+    return timings.kept(SECTION, key, _MEMO, lambda known: isinstance(known.get("serves"), bool), timed)["serves"]
 
 
 def time_both(heads: int, head_dim: int, positions: int = TIMED_POSITIONS) -> dict[str, float]:
