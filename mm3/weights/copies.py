@@ -37,11 +37,11 @@ def cache_dequantized(modules, dtype: torch.dtype, budget_bytes: int | None = No
     want = None if device is None else torch.device(device)
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     done: set[int] = set()
-    grouped = {id(p) for m in modules for sub in m.modules() for v in vars(sub).values()
-               if isinstance(v, Fused) and v.fuse for p in v.parts}  # parts whose copies a stack may view
+    grouped: set[int] = set()  # parts of fusing groups: a stack may view their copies (seen before the parts)
     for m in modules:
         for sub in m.modules():
             for fused in (v for v in vars(sub).values() if isinstance(v, Fused) and v.fuse):
+                grouped.update(id(p) for p in fused.parts)
                 stored = [p.stored("weight") for p in fused.parts]
                 if not all(binder().wants_copy(p, p.qtype("weight"), t.device) for p, t in zip(fused.parts, stored)):
                     continue  # parts whose CPU form reads no copy (int4, dequantization per product); others below

@@ -63,7 +63,7 @@ class Product:
     """x [..., k] @ W.T (+ bias) in bfloat16 over a weight in oneDNN's layout (`laid_out`)."""
 
     def __init__(self, weight: torch.Tensor):
-        self.weight = weight
+        self.weight, self.multiply = weight, _ops()[0]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _ops()[0](x if x.is_contiguous() else x.contiguous(), self.weight, bias, "none", [], "")
+        return self.multiply(x if x.is_contiguous() else x.contiguous(), self.weight, bias, "none", [], "")
