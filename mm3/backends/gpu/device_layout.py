@@ -2,17 +2,21 @@
 that a GPU kernel reads with 16-byte loads, bit for bit reversible, at the file's bits per weight.
 
 A row of K values is cut into chunks of 256 (the last padded with zeros; K-quant rows are whole
-chunks already). Value `32 i + j` of a chunk is lane j of slice i (i = 0..7, j = 0..31): a kernel
-works on one slice at a time, as [rows, chunks, 32] tensors. Every plane holds a fixed number of
-little-endian words per chunk, chunk after chunk, and is loaded as such a tensor (4 consecutive
-words per thread), so its words land in the registers of the lanes that use them:
+chunks already). Value `32 b + 4 i + l` of a chunk is lane j = 4 b + l of slice i (b = 0..7,
+i = 0..7, l = 0..3): a kernel works on one slice at a time, as [rows, chunks, 32] tensors, and each
+group of 4 lanes (one thread's 4 words) holds block b of 32 values whole, so a thread finds its
+block's scales once, not once a slice. Every plane holds a fixed number of little-endian words per
+chunk, chunk after chunk, and is loaded as such a tensor (4 consecutive words per thread), so its
+words land in the registers of the lanes that use them:
 
   q     4-bit types: 32 words, word j holding lane j's value of slice i in nibble i (the low 4
         bits for the Q5 types and Q6_K); Q8_0: 64 words, byte b of word 32 h + j holding lane j of
         slice 4 h + b (int8)
-  qh    Q5 types: 8 words, bit 16 (i % 2) + j % 16 of word 4 (j // 16) + i // 2 the fifth bit of
-        lane j of slice i; Q6_K: 16 words, bits 16 (i % 2) + 2 (j % 8) (two) of word
-        4 (j // 8) + i // 2 the top two bits
+  qh    the high bits of lane j's values, placed so that one rotation of a word brings those of
+        four slices to just above their nibbles (bit 4 (i % 4) + 4 of a half word; `high_bit`):
+        Q5 types: 8 words, word j // 4 holding the fifth bit of slice i at bit
+        (4 (i % 4) + 4 + 16 (l // 2) + 2 (l % 2) + i // 4) % 32 (l = j % 4); Q6_K: 16 words, word
+        j // 2 holding the top two bits at bit (4 (i % 4) + 4 + 2 (i // 4) + 16 (j % 2)) % 32
   d, m  Q8_0, Q4_*, Q5_*: the 8 blocks' float16 scales (and mins), in order (4 words)
   hdr   Q4_K, Q5_K: the super-block's first 16 bytes as in the file (d, dmin, 6-bit scales)
   sc, d     Q6_K: the 16 int8 group scales as in the file; the float16 scale of chunk c in half
@@ -137,6 +141,43 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# -- the high bits' places ---------------------------------------------------------------------------
+HIGH_BITS = {QT.Q5_0: 1, QT.Q5_1: 1, QT.Q5_K: 1, QT.Q6_K: 2}  # bits above each nibble
+
+
+def high_bit(qtype: QT, i: int, lane: int) -> int:
+    """Where the high bits of lane `lane` of slice i start in their qh word (word lane // per, per =
+    4 lanes a word for the Q5 types, 2 for Q6_K): one rotation of the word (by the bit less 4 (i % 4)
+    less 4) brings those of four slices, i // 4 alike, to just above their nibbles."""
+    if qtype == QT.Q6_K:
+        return (4 * (i % 4) + 4 + 2 * (i // 4) + 16 * (lane % 2)) % 32
+    return (4 * (i % 4) + 4 + 16 * ((lane % 4) // 2) + 2 * (lane % 2) + i // 4) % 32
+
+
+def _high_words(high: torch.Tensor, qtype: QT) -> torch.Tensor:
+    """High bits uint8 [r, c, 8, 32] (slice, lane) -> the qh plane's words int32 [r, c, words]."""
+    width = HIGH_BITS[qtype]
+    per = 4 // width  # lanes a word
+    values = (high & ((1 << width) - 1)).to(torch.int32)
+    out = torch.zeros(high.shape[:2] + (32 // per,), dtype=torch.int32, device=high.device)
+    for i in range(SLICES):
+        for lane in range(per):
+            out |= values[:, :, i, lane::per] << high_bit(qtype, i, lane)
+    return out
+
+
+def _high_values(words: torch.Tensor, qtype: QT) -> torch.Tensor:
+    """The inverse of `_high_words`: the qh plane's bytes [r, c, words * 4] -> uint8 [r, c, 8, 32]."""
+    width = HIGH_BITS[qtype]
+    per = 4 // width
+    w = words.contiguous().view(torch.int32)
+    out = torch.empty(w.shape[:2] + (SLICES, 32), dtype=torch.uint8, device=w.device)
+    for i in range(SLICES):
+        for lane in range(per):
+            out[:, :, i, lane::per] = ((w >> high_bit(qtype, i, lane)) & ((1 << width) - 1)).to(torch.uint8)
+    return out
+
+
 # -- planes ----------------------------------------------------------------------------------------
 def _padded(x: torch.Tensor, count: int) -> torch.Tensor:
     """[rows, m, ...] -> [rows, count, ...], zeros after the first m."""
@@ -144,20 +185,6 @@ def _padded(x: torch.Tensor, count: int) -> torch.Tensor:
         return x
     pad = torch.zeros((x.shape[0], count - x.shape[1]) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
     return torch.cat((x, pad), dim=1)
-
-
-def _pack(bits: torch.Tensor, width: int) -> torch.Tensor:
-    """uint8 fields of `width` bits [..., 8 // width] -> bytes [...], field t at bit t * width."""
-    out = bits[..., 0].clone()
-    for t in range(1, 8 // width):
-        out |= bits[..., t] << (t * width)
-    return out
-
-
-def _unpack(b: torch.Tensor, width: int) -> torch.Tensor:
-    """The inverse of `_pack`: bytes [...] -> [..., 8 // width]."""
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=b.device)
-    return (b.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
 
 
 PASS_VALUES = 1 << 24  # weight values converted per pass: the unpacked temporaries (a few bytes a value)
@@ -186,18 +213,15 @@ def _fill(out: torch.Tensor, blocks: torch.Tensor, qtype: QT, lay: Layout) -> No
     rows, s = blocks.shape[0], lay.chunks
     block, size = GGML_QUANT_SIZES[qtype]
     f = _fields(blocks.reshape(-1, size), qtype)
-    q = _padded(f["q"].reshape(rows, -1), s * CHUNK).reshape(rows, s, SLICES, 32)  # [r, c, i, j]
+    q = _padded(f["q"].reshape(rows, -1), s * CHUNK).reshape(rows, s, 8, SLICES, 4)  # [r, c, b, i, l]
+    q = q.permute(0, 1, 3, 2, 4).reshape(rows, s, SLICES, 32)  # [r, c, i, j = 4 b + l]
     if qtype == QT.Q8_0:  # byte b of word 32 h + j: slice 4 h + b
         _put(out, lay, "q", q.reshape(rows, s, 2, 4, 32).permute(0, 1, 2, 4, 3))
     else:
         nib = (q & 15).permute(0, 1, 3, 2)  # [r, c, j, i]
         _put(out, lay, "q", nib[..., 0::2] | (nib[..., 1::2] << 4))  # byte t of word j: nibbles 2t, 2t + 1
-    if qtype in (QT.Q5_0, QT.Q5_1, QT.Q5_K):  # [r, c, e, i % 2, g, (j % 16) // 8, j % 8] -> words (g, e)
-        bits = _pack(((q >> 4) & 1).reshape(rows, s, 4, 2, 2, 2, 8), 1)
-        _put(out, lay, "qh", bits.permute(0, 1, 4, 2, 3, 5))
-    if qtype == QT.Q6_K:  # [r, c, e, i % 2, g, (j % 8) // 4, j % 4] -> words (g, e)
-        crumbs = _pack(((q >> 4) & 3).reshape(rows, s, 4, 2, 4, 2, 4), 2)
-        _put(out, lay, "qh", crumbs.permute(0, 1, 4, 2, 3, 5))
+    if qtype in HIGH_BITS:
+        _put(out, lay, "qh", _high_words(q >> 4, qtype).view(torch.uint8))
     if block == 32:
         for name in ("d", "m"):
             if name in lay.offsets:
@@ -234,12 +258,9 @@ def to_blocks(planes: torch.Tensor, qtype: QT, k: int) -> torch.Tensor:
     else:
         words = get("q").reshape(rows, s, 32, 4)  # [r, c, j, byte t]
         q = torch.stack((words & 15, words >> 4), dim=-1).reshape(rows, s, 32, SLICES).permute(0, 1, 3, 2)
-        if qtype in (QT.Q5_0, QT.Q5_1, QT.Q5_K):
-            bits = _unpack(get("qh").reshape(rows, s, 2, 4, 2, 2), 1)  # [r, c, g, e, i % 2, jb, 8]
-            q = q | (bits.permute(0, 1, 3, 4, 2, 5, 6).reshape(rows, s, SLICES, 32) << 4)
-        if qtype == QT.Q6_K:
-            crumbs = _unpack(get("qh").reshape(rows, s, 4, 4, 2, 2), 2)  # [r, c, g, e, i % 2, jb, 4]
-            q = q | (crumbs.permute(0, 1, 3, 4, 2, 5, 6).reshape(rows, s, SLICES, 32) << 4)
+        if qtype in HIGH_BITS:
+            q = q | (_high_values(get("qh").reshape(rows, s, -1), qtype) << 4)
+    q = q.reshape(rows, s, SLICES, 8, 4).permute(0, 1, 3, 2, 4)  # [r, c, i, j = 4 b + l] -> value order
     q = q.reshape(rows, s * CHUNK)[:, :k].reshape(rows, per_row, block)
     if block == 32:
         head = [get(name)[:, :per_row * 2].reshape(rows, per_row, 2) for name in ("d", "m") if name in lay.offsets]

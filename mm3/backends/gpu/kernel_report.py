@@ -268,9 +268,10 @@ def sass_loops(text: str) -> tuple[list[str], list[tuple[int, int]]]:
 
 
 def instruction_mix(text: str, loop_weights: int, inner_trips: int = 1) -> dict:
-    """SASS instructions per weight of the k-loop, by kind (`KINDS`) and in all: the k-loop is the
-    outermost loop that loads from global memory; a loop nested in it counts `inner_trips` times
-    per pass; one pass handles `loop_weights` weights in each thread. Empty where no such loop is."""
+    """SASS instructions per weight of the k-loop, by kind (`KINDS`), in all, and "local" (those of
+    them that read or write spilled registers): the k-loop is the outermost loop that loads from
+    global memory; a loop nested in it counts `inner_trips` times per pass; one pass handles
+    `loop_weights` weights in each thread. Empty where no such loop is."""
     opcodes, loops = sass_loops(text)
     outer = [(a, b) for a, b in loops if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in loops)]
     outer = [(a, b) for a, b in outer if any(op.startswith(("LDG", "ULDG", "LDGSTS")) for op in opcodes[a:b + 1])]
@@ -279,12 +280,15 @@ def instruction_mix(text: str, loop_weights: int, inner_trips: int = 1) -> dict:
     a, b = max(outer, key=lambda span: span[1] - span[0])
     inner = [(c, d) for c, d in loops if a <= c and d <= b and (c, d) != (a, b)]
     counts = dict.fromkeys(KINDS, 0.0)
+    local = 0.0
     for at in range(a, b + 1):
         times = inner_trips if any(c <= at <= d for c, d in inner) else 1
         counts[kind_of(opcodes[at])] += times
+        local += times if opcodes[at].startswith(("LDL", "STL")) else 0
     out = {kind: round(n / loop_weights, 2) for kind, n in counts.items()}
     out["total"] = round(sum(counts.values()) / loop_weights, 2)
     out["loop_instructions"] = int(sum(counts.values()))
+    out["local"] = round(local / loop_weights, 4)  # spilled registers read or written in the loop
     return out
 
 
