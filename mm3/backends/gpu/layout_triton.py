@@ -122,6 +122,15 @@ def _scale(f, sh: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _widened(v):
+    """v as float32, exactly: a bfloat16 value's bits moved to the upper half of a word (one
+    instruction a value, where the plain conversion takes two for every other value of a pair)."""
+    if v.dtype == tl.bfloat16:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _value(i, j, QTYPE: tl.constexpr):
     """The value of a chunk at lane j of slice i: 32 (j // 4) + 4 i + j % 4 for a quantized weight
     (each group of 4 lanes, one thread's 4 words, holds a whole block of 32 values: `device_layout`,
@@ -322,13 +331,15 @@ def _x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, add_ptr, add_rows, add_
     j = tl.arange(0, 32)[None, None, :]
     col = cs[None, :, None] * 256 + _value(i, j, QTYPE)
     ok = _inside(cs[None, :, None], j, i, K, QTYPE)
-    x = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=ok & (m < M), other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=ok & (m < M), other=0.0)
+    if NORM and ADD:  # the plain conversion: compiled with the add's rounding, it costs fewer instructions
+        x = _added(x.to(tl.float32), m, M, col, ok, add_ptr, add_rows, add_stride, dt, NATIVE)
+    else:
+        x = _widened(x)
     if NORM:
-        if ADD:
-            x = _added(x, m, M, col, ok, add_ptr, add_rows, add_stride, dt, NATIVE)
         w = tl.load(nw_ptr + col, mask=ok, other=0.0)
         if NATIVE:  # the product of two values of dt is exact in float32: dt's own product rounds it the same
-            return (w * (x * r).to(dt)).to(tl.float32)
+            return _widened(w * (x * r).to(dt))
         return _rounded(w.to(tl.float32) * _rounded(x * r, dt, NATIVE), dt, NATIVE)
     return x
 
