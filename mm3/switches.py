@@ -41,6 +41,9 @@ SWITCHES = {s.name: s for s in (
     Switch("MM3_GPU_LAYERS", "whole", ("whole", "chained"),
            "an AR decode step's LM layers and depth blocks on the GPU: whole (five launches a layer, each norm "
            "inside the product that reads it) or chained (each norm with its residual add a launch of its own)"),
+    Switch("MM3_GPU_DECODE_ROWS", "4", ("4", "8"),
+           "weight rows a program of the GPU's few-row products takes: 4, or 8 (each input value serves twice as "
+           "many weights, fewer instructions a weight, about twice the registers: for a GPU to time)"),
     Switch("MM3_KEEP_COPIES", "off", ("on", "off"),
            "keep float copies of the AR weights even where a fused kernel reads the blocks"),
     Switch("MM3_CPU_NATIVE", "on", ("on", "off"), "build and use the native integer kernel on the CPU"),

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from . import device_layout as dl
+from ... import switches
 from .kernels import CODES, FLOAT_DTYPES as FLOATS  # the kernels' type codes, shared
 from ...weights.binding import indexed_device
 
@@ -46,6 +47,10 @@ class Config:
 # conversions (a decode tile of 4 rows x 8 chunks over 2 warps puts 4 words of every plane in each
 # thread), 16-byte loads of every weight byte.
 DECODE = Config(block_n=4, block_c=8, num_warps=2)
+# 8 weight rows a thread: each input value (and its norm inside) serves twice as many weights, about
+# 1.4 instructions a weight fewer for Q4_K with the norm, but about 255 registers a thread and
+# spills for Q6_K; `MM3_GPU_DECODE_ROWS=8` picks it, for a GPU to time against DECODE.
+DECODE_WIDE = Config(block_n=8, block_c=8, num_warps=2)
 PREFILL = Config(block_n=64, block_c=1, num_warps=4, block_m=64)
 PREFILL_F32 = Config(block_n=32, block_c=1, num_warps=4, block_m=32)  # float32 inputs: FMA products
 # Under Triton's interpreter (tests on the CPU) a program costs the same whatever its tile: wide
@@ -57,6 +62,11 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def decode_config() -> Config:
+    """The decode tile in force on a GPU: DECODE, or DECODE_WIDE under `MM3_GPU_DECODE_ROWS=8`."""
+    return DECODE_WIDE if switches.value("MM3_GPU_DECODE_ROWS") == "8" else DECODE
+
+
 def chunks_of(k: int) -> int:
     return -(-k // dl.CHUNK)
 
@@ -64,7 +74,7 @@ def chunks_of(k: int) -> int:
 def decode_tiles(k: int, config: Config | None = None) -> int:
     """Chunks per decode tile: the configured count or the largest power of two below it that
     divides the row's chunks (a tile never runs past a row, so no chunk needs a mask)."""
-    chunks, c = chunks_of(k), (config or DECODE).block_c
+    chunks, c = chunks_of(k), (config or decode_config()).block_c
     while chunks % c:
         c //= 2
     return c
@@ -74,7 +84,7 @@ def decode_grid(m: int, n: int, k: int, sms: int, config: Config | None = None) 
     """(block_m, block_c, row groups, weight-row tiles, K splits) of a decode product: K is split
     (in whole tiles) until the grid holds TARGET_WAVES programs per multiprocessor or every split
     has one tile."""
-    config = config or DECODE
+    config = config or decode_config()
     block_m = 1 if m == 1 else 2 if m == 2 else 4
     block_c = decode_tiles(k, config)
     groups, tiles = -(-m // block_m), -(-n // config.block_n)
@@ -227,7 +237,7 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
     if not (m and n):
         return y.view(*x.shape[:-1], n)
     if m <= GEMV_MAX_ROWS:
-        config = config or (INTERPRETED[0] if _interpreted() else DECODE)
+        config = config or (INTERPRETED[0] if _interpreted() else decode_config())
         if len(parts) == 2 and sizes[0] % config.block_n:  # the tile the first weight's rows fill, 4 rows or more
             block_n = config.block_n
             while block_n > 4 and sizes[0] % block_n:
@@ -333,7 +343,7 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Con
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not m:
         return y.view(*x.shape[:-1], n)
-    config = config or (INTERPRETED[0] if _interpreted() else DECODE)
+    config = config or (INTERPRETED[0] if _interpreted() else decode_config())
     block_m, block_c = (1 if m == 1 else 2 if m == 2 else 4), decode_tiles(k, config)
     chunks = chunks_of(k)
     gemv_kernel[(-(-m // block_m), -(-n // (config.block_n // 2)), 1)](
@@ -471,7 +481,7 @@ def report_specs(decode: list, prefill: list) -> list:
                 pointers.update(part_ptr="*fp32", count_ptr="*i32")
                 block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
                 ints["split_chunks"] = -(-chunks_of(k) // (splits * block_c)) * block_c
-                fn, config = gemv_kernel, DECODE
+                fn, config = gemv_kernel, decode_config()
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
                               "BLOCK_N": config.block_n, "BLOCK_C": block_c, "SWIGLU": False, "PRECISE": True,
                               "NORM": False, "RESIDUAL": False, "ADD": False}
@@ -523,7 +533,7 @@ def fused_report_specs(decode: list) -> list:
         first = launches[0]
         k, n, rows = first.k, first.n, first.rows
         block_m, block_c, _, _, splits = decode_grid(rows, n, k, REFERENCE_SMS)
-        config = DECODE
+        config = decode_config()
         pointers = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
                     "nw_ptr": "*bf16", "res_ptr": "*bf16", "add_ptr": "*bf16"}
         ints = {"M": rows, "N": n // 2 if halve else n, "K": k, "x_stride": k, "y_stride": n, "chunks": chunks_of(k),

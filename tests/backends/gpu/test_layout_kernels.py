@@ -53,7 +53,7 @@ def test_products_match_float64(qtype):
     k, n = _k(qtype), 9
     w, values = weight(qtype, n, k, g)
     bias = torch.randn(n, generator=g)
-    for rows, config in ((1, None), (3, SPLIT), (5, None), (lk.GEMV_MAX_ROWS + 3, None)):
+    for rows, config in ((1, None), (3, SPLIT), (5, None), (2, lk.DECODE_WIDE), (lk.GEMV_MAX_ROWS + 3, None)):
         x = torch.randn(rows, k, generator=g)
         got = lk.linear(x.to(DEVICE), w, qtype, k, bias.to(DEVICE), config=config).cpu()
         want = F.linear(x.double(), values.double(), bias.double())
@@ -106,6 +106,21 @@ def test_grids_fill_the_gpu_at_the_released_shapes():
     assert lk.decode_grid(2, 24576, 4096, 132) == (2, 8, 1, 6144, 1)  # the LM's gate and up: no split needed
     assert lk.decode_grid(5, 4096, 12288, 132) == (4, 8, 2, 1024, 1)
     assert lk.decode_tiles(2304) == 1 and lk.decode_tiles(6144) == 8  # 9 and 24 chunks
+
+
+def test_the_decode_tile_follows_its_switch(monkeypatch):
+    """`MM3_GPU_DECODE_ROWS`, read at every product: 8 rows a program, or the default 4; the grid
+    splits K further to fill the GPU with the fewer, wider tiles, never below a whole tile."""
+    monkeypatch.delenv("MM3_GPU_DECODE_ROWS", raising=False)
+    assert lk.decode_config() == lk.DECODE and lk.DECODE.block_n == 4
+    assert lk.decode_grid(2, 1024, 4096, 132) == (2, 8, 1, 256, 2)
+    monkeypatch.setenv("MM3_GPU_DECODE_ROWS", "8")
+    assert lk.decode_config() == lk.DECODE_WIDE and lk.DECODE_WIDE.block_n == 8
+    assert lk.decode_grid(2, 1024, 4096, 132) == (2, 8, 1, 128, 2)  # 16 chunks: 2 tiles of 8 at most
+    assert lk.decode_grid(2, 4096, 4096, 132) == (2, 8, 1, 512, 2)  # 512 tiles: K split in 2 to reach 528
+    monkeypatch.setenv("MM3_GPU_DECODE_ROWS", "4")
+    assert lk.decode_config() == lk.DECODE
+    assert lk.decode_grid(2, 4096, 4096, 132) == (2, 8, 1, 1024, 1)  # 1024 tiles of 4 rows: no split
 
 
 def test_bad_weights_are_refused():
