@@ -53,7 +53,7 @@ def test_products_match_float64(qtype):
     k, n = _k(qtype), 9
     w, values = weight(qtype, n, k, g)
     bias = torch.randn(n, generator=g)
-    for rows, config in ((1, None), (3, SPLIT), (5, None), (2, lk.DECODE_WIDE), (lk.GEMV_MAX_ROWS + 3, None)):
+    for rows, config in ((1, None), (3, SPLIT), (5, None), (lk.GEMV_MAX_ROWS + 3, None)):
         x = torch.randn(rows, k, generator=g)
         got = lk.linear(x.to(DEVICE), w, qtype, k, bias.to(DEVICE), config=config).cpu()
         want = F.linear(x.double(), values.double(), bias.double())
@@ -106,6 +106,25 @@ def test_grids_fill_the_gpu_at_the_released_shapes():
     assert lk.decode_grid(2, 24576, 4096, 132) == (2, 8, 1, 6144, 1)  # the LM's gate and up: no split needed
     assert lk.decode_grid(5, 4096, 12288, 132) == (4, 8, 2, 1024, 1)
     assert lk.decode_tiles(2304) == 1 and lk.decode_tiles(6144) == 8  # 9 and 24 chunks
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_the_wide_decode_tile_computes_the_same_products(qtype):
+    """The 8-row tile (`MM3_GPU_DECODE_ROWS=8`): the products of the CFG pair, plain, with SwiGLU
+    and with the norm inside, against float64 as the default tile's."""
+    g = torch.Generator().manual_seed(70 + int(qtype))
+    k, n = 512, 20
+    w, values = weight(qtype, n, k, g)
+    x = torch.randn(2, k, generator=g)
+    got = lk.linear(x.to(DEVICE), w, qtype, k, config=lk.DECODE_WIDE).cpu()
+    want = F.linear(x.double(), values.double())
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+    norm_weight = torch.rand(k, generator=g) + 0.5
+    both = lk.swiglu(x.to(DEVICE), w, qtype, k, config=lk.DECODE_WIDE, norm=(norm_weight.to(DEVICE), 1e-6)).cpu()
+    h = lk.torch_rms_norm(x, (norm_weight, 1e-6)).double() @ values.double().T
+    gate, up = h.split(n // 2, dim=-1)
+    want = F.silu(gate) * up
+    assert ((both.double() - want).norm() / want.norm()).item() < 1e-5
 
 
 def test_the_decode_tile_follows_its_switch(monkeypatch):
