@@ -147,8 +147,9 @@ HIGH_BITS = {QT.Q5_0: 1, QT.Q5_1: 1, QT.Q5_K: 1, QT.Q6_K: 2}  # bits above each 
 
 def high_bit(qtype: QT, i: int, lane: int) -> int:
     """Where the high bits of lane `lane` of slice i start in their qh word (word lane // per, per =
-    4 lanes a word for the Q5 types, 2 for Q6_K): one rotation of the word (by the bit less 4 (i % 4)
-    less 4) brings those of four slices, i // 4 alike, to just above their nibbles."""
+    4 lanes a word for the Q5 types, 2 for Q6_K). Rotating the word right by this bit less
+    4 (i % 4) + 4 brings them, and those of the lane's three other slices with the same i // 4, to
+    just above their nibbles in a half word (bit 4 (i % 4) + 4)."""
     if qtype == QT.Q6_K:
         return (4 * (i % 4) + 4 + 2 * (i // 4) + 16 * (lane % 2)) % 32
     return (4 * (i % 4) + 4 + 16 * ((lane % 4) // 2) + 2 * (lane % 2) + i // 4) % 32
