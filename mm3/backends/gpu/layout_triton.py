@@ -324,7 +324,7 @@ def _added(v, m, M, col, ok, add_ptr, add_rows, add_stride, dt: tl.constexpr, NA
 def _x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, add_ptr, add_rows, add_stride, NORM: tl.constexpr,
              ADD: tl.constexpr, NATIVE: tl.constexpr, QTYPE: tl.constexpr):
     """Input row m's values of slice i of chunks cs (`_value`): float32 [1, C, 32] (zeros past K or M); with
-    NORM the row's RMSNorm by the weight at nw_ptr (r: the row's `_rstd`), in the roundings of
+    NORM the row's RMSNorm by the weight at nw_ptr (r: the row's `_rstds`), in the roundings of
     `norm_kernels`: the normalized value and its product with the weight each rounded to x's dtype;
     with NORM and ADD the row normalized is x's plus a row at add_ptr (`_added`)."""
     dt: tl.constexpr = x_ptr.dtype.element_ty
@@ -345,22 +345,51 @@ def _x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, add_ptr, add_rows, add_
 
 
 @triton.jit
-def _rstd(x_ptr, m, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM: tl.constexpr, ADD: tl.constexpr,
-          NATIVE: tl.constexpr, BLOCK: tl.constexpr = 512):
-    """1 / sqrt(mean(x[m]^2) + eps) of input row m in float32, correctly rounded twice as
-    `norm_kernels` computes it (the sum of squares in another order); with ADD of the row plus a
-    row at add_ptr (`_added`); 1.0 without NORM."""
+def _squares(x_ptr, m, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD: tl.constexpr, NATIVE: tl.constexpr):
+    """The squares of input row m's values at columns col (zeros past K or M); with ADD of the row
+    plus a row at add_ptr (`_added`)."""
+    v = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=(col < K) & (m < M), other=0.0)
+    if ADD:
+        v = _added(v.to(tl.float32), m, M, col, col < K, add_ptr, add_rows, add_stride, x_ptr.dtype.element_ty,
+                   NATIVE)
+    else:
+        v = _widened(v)
+    return v * v
+
+
+@triton.jit
+def _inverse_rms(acc, K, eps):
+    """1 / sqrt(mean + eps) of the squares summed in acc, correctly rounded twice."""
+    return tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, axis=0) / K + eps))
+
+
+@triton.jit
+def _rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM: tl.constexpr, ADD: tl.constexpr,
+           NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr = 512):
+    """1 / sqrt(mean(x[m]^2) + eps) of input rows m0..m0 + 3 (those past BLOCK_M: 1.0) in float32,
+    correctly rounded twice as `norm_kernels` computes it (the sum of squares in another order), the
+    rows read in one loop; with ADD of each row plus a row at add_ptr (`_added`); 1.0 without NORM."""
+    r0, r1, r2, r3 = 1.0, 1.0, 1.0, 1.0
     if NORM:
-        acc = tl.zeros((BLOCK,), tl.float32)
+        a0 = tl.zeros((BLOCK,), tl.float32)
+        a1 = tl.zeros((BLOCK,), tl.float32)
+        a2 = tl.zeros((BLOCK,), tl.float32)
+        a3 = tl.zeros((BLOCK,), tl.float32)
         for k0 in range(0, K, BLOCK):
             col = k0 + tl.arange(0, BLOCK)
-            v = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=(col < K) & (m < M), other=0.0).to(tl.float32)
-            if ADD:
-                v = _added(v, m, M, col, col < K, add_ptr, add_rows, add_stride, x_ptr.dtype.element_ty, NATIVE)
-            acc += v * v
-        return tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, axis=0) / K + eps))
-    else:
-        return 1.0
+            a0 += _squares(x_ptr, m0, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
+            if BLOCK_M > 1:
+                a1 += _squares(x_ptr, m0 + 1, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
+            if BLOCK_M > 2:
+                a2 += _squares(x_ptr, m0 + 2, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
+                a3 += _squares(x_ptr, m0 + 3, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
+        r0 = _inverse_rms(a0, K, eps)
+        if BLOCK_M > 1:
+            r1 = _inverse_rms(a1, K, eps)
+        if BLOCK_M > 2:
+            r2 = _inverse_rms(a2, K, eps)
+            r3 = _inverse_rms(a3, K, eps)
+    return r0, r1, r2, r3
 
 
 @triton.jit
@@ -372,10 +401,8 @@ def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh
     input rows m0..m0 + 3 (those past BLOCK_M stay zero) over chunks [c_lo, c_hi); with NORM the
     inputs RMS-normalized first (`_x_slice`; ADD: each plus a row at add_ptr), each program reading its
     rows whole for their norm."""
-    r0 = _rstd(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE)
-    r1 = _rstd(x_ptr, m0 + 1, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM and BLOCK_M > 1, ADD, NATIVE)
-    r2 = _rstd(x_ptr, m0 + 2, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM and BLOCK_M > 2, ADD, NATIVE)
-    r3 = _rstd(x_ptr, m0 + 3, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM and BLOCK_M > 2, ADD, NATIVE)
+    r0, r1, r2, r3 = _rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE,
+                            BLOCK_M)
     acc0 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)

@@ -198,11 +198,10 @@ def test_the_fused_decode_kernels_load_wide_and_spill_at_most_an_invariant():
     """The SwiGLU epilogue, the in-kernel split-K sum with the residual add and the two-type q/k/v
     kernel for sm_90, with and without the RMSNorm of their inputs inside (and the residual and the
     norm with the depth decoder's position rows added, "+add"): 16-byte weight loads, two waves or
-    more at their released products, no spills but where ptxas keeps a few bytes of a loop
-    invariant in local memory for occupancy (at most 32 bytes, read at most once per 64 weights in
-    the k-loop: the two-type "+add" form, 8 bytes read once per 128); the norm costs at most 2.2
-    instructions a weight (two input rows normalized, each value shared by the tile's 4 weight rows;
-    1.98 and 2.11 measured)."""
+    more at their released products, no spills but where ptxas keeps a few bytes in local memory
+    rather than take more registers (at most 32 bytes, read at most once per 64 weights in the
+    k-loop: some "+add" forms); the norm costs the k-loop at most 2.2 instructions a weight (two
+    input rows normalized, each value shared by the tile's 4 weight rows; 1.96 and 2.11 measured)."""
     pytest.importorskip("triton", reason="this torch installation has no Triton")
     from mm3.tools.kernels import report
 
