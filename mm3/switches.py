@@ -43,7 +43,8 @@ SWITCHES = {s.name: s for s in (
            "inside the product that reads it) or chained (each norm with its residual add a launch of its own)"),
     Switch("MM3_GPU_DECODE_ROWS", "4", ("4", "8"),
            "weight rows a program of the GPU's few-row products takes: 4, or 8 (each input value serves twice as "
-           "many weights, fewer instructions a weight, about twice the registers: for a GPU to time)"),
+           "many weights, fewer instructions a weight, about twice the registers: for a GPU to time); read once a "
+           "process"),
     Switch("MM3_KEEP_COPIES", "off", ("on", "off"),
            "keep float copies of the AR weights even where a fused kernel reads the blocks"),
     Switch("MM3_CPU_NATIVE", "on", ("on", "off"), "build and use the native integer kernel on the CPU"),

@@ -14,6 +14,7 @@ device) before a layer uses it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -47,9 +48,8 @@ class Config:
 # conversions (a decode tile of 4 rows x 8 chunks over 2 warps puts 4 words of every plane in each
 # thread), 16-byte loads of every weight byte.
 DECODE = Config(block_n=4, block_c=8, num_warps=2)
-# 8 weight rows a thread: each input value (and its norm inside) serves twice as many weights, about
-# 1.4 instructions a weight fewer for Q4_K with the norm, but about 255 registers a thread and
-# spills for Q6_K; `MM3_GPU_DECODE_ROWS=8` picks it, for a GPU to time against DECODE.
+# 8 weight rows a thread: each input value (and its norm inside) serves twice as many weights, at
+# about twice the registers (docs/KERNELS.md); `MM3_GPU_DECODE_ROWS=8` picks it, for a GPU to time.
 DECODE_WIDE = Config(block_n=8, block_c=8, num_warps=2)
 PREFILL = Config(block_n=64, block_c=1, num_warps=4, block_m=64)
 PREFILL_F32 = Config(block_n=32, block_c=1, num_warps=4, block_m=32)  # float32 inputs: FMA products
@@ -62,6 +62,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache  # asked at every product: the switch is read once a process (`cache_clear` reads it again)
 def decode_config() -> Config:
     """The decode tile in force on a GPU: DECODE, or DECODE_WIDE under `MM3_GPU_DECODE_ROWS=8`."""
     return DECODE_WIDE if switches.value("MM3_GPU_DECODE_ROWS") == "8" else DECODE

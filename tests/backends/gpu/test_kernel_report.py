@@ -238,8 +238,16 @@ def test_the_wide_decode_tile_spends_fewer_instructions_a_weight(monkeypatch):
             assert r["spills"] == 0 and r["weight_load_bytes_by_width"] == {"16": 1.0}, r
         return [r["instructions_per_weight"]["total"] for r in picked]
 
-    monkeypatch.delenv("MM3_GPU_DECODE_ROWS", raising=False)
-    narrow = totals()
-    monkeypatch.setenv("MM3_GPU_DECODE_ROWS", "8")
-    wide = totals()
+    from mm3.backends.gpu.layout_kernels import decode_config
+
+    try:
+        monkeypatch.delenv("MM3_GPU_DECODE_ROWS", raising=False)
+        decode_config.cache_clear()  # the report compiles in this process where Triton is not interpreted
+        narrow = totals()
+        monkeypatch.setenv("MM3_GPU_DECODE_ROWS", "8")
+        decode_config.cache_clear()
+        wide = totals()
+    finally:
+        monkeypatch.undo()
+        decode_config.cache_clear()
     assert wide[0] < narrow[0] and wide[1] < narrow[1] - 1.0, (narrow, wide)

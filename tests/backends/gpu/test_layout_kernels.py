@@ -128,18 +128,29 @@ def test_the_wide_decode_tile_computes_the_same_products(qtype):
 
 
 def test_the_decode_tile_follows_its_switch(monkeypatch):
-    """`MM3_GPU_DECODE_ROWS`, read at every product: 8 rows a program, or the default 4; the grid
+    """`MM3_GPU_DECODE_ROWS`, read once a process: 8 rows a program, or the default 4; the grid
     splits K further to fill the GPU with the fewer, wider tiles, never below a whole tile."""
-    monkeypatch.delenv("MM3_GPU_DECODE_ROWS", raising=False)
-    assert lk.decode_config() == lk.DECODE and lk.DECODE.block_n == 4
-    assert lk.decode_grid(2, 1024, 4096, 132) == (2, 8, 1, 256, 2)
-    monkeypatch.setenv("MM3_GPU_DECODE_ROWS", "8")
-    assert lk.decode_config() == lk.DECODE_WIDE and lk.DECODE_WIDE.block_n == 8
-    assert lk.decode_grid(2, 1024, 4096, 132) == (2, 8, 1, 128, 2)  # 16 chunks: 2 tiles of 8 at most
-    assert lk.decode_grid(2, 4096, 4096, 132) == (2, 8, 1, 512, 2)  # 512 tiles: K split in 2 to reach 528
-    monkeypatch.setenv("MM3_GPU_DECODE_ROWS", "4")
-    assert lk.decode_config() == lk.DECODE
-    assert lk.decode_grid(2, 4096, 4096, 132) == (2, 8, 1, 1024, 1)  # 1024 tiles of 4 rows: no split
+    def tile_with(value):
+        if value is None:
+            monkeypatch.delenv("MM3_GPU_DECODE_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("MM3_GPU_DECODE_ROWS", value)
+        lk.decode_config.cache_clear()
+        return lk.decode_config()
+
+    try:
+        assert tile_with(None) == lk.DECODE and lk.DECODE.block_n == 4
+        assert lk.decode_grid(2, 1024, 4096, 132) == (2, 8, 1, 256, 2)
+        assert tile_with("8") == lk.DECODE_WIDE and lk.DECODE_WIDE.block_n == 8
+        monkeypatch.delenv("MM3_GPU_DECODE_ROWS")
+        assert lk.decode_config() == lk.DECODE_WIDE  # kept until asked again
+        assert lk.decode_grid(2, 1024, 4096, 132) == (2, 8, 1, 128, 2)  # 16 chunks: 2 tiles of 8 at most
+        assert lk.decode_grid(2, 4096, 4096, 132) == (2, 8, 1, 512, 2)  # 512 tiles: K split in 2 to reach 528
+        assert tile_with("4") == lk.DECODE
+        assert lk.decode_grid(2, 4096, 4096, 132) == (2, 8, 1, 1024, 1)  # 1024 tiles of 4 rows: no split
+    finally:
+        monkeypatch.undo()
+        lk.decode_config.cache_clear()
 
 
 def test_bad_weights_are_refused():
