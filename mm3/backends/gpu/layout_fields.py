@@ -27,7 +27,7 @@ def _word(t, e, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _lanes(s, R: tl.constexpr, C: tl.constexpr):
+def lanes(s, R: tl.constexpr, C: tl.constexpr):
     """[R, C, 8] -> [R, C, 32]: each value for its group's 4 lanes."""
     return tl.reshape(tl.broadcast_to(s[:, :, :, None], (R, C, 8, 4)), (R, C, 32))
 
@@ -75,7 +75,7 @@ def tile(q_ptr, qh_ptr, s_ptr, s2_ptr, rows, cs, q_stride, qh_stride, s_stride, 
 
 
 @triton.jit
-def _byte(w, b):
+def signed_byte(w, b):
     """Signed byte b (0-3) of int32 words."""
     return (w << (24 - 8 * b)) >> 24
 
@@ -110,7 +110,7 @@ def _unshifted(v, offset: tl.constexpr, sh: tl.constexpr):
 @triton.jit
 def _scale(f, sh: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """A block's factor f [R, C, 8] times 2 ** -sh (exact: a power of two), for every lane."""
-    return _lanes(f * (1.0 / (1 << sh)), R, C)
+    return lanes(f * (1.0 / (1 << sh)), R, C)
 
 
 @triton.jit
@@ -160,8 +160,8 @@ def factors(sa, sb, cs, QTYPE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     elif QTYPE == 8:  # Q6_K: d * the int8 scales of groups 2 g and 2 g + 1
         d = _half(_word(sb, ((cs % 8) // 2)[None, :, None, None], R, C), (cs % 2)[None, :, None])
         scales = _word(sa, (g // 2)[:, :, :, None], R, C)
-        a = d * _byte(scales, 2 * (g % 2)).to(tl.float32)
-        b = d * _byte(scales, 2 * (g % 2) + 1).to(tl.float32)
+        a = d * signed_byte(scales, 2 * (g % 2)).to(tl.float32)
+        b = d * signed_byte(scales, 2 * (g % 2) + 1).to(tl.float32)
     elif QTYPE >= 1:  # the 32-value types: the block's float16 d (and m)
         a = _half(_word(sa, (g // 2)[:, :, :, None], R, C), g % 2)
         if QTYPE == 3 or QTYPE == 5:
@@ -175,7 +175,7 @@ def factors(sa, sb, cs, QTYPE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
 def high_words(wh, QTYPE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """The qh words each group of 4 lanes reads, [R, C, 8] each, picked once a tile from the 4 the
     thread loaded: (lanes 0-1's, lanes 2-3's) for Q6_K, its one word twice for the Q5 types (read
-    for a lane by `_high_word`); wh twice for a type without high bits."""
+    for a lane by `high_word`); wh twice for a type without high bits."""
     g = tl.arange(0, 8)[None, None, :]
     if QTYPE == 8:
         odd = (g % 2) == 1
@@ -189,9 +189,9 @@ def high_words(wh, QTYPE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _high_word(hl, hh, R: tl.constexpr, C: tl.constexpr):
+def high_word(hl, hh, R: tl.constexpr, C: tl.constexpr):
     """Each lane's qh word [R, C, 32] from `high_words`'s pair."""
-    return tl.where(tl.arange(0, 32)[None, None, :] % 4 < 2, _lanes(hl, R, C), _lanes(hh, R, C))
+    return tl.where(tl.arange(0, 32)[None, None, :] % 4 < 2, lanes(hl, R, C), lanes(hh, R, C))
 
 
 @triton.jit
@@ -204,7 +204,7 @@ def _turn(j, i, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rotr(c, s):
+def rotr(c, s):
     """int32 words rotated right by s bits (0 <= s < 32)."""
     u = c.to(tl.uint32, bitcast=True)
     return ((u >> s) | (u << ((32 - s) % 32))).to(tl.int32, bitcast=True)
@@ -233,12 +233,12 @@ def weight_slice(q_ptr, rows, cs, q_stride, K, wq, wh, hl, hh, a, b, i: tl.const
         p: tl.constexpr = 4 * (i % 4)
         v = _in_place(wq, i, 4)
         if QTYPE == 7:  # the fifth bit, rotated to just above the nibble (`device_layout.high_bit`)
-            v = v | (_rotr(_high_word(hl, hh, R, C), _turn(j, i, QTYPE)) & (1 << (4 + p)))
-        w = _unshifted(v, 0, p) * _scale(a, p, R, C) - _lanes(b, R, C)
+            v = v | (rotr(high_word(hl, hh, R, C), _turn(j, i, QTYPE)) & (1 << (4 + p)))
+        w = _unshifted(v, 0, p) * _scale(a, p, R, C) - lanes(b, R, C)
     elif QTYPE == 8:  # Q6_K: d * the int8 scale of the lane's group of 16
         p: tl.constexpr = 4 * (i % 4)
         v = _in_place(wq, i, 4)
-        v = v | (_rotr(_high_word(hl, hh, R, C), _turn(j, i, QTYPE)) & (3 << (4 + p)))  # the top two bits
+        v = v | (rotr(high_word(hl, hh, R, C), _turn(j, i, QTYPE)) & (3 << (4 + p)))  # the top two bits
         if i < 4:
             w = _unshifted(v, 32, p) * _scale(a, p, R, C)
         else:
@@ -247,13 +247,13 @@ def weight_slice(q_ptr, rows, cs, q_stride, K, wq, wh, hl, hh, a, b, i: tl.const
         p: tl.constexpr = 4 * (i % 4)
         v = _in_place(wq, i, 4)
         if QTYPE == 4 or QTYPE == 5:
-            v = v | (_rotr(_high_word(hl, hh, R, C), _turn(j, i, QTYPE)) & (1 << (4 + p)))
+            v = v | (rotr(high_word(hl, hh, R, C), _turn(j, i, QTYPE)) & (1 << (4 + p)))
         if QTYPE == 2:
             w = _unshifted(v, 8, p) * _scale(a, p, R, C)
         elif QTYPE == 4:
             w = _unshifted(v, 16, p) * _scale(a, p, R, C)
         else:
-            w = _unshifted(v, 0, p) * _scale(a, p, R, C) + _lanes(b, R, C)
+            w = _unshifted(v, 0, p) * _scale(a, p, R, C) + lanes(b, R, C)
     return w
 
 
@@ -270,25 +270,25 @@ def weight_slice_at(q_ptr, rows, cs, q_stride, K, wq, wh, hl, hh, a, b, i, QTYPE
         w = w.to(tl.float32)
     elif QTYPE == 1:  # Q8_0
         q = _exact(((tl.where(i < 4, wq, wh) >> (8 * (i % 4))) & 255) ^ 128, 128)  # int8 = unsigned ^ 128 - 128
-        w = q * _lanes(a, R, C)
+        w = q * lanes(a, R, C)
     elif QTYPE == 6 or QTYPE == 7:  # Q4_K, Q5_K: d * sc * q - dmin * m
         q = (wq >> (4 * i)) & 15
         if QTYPE == 7:
-            q = q | (((_high_word(hl, hh, R, C) >> ((4 * (i % 4) + 4 + _turn(j, i, QTYPE)) % 32)) & 1) << 4)
-        w = _exact(q, 0) * _lanes(a, R, C) - _lanes(b, R, C)
+            q = q | (((high_word(hl, hh, R, C) >> ((4 * (i % 4) + 4 + _turn(j, i, QTYPE)) % 32)) & 1) << 4)
+        w = _exact(q, 0) * lanes(a, R, C) - lanes(b, R, C)
     elif QTYPE == 8:  # Q6_K: d * the int8 scale of the lane's group of 16
         q = (wq >> (4 * i)) & 15
-        q = q | (((_high_word(hl, hh, R, C) >> ((4 * (i % 4) + 4 + _turn(j, i, QTYPE)) % 32)) & 3) << 4)
-        w = _exact(q, 32) * _lanes(tl.where(i < 4, a, b), R, C)
+        q = q | (((high_word(hl, hh, R, C) >> ((4 * (i % 4) + 4 + _turn(j, i, QTYPE)) % 32)) & 3) << 4)
+        w = _exact(q, 32) * lanes(tl.where(i < 4, a, b), R, C)
     else:  # Q4_0, Q4_1, Q5_0, Q5_1
         q = (wq >> (4 * i)) & 15
         if QTYPE == 4 or QTYPE == 5:
-            q = q | (((_high_word(hl, hh, R, C) >> ((4 * (i % 4) + 4 + _turn(j, i, QTYPE)) % 32)) & 1) << 4)
-        d = _lanes(a, R, C)
+            q = q | (((high_word(hl, hh, R, C) >> ((4 * (i % 4) + 4 + _turn(j, i, QTYPE)) % 32)) & 1) << 4)
+        d = lanes(a, R, C)
         if QTYPE == 2:
             w = _exact(q, 8) * d
         elif QTYPE == 4:
             w = _exact(q, 16) * d
         else:
-            w = _exact(q, 0) * d + _lanes(b, R, C)
+            w = _exact(q, 0) * d + lanes(b, R, C)
     return w

@@ -15,110 +15,21 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .layout_fields import factors, high_words, inside, tile, value_at, weight_slice, weight_slice_at, widened
+from .layout_fields import factors, high_words, inside, tile, value_at, weight_slice, weight_slice_at
+from .layout_inputs import added, rstds, x_slice
 from .norm_kernels import cast
 
 
 @triton.jit
-def _rounded(v, dt: tl.constexpr, NATIVE: tl.constexpr):
-    """v (float32) rounded to `dt` and back: the device's own conversion (round to nearest even on
-    a GPU, one instruction), or `norm_kernels.cast` where it would truncate (the interpreter)."""
-    if NATIVE:
-        return v.to(dt).to(tl.float32)
-    else:
-        return cast(v, dt).to(tl.float32)
-
-
-@triton.jit
-def _added(v, m, M, col, ok, add_ptr, add_rows, add_stride, dt: tl.constexpr, NATIVE: tl.constexpr):
-    """v (float32 values of row m at columns col) plus row m % add_rows of the rows at add_ptr,
-    rounded to `dt` as torch adds two tensors of it (`_rounded`)."""
-    a = tl.load(add_ptr + (m % add_rows).to(tl.int64) * add_stride + col, mask=ok & (m < M), other=0.0)
-    return _rounded(v + a.to(tl.float32), dt, NATIVE)
-
-
-@triton.jit
-def _x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, add_ptr, add_rows, add_stride, NORM: tl.constexpr,
-             ADD: tl.constexpr, NATIVE: tl.constexpr, QTYPE: tl.constexpr):
-    """Input row m's values of slice i of chunks cs (`value_at`): float32 [1, C, 32] (zeros past K or M); with
-    NORM the row's RMSNorm by the weight at nw_ptr (r: the row's `_rstds`), in the roundings of
-    `norm_kernels`: the normalized value and its product with the weight each rounded to x's dtype;
-    with NORM and ADD the row normalized is x's plus a row at add_ptr (`_added`)."""
-    dt: tl.constexpr = x_ptr.dtype.element_ty
-    j = tl.arange(0, 32)[None, None, :]
-    col = cs[None, :, None] * 256 + value_at(i, j, QTYPE)
-    ok = inside(cs[None, :, None], j, i, K, QTYPE)
-    x = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=ok & (m < M), other=0.0)
-    if NORM and ADD:  # the plain conversion: compiled with the add's rounding, it costs fewer instructions
-        x = _added(x.to(tl.float32), m, M, col, ok, add_ptr, add_rows, add_stride, dt, NATIVE)
-    else:
-        x = widened(x)
-    if NORM:
-        w = tl.load(nw_ptr + col, mask=ok, other=0.0)
-        if NATIVE:  # the product of two values of dt is exact in float32: dt's own product rounds it the same
-            return widened(w * (x * r).to(dt))
-        return _rounded(w.to(tl.float32) * _rounded(x * r, dt, NATIVE), dt, NATIVE)
-    return x
-
-
-@triton.jit
-def _squares(x_ptr, m, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD: tl.constexpr, NATIVE: tl.constexpr):
-    """The squares of input row m's values at columns col (zeros past K or M); with ADD of the row
-    plus a row at add_ptr (`_added`)."""
-    v = tl.load(x_ptr + m.to(tl.int64) * x_stride + col, mask=(col < K) & (m < M), other=0.0)
-    if ADD:
-        v = _added(v.to(tl.float32), m, M, col, col < K, add_ptr, add_rows, add_stride, x_ptr.dtype.element_ty,
-                   NATIVE)
-    else:
-        v = widened(v)
-    return v * v
-
-
-@triton.jit
-def _inverse_rms(acc, K, eps):
-    """1 / sqrt(mean + eps) of the squares summed in acc, correctly rounded twice."""
-    return tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, axis=0) / K + eps))
-
-
-@triton.jit
-def _rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM: tl.constexpr, ADD: tl.constexpr,
-           NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr = 512):
-    """1 / sqrt(mean(x[m]^2) + eps) of input rows m0..m0 + 3 (those past BLOCK_M: 1.0) in float32,
-    correctly rounded twice as `norm_kernels` computes it (the sum of squares in another order), the
-    rows read in one loop; with ADD of each row plus a row at add_ptr (`_added`); 1.0 without NORM."""
-    r0, r1, r2, r3 = 1.0, 1.0, 1.0, 1.0
-    if NORM:
-        a0 = tl.zeros((BLOCK,), tl.float32)
-        a1 = tl.zeros((BLOCK,), tl.float32)
-        a2 = tl.zeros((BLOCK,), tl.float32)
-        a3 = tl.zeros((BLOCK,), tl.float32)
-        for k0 in range(0, K, BLOCK):
-            col = k0 + tl.arange(0, BLOCK)
-            a0 += _squares(x_ptr, m0, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
-            if BLOCK_M > 1:
-                a1 += _squares(x_ptr, m0 + 1, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
-            if BLOCK_M > 2:
-                a2 += _squares(x_ptr, m0 + 2, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
-                a3 += _squares(x_ptr, m0 + 3, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
-        r0 = _inverse_rms(a0, K, eps)
-        if BLOCK_M > 1:
-            r1 = _inverse_rms(a1, K, eps)
-        if BLOCK_M > 2:
-            r2 = _inverse_rms(a2, K, eps)
-            r3 = _inverse_rms(a3, K, eps)
-    return r0, r1, r2, r3
-
-
-@triton.jit
-def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
+def _float_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
                rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
                ADD: tl.constexpr, NATIVE: tl.constexpr):
     """The k-loop: float32 [BLOCK_N, BLOCK_C, 32] sums of weight rows `rows` (of these planes) times
     input rows m0..m0 + 3 (those past BLOCK_M stay zero) over chunks [c_lo, c_hi); with NORM the
-    inputs RMS-normalized first (`_x_slice`; ADD: each plus a row at add_ptr), each program reading its
+    inputs RMS-normalized first (`x_slice`; ADD: each plus a row at add_ptr), each program reading its
     rows whole for their norm."""
-    r0, r1, r2, r3 = _rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE,
+    r0, r1, r2, r3 = rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE,
                             BLOCK_M)
     acc0 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_C, 32), tl.float32)
@@ -132,17 +43,31 @@ def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh
         hl, hh = high_words(wh, QTYPE, BLOCK_N, BLOCK_C)
         for i in tl.static_range(8):
             w = weight_slice(q_ptr, rows, cs, q_stride, K, wq, wh, hl, hh, a, b, i, QTYPE, BLOCK_N, BLOCK_C)
-            acc0 += w * _x_slice(x_ptr, m0, M, x_stride, cs, K, i, nw_ptr, r0, add_ptr, add_rows,
+            acc0 += w * x_slice(x_ptr, m0, M, x_stride, cs, K, i, nw_ptr, r0, add_ptr, add_rows,
                                  add_stride, NORM, ADD, NATIVE, QTYPE)
             if BLOCK_M > 1:
-                acc1 += w * _x_slice(x_ptr, m0 + 1, M, x_stride, cs, K, i, nw_ptr, r1, add_ptr, add_rows,
+                acc1 += w * x_slice(x_ptr, m0 + 1, M, x_stride, cs, K, i, nw_ptr, r1, add_ptr, add_rows,
                                  add_stride, NORM, ADD, NATIVE, QTYPE)
             if BLOCK_M > 2:
-                acc2 += w * _x_slice(x_ptr, m0 + 2, M, x_stride, cs, K, i, nw_ptr, r2, add_ptr, add_rows,
+                acc2 += w * x_slice(x_ptr, m0 + 2, M, x_stride, cs, K, i, nw_ptr, r2, add_ptr, add_rows,
                                  add_stride, NORM, ADD, NATIVE, QTYPE)
-                acc3 += w * _x_slice(x_ptr, m0 + 3, M, x_stride, cs, K, i, nw_ptr, r3, add_ptr, add_rows,
+                acc3 += w * x_slice(x_ptr, m0 + 3, M, x_stride, cs, K, i, nw_ptr, r3, add_ptr, add_rows,
                                  add_stride, NORM, ADD, NATIVE, QTYPE)
     return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
+               rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
+               ADD: tl.constexpr, NATIVE: tl.constexpr):
+    """The program's float32 [BLOCK_N] sums for input rows m0..m0 + 3 (zeros past BLOCK_M): the k-loop
+    (`_float_sums`) summed over its chunks and lanes."""
+    acc0, acc1, acc2, acc3 = _float_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
+                                         s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows,
+                                         add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, NATIVE)
+    return (tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
+            tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1))
 
 
 @triton.jit
@@ -158,7 +83,7 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
     split over the grid's third axis (`_store`). SWIGLU (no split, no bias): W is [2 N, K], gate
     rows then up rows; the tile takes BLOCK_N / 2 of each, interleaved, and y[m, n] =
     silu(gate) * up in y's dtype (`_store_swiglu`). NORM: the inputs RMS-normalized by the weight
-    at nw_ptr (eps) on the way in (`_x_slice`; PRECISE: rounded by the device's own conversions, as
+    at nw_ptr (eps) on the way in (`x_slice`; PRECISE: rounded by the device's own conversions, as
     on a GPU, else as `norm_kernels.cast`); RESIDUAL (not with SWIGLU): y = res + the product, each
     rounded to y's dtype as torch adds a layer's output to the residual stream (`_store_row`). ADD
     (with NORM or RESIDUAL): the stream, the rows normalized or the residual, is the stored rows plus
@@ -175,18 +100,18 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
     m0 = tl.program_id(0) * BLOCK_M
     c_lo = tl.program_id(2) * split_chunks
     c_hi = tl.minimum(chunks, c_lo + split_chunks)
-    acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
-                                        s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows,
-                                        add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE)
+    s0, s1, s2, s3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride,
+                                s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE,
+                                BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE)
     if SWIGLU:
-        _store_swiglu(acc0, m0, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+        _store_swiglu(s0, m0, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
         if BLOCK_M > 1:
-            _store_swiglu(acc1, m0 + 1, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+            _store_swiglu(s1, m0 + 1, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
         if BLOCK_M > 2:
-            _store_swiglu(acc2, m0 + 2, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
-            _store_swiglu(acc3, m0 + 3, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+            _store_swiglu(s2, m0 + 2, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
+            _store_swiglu(s3, m0 + 3, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
     else:
-        _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
+        _store(s0, s1, s2, s3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
                res_stride, add_ptr, add_rows, add_stride, HAS_BIAS, PARTIAL, BLOCK_M, RESIDUAL, ADD)
 
 
@@ -209,33 +134,27 @@ def gemv_segments_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, q2_ptr, qh2_ptr, s
     c_lo = tl.program_id(2) * split_chunks
     c_hi = tl.minimum(chunks, c_lo + split_chunks)
     if pid_n * BLOCK_N < N1:
-        acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride,
-                                            qh_stride, s_stride, s2_stride, offs_n, m0, c_lo, c_hi, nw_ptr, eps,
-                                            add_ptr, add_rows, add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM,
-                                            ADD, PRECISE)
+        s0, s1, s2, s3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
+                                    s_stride, s2_stride, offs_n, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows,
+                                    add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE)
     else:
         rows = tl.minimum(offs_n, N - 1) - N1
-        acc0, acc1, acc2, acc3 = _gemv_sums(x_ptr, q2_ptr, qh2_ptr, s3_ptr, s4_ptr, M, K, x_stride, q2_stride,
-                                            qh2_stride, s3_stride, s4_stride, rows, m0, c_lo, c_hi, nw_ptr, eps,
-                                            add_ptr, add_rows, add_stride, QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM,
-                                            ADD, PRECISE)
-    _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
+        s0, s1, s2, s3 = _gemv_sums(x_ptr, q2_ptr, qh2_ptr, s3_ptr, s4_ptr, M, K, x_stride, q2_stride,
+                                    qh2_stride, s3_stride, s4_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr,
+                                    add_rows, add_stride, QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE)
+    _store(s0, s1, s2, s3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
            res_stride, add_ptr, add_rows, add_stride, HAS_BIAS, PARTIAL, BLOCK_M, RESIDUAL, ADD)
 
 
 @triton.jit
-def _store(acc0, acc1, acc2, acc3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
-           res_stride, add_ptr, add_rows, add_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-           BLOCK_M: tl.constexpr, RESIDUAL: tl.constexpr, ADD: tl.constexpr):
-    """The program's rows of y, or with PARTIAL its partial sums (float32 [splits, M, N] at
-    part_ptr), then a count of the tile's programs done (count_ptr, one int32 per tile, zero before);
-    the last one adds the splits' sums in their order (the same bits whatever the timing), stores
+def _store(s0, s1, s2, s3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr, res_stride,
+           add_ptr, add_rows, add_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
+           RESIDUAL: tl.constexpr, ADD: tl.constexpr):
+    """The program's rows of y from its sums s0..s3 [BLOCK_N], or with PARTIAL those (float32 [splits,
+    M, N] at part_ptr), then a count of the tile's programs done (count_ptr, one int32 per tile, zero
+    before); the last one adds the splits' sums in their order (the same bits whatever the timing), stores
     y and sets the count back to zero for the next launch."""
     n_ok = offs_n < N
-    s0 = tl.sum(tl.sum(acc0, axis=2), axis=1)
-    s1 = tl.sum(tl.sum(acc1, axis=2), axis=1)
-    s2 = tl.sum(tl.sum(acc2, axis=2), axis=1)
-    s3 = tl.sum(tl.sum(acc3, axis=2), axis=1)
     if PARTIAL:
         splits = tl.num_programs(2)
         at = part_ptr + (tl.program_id(2) * M).to(tl.int64) * N + offs_n
@@ -296,7 +215,7 @@ def _split_sum(part_ptr, m, M, N, offs_n, n_ok, splits):
 def _store_row(y, m, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_stride, add_ptr, add_rows,
                add_stride, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ADD: tl.constexpr):
     """Row m of y: its sums (+ bias) in y's dtype; with RESIDUAL, res[m] + that, rounded again
-    (with ADD, res[m] plus a row at add_ptr first, rounded: `_added`)."""
+    (with ADD, res[m] plus a row at add_ptr first, rounded: `added`)."""
     dt = y_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -304,18 +223,18 @@ def _store_row(y, m, M, N, offs_n, n_ok, b_ptr, y_ptr, y_stride, res_ptr, res_st
     if RESIDUAL:
         res = tl.load(res_ptr + m.to(tl.int64) * res_stride + offs_n, mask=n_ok & (m < M), other=0.0).to(tl.float32)
         if ADD:
-            res = _added(res, m, M, offs_n, n_ok, add_ptr, add_rows, add_stride, dt, False)
+            res = added(res, m, M, offs_n, n_ok, add_ptr, add_rows, add_stride, dt, False)
         out = cast(res + out.to(tl.float32), dt)
     tl.store(y_ptr + m.to(tl.int64) * y_stride + offs_n, out, mask=n_ok & (m < M))
 
 
 @triton.jit
-def _store_swiglu(acc, m, M, N, pid_n, y_ptr, y_stride, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr):
+def _store_swiglu(sums, m, M, N, pid_n, y_ptr, y_stride, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr):
     """y[m, n] = silu(gate) * up with torch's arithmetic in y's dtype: gate and up rounded to it,
     silu(g) = g / (1 + exp(-g)) in float32 (PRECISE: CUDA's expf and an IEEE division, as torch's
     kernel; else the interpreter's exp) rounded, the product in float32 rounded."""
     dt = y_ptr.dtype.element_ty
-    gate, up = tl.split(tl.reshape(tl.sum(tl.sum(acc, axis=2), axis=1), (BLOCK_N // 2, 2)))
+    gate, up = tl.split(tl.reshape(sums, (BLOCK_N // 2, 2)))
     g = gate.to(dt).to(tl.float32)
     if PRECISE:
         e = libdevice.exp(-g)
