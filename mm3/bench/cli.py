@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from .. import switches
 from ..formats.diffusers import DIFFUSERS_DEFAULTS
 from ..tools.tiny import RELEASED_LM_CONFIG
 from .checkpoints import COMPONENTS, CONFIGS, build_checkpoint, build_direct, direct_bytes, param_bytes
@@ -185,7 +186,9 @@ def _run(args) -> dict:
         "settings": {"frames": args.frames or c["frames"], "e2e_seconds": args.seconds or c["seconds"],
                      "steps": args.steps, "repeat": args.repeat, "seed": args.seed, "compile": args.compile,
                      "stream": args.stream, "lora_rank": args.lora_rank, "graphs": args.graphs, "profile": args.profile,
-                     "kernels": _kernel_mode()},
+                     "kernels": _kernel_mode(),
+                     "switches": {name: switches.value(name) for name in sorted(switches.SWITCHES)
+                                  if switches.SWITCHES[name].choices is not None}},
         "build_seconds": round(time.perf_counter() - t0, 1), "notes": [],
     }
     have_reference = importlib.util.find_spec("diffusers") is not None and ckpt.diffusers is not None

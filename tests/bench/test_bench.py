@@ -40,6 +40,8 @@ def test_report_names_machine_and_settings(report):
     assert report["config"] == "tiny" and report["quant"] == "F32" and report["dtype"] == "float32"
     assert report["sizes"]["language_model"]["hidden_size"] == 64
     assert report["settings"]["frames"] == 8 and report["date"]
+    switched = report["settings"]["switches"]  # the switches in force: a JSON says how it was run
+    assert switched["MM3_GPU_INT8_INPUTS"] in ("on", "off") and "MM3_CACHE_DIR" not in switched
 
 
 def test_every_stage_has_both_sides_and_their_ratio(report):

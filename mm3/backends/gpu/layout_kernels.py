@@ -42,6 +42,7 @@ class Config:
     num_warps: int
     block_m: int = 0
     num_stages: int = 3
+    int8_inputs: bool = False  # decode: Q8_0, Q4_0, Q4_1 and Q4_K read with 8-bit inputs (`layout_int8`)
 
 
 # Tiles chosen from the static report (`python -m mm3 kernels --report`): no spills, no layout
@@ -62,10 +63,18 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache  # asked at every product: the switch is read once a process (`cache_clear` reads it again)
+@functools.cache  # asked at every product: the switches are read once a process (`cache_clear` reads them again)
 def decode_config() -> Config:
-    """The decode tile in force on a GPU: DECODE, or DECODE_WIDE under `MM3_GPU_DECODE_ROWS=8`."""
-    return DECODE_WIDE if switches.value("MM3_GPU_DECODE_ROWS") == "8" else DECODE
+    """The decode tile in force on a GPU: DECODE, or DECODE_WIDE under `MM3_GPU_DECODE_ROWS=8`; with
+    8-bit inputs under `MM3_GPU_INT8_INPUTS` (where the device runs them: `int8_inputs`)."""
+    config = DECODE_WIDE if switches.value("MM3_GPU_DECODE_ROWS") == "8" else DECODE
+    return dataclasses.replace(config, int8_inputs=switches.on("MM3_GPU_INT8_INPUTS"))
+
+
+def int8_inputs(config: Config, device: torch.device) -> bool:
+    """Whether a decode launch on `device` reads its inputs as int8 (`layout_int8`): where `config`
+    asks and the kernel's PTX runs (CUDA, not ROCm), or under the interpreter (its emulation)."""
+    return config.int8_inputs and (_interpreted() or (device.type == "cuda" and torch.version.hip is None))
 
 
 def chunks_of(k: int) -> int:
@@ -289,7 +298,8 @@ def _decode(x2: torch.Tensor, parts: list, sizes: list[int], k: int, bias: torch
     counts = counters(x2.device, groups * tiles) if splits > 1 else y
     b = bias if bias is not None else y
     consts = dict(HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                  BLOCK_C=block_c, num_warps=config.num_warps, PRECISE=not _interpreted(), **fused.flags())
+                  BLOCK_C=block_c, num_warps=config.num_warps, PRECISE=not _interpreted(),
+                  INT8=int8_inputs(config, x2.device), **fused.flags())
     extra = fused.args(y)
     (q, qh, s, s2), code = parts[0]
     if len(parts) == 1:
@@ -351,7 +361,7 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Con
         x2, q, qh, s, s2, y, y, y, y, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0), s.stride(0),
         s2.stride(0), chunks, chunks, *fused.args(y), QTYPE=CODES[qtype], HAS_BIAS=False, PARTIAL=False,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_C=block_c, SWIGLU=True, PRECISE=not _interpreted(),
-        num_warps=config.num_warps, **fused.flags())
+        INT8=int8_inputs(config, x2.device), num_warps=config.num_warps, **fused.flags())
     return y.view(*x.shape[:-1], n)
 
 
@@ -485,7 +495,7 @@ def report_specs(decode: list, prefill: list) -> list:
                 fn, config = gemv_kernel, decode_config()
                 constexprs = {"QTYPE": CODES[qtype], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
                               "BLOCK_N": config.block_n, "BLOCK_C": block_c, "SWIGLU": False, "PRECISE": True,
-                              "NORM": False, "RESIDUAL": False, "ADD": False}
+                              "NORM": False, "RESIDUAL": False, "ADD": False, "INT8": config.int8_inputs}
                 mix = {"loop_weights": config.block_n * block_c * dl.CHUNK // (32 * config.num_warps),
                        "inner_trips": dl.SLICES}
 
@@ -550,7 +560,7 @@ def fused_report_specs(decode: list) -> list:
             ints["N1"] = n - n // 3  # q and k of a group with as many v rows as k rows
         constexprs = {"QTYPE": CODES[qtypes[0]], "HAS_BIAS": False, "PARTIAL": False, "BLOCK_M": block_m,
                       "BLOCK_N": config.block_n, "BLOCK_C": block_c, "NORM": False, "RESIDUAL": False,
-                      "ADD": False, "PRECISE": True, **extra}
+                      "ADD": False, "PRECISE": True, "INT8": config.int8_inputs, **extra}
         signature = {**pointers, **{a: "i32" for a in ints}, "eps": "fp32", **dict.fromkeys(constexprs, "constexpr")}
         signature = {a: signature[a] for a in fn.arg_names}
         aligned = tuple(pointers) + tuple(a for a, v in ints.items() if v % 16 == 0)

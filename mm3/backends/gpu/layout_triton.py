@@ -17,6 +17,7 @@ from triton.language.extra.cuda import libdevice
 
 from .layout_fields import factors, high_words, inside, tile, value_at, weight_slice, weight_slice_at
 from .layout_inputs import added, rstds, x_slice
+from .layout_int8 import int8_sums
 from .norm_kernels import cast
 
 
@@ -60,12 +61,20 @@ def _float_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, q
 def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
                rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
-               ADD: tl.constexpr, NATIVE: tl.constexpr):
+               ADD: tl.constexpr, NATIVE: tl.constexpr, INT8: tl.constexpr):
     """The program's float32 [BLOCK_N] sums for input rows m0..m0 + 3 (zeros past BLOCK_M): the k-loop
-    (`_float_sums`) summed over its chunks and lanes."""
-    acc0, acc1, acc2, acc3 = _float_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
-                                         s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows,
-                                         add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, NATIVE)
+    in float32 (`_float_sums`), or with INT8 for Q8_0, Q4_0, Q4_1, Q4_K and Q6_K the one with 8-bit inputs
+    (`layout_int8`)."""
+    if INT8 and (QTYPE == 1 or QTYPE == 2 or QTYPE == 3 or QTYPE == 6 or QTYPE == 8):
+        acc0, acc1, acc2, acc3 = int8_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride,
+                                           qh_stride, s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps,
+                                           add_ptr, add_rows, add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM,
+                                           ADD, NATIVE)
+    else:
+        acc0, acc1, acc2, acc3 = _float_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride,
+                                             qh_stride, s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps,
+                                             add_ptr, add_rows, add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM,
+                                             ADD, NATIVE)
     return (tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
             tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1))
 
@@ -77,7 +86,7 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
                 QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                 SWIGLU: tl.constexpr = False, PRECISE: tl.constexpr = True, NORM: tl.constexpr = False,
-                RESIDUAL: tl.constexpr = False, ADD: tl.constexpr = False):
+                RESIDUAL: tl.constexpr = False, ADD: tl.constexpr = False, INT8: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) for BLOCK_M (1, 2 or 4) input rows, BLOCK_N weight
     rows and the chunks [pid_k * split_chunks, + split_chunks) (whole tiles of BLOCK_C); PARTIAL: K
     split over the grid's third axis (`_store`). SWIGLU (no split, no bias): W is [2 N, K], gate
@@ -102,7 +111,7 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
     c_hi = tl.minimum(chunks, c_lo + split_chunks)
     s0, s1, s2, s3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride,
                                 s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE,
-                                BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE)
+                                BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE, INT8)
     if SWIGLU:
         _store_swiglu(s0, m0, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
         if BLOCK_M > 1:
@@ -123,7 +132,8 @@ def gemv_segments_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, q2_ptr, qh2_ptr, s
                          QTYPE: tl.constexpr, QTYPE2: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_C: tl.constexpr, NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                         PRECISE: tl.constexpr = True, ADD: tl.constexpr = False):
+                         PRECISE: tl.constexpr = True, ADD: tl.constexpr = False,
+                         INT8: tl.constexpr = False):
     """`gemv_kernel` over two weights of different types stacked by their outputs: rows [0, N1) of
     QTYPE (planes q, qh, s, s2), rows [N1, N) of QTYPE2 (planes q2, qh2, s3, s4); N1 is a multiple
     of BLOCK_N, so each program reads one of them (a q/k/v group whose v has another type). NORM,
@@ -136,12 +146,12 @@ def gemv_segments_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, q2_ptr, qh2_ptr, s
     if pid_n * BLOCK_N < N1:
         s0, s1, s2, s3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
                                     s_stride, s2_stride, offs_n, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows,
-                                    add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE)
+                                    add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE, INT8)
     else:
         rows = tl.minimum(offs_n, N - 1) - N1
         s0, s1, s2, s3 = _gemv_sums(x_ptr, q2_ptr, qh2_ptr, s3_ptr, s4_ptr, M, K, x_stride, q2_stride,
                                     qh2_stride, s3_stride, s4_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr,
-                                    add_rows, add_stride, QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE)
+                                    add_rows, add_stride, QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE, INT8)
     _store(s0, s1, s2, s3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
            res_stride, add_ptr, add_rows, add_stride, HAS_BIAS, PARTIAL, BLOCK_M, RESIDUAL, ADD)
 

@@ -1,0 +1,215 @@
+"""The decode k-loop with 8-bit inputs (`MM3_GPU_INT8_INPUTS`), for the `layout_triton` kernels:
+each program rounds the 32 input values of a block to int8 with the block's own scale (its largest
+magnitude / 127, as llama.cpp's decode products do) and multiplies them with the weight's integer
+fields four at a time (PTX's `dp4a`); the block's scales then apply once to its integer sums.
+
+Q8_0 bytes are read as they are stored; Q4_0 and Q4_K nibbles are masked into bytes, the even
+slices of a lane's word in one word and the odd ones in another (`device_layout`: nibble i of a
+lane's word is slice i), the inputs packed in the same order. A block's sum is then exact in
+integers: y = sum over blocks of dx * (a * sum(q * xq) - b * sum(xq)), with dx the inputs' scale
+and (a, b) the weight's (`layout_fields.factors`). The only rounding the float path lacks is the
+inputs': at most half a step of 1/127 of each block's largest value.
+
+Under Triton's interpreter `dp4a` is the same sum of byte products (inline PTX does not run
+there) and the rounding is done in float64, so both give the same integers.
+"""
+
+import triton
+import triton.language as tl
+
+from .layout_fields import factors, high_words, lanes, rotr, signed_byte, tile
+from .layout_inputs import rstds, x_slice
+
+
+@triton.jit
+def dp4a(a, b, c, NATIVE: tl.constexpr):
+    """c + the sum of the products of the 4 signed bytes of int32 words a and b, elementwise (tensors
+    broadcast): one `dp4a` on a GPU, the same integers from the bytes under the interpreter."""
+    if NATIVE:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    return (signed_byte(a, 0) * signed_byte(b, 0) + signed_byte(a, 1) * signed_byte(b, 1)
+            + signed_byte(a, 2) * signed_byte(b, 2) + signed_byte(a, 3) * signed_byte(b, 3) + c)
+
+
+@triton.jit
+def _code(x, inv, NATIVE: tl.constexpr):
+    """int32 words whose low byte is round(x * inv) (to nearest even, one rounding; |x * inv| <= 127):
+    on a GPU the bits of fma(x, inv, 1.5 * 2 ** 23), whose last byte is the integer's; under the
+    interpreter the integer itself (the product exact in float64, rounded there)."""
+    if NATIVE:
+        return tl.fma(x, inv, 12582912.0).to(tl.int32, bitcast=True)
+    p = x.to(tl.float64) * inv.to(tl.float64)
+    return ((p + 6755399441055744.0) - 6755399441055744.0).to(tl.int32)
+
+
+@triton.jit
+def prmt(a, b, SEL: tl.constexpr, NATIVE: tl.constexpr):
+    """Bytes picked from the 8 of int32 words b:a (a's bytes 0-3, b's 4-7), byte k of the result by
+    hex digit k of SEL: PTX's `prmt` (one instruction) on a GPU, shifts and masks elsewhere."""
+    if NATIVE:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a) + SEL],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    return (_picked(a, b, SEL & 7) | (_picked(a, b, (SEL >> 4) & 7) << 8) | (_picked(a, b, (SEL >> 8) & 7) << 16)
+            | (_picked(a, b, (SEL >> 12) & 7) << 24))
+
+
+@triton.jit
+def _picked(a, b, n: tl.constexpr):
+    """Byte n (0-7) of b:a, unsigned."""
+    if n < 4:
+        return (a >> (8 * n)) & 255
+    return (b >> (8 * (n - 4))) & 255
+
+
+@triton.jit
+def _packed(x0, x1, x2, x3, inv, NATIVE: tl.constexpr):
+    """The int8 codes of four input slices (float32 [1, C, 32]) in the bytes of one word, x0 lowest
+    (three `prmt` on a GPU)."""
+    lo = prmt(_code(x0, inv, NATIVE), _code(x1, inv, NATIVE), 0x0040, NATIVE)
+    hi = prmt(_code(x2, inv, NATIVE), _code(x3, inv, NATIVE), 0x0040, NATIVE)
+    return prmt(lo, hi, 0x5410, NATIVE)
+
+
+@triton.jit
+def _quarters(t, R: tl.constexpr, C: tl.constexpr):
+    """Lanes 0, 1, 2 and 3 of each group of 4 (a block) of t [R, C, 32], each [R, C, 8] (a thread's own
+    words: nothing moves between threads)."""
+    even, odd = tl.split(tl.reshape(t, (R, C, 8, 2, 2)))
+    l0, l2 = tl.split(even)
+    l1, l3 = tl.split(odd)
+    return l0, l1, l2, l3
+
+
+@triton.jit
+def _chain(w, u, c, C: tl.constexpr, NATIVE: tl.constexpr):
+    """c + each block's sum of the byte products of its lanes' words w (a tuple of 4 [R, C, 8]: lanes
+    0-3 of each block, `_quarters`) with words u [1, C, 32]: [R, C, 8], one chain of 4 `dp4a` a block."""
+    u0, u1, u2, u3 = _quarters(u, 1, C)
+    return dp4a(w[3], u3, dp4a(w[2], u2, dp4a(w[1], u1, dp4a(w[0], u0, c, NATIVE), NATIVE), NATIVE), NATIVE)
+
+
+@triton.jit
+def _code_sums(u, C: tl.constexpr, NATIVE: tl.constexpr):
+    """Each block's sum of the codes in words u [1, C, 32]: [1, C, 8]."""
+    ones = tl.full((1, C, 8), 0x01010101, tl.int32)  # a tensor: a constant's shifts would be Python's
+    return _chain((ones, ones, ones, ones), u, 0, C, NATIVE)
+
+
+BIASED = tl.constexpr(0x4B400000)  # the bits of 1.5 * 2 ** 23: a sum started there reads as a float (`_biased_float`)
+
+
+@triton.jit
+def _biased_float(s):
+    """float32(s - BIASED) for int32 sums s started at BIASED (|s - BIASED| < 2 ** 22), exactly, without an
+    int-to-float conversion (a slow instruction): s's bits as a float, less 1.5 * 2 ** 23."""
+    return s.to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _q6_lane(wq, word, l: tl.constexpr, NATIVE: tl.constexpr):
+    """Lane l's Q6_K fields in bytes: (slices 0-3, slices 4-7) words, from its quant word wq and its qh
+    word (`device_layout`: nibble i of wq is slice i; the qh word turned right by `_turn` puts slice
+    i's top bits just above nibble i % 4 of a half word, and turned 16 further, slices 4-7's above the
+    upper half's nibbles). The even slices' nibbles and bits go to one word, the odd ones' (a nibble
+    early, then turned) to another, and two `prmt` put each slice in its byte."""
+    low = rotr(word, 16 * (l % 2))  # slices 0-3's top bits at 4-5, 8-9, 12-13, 16-17
+    high = rotr(word, (16 * (l % 2) + 18) % 32)  # slices 4-7's at 20-21, 24-25, 28-29, 0-1
+    even = (wq & 0x0F0F0F0F) | (((low & 0xFFFF) | (high & -65536)) & 0x30303030)  # slices 0, 2, 4, 6
+    odd = rotr((wq & -252645136) | (((low & 0x00FFFF00) | (high & -16776961)) & 0x03030303), 4)  # 1, 3, 5, 7
+    return prmt(even, odd, 0x5140, NATIVE), prmt(even, odd, 0x7362, NATIVE)
+
+
+@triton.jit
+def _weight_bytes(wq, wh, QTYPE: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NATIVE: tl.constexpr):
+    """A tile's integer fields in bytes, once a tile: two tuples of its lanes' words (`_quarters`), the
+    order the inputs' two words of a lane are packed in (`_row_sums`): Q8_0's bytes as stored (slices
+    0-3, 4-7); Q4 nibbles masked into bytes (even slices, odd slices); Q6_K by `_q6_lane` (slices 0-3,
+    4-7), each lane with its own qh word (lanes 0-1 of a block read the first, 2-3 the second)."""
+    if QTYPE == 8:
+        hl, hh = high_words(wh, 8, R, C)
+        q0, q1, q2, q3 = _quarters(wq, R, C)
+        a0, b0 = _q6_lane(q0, hl, 0, NATIVE)
+        a1, b1 = _q6_lane(q1, hl, 1, NATIVE)
+        a2, b2 = _q6_lane(q2, hh, 2, NATIVE)
+        a3, b3 = _q6_lane(q3, hh, 3, NATIVE)
+        return (a0, a1, a2, a3), (b0, b1, b2, b3)
+    if QTYPE == 1:
+        return _quarters(wq, R, C), _quarters(wh, R, C)
+    return _quarters(wq & 0x0F0F0F0F, R, C), _quarters((wq >> 4) & 0x0F0F0F0F, R, C)
+
+
+@triton.jit
+def _row_sums(x_ptr, m, M, x_stride, cs, K, nw_ptr, r, add_ptr, add_rows, add_stride, w0, w1, a, b,
+              QTYPE: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, NATIVE: tl.constexpr, R: tl.constexpr,
+              C: tl.constexpr):
+    """Input row m's products with the tile's weight rows, a float32 [R, C, 8] sum per block: the
+    row's 8 slices (`x_slice`, normalized where NORM) rounded to int8 with each block's scale, packed
+    in two words a lane as the weight's bytes w0, w1 are (`_weight_bytes`), multiplied by chains of
+    `dp4a`, then scaled by the block's factors a, b."""
+    x0 = x_slice(x_ptr, m, M, x_stride, cs, K, 0, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
+    x1 = x_slice(x_ptr, m, M, x_stride, cs, K, 1, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
+    x2 = x_slice(x_ptr, m, M, x_stride, cs, K, 2, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
+    x3 = x_slice(x_ptr, m, M, x_stride, cs, K, 3, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
+    x4 = x_slice(x_ptr, m, M, x_stride, cs, K, 4, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
+    x5 = x_slice(x_ptr, m, M, x_stride, cs, K, 5, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
+    x6 = x_slice(x_ptr, m, M, x_stride, cs, K, 6, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
+    x7 = x_slice(x_ptr, m, M, x_stride, cs, K, 7, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
+    top = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                     tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+    top = tl.max(tl.reshape(top, (1, C, 8, 4)), axis=3)  # each block's largest magnitude, [1, C, 8]
+    dx = top * (1.0 / 127.0)
+    inv = lanes(tl.where(top > 0, tl.div_rn(127.0, tl.maximum(top, 1e-30)), 0.0), 1, C)
+    if QTYPE == 1 or QTYPE == 8:
+        u = _packed(x0, x1, x2, x3, inv, NATIVE)
+        v = _packed(x4, x5, x6, x7, inv, NATIVE)
+    else:
+        u = _packed(x0, x2, x4, x6, inv, NATIVE)
+        v = _packed(x1, x3, x5, x7, inv, NATIVE)
+    if QTYPE == 1:
+        return a * (_biased_float(_chain(w1, v, _chain(w0, u, BIASED, C, NATIVE), C, NATIVE)) * dx)
+    if QTYPE == 8:  # Q6_K: d * sc * (q - 32), slices 0-3 and 4-7 with a scale each
+        su = _chain(w0, u, BIASED - 32 * _code_sums(u, C, NATIVE), C, NATIVE)
+        sv = _chain(w1, v, BIASED - 32 * _code_sums(v, C, NATIVE), C, NATIVE)
+        return (a * _biased_float(su) + b * _biased_float(sv)) * dx
+    xs = _code_sums(u, C, NATIVE) + _code_sums(v, C, NATIVE)
+    if QTYPE == 2:  # Q4_0: d * (q - 8)
+        return a * (_biased_float(_chain(w1, v, _chain(w0, u, BIASED - 8 * xs, C, NATIVE), C, NATIVE)) * dx)
+    s = _biased_float(_chain(w1, v, _chain(w0, u, BIASED, C, NATIVE), C, NATIVE)) * dx
+    xs = _biased_float(xs + BIASED) * dx
+    if QTYPE == 3:  # Q4_1: d * q + m
+        return a * s + b * xs
+    return a * s - b * xs  # Q4_K: d * sc * q - dmin * m
+
+
+@triton.jit
+def int8_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
+              rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
+              ADD: tl.constexpr, NATIVE: tl.constexpr):
+    """`layout_triton`'s k-loop with 8-bit inputs (QTYPE 1, 2, 3, 6 or 8): float32 [BLOCK_N, BLOCK_C,
+    8] sums of weight rows `rows` times input rows m0..m0 + 3 (those past BLOCK_M stay zero) over
+    chunks [c_lo, c_hi), a block's products summed in integers (`_row_sums`)."""
+    r0, r1, r2, r3 = rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE,
+                           BLOCK_M)
+    acc0 = tl.zeros((BLOCK_N, BLOCK_C, 8), tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_C, 8), tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_C, 8), tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_C, 8), tl.float32)
+    for c0 in range(c_lo, c_hi, BLOCK_C):
+        cs = c0 + tl.arange(0, BLOCK_C)
+        wq, wh, sa, sb = tile(q_ptr, qh_ptr, s_ptr, s2_ptr, rows, cs, q_stride, qh_stride, s_stride, s2_stride,
+                              QTYPE, BLOCK_N, BLOCK_C)
+        a, b = factors(sa, sb, cs, QTYPE, BLOCK_N, BLOCK_C)
+        w0, w1 = _weight_bytes(wq, wh, QTYPE, BLOCK_N, BLOCK_C, NATIVE)
+        acc0 += _row_sums(x_ptr, m0, M, x_stride, cs, K, nw_ptr, r0, add_ptr, add_rows, add_stride, w0, w1, a, b,
+                          QTYPE, NORM, ADD, NATIVE, BLOCK_N, BLOCK_C)
+        if BLOCK_M > 1:
+            acc1 += _row_sums(x_ptr, m0 + 1, M, x_stride, cs, K, nw_ptr, r1, add_ptr, add_rows, add_stride, w0, w1,
+                              a, b, QTYPE, NORM, ADD, NATIVE, BLOCK_N, BLOCK_C)
+        if BLOCK_M > 2:
+            acc2 += _row_sums(x_ptr, m0 + 2, M, x_stride, cs, K, nw_ptr, r2, add_ptr, add_rows, add_stride, w0, w1,
+                              a, b, QTYPE, NORM, ADD, NATIVE, BLOCK_N, BLOCK_C)
+            acc3 += _row_sums(x_ptr, m0 + 3, M, x_stride, cs, K, nw_ptr, r3, add_ptr, add_rows, add_stride, w0, w1,
+                              a, b, QTYPE, NORM, ADD, NATIVE, BLOCK_N, BLOCK_C)
+    return acc0, acc1, acc2, acc3

@@ -1,0 +1,154 @@
+"""The decode products with 8-bit inputs (`MM3_GPU_INT8_INPUTS`, `mm3.backends.gpu.layout_int8`): each
+block of 32 inputs rounded to int8 by its largest magnitude / 127, then multiplied in integers. They
+equal the float64 product of the weight with those rounded inputs (every type the loop reads, every
+form a frame launches), stay within the rounding's own bound of the exact product, and leave the
+other types as they were. On a machine with CUDA natively (PTX's dp4a); elsewhere through Triton's
+interpreter (the same integers from the bytes)."""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mm3.backends.gpu import layout_kernels as lk
+
+from .test_layout_kernels import DEVICE, NATIVE, _k, weight
+
+triton = pytest.importorskip("triton", reason="this torch installation has no Triton")
+
+Q = gguf.GGMLQuantizationType
+INT8_QUANTS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+TILE = lk.Config(block_n=4, block_c=8, num_warps=2, int8_inputs=True)
+WIDE = lk.Config(block_n=8, block_c=8, num_warps=2, int8_inputs=True)
+SPLIT8 = lk.Config(block_n=4, block_c=1, num_warps=2, int8_inputs=True)  # one chunk a tile: K split
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runnable():
+    if not NATIVE and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1: the kernels cannot run here")
+
+
+def rounded_inputs(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(the inputs as the kernels multiply them: each block of 32 rounded to int8 steps of its largest
+    magnitude / 127, in float64; that step per value): the arithmetic of `layout_int8`, in numpy."""
+    x = x.double().cpu().numpy()
+    k = x.shape[-1]
+    padded = np.zeros(x.shape[:-1] + (-(-k // 32) * 32,))
+    padded[..., :k] = x
+    blocks = padded.reshape(x.shape[:-1] + (-1, 32))
+    top = np.abs(blocks).max(-1, keepdims=True).astype(np.float32)
+    inv = np.where(top > 0, np.float32(127) / np.maximum(top, np.float32(1e-30)), np.float32(0)).astype(np.float32)
+    step = (top * np.float32(1.0 / 127.0)).astype(np.float32).astype(np.float64)
+    codes = np.rint(blocks * inv.astype(np.float64))
+    assert np.abs(codes).max() <= 127
+    shape = x.shape[:-1] + (-1,)
+    return ((codes * step).reshape(shape)[..., :k],
+            np.broadcast_to(step, blocks.shape).reshape(shape)[..., :k])
+
+
+@pytest.mark.parametrize("qtype", INT8_QUANTS, ids=lambda t: t.name)
+def test_products_are_the_weight_times_the_rounded_inputs(qtype):
+    """Against float64 over the rounded inputs: to float32's rounding, with 1 to 5 rows, K split over
+    programs, a bias, 8-row tiles; and within the rounding's bound of the exact product (half a step
+    of each input, times the weight's magnitude)."""
+    g = torch.Generator().manual_seed(200 + int(qtype))
+    k, n = _k(qtype), 9
+    w, values = weight(qtype, n, k, g)
+    bias = torch.randn(n, generator=g)
+    v = values.double().numpy()
+    for rows, config in ((1, TILE), (2, TILE), (3, SPLIT8), (5, TILE), (2, WIDE)):
+        x = torch.randn(rows, k, generator=g) * torch.rand(rows, k, generator=g) * 3
+        got = lk.linear(x.to(DEVICE), w, qtype, k, bias.to(DEVICE), config=config).cpu().double().numpy()
+        xq, step = rounded_inputs(x)
+        want = xq @ v.T + bias.double().numpy()
+        assert (np.abs(got - want) <= 1e-6 * (np.abs(xq) @ np.abs(v).T) + 1e-12).all(), (rows, config)
+        exact = x.double().numpy() @ v.T + bias.double().numpy()
+        bound = (step / 2) @ np.abs(v).T
+        assert (np.abs(got - exact) <= bound * (1 + 1e-5) + 1e-6 * np.abs(x.double().numpy()) @ np.abs(v).T).all(), \
+            (rows, config)
+        assert np.abs(got - exact).max() > 0  # the inputs were rounded: this is not the float loop
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_the_fused_forms_read_the_same_rounded_inputs(qtype):
+    """The norm inside, the residual after, SwiGLU, two stacked types (Q4_K_M's q/k/v: v in Q6_K):
+    bit for bit what the same 8-bit product gives over the norm kernel's output (inputs in quarters,
+    whose squares sum exactly in any order), with torch's add and silu around it."""
+    from mm3.backends.gpu.norm_kernels import rms_norm
+
+    g = torch.Generator().manual_seed(300 + int(qtype))
+    k, eps = 512, 1e-6
+    w, _ = weight(qtype, 8, k, g)
+    v, _ = weight(Q.Q6_K, 4, k, g)
+    for dtype in (torch.float32, torch.float16):
+        nw = (torch.rand(k, generator=g) + 0.5).to(DEVICE, dtype)
+        for rows, config in ((1, TILE), (2, SPLIT8), (4, TILE)):
+            x = (torch.randint(-7, 8, (rows, k), generator=g) / 4).to(DEVICE, dtype)
+            res = torch.randn(rows, 12, generator=g).to(DEVICE, dtype)
+            normed = rms_norm(x, nw, eps)
+            segments = [(w, qtype), (v, Q.Q6_K)]
+            got = lk.linear_segments(x, segments, k, config=config, norm=(nw, eps), residual=res)
+            assert torch.equal(got, res + lk.linear_segments(normed, segments, k, config=config)), (dtype, rows)
+            got = lk.swiglu(x, w, qtype, k, config=TILE, norm=(nw, eps))
+            gate, up = lk.linear(normed, w, qtype, k, config=TILE).split(4, dim=-1)
+            want = F.silu(gate) * up
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            else:
+                assert torch.equal(got, want), (dtype, rows)
+
+
+def test_split_sums_keep_their_order():
+    """K split over programs: the same bits every call (the tile's last program adds the splits in order)."""
+    g = torch.Generator().manual_seed(7)
+    k = 1024
+    w, _ = weight(Q.Q4_K, 5, k, g)
+    x = torch.randn(2, k, generator=g).to(DEVICE)
+    assert lk.decode_grid(2, 5, k, lk.REFERENCE_SMS, SPLIT8)[-1] == 4
+    first = lk.linear(x, w, Q.Q4_K, k, config=SPLIT8)
+    assert torch.equal(first, lk.linear(x, w, Q.Q4_K, k, config=SPLIT8))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.F16], ids=lambda t: t.name)
+def test_other_types_keep_the_float_loop(qtype):
+    """A type the 8-bit loop does not read is multiplied as without the switch, bit for bit."""
+    g = torch.Generator().manual_seed(400 + int(qtype))
+    k = _k(qtype)
+    w, _ = weight(qtype, 6, k, g)
+    x = torch.randn(2, k, generator=g).to(DEVICE)
+    plain = lk.Config(block_n=4, block_c=8, num_warps=2)
+    assert torch.equal(lk.linear(x, w, qtype, k, config=TILE), lk.linear(x, w, qtype, k, config=plain))
+
+
+def test_the_switch_asks_for_it_where_the_device_runs_it(monkeypatch):
+    """`MM3_GPU_INT8_INPUTS`, read once a process, sets the decode tile's `int8_inputs`; a launch takes
+    the 8-bit loop on CUDA (not ROCm: the loop's PTX) and under the interpreter, not elsewhere."""
+    def config_with(value):
+        if value is None:
+            monkeypatch.delenv("MM3_GPU_INT8_INPUTS", raising=False)
+        else:
+            monkeypatch.setenv("MM3_GPU_INT8_INPUTS", value)
+        lk.decode_config.cache_clear()
+        return lk.decode_config()
+
+    try:
+        assert not config_with(None).int8_inputs and config_with(None).block_n == 4
+        assert config_with("on").int8_inputs and config_with("1") == lk.Config(4, 8, 2, int8_inputs=True)
+        monkeypatch.setenv("MM3_GPU_DECODE_ROWS", "8")
+        assert config_with("on") == WIDE
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert lk.int8_inputs(TILE, torch.device("cuda", 0)) == (torch.version.hip is None)
+        assert not lk.int8_inputs(TILE, torch.device("cpu"))
+        assert not lk.int8_inputs(lk.DECODE, torch.device("cuda", 0))
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert lk.int8_inputs(TILE, torch.device("cpu"))
+        monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert not lk.int8_inputs(TILE, torch.device("cuda", 0))
+    finally:
+        monkeypatch.undo()
+        lk.decode_config.cache_clear()
