@@ -46,9 +46,9 @@ SWITCHES = {s.name: s for s in (
            "many weights, fewer instructions a weight, about twice the registers: for a GPU to time); read once a "
            "process"),
     Switch("MM3_GPU_INT8_INPUTS", "off", ("on", "off"),
-           "the few-row products over Q8_0, Q4_0, Q4_1 and Q4_K weights on CUDA with their inputs rounded to int8 "
-           "a block of 32 (integer dot products, as llama.cpp's: fewer instructions a weight, the inputs to 1/254 of "
-           "each block's largest value; for a GPU to time); read once a process"),
+           "the few-row products over quantized weights on CUDA with their inputs rounded to int8 a block of 32 "
+           "(integer dot products, as llama.cpp's: fewer instructions a weight, the inputs to 1/254 of each block's "
+           "largest value; for a GPU to time); read once a process"),
     Switch("MM3_KEEP_COPIES", "off", ("on", "off"),
            "keep float copies of the AR weights even where a fused kernel reads the blocks"),
     Switch("MM3_CPU_NATIVE", "on", ("on", "off"), "build and use the native integer kernel on the CPU"),

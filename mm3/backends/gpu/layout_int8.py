@@ -3,9 +3,10 @@ each program rounds the 32 input values of a block to int8 with the block's own 
 magnitude / 127, as llama.cpp's decode products do) and multiplies them with the weight's integer
 fields four at a time (PTX's `dp4a`); the block's scales then apply once to its integer sums.
 
-Q8_0 bytes are read as they are stored; Q4_0 and Q4_K nibbles are masked into bytes, the even
-slices of a lane's word in one word and the odd ones in another (`device_layout`: nibble i of a
-lane's word is slice i), the inputs packed in the same order. A block's sum is then exact in
+Q8_0 bytes are read as they are stored; the 4- and 5-bit types' fields are masked into bytes (the
+fifth bits turned in from the qh word), the even slices of a lane's word in one word and the odd
+ones in another (`device_layout`: nibble i of a lane's word is slice i), the inputs packed in the
+same order; Q6_K's fields go to a word for each group of 16 (`_q6_lane`). A block's sum is then exact in
 integers: y = sum over blocks of dx * (a * sum(q * xq) - b * sum(xq)), with dx the inputs' scale
 and (a, b) the weight's (`layout_fields.factors`). The only rounding the float path lacks is the
 inputs': at most half a step of 1/127 of each block's largest value.
@@ -72,6 +73,12 @@ def _packed(x0, x1, x2, x3, inv, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _largest(a, b):
+    """The larger of a and b, NaN where either is (a NaN input must not vanish into a code)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quarters(t, R: tl.constexpr, C: tl.constexpr):
     """Lanes 0, 1, 2 and 3 of each group of 4 (a block) of t [R, C, 32], each [R, C, 8] (a thread's own
     words: nothing moves between threads)."""
@@ -121,11 +128,26 @@ def _q6_lane(wq, word, l: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _q5_lane(wq, word, l: tl.constexpr):
+    """Lane l's 5-bit fields in bytes: (even slices, odd slices) words, from its quant word wq and its
+    block's qh word (`device_layout`: turned right by `_turn`, slice i's fifth bit lies just above
+    nibble i % 4 of a half word; turned 16 further, slices 4-7's above the upper half's), as
+    `_q6_lane` places Q6_K's two top bits."""
+    base: tl.constexpr = 16 * (l // 2) + 2 * (l % 2)
+    low = rotr(word, base)  # slices 0-3's fifth bits at 4, 8, 12, 16
+    high = rotr(word, (base + 17) % 32)  # slices 4-7's at 20, 24, 28, 0
+    even = (wq & 0x0F0F0F0F) | (((low & 0xFFFF) | (high & -65536)) & 0x10101010)  # slices 0, 2, 4, 6
+    odd = rotr((wq & -252645136) | (((low & 0x00FFFF00) | (high & -16776961)) & 0x01010101), 4)  # 1, 3, 5, 7
+    return even, odd
+
+
+@triton.jit
 def _weight_bytes(wq, wh, QTYPE: tl.constexpr, R: tl.constexpr, C: tl.constexpr, NATIVE: tl.constexpr):
     """A tile's integer fields in bytes, once a tile: two tuples of its lanes' words (`_quarters`), the
     order the inputs' two words of a lane are packed in (`_row_sums`): Q8_0's bytes as stored (slices
-    0-3, 4-7); Q4 nibbles masked into bytes (even slices, odd slices); Q6_K by `_q6_lane` (slices 0-3,
-    4-7), each lane with its own qh word (lanes 0-1 of a block read the first, 2-3 the second)."""
+    0-3, 4-7); Q4 nibbles masked into bytes (even slices, odd slices); the Q5 types' with their fifth
+    bits (`_q5_lane`: even, odd); Q6_K by `_q6_lane` (slices 0-3, 4-7), each lane with its own qh word
+    (lanes 0-1 of a block read the first, 2-3 the second)."""
     if QTYPE == 8:
         hl, hh = high_words(wh, 8, R, C)
         q0, q1, q2, q3 = _quarters(wq, R, C)
@@ -134,6 +156,14 @@ def _weight_bytes(wq, wh, QTYPE: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
         a2, b2 = _q6_lane(q2, hh, 2, NATIVE)
         a3, b3 = _q6_lane(q3, hh, 3, NATIVE)
         return (a0, a1, a2, a3), (b0, b1, b2, b3)
+    if QTYPE == 4 or QTYPE == 5 or QTYPE == 7:
+        word, _ = high_words(wh, QTYPE, R, C)
+        q0, q1, q2, q3 = _quarters(wq, R, C)
+        e0, o0 = _q5_lane(q0, word, 0)
+        e1, o1 = _q5_lane(q1, word, 1)
+        e2, o2 = _q5_lane(q2, word, 2)
+        e3, o3 = _q5_lane(q3, word, 3)
+        return (e0, e1, e2, e3), (o0, o1, o2, o3)
     if QTYPE == 1:
         return _quarters(wq, R, C), _quarters(wh, R, C)
     return _quarters(wq & 0x0F0F0F0F, R, C), _quarters((wq >> 4) & 0x0F0F0F0F, R, C)
@@ -155,11 +185,12 @@ def _row_sums(x_ptr, m, M, x_stride, cs, K, nw_ptr, r, add_ptr, add_rows, add_st
     x5 = x_slice(x_ptr, m, M, x_stride, cs, K, 5, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
     x6 = x_slice(x_ptr, m, M, x_stride, cs, K, 6, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
     x7 = x_slice(x_ptr, m, M, x_stride, cs, K, 7, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
-    top = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
-                     tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
-    top = tl.max(tl.reshape(top, (1, C, 8, 4)), axis=3)  # each block's largest magnitude, [1, C, 8]
-    dx = top * (1.0 / 127.0)
-    inv = lanes(tl.where(top > 0, tl.div_rn(127.0, tl.maximum(top, 1e-30)), 0.0), 1, C)
+    top = _largest(_largest(_largest(tl.abs(x0), tl.abs(x1)), _largest(tl.abs(x2), tl.abs(x3))),
+                   _largest(_largest(tl.abs(x4), tl.abs(x5)), _largest(tl.abs(x6), tl.abs(x7))))
+    t0, t1, t2, t3 = _quarters(top, 1, C)
+    top = _largest(_largest(_largest(t0, t1), _largest(t2, t3)), 1e-30)  # each block's largest magnitude, [1, C, 8]
+    dx = top * (1.0 / 127.0)  # a NaN input makes its block's sums NaN, as the float loop's
+    inv = lanes(tl.div_rn(127.0, top), 1, C)
     if QTYPE == 1 or QTYPE == 8:
         u = _packed(x0, x1, x2, x3, inv, NATIVE)
         v = _packed(x4, x5, x6, x7, inv, NATIVE)
@@ -173,13 +204,14 @@ def _row_sums(x_ptr, m, M, x_stride, cs, K, nw_ptr, r, add_ptr, add_rows, add_st
         sv = _chain(w1, v, BIASED - 32 * _code_sums(v, C, NATIVE), C, NATIVE)
         return (a * _biased_float(su) + b * _biased_float(sv)) * dx
     xs = _code_sums(u, C, NATIVE) + _code_sums(v, C, NATIVE)
-    if QTYPE == 2:  # Q4_0: d * (q - 8)
-        return a * (_biased_float(_chain(w1, v, _chain(w0, u, BIASED - 8 * xs, C, NATIVE), C, NATIVE)) * dx)
+    if QTYPE == 2 or QTYPE == 4:  # Q4_0, Q5_0: d * (q - 8), d * (q - 16)
+        zero: tl.constexpr = 8 if QTYPE == 2 else 16
+        return a * (_biased_float(_chain(w1, v, _chain(w0, u, BIASED - zero * xs, C, NATIVE), C, NATIVE)) * dx)
     s = _biased_float(_chain(w1, v, _chain(w0, u, BIASED, C, NATIVE), C, NATIVE)) * dx
     xs = _biased_float(xs + BIASED) * dx
-    if QTYPE == 3:  # Q4_1: d * q + m
+    if QTYPE == 3 or QTYPE == 5:  # Q4_1, Q5_1: d * q + m
         return a * s + b * xs
-    return a * s - b * xs  # Q4_K: d * sc * q - dmin * m
+    return a * s - b * xs  # Q4_K, Q5_K: d * sc * q - dmin * m
 
 
 @triton.jit
@@ -187,7 +219,7 @@ def int8_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_
               rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
               ADD: tl.constexpr, NATIVE: tl.constexpr):
-    """`layout_triton`'s k-loop with 8-bit inputs (QTYPE 1, 2, 3, 6 or 8): float32 [BLOCK_N, BLOCK_C,
+    """`layout_triton`'s k-loop with 8-bit inputs (every quantized QTYPE): float32 [BLOCK_N, BLOCK_C,
     8] sums of weight rows `rows` times input rows m0..m0 + 3 (those past BLOCK_M stay zero) over
     chunks [c_lo, c_hi), a block's products summed in integers (`_row_sums`)."""
     r0, r1, r2, r3 = rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE,

@@ -42,7 +42,7 @@ class Config:
     num_warps: int
     block_m: int = 0
     num_stages: int = 3
-    int8_inputs: bool = False  # decode: Q8_0, Q4_0, Q4_1 and Q4_K read with 8-bit inputs (`layout_int8`)
+    int8_inputs: bool = False  # decode: quantized weights multiplied with 8-bit inputs (`layout_int8`)
 
 
 # Tiles chosen from the static report (`python -m mm3 kernels --report`): no spills, no layout
@@ -69,6 +69,14 @@ def decode_config() -> Config:
     8-bit inputs under `MM3_GPU_INT8_INPUTS` (where the device runs them: `int8_inputs`)."""
     config = DECODE_WIDE if switches.value("MM3_GPU_DECODE_ROWS") == "8" else DECODE
     return dataclasses.replace(config, int8_inputs=switches.on("MM3_GPU_INT8_INPUTS"))
+
+
+def default_decode_config() -> Config:
+    """The decode tile of a launch that names none: `decode_config()`, or under the interpreter its
+    wide tile (`INTERPRETED`) with the inputs `decode_config()` asks for."""
+    if _interpreted():
+        return dataclasses.replace(INTERPRETED[0], int8_inputs=decode_config().int8_inputs)
+    return decode_config()
 
 
 def int8_inputs(config: Config, device: torch.device) -> bool:
@@ -247,7 +255,7 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
     if not (m and n):
         return y.view(*x.shape[:-1], n)
     if m <= GEMV_MAX_ROWS:
-        config = config or (INTERPRETED[0] if _interpreted() else decode_config())
+        config = config or default_decode_config()
         if len(parts) == 2 and sizes[0] % config.block_n:  # the tile the first weight's rows fill, 4 rows or more
             block_n = config.block_n
             while block_n > 4 and sizes[0] % block_n:
@@ -354,7 +362,7 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Con
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not m:
         return y.view(*x.shape[:-1], n)
-    config = config or (INTERPRETED[0] if _interpreted() else decode_config())
+    config = config or default_decode_config()
     block_m, block_c = (1 if m == 1 else 2 if m == 2 else 4), decode_tiles(k, config)
     chunks = chunks_of(k)
     gemv_kernel[(-(-m // block_m), -(-n // (config.block_n // 2)), 1)](

@@ -63,9 +63,9 @@ def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
                ADD: tl.constexpr, NATIVE: tl.constexpr, INT8: tl.constexpr):
     """The program's float32 [BLOCK_N] sums for input rows m0..m0 + 3 (zeros past BLOCK_M): the k-loop
-    in float32 (`_float_sums`), or with INT8 for Q8_0, Q4_0, Q4_1, Q4_K and Q6_K the one with 8-bit inputs
+    in float32 (`_float_sums`), or with INT8 for a quantized weight the one with 8-bit inputs
     (`layout_int8`)."""
-    if INT8 and (QTYPE == 1 or QTYPE == 2 or QTYPE == 3 or QTYPE == 6 or QTYPE == 8):
+    if INT8 and QTYPE >= 1:
         acc0, acc1, acc2, acc3 = int8_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride,
                                            qh_stride, s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps,
                                            add_ptr, add_rows, add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM,
