@@ -32,11 +32,13 @@ def added(v, m, M, col, ok, add_ptr, add_rows, add_stride, dt: tl.constexpr, NAT
 
 @triton.jit
 def x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, add_ptr, add_rows, add_stride, NORM: tl.constexpr,
-            ADD: tl.constexpr, NATIVE: tl.constexpr, QTYPE: tl.constexpr):
+            ADD: tl.constexpr, NATIVE: tl.constexpr, QTYPE: tl.constexpr, SCALED: tl.constexpr = True):
     """Input row m's values of slice i of chunks cs (`value_at`): float32 [1, C, 32] (zeros past K or M); with
     NORM the row's RMSNorm by the weight at nw_ptr (r: the row's `rstds`), in the roundings of
-    `norm_kernels`: the normalized value and its product with the weight each rounded to x's dtype;
-    with NORM and ADD the row normalized is x's plus a row at add_ptr (`added`)."""
+    `norm_kernels`: the normalized value and its product with the weight each rounded to x's dtype
+    (not SCALED: the row times the weight in float32, neither 1/rms nor a rounding: the 8-bit loop's,
+    which takes 1/rms into its blocks' scales); with NORM and ADD the row normalized is x's plus a
+    row at add_ptr (`added`)."""
     dt: tl.constexpr = x_ptr.dtype.element_ty
     j = tl.arange(0, 32)[None, None, :]
     col = cs[None, :, None] * 256 + value_at(i, j, QTYPE)
@@ -48,6 +50,8 @@ def x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, add_ptr, add_rows, add_s
         x = widened(x)
     if NORM:
         w = tl.load(nw_ptr + col, mask=ok, other=0.0)
+        if not SCALED:
+            return widened(w) * x
         if NATIVE:  # the product of two values of dt is exact in float32: dt's own product rounds it the same
             return widened(w * (x * r).to(dt))
         return rounded(w.to(tl.float32) * rounded(x * r, dt, NATIVE), dt, NATIVE)

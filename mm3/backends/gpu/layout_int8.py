@@ -174,22 +174,35 @@ def _row_sums(x_ptr, m, M, x_stride, cs, K, nw_ptr, r, add_ptr, add_rows, add_st
               QTYPE: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, NATIVE: tl.constexpr, R: tl.constexpr,
               C: tl.constexpr):
     """Input row m's products with the tile's weight rows, a float32 [R, C, 8] sum per block: the
-    row's 8 slices (`x_slice`, normalized where NORM) rounded to int8 with each block's scale, packed
-    in two words a lane as the weight's bytes w0, w1 are (`_weight_bytes`), multiplied by chains of
-    `dp4a`, then scaled by the block's factors a, b."""
-    x0 = x_slice(x_ptr, m, M, x_stride, cs, K, 0, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
-    x1 = x_slice(x_ptr, m, M, x_stride, cs, K, 1, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
-    x2 = x_slice(x_ptr, m, M, x_stride, cs, K, 2, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
-    x3 = x_slice(x_ptr, m, M, x_stride, cs, K, 3, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
-    x4 = x_slice(x_ptr, m, M, x_stride, cs, K, 4, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
-    x5 = x_slice(x_ptr, m, M, x_stride, cs, K, 5, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
-    x6 = x_slice(x_ptr, m, M, x_stride, cs, K, 6, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
-    x7 = x_slice(x_ptr, m, M, x_stride, cs, K, 7, nw_ptr, r, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, QTYPE)
+    row's 8 slices (`x_slice`) rounded to int8 with each block's scale, packed in two words a lane
+    as the weight's bytes w0, w1 are (`_weight_bytes`), multiplied by chains of `dp4a`, then scaled
+    by the block's factors a, b. With NORM the slices are the row times the norm's weight and the
+    row's 1/rms r goes into the blocks' scales (the codes are the same): the normalized inputs are
+    rounded once, to int8, where the float loop rounds them twice to the row's dtype."""
+    Q: tl.constexpr = QTYPE
+    x0 = x_slice(x_ptr, m, M, x_stride, cs, K, 0, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
+                 False)
+    x1 = x_slice(x_ptr, m, M, x_stride, cs, K, 1, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
+                 False)
+    x2 = x_slice(x_ptr, m, M, x_stride, cs, K, 2, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
+                 False)
+    x3 = x_slice(x_ptr, m, M, x_stride, cs, K, 3, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
+                 False)
+    x4 = x_slice(x_ptr, m, M, x_stride, cs, K, 4, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
+                 False)
+    x5 = x_slice(x_ptr, m, M, x_stride, cs, K, 5, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
+                 False)
+    x6 = x_slice(x_ptr, m, M, x_stride, cs, K, 6, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
+                 False)
+    x7 = x_slice(x_ptr, m, M, x_stride, cs, K, 7, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
+                 False)
     top = _largest(_largest(_largest(tl.abs(x0), tl.abs(x1)), _largest(tl.abs(x2), tl.abs(x3))),
                    _largest(_largest(tl.abs(x4), tl.abs(x5)), _largest(tl.abs(x6), tl.abs(x7))))
     t0, t1, t2, t3 = _quarters(top, 1, C)
     top = _largest(_largest(_largest(t0, t1), _largest(t2, t3)), 1e-30)  # each block's largest magnitude, [1, C, 8]
     dx = top * (1.0 / 127.0)  # a NaN input makes its block's sums NaN, as the float loop's
+    if NORM:  # the row's 1/rms: the codes of x * w and of x * w / rms are the same
+        dx = dx * r
     inv = lanes(tl.div_rn(127.0, top), 1, C)
     if QTYPE == 1 or QTYPE == 8:
         u = _packed(x0, x1, x2, x3, inv, NATIVE)

@@ -75,33 +75,54 @@ def test_products_are_the_weight_times_the_rounded_inputs(qtype):
         assert np.abs(got - exact).max() > 100 * np.abs(got - want).max()  # the inputs were rounded
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
-def test_the_fused_forms_read_the_same_rounded_inputs(qtype):
-    """The norm inside, the residual after, SwiGLU, two stacked types (the K mixes' q/k/v: v in Q6_K):
-    bit for bit what the same 8-bit product gives over the norm kernel's output (inputs in quarters,
-    whose squares sum exactly in any order), with torch's add and silu around it."""
-    from mm3.backends.gpu.norm_kernels import rms_norm
+def normed_reference(x: torch.Tensor, nw: torch.Tensor, eps: float, values: torch.Tensor) -> np.ndarray:
+    """The products the 8-bit loop computes with the norm inside: the codes of x * w (float32, one
+    rounding), each block's step times the row's 1/rms (float32, the kernels' formula)."""
+    xw = (x.float() * nw.float()).numpy().astype(np.float32)
+    r = np.float32(1) / np.sqrt(np.float32((x.double() ** 2).mean(-1).numpy() + eps).astype(np.float32))
+    xq, _ = rounded_inputs(torch.from_numpy(xw))
+    return (xq * r.astype(np.float64)[:, None]) @ values.double().numpy().T
 
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_the_fused_forms_read_the_rounded_inputs(qtype):
+    """The residual after, SwiGLU, two stacked types (the K mixes' q/k/v: v in Q6_K): bit for bit
+    what the plain 8-bit product gives, with torch's add and silu around it. The norm inside: the
+    inputs times the norm's weight rounded to int8, 1/rms in the blocks' scales (one rounding where
+    the float loop rounds twice), against float64 over those codes."""
     g = torch.Generator().manual_seed(300 + int(qtype))
     k, eps = 512, 1e-6
-    w, _ = weight(qtype, 8, k, g)
-    v, _ = weight(Q.Q6_K, 4, k, g)
-    for dtype in (torch.float32, torch.float16):
-        nw = (torch.rand(k, generator=g) + 0.5).to(DEVICE, dtype)
-        for rows, config in ((1, TILE), (2, SPLIT8), (4, TILE)):
-            x = (torch.randint(-7, 8, (rows, k), generator=g) / 4).to(DEVICE, dtype)
+    w, values = weight(qtype, 8, k, g)
+    v, v_values = weight(Q.Q6_K, 4, k, g)
+    segments = [(w, qtype), (v, Q.Q6_K)]
+    for rows, config in ((1, TILE), (2, SPLIT8), (4, TILE), (2, WIDE)):
+        for dtype in (torch.float32, torch.float16):
+            x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
             res = torch.randn(rows, 12, generator=g).to(DEVICE, dtype)
-            normed = rms_norm(x, nw, eps)
-            segments = [(w, qtype), (v, Q.Q6_K)]
-            got = lk.linear_segments(x, segments, k, config=config, norm=(nw, eps), residual=res)
-            assert torch.equal(got, res + lk.linear_segments(normed, segments, k, config=config)), (dtype, rows)
-            got = lk.swiglu(x, w, qtype, k, config=TILE, norm=(nw, eps))
-            gate, up = lk.linear(normed, w, qtype, k, config=TILE).split(4, dim=-1)
-            want = F.silu(gate) * up
-            if dtype == torch.float32:
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-            else:
-                assert torch.equal(got, want), (dtype, rows)
+            got = lk.linear_segments(x, segments, k, config=config, residual=res)
+            assert torch.equal(got, res + lk.linear_segments(x, segments, k, config=config)), (dtype, rows)
+            both = lk.linear_segments(x, segments, k, config=config)
+            assert torch.equal(both[:, :8], lk.linear(x, w, qtype, k, config=config))
+            if config is not SPLIT8:
+                gate, up = lk.linear(x, w, qtype, k, config=config).split(4, dim=-1)
+                got = lk.swiglu(x, w, qtype, k, config=config)
+                if dtype == torch.float32:
+                    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+                else:
+                    assert torch.equal(got, F.silu(gate) * up), (dtype, rows)
+        x = torch.randn(rows, k, generator=g) * 3
+        nw = torch.rand(k, generator=g) + 0.5
+        want = normed_reference(x, nw, eps, torch.cat([values, v_values]))
+        got = lk.linear_segments(x.to(DEVICE), segments, k, config=config, norm=(nw.to(DEVICE), eps)).cpu().numpy()
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() <= 2e-6 * scale, rows
+        exact = lk.torch_rms_norm(x, (nw, eps)).double().numpy() @ torch.cat([values, v_values]).double().numpy().T
+        assert np.abs(got - exact).max() <= 0.05 * scale  # what the inputs' rounding moves, at most
+        pos = torch.randn(1, k, generator=g)  # rows added to the stream the norm reads: as added before
+        got = lk.linear_segments(x.to(DEVICE), segments, k, config=config, norm=(nw.to(DEVICE), eps),
+                                 add=pos.to(DEVICE))
+        assert torch.equal(got, lk.linear_segments((x + pos).to(DEVICE), segments, k, config=config,
+                                                   norm=(nw.to(DEVICE), eps)))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
