@@ -36,9 +36,9 @@ def x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, add_ptr, add_rows, add_s
     """Input row m's values of slice i of chunks cs (`value_at`): float32 [1, C, 32] (zeros past K or M); with
     NORM the row's RMSNorm by the weight at nw_ptr (r: the row's `rstds`), in the roundings of
     `norm_kernels`: the normalized value and its product with the weight each rounded to x's dtype
-    (not SCALED: the row times the weight in float32, neither 1/rms nor a rounding: the 8-bit loop's,
-    which takes 1/rms into its blocks' scales); with NORM and ADD the row normalized is x's plus a
-    row at add_ptr (`added`)."""
+    (not SCALED: the values the norm reads, not normalized: the 8-bit loop's, which multiplies them
+    by `norm_weight` and takes 1/rms into its sums); with NORM and ADD the row normalized is x's plus
+    a row at add_ptr (`added`)."""
     dt: tl.constexpr = x_ptr.dtype.element_ty
     j = tl.arange(0, 32)[None, None, :]
     col = cs[None, :, None] * 256 + value_at(i, j, QTYPE)
@@ -48,14 +48,20 @@ def x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, r, add_ptr, add_rows, add_s
         x = added(x.to(tl.float32), m, M, col, ok, add_ptr, add_rows, add_stride, dt, NATIVE)
     else:
         x = widened(x)
-    if NORM:
+    if NORM and SCALED:
         w = tl.load(nw_ptr + col, mask=ok, other=0.0)
-        if not SCALED:
-            return widened(w) * x
         if NATIVE:  # the product of two values of dt is exact in float32: dt's own product rounds it the same
             return widened(w * (x * r).to(dt))
         return rounded(w.to(tl.float32) * rounded(x * r, dt, NATIVE), dt, NATIVE)
     return x
+
+
+@triton.jit
+def norm_weight(nw_ptr, cs, K, i, QTYPE: tl.constexpr):
+    """The norm's weight at slice i of chunks cs (`value_at`), float32 [1, C, 32] (zeros past K)."""
+    j = tl.arange(0, 32)[None, None, :]
+    col = cs[None, :, None] * 256 + value_at(i, j, QTYPE)
+    return widened(tl.load(nw_ptr + col, mask=inside(cs[None, :, None], j, i, K, QTYPE), other=0.0))
 
 
 @triton.jit
@@ -72,8 +78,8 @@ def _squares(x_ptr, m, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD: 
 
 
 @triton.jit
-def _inverse_rms(acc, K, eps):
-    """1 / sqrt(mean + eps) of the squares summed in acc, correctly rounded twice."""
+def inverse_rms(acc, K, eps):
+    """1 / sqrt(mean + eps) of the squares summed in acc (one axis), correctly rounded twice."""
     return tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, axis=0) / K + eps))
 
 
@@ -97,10 +103,10 @@ def rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM: t
             if BLOCK_M > 2:
                 a2 += _squares(x_ptr, m0 + 2, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
                 a3 += _squares(x_ptr, m0 + 3, M, x_stride, col, K, add_ptr, add_rows, add_stride, ADD, NATIVE)
-        r0 = _inverse_rms(a0, K, eps)
+        r0 = inverse_rms(a0, K, eps)
         if BLOCK_M > 1:
-            r1 = _inverse_rms(a1, K, eps)
+            r1 = inverse_rms(a1, K, eps)
         if BLOCK_M > 2:
-            r2 = _inverse_rms(a2, K, eps)
-            r3 = _inverse_rms(a3, K, eps)
+            r2 = inverse_rms(a2, K, eps)
+            r3 = inverse_rms(a3, K, eps)
     return r0, r1, r2, r3

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .layout_fields import factors, high_words, lanes, rotr, signed_byte, tile
-from .layout_inputs import rstds, x_slice
+from .layout_inputs import inverse_rms, norm_weight, rstds, x_slice
 
 
 @triton.jit
@@ -170,39 +170,51 @@ def _weight_bytes(wq, wh, QTYPE: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
 
 
 @triton.jit
-def _row_sums(x_ptr, m, M, x_stride, cs, K, nw_ptr, r, add_ptr, add_rows, add_stride, w0, w1, a, b,
-              QTYPE: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, NATIVE: tl.constexpr, R: tl.constexpr,
-              C: tl.constexpr):
-    """Input row m's products with the tile's weight rows, a float32 [R, C, 8] sum per block: the
-    row's 8 slices (`x_slice`) rounded to int8 with each block's scale, packed in two words a lane
-    as the weight's bytes w0, w1 are (`_weight_bytes`), multiplied by chains of `dp4a`, then scaled
-    by the block's factors a, b. With NORM the slices are the row times the norm's weight and the
-    row's 1/rms r goes into the blocks' scales (the codes are the same): the normalized inputs are
-    rounded once, to int8, where the float loop rounds them twice to the row's dtype."""
-    Q: tl.constexpr = QTYPE
-    x0 = x_slice(x_ptr, m, M, x_stride, cs, K, 0, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
-                 False)
-    x1 = x_slice(x_ptr, m, M, x_stride, cs, K, 1, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
-                 False)
-    x2 = x_slice(x_ptr, m, M, x_stride, cs, K, 2, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
-                 False)
-    x3 = x_slice(x_ptr, m, M, x_stride, cs, K, 3, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
-                 False)
-    x4 = x_slice(x_ptr, m, M, x_stride, cs, K, 4, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
-                 False)
-    x5 = x_slice(x_ptr, m, M, x_stride, cs, K, 5, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
-                 False)
-    x6 = x_slice(x_ptr, m, M, x_stride, cs, K, 6, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
-                 False)
-    x7 = x_slice(x_ptr, m, M, x_stride, cs, K, 7, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE, Q,
-                 False)
+def _stream(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM: tl.constexpr,
+            ADD: tl.constexpr, SQUARES: tl.constexpr, NATIVE: tl.constexpr, QTYPE: tl.constexpr):
+    """Slice i of input row m as the 8-bit loop rounds it (`x_slice`; with NORM times the norm's
+    weight, not normalized) and sq plus the squares of the values the norm reads where SQUARES."""
+    x = x_slice(x_ptr, m, M, x_stride, cs, K, i, nw_ptr, 1.0, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE,
+                QTYPE, False)
+    if SQUARES:
+        sq += x * x
+    if NORM:
+        x = x * norm_weight(nw_ptr, cs, K, i, QTYPE)
+    return x, sq
+
+
+@triton.jit
+def _row_sums(x_ptr, m, M, x_stride, cs, K, nw_ptr, add_ptr, add_rows, add_stride, w0, w1, a, b, sq,
+              QTYPE: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SQUARES: tl.constexpr,
+              NATIVE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """Input row m's products with the tile's weight rows, a float32 [R, C, 8] sum per block, and sq
+    plus the squares the row's norm reads where SQUARES: the row's 8 slices (`_stream`) rounded to
+    int8 with each block's scale, packed in two words a lane as the weight's bytes w0, w1 are
+    (`_weight_bytes`), multiplied by chains of `dp4a`, then scaled by the block's factors a, b. With
+    NORM the slices are the row times the norm's weight, not yet normalized (the codes are the same;
+    `int8_sums` multiplies by 1/rms): the normalized inputs are rounded once, to int8, where the float
+    loop rounds them twice to the row's dtype."""
+    x0, sq = _stream(x_ptr, m, M, x_stride, cs, K, 0, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM, ADD, SQUARES,
+                     NATIVE, QTYPE)
+    x1, sq = _stream(x_ptr, m, M, x_stride, cs, K, 1, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM, ADD, SQUARES,
+                     NATIVE, QTYPE)
+    x2, sq = _stream(x_ptr, m, M, x_stride, cs, K, 2, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM, ADD, SQUARES,
+                     NATIVE, QTYPE)
+    x3, sq = _stream(x_ptr, m, M, x_stride, cs, K, 3, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM, ADD, SQUARES,
+                     NATIVE, QTYPE)
+    x4, sq = _stream(x_ptr, m, M, x_stride, cs, K, 4, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM, ADD, SQUARES,
+                     NATIVE, QTYPE)
+    x5, sq = _stream(x_ptr, m, M, x_stride, cs, K, 5, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM, ADD, SQUARES,
+                     NATIVE, QTYPE)
+    x6, sq = _stream(x_ptr, m, M, x_stride, cs, K, 6, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM, ADD, SQUARES,
+                     NATIVE, QTYPE)
+    x7, sq = _stream(x_ptr, m, M, x_stride, cs, K, 7, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM, ADD, SQUARES,
+                     NATIVE, QTYPE)
     top = _largest(_largest(_largest(tl.abs(x0), tl.abs(x1)), _largest(tl.abs(x2), tl.abs(x3))),
                    _largest(_largest(tl.abs(x4), tl.abs(x5)), _largest(tl.abs(x6), tl.abs(x7))))
     t0, t1, t2, t3 = _quarters(top, 1, C)
     top = _largest(_largest(_largest(t0, t1), _largest(t2, t3)), 1e-30)  # each block's largest magnitude, [1, C, 8]
     dx = top * (1.0 / 127.0)  # a NaN input makes its block's sums NaN, as the float loop's
-    if NORM:  # the row's 1/rms: the codes of x * w and of x * w / rms are the same
-        dx = dx * r
     inv = lanes(tl.div_rn(127.0, top), 1, C)
     if QTYPE == 1 or QTYPE == 8:
         u = _packed(x0, x1, x2, x3, inv, NATIVE)
@@ -211,32 +223,39 @@ def _row_sums(x_ptr, m, M, x_stride, cs, K, nw_ptr, r, add_ptr, add_rows, add_st
         u = _packed(x0, x2, x4, x6, inv, NATIVE)
         v = _packed(x1, x3, x5, x7, inv, NATIVE)
     if QTYPE == 1:
-        return a * (_biased_float(_chain(w1, v, _chain(w0, u, BIASED, C, NATIVE), C, NATIVE)) * dx)
+        return a * (_biased_float(_chain(w1, v, _chain(w0, u, BIASED, C, NATIVE), C, NATIVE)) * dx), sq
     if QTYPE == 8:  # Q6_K: d * sc * (q - 32), slices 0-3 and 4-7 with a scale each
         su = _chain(w0, u, BIASED - 32 * _code_sums(u, C, NATIVE), C, NATIVE)
         sv = _chain(w1, v, BIASED - 32 * _code_sums(v, C, NATIVE), C, NATIVE)
-        return (a * _biased_float(su) + b * _biased_float(sv)) * dx
+        return (a * _biased_float(su) + b * _biased_float(sv)) * dx, sq
     xs = _code_sums(u, C, NATIVE) + _code_sums(v, C, NATIVE)
     if QTYPE == 2 or QTYPE == 4:  # Q4_0, Q5_0: d * (q - 8), d * (q - 16)
         zero: tl.constexpr = 8 if QTYPE == 2 else 16
-        return a * (_biased_float(_chain(w1, v, _chain(w0, u, BIASED - zero * xs, C, NATIVE), C, NATIVE)) * dx)
+        return a * (_biased_float(_chain(w1, v, _chain(w0, u, BIASED - zero * xs, C, NATIVE), C, NATIVE)) * dx), sq
     s = _biased_float(_chain(w1, v, _chain(w0, u, BIASED, C, NATIVE), C, NATIVE)) * dx
     xs = _biased_float(xs + BIASED) * dx
     if QTYPE == 3 or QTYPE == 5:  # Q4_1, Q5_1: d * q + m
-        return a * s + b * xs
-    return a * s - b * xs  # Q4_K, Q5_K: d * sc * q - dmin * m
+        return a * s + b * xs, sq
+    return a * s - b * xs, sq  # Q4_K, Q5_K: d * sc * q - dmin * m
 
 
 @triton.jit
 def int8_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
               rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
-              ADD: tl.constexpr, NATIVE: tl.constexpr):
-    """`layout_triton`'s k-loop with 8-bit inputs (every quantized QTYPE): float32 [BLOCK_N, BLOCK_C,
-    8] sums of weight rows `rows` times input rows m0..m0 + 3 (those past BLOCK_M stay zero) over
-    chunks [c_lo, c_hi), a block's products summed in integers (`_row_sums`)."""
-    r0, r1, r2, r3 = rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM, ADD, NATIVE,
-                           BLOCK_M)
+              ADD: tl.constexpr, PARTIAL: tl.constexpr, NATIVE: tl.constexpr):
+    """`layout_triton`'s k-loop with 8-bit inputs (every quantized QTYPE): the float32 [BLOCK_N] sums of
+    weight rows `rows` times input rows m0..m0 + 3 (those past BLOCK_M zero) over chunks [c_lo, c_hi),
+    a block's products summed in integers (`_row_sums`). With NORM the sums are multiplied by each
+    row's 1/rms at the end: from the squares summed in the loop where the program reads whole rows,
+    from a first pass over them (`rstds`) where K is split (PARTIAL)."""
+    SQUARES: tl.constexpr = NORM and not PARTIAL
+    r0, r1, r2, r3 = rstds(x_ptr, m0, M, x_stride, K, eps, add_ptr, add_rows, add_stride, NORM and PARTIAL, ADD,
+                           NATIVE, BLOCK_M)
+    sq0 = tl.zeros((1, BLOCK_C, 32), tl.float32)
+    sq1 = tl.zeros((1, BLOCK_C, 32), tl.float32)
+    sq2 = tl.zeros((1, BLOCK_C, 32), tl.float32)
+    sq3 = tl.zeros((1, BLOCK_C, 32), tl.float32)
     acc0 = tl.zeros((BLOCK_N, BLOCK_C, 8), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_C, 8), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_C, 8), tl.float32)
@@ -247,14 +266,24 @@ def int8_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_
                               QTYPE, BLOCK_N, BLOCK_C)
         a, b = factors(sa, sb, cs, QTYPE, BLOCK_N, BLOCK_C)
         w0, w1 = _weight_bytes(wq, wh, QTYPE, BLOCK_N, BLOCK_C, NATIVE)
-        acc0 += _row_sums(x_ptr, m0, M, x_stride, cs, K, nw_ptr, r0, add_ptr, add_rows, add_stride, w0, w1, a, b,
-                          QTYPE, NORM, ADD, NATIVE, BLOCK_N, BLOCK_C)
+        s, sq0 = _row_sums(x_ptr, m0, M, x_stride, cs, K, nw_ptr, add_ptr, add_rows, add_stride, w0, w1, a, b, sq0,
+                           QTYPE, NORM, ADD, SQUARES, NATIVE, BLOCK_N, BLOCK_C)
+        acc0 += s
         if BLOCK_M > 1:
-            acc1 += _row_sums(x_ptr, m0 + 1, M, x_stride, cs, K, nw_ptr, r1, add_ptr, add_rows, add_stride, w0, w1,
-                              a, b, QTYPE, NORM, ADD, NATIVE, BLOCK_N, BLOCK_C)
+            s, sq1 = _row_sums(x_ptr, m0 + 1, M, x_stride, cs, K, nw_ptr, add_ptr, add_rows, add_stride, w0, w1, a, b,
+                               sq1, QTYPE, NORM, ADD, SQUARES, NATIVE, BLOCK_N, BLOCK_C)
+            acc1 += s
         if BLOCK_M > 2:
-            acc2 += _row_sums(x_ptr, m0 + 2, M, x_stride, cs, K, nw_ptr, r2, add_ptr, add_rows, add_stride, w0, w1,
-                              a, b, QTYPE, NORM, ADD, NATIVE, BLOCK_N, BLOCK_C)
-            acc3 += _row_sums(x_ptr, m0 + 3, M, x_stride, cs, K, nw_ptr, r3, add_ptr, add_rows, add_stride, w0, w1,
-                              a, b, QTYPE, NORM, ADD, NATIVE, BLOCK_N, BLOCK_C)
-    return acc0, acc1, acc2, acc3
+            s, sq2 = _row_sums(x_ptr, m0 + 2, M, x_stride, cs, K, nw_ptr, add_ptr, add_rows, add_stride, w0, w1, a, b,
+                               sq2, QTYPE, NORM, ADD, SQUARES, NATIVE, BLOCK_N, BLOCK_C)
+            acc2 += s
+            s, sq3 = _row_sums(x_ptr, m0 + 3, M, x_stride, cs, K, nw_ptr, add_ptr, add_rows, add_stride, w0, w1, a, b,
+                               sq3, QTYPE, NORM, ADD, SQUARES, NATIVE, BLOCK_N, BLOCK_C)
+            acc3 += s
+    if SQUARES:
+        r0 = inverse_rms(tl.reshape(sq0, (BLOCK_C * 32,)), K, eps)
+        r1 = inverse_rms(tl.reshape(sq1, (BLOCK_C * 32,)), K, eps)
+        r2 = inverse_rms(tl.reshape(sq2, (BLOCK_C * 32,)), K, eps)
+        r3 = inverse_rms(tl.reshape(sq3, (BLOCK_C * 32,)), K, eps)
+    return (tl.sum(tl.sum(acc0, axis=2), axis=1) * r0, tl.sum(tl.sum(acc1, axis=2), axis=1) * r1,
+            tl.sum(tl.sum(acc2, axis=2), axis=1) * r2, tl.sum(tl.sum(acc3, axis=2), axis=1) * r3)

@@ -61,22 +61,22 @@ def _float_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, q
 def _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride, s2_stride,
                rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
-               ADD: tl.constexpr, NATIVE: tl.constexpr, INT8: tl.constexpr):
+               ADD: tl.constexpr, PARTIAL: tl.constexpr, NATIVE: tl.constexpr, INT8: tl.constexpr):
     """The program's float32 [BLOCK_N] sums for input rows m0..m0 + 3 (zeros past BLOCK_M): the k-loop
     in float32 (`_float_sums`), or with INT8 for a quantized weight the one with 8-bit inputs
     (`layout_int8`)."""
     if INT8 and QTYPE >= 1:
-        acc0, acc1, acc2, acc3 = int8_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride,
-                                           qh_stride, s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps,
-                                           add_ptr, add_rows, add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM,
-                                           ADD, NATIVE)
+        s0, s1, s2, s3 = int8_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
+                                   s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows,
+                                   add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PARTIAL, NATIVE)
     else:
         acc0, acc1, acc2, acc3 = _float_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride,
                                              qh_stride, s_stride, s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps,
                                              add_ptr, add_rows, add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM,
                                              ADD, NATIVE)
-    return (tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
-            tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1))
+        s0, s1 = tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1)
+        s2, s3 = tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1)
+    return s0, s1, s2, s3
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def gemv_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, part_ptr, cou
     c_hi = tl.minimum(chunks, c_lo + split_chunks)
     s0, s1, s2, s3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride, s_stride,
                                 s2_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows, add_stride, QTYPE,
-                                BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE, INT8)
+                                BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PARTIAL, PRECISE, INT8)
     if SWIGLU:
         _store_swiglu(s0, m0, M, N, pid_n, y_ptr, y_stride, BLOCK_N, PRECISE)
         if BLOCK_M > 1:
@@ -146,12 +146,13 @@ def gemv_segments_kernel(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, q2_ptr, qh2_ptr, s
     if pid_n * BLOCK_N < N1:
         s0, s1, s2, s3 = _gemv_sums(x_ptr, q_ptr, qh_ptr, s_ptr, s2_ptr, M, K, x_stride, q_stride, qh_stride,
                                     s_stride, s2_stride, offs_n, m0, c_lo, c_hi, nw_ptr, eps, add_ptr, add_rows,
-                                    add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE, INT8)
+                                    add_stride, QTYPE, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PARTIAL, PRECISE, INT8)
     else:
         rows = tl.minimum(offs_n, N - 1) - N1
         s0, s1, s2, s3 = _gemv_sums(x_ptr, q2_ptr, qh2_ptr, s3_ptr, s4_ptr, M, K, x_stride, q2_stride,
                                     qh2_stride, s3_stride, s4_stride, rows, m0, c_lo, c_hi, nw_ptr, eps, add_ptr,
-                                    add_rows, add_stride, QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PRECISE, INT8)
+                                    add_rows, add_stride, QTYPE2, BLOCK_M, BLOCK_N, BLOCK_C, NORM, ADD, PARTIAL, PRECISE,
+                                    INT8)
     _store(s0, s1, s2, s3, m0, M, N, offs_n, b_ptr, y_ptr, y_stride, part_ptr, count_ptr, res_ptr,
            res_stride, add_ptr, add_rows, add_stride, HAS_BIAS, PARTIAL, BLOCK_M, RESIDUAL, ADD)
 

@@ -268,7 +268,8 @@ INT8_BOUNDS = {
 def test_the_int8_input_loop_multiplies_four_values_an_instruction(arch, monkeypatch):
     """The 8-bit input loop compiles to integer dot products (IDP.4A: four weights and inputs a
     row an instruction) within its bounds, no spills, 16-byte weight loads; the norm inside costs it
-    at most 1.2 instructions a weight (0.90 measured: one FMUL a value, 1/rms in the blocks' scales)."""
+    at most 1.6 instructions a weight, with no pass over the inputs before it (1.39 measured: a value
+    times the norm's weight, its square summed in the loop, 1/rms applied to the sums)."""
     pytest.importorskip("triton", reason="this torch installation has no Triton")
     from triton import knobs
 
@@ -294,7 +295,7 @@ def test_the_int8_input_loop_multiplies_four_values_an_instruction(arch, monkeyp
         decode_config.cache_clear()
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) >= 64  # 2 rows x 4 weight rows x 4 lanes x 2 words, and the codes' sums
-    assert 0 < fused["fused/Q4_K/swiglu+norm"] - fused["fused/Q4_K/swiglu"] <= 1.2, fused
+    assert 0 < fused["fused/Q4_K/swiglu+norm"] - fused["fused/Q4_K/swiglu"] <= 1.6, fused
     assert {r["weight_type"] for r in rows} == set(INT8_BOUNDS)
     for r in rows:
         mix = r["instructions_per_weight"]
