@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from mm3.backends.gpu import layout_kernels as lk
 
-from .test_layout_kernels import DEVICE, NATIVE, _k, weight
+from .test_layout_kernels import DEVICE, NATIVE, _k, switched_tile, weight
 
 triton = pytest.importorskip("triton", reason="this torch installation has no Triton")
 
@@ -138,17 +138,6 @@ def test_a_non_finite_input_is_not_rounded_away(qtype):
     assert got[0].isnan().all() and not got[1].isfinite().any() and got[2].isfinite().all()
 
 
-def test_split_sums_keep_their_order():
-    """K split over programs: the same bits every call (the tile's last program adds the splits in order)."""
-    g = torch.Generator().manual_seed(7)
-    k = 1024
-    w, _ = weight(Q.Q4_K, 5, k, g)
-    x = torch.randn(2, k, generator=g).to(DEVICE)
-    assert lk.decode_grid(2, 5, k, lk.REFERENCE_SMS, SPLIT8)[-1] == 4
-    first = lk.linear(x, w, Q.Q4_K, k, config=SPLIT8)
-    assert torch.equal(first, lk.linear(x, w, Q.Q4_K, k, config=SPLIT8))
-
-
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda t: t.name)
 def test_float_weights_keep_the_float_loop(qtype):
     """Float weights (no integer fields) are multiplied as without the switch, bit for bit."""
@@ -165,12 +154,7 @@ def test_the_switch_asks_for_it_where_the_device_runs_it(monkeypatch):
     that names none takes, under the interpreter too); a launch takes the 8-bit loop on CUDA (not
     ROCm: the loop's PTX) and under the interpreter, not elsewhere."""
     def config_with(value):
-        if value is None:
-            monkeypatch.delenv("MM3_GPU_INT8_INPUTS", raising=False)
-        else:
-            monkeypatch.setenv("MM3_GPU_INT8_INPUTS", value)
-        lk.decode_config.cache_clear()
-        return lk.decode_config()
+        return switched_tile(monkeypatch, "MM3_GPU_INT8_INPUTS", value)
 
     try:
         assert not config_with(None).int8_inputs and config_with(None).block_n == 4
