@@ -84,7 +84,7 @@ def normed_reference(x: torch.Tensor, nw: torch.Tensor, eps: float, values: torc
     return (xq * r.astype(np.float64)[:, None]) @ values.double().numpy().T
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_the_fused_forms_read_the_rounded_inputs(qtype):
     """The residual after, SwiGLU, two stacked types (the K mixes' q/k/v: v in Q6_K): bit for bit
     what the plain 8-bit product gives, with torch's add and silu around it. The norm inside: the
@@ -95,21 +95,18 @@ def test_the_fused_forms_read_the_rounded_inputs(qtype):
     w, values = weight(qtype, 8, k, g)
     v, v_values = weight(Q.Q6_K, 4, k, g)
     segments = [(w, qtype), (v, Q.Q6_K)]
-    for rows, config in ((1, TILE), (2, SPLIT8), (4, TILE), (2, WIDE)):
-        for dtype in (torch.float32, torch.float16):
-            x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
-            res = torch.randn(rows, 12, generator=g).to(DEVICE, dtype)
-            got = lk.linear_segments(x, segments, k, config=config, residual=res)
-            assert torch.equal(got, res + lk.linear_segments(x, segments, k, config=config)), (dtype, rows)
-            both = lk.linear_segments(x, segments, k, config=config)
-            assert torch.equal(both[:, :8], lk.linear(x, w, qtype, k, config=config))
-            if config is not SPLIT8:
-                gate, up = lk.linear(x, w, qtype, k, config=config).split(4, dim=-1)
-                got = lk.swiglu(x, w, qtype, k, config=config)
-                if dtype == torch.float32:
-                    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
-                else:
-                    assert torch.equal(got, F.silu(gate) * up), (dtype, rows)
+    for rows, config, dtype in ((2, TILE, torch.float16), (3, SPLIT8, torch.float32), (4, WIDE, torch.float16)):
+        x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+        res = torch.randn(rows, 12, generator=g).to(DEVICE, dtype)
+        both = lk.linear_segments(x, segments, k, config=config)
+        got = lk.linear_segments(x, segments, k, config=config, residual=res)
+        assert torch.equal(got, res + both), (dtype, rows)
+        part = lk.linear(x, w, qtype, k, config=config)
+        assert torch.equal(both[:, :8], part)
+        if config is not SPLIT8:  # SwiGLU never splits K
+            gate, up = part.split(4, dim=-1)
+            assert torch.equal(lk.swiglu(x, w, qtype, k, config=config), F.silu(gate) * up), (dtype, rows)
+    for rows, config in ((1, TILE), (2, SPLIT8), (2, WIDE)):
         x = torch.randn(rows, k, generator=g) * 3
         nw = torch.rand(k, generator=g) + 0.5
         want = normed_reference(x, nw, eps, torch.cat([values, v_values]))
