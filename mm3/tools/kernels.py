@@ -60,17 +60,17 @@ def specs(families=FAMILIES, weight_types=None, shapes=None) -> list:
 
         out += kernels.report_specs(decode, prefill)
     if "layout" in families:
-        from ..backends.gpu import layout_kernels
+        from ..backends.gpu import layout_specs
 
-        out += layout_kernels.report_specs(decode, prefill)
+        out += layout_specs.report_specs(decode, prefill)
     if "steps" in families:
         from ..backends.gpu import step_specs
 
         out += step_specs.report_specs(decode)
     if "fused" in families:
-        from ..backends.gpu import layout_kernels
+        from ..backends.gpu import layout_specs
 
-        out += layout_kernels.fused_report_specs(decode)
+        out += layout_specs.fused_report_specs(decode)
     return [s for s in out if (weight_types is None or s.weight_type in weight_types)
             and (shapes is None or s.shape in shapes)]
 
