@@ -49,6 +49,10 @@ SWITCHES = {s.name: s for s in (
            "the few-row products over quantized weights on CUDA with their inputs rounded to int8 a block of 32 "
            "(integer dot products, as llama.cpp's: fewer instructions a weight, the inputs to 1/254 of each block's "
            "largest value; for a GPU to time); read once a process"),
+    Switch("MM3_GPU_INT8_KV_CACHE", "off", ("on", "off"),
+           "the LM's KV cache on the GPU in 8 bits (int8 codes and a float32 scale a group of 32 values, each value "
+           "to 1/254 of its group's largest): about 0.56 of the 16-bit cache's memory and of what a late step's "
+           "attention reads; for a GPU to time"),
     Switch("MM3_KEEP_COPIES", "off", ("on", "off"),
            "keep float copies of the AR weights even where a fused kernel reads the blocks"),
     Switch("MM3_CPU_NATIVE", "on", ("on", "off"), "build and use the native integer kernel on the CPU"),

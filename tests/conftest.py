@@ -22,8 +22,8 @@ os.environ["MM3_CPU_BF16"] = "off"
 # decides the fast numerics' rounding; the suite names one and keeps its cache out of the user's folder.
 os.environ["MM3_CPU_PRODUCT"] = "int4"
 os.environ["MM3_CACHE_DIR"] = tempfile.mkdtemp(prefix="mm3-test-cache-")
-# The GPU decode tile and its inputs' rounding are the defaults' unless a test sets them.
-for _switch in ("MM3_GPU_DECODE_ROWS", "MM3_GPU_INT8_INPUTS"):
+# The GPU decode tile, its inputs' rounding and the KV cache are the defaults' unless a test sets them.
+for _switch in ("MM3_GPU_DECODE_ROWS", "MM3_GPU_INT8_INPUTS", "MM3_GPU_INT8_KV_CACHE"):
     os.environ.pop(_switch, None)
 atexit.register(shutil.rmtree, os.environ["MM3_CACHE_DIR"], True)
 

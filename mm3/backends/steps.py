@@ -22,12 +22,12 @@ from . import products
 from .cpu import long_attention as cpu_long_attention, steps as cpu_steps
 from .cpu.steps import draw_from_raw, exponentials, raw_draws, raw_draws_exact, skip_draws
 from .gpu import steps as gpu_steps
-from .gpu.emulation import cpu_path, gpu_path
+from .gpu.emulation import cpu_path, gpu_device, gpu_path
 
 __all__ = ["held_parts", "rms_norm", "add_rms_norm", "lookup", "code_rows", "frame_feedback", "rope_table",
-           "prepare_attention", "attention_step", "decode_attention", "short_attention", "long_attention",
-           "lm_layer", "depth_blocks", "top_k_draw", "semantic_draw", "draw_from_raw", "exponentials", "raw_draws",
-           "raw_draws_exact", "skip_draws"]
+           "kv_cache_bits", "prepare_attention", "attention_step", "decode_attention", "short_attention",
+           "long_attention", "lm_layer", "depth_blocks", "top_k_draw", "semantic_draw", "draw_from_raw",
+           "exponentials", "raw_draws", "raw_draws_exact", "skip_draws"]
 
 # a model's blocks -> (their products chosen, held weakly, and what the library reads of them), while alive
 _HELD: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -95,32 +95,44 @@ def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     return gpu_steps.rope_table(pos, inv_freq, dtype) if gpu_path(pos) else None
 
 
+def kv_cache_bits(device, head_dim: int) -> int:
+    """Bits a value of an LM's KV cache on `device` takes: 8 where `MM3_GPU_INT8_KV_CACHE` is on and
+    the GPU back end serves the device (its attention kernels read 8-bit caches) and `head_dim` is a
+    power of two they take, else 16 (the compute dtype)."""
+    if not switches.on("MM3_GPU_INT8_KV_CACHE") or not gpu_device(device) or head_dim & (head_dim - 1):
+        return 16
+    return 8
+
+
 def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, at: int | None,
-                      pos: torch.Tensor):
+                      pos: torch.Tensor, scales=None):
     """An LM decode step's q/k norms, rotation and cache write at the next position (`at` on the
     host, None where the step may not read it; `pos` [1] on the device) in one call -> the rotated
-    queries [B, heads, 1, D], or None (nothing written)."""
+    queries [B, heads, 1, D], or None (nothing written). `scales`: an 8-bit cache's (`KVCache.scales`)."""
     if cpu_path(q):
-        return None if at is None else cpu_steps.decode_prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k,
-                                                                cache_v, at)
-    return gpu_steps.prepare_attention(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos) \
+        return None if at is None or scales is not None else \
+            cpu_steps.decode_prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, at)
+    return gpu_steps.prepare_attention(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, scales) \
         if gpu_path(q) else None
 
 
 def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos: torch.Tensor, span: int,
-                   scale: float):
+                   scale: float, scales=None):
     """An LM decode step's q/k norms, rotation, cache write at the device position `pos` and its
     attention over the filled keys (`span` >= pos + 1 keys the call is sized for) in one call, from
-    q, k, v as one q/k/v product's split gives them -> [B, heads, 1, D], or None (nothing written)."""
+    q, k, v as one q/k/v product's split gives them -> [B, heads, 1, D], or None (nothing written).
+    `scales`: an 8-bit cache's (`KVCache.scales`)."""
     if not gpu_path(q):
         return None
-    return gpu_steps.attention_step(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span, scale)
+    return gpu_steps.attention_step(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span, scale,
+                                    scales)
 
 
-def decode_attention(q, cache_k, cache_v, pos: torch.Tensor, span: int, scale: float):
+def decode_attention(q, cache_k, cache_v, pos: torch.Tensor, span: int, scale: float, scales=None):
     """One query position's attention (q [B, heads, 1, D]) over the cache's first pos + 1 keys (`pos`
-    on the device; `span` >= pos + 1 keys the call is sized for) -> [B, heads, 1, D], or None."""
-    return gpu_steps.decode_attention(q, cache_k, cache_v, pos, span, scale) if gpu_path(q) else None
+    on the device; `span` >= pos + 1 keys the call is sized for) -> [B, heads, 1, D], or None.
+    `scales`: an 8-bit cache's (`KVCache.scales`)."""
+    return gpu_steps.decode_attention(q, cache_k, cache_v, pos, span, scale, scales) if gpu_path(q) else None
 
 
 def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
@@ -173,7 +185,7 @@ def lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int,
     dt, dev = x.dtype, x.device
     if gpu_path(x):  # (torch.compile traces the model's own operations)
         return None if torch.compiler.is_compiling() else _gpu_lm_layer(layer, x, cos, sin, cache, index)
-    if not _whole_steps(x) or cache.bucket is not None:
+    if not _whole_steps(x) or cache.bucket is not None or cache.quantized:
         return None
     parts = _parts(layer, [layer.products()], dt, dev)
     if parts is None:
@@ -254,7 +266,7 @@ def _gpu_lm_layer(layer, x: torch.Tensor, cos, sin, cache, index: int) -> torch.
     return gpu_steps.lm_layer(parts, x, (layer.input_layernorm(dt, dev), layer.post_attention_layernorm(dt, dev)),
                               layer.eps, (attn.q_norm(dt, dev), attn.k_norm(dt, dev)), attn.eps, cos, sin,
                               cache.k[index], cache.v[index], cache.pos, cache.span(), attn.heads,
-                              attn.head_dim ** -0.5)
+                              attn.head_dim ** -0.5, cache.scales(index))
 
 
 def depth_blocks(decoder, inputs: torch.Tensor, positions: torch.Tensor, cache, eps: float) -> torch.Tensor | None:

@@ -101,7 +101,8 @@ def _parts(lm, depth, sampler) -> tuple[dict, list]:
     modules[lm.lm_head] = "sampling"
     for head in depth.audio_heads:
         modules[head] = "sampling"
-    caches = [sampler.cache.k, sampler.cache.v]
+    caches = [t for t in (sampler.cache.k, sampler.cache.v, sampler.cache.k_scales, sampler.cache.v_scales)
+              if t is not None]
     if sampler.depth_cache is not None:
         caches += [sampler.depth_cache.k, sampler.depth_cache.v]
     return modules, caches

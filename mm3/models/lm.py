@@ -20,6 +20,7 @@ from ..backends.gpu.emulation import cpu_path
 from ..weights import layers as default_ops
 from ..formats.gguf.errors import ComponentError
 from ..weights.layers import Fused, Linear, fused_layers, load_tensors
+from .kv_cache import KVCache, value_bytes
 
 NUMERICS = ("fast", "reference")
 
@@ -74,91 +75,15 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
     model.numerics = numerics
 
 
-def activation_bytes(cfg: dict, prompt_tokens: int, frames: int, rows: int, elem: int) -> int:
+def activation_bytes(cfg: dict, prompt_tokens: int, frames: int, rows: int, elem: int, kv_bits: int = 16) -> int:
     """Bytes beyond the weights for `rows` sequences (`mm3.plan.ar.rows_per_song` per song) of a prompt
-    and `frames` more positions, `elem` bytes a value: the KV cache plus the prefill's widest
-    activation (float32, a few temporaries deep)."""
+    and `frames` more positions, `elem` bytes a value: the KV cache (of `kv_bits`, `KVCache.empty`)
+    plus the prefill's widest activation (float32, a few temporaries deep)."""
     length = prompt_tokens + frames + 1
-    kv = 2 * cfg["num_hidden_layers"] * rows * cfg["num_key_value_heads"] * length * cfg["head_dim"] * elem
+    kv = 2 * cfg["num_hidden_layers"] * rows * cfg["num_key_value_heads"] * length * cfg["head_dim"] * \
+        value_bytes(kv_bits, cfg["head_dim"], elem)
     prefill = 3 * rows * prompt_tokens * max(cfg["intermediate_size"], cfg["hidden_size"]) * 4
     return int(kv + prefill)
-
-
-class KVCache:
-    """Static key/value buffers [layers, rows, kv_heads, max_len, head_dim]; rows are independent
-    sequences (for the AR stage: cond, uncond, ... per song). `length` positions are filled; the
-    next position is `length` on the host and `pos` ([1], long) on the buffers' device.
-
-    `bucket`: when set, one-position steps attend over the first `bucket` positions with the
-    unfilled ones masked (a static shape: what a compiled step needs); else over exactly `length + 1`.
-    """
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int = 0):
-        self.k, self.v, self.length = k, v, length
-        self.pos = torch.tensor([length], dtype=torch.long, device=k.device)
-        self.bucket: int | None = None
-        # False while a compiled step runs: it must not read or guard on the host count, which its
-        # caller then advances.
-        self.host_counting = True
-
-    @classmethod
-    def empty(cls, layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
-              device) -> "KVCache":
-        k = torch.zeros(layers, rows, kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        return cls(k, torch.zeros_like(k))
-
-    @property
-    def rows(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def repeat(self, n: int) -> "KVCache":
-        """A cache of n copies of every row, row-major by copy: rows [r0, r1, r0, r1, ...]."""
-        return KVCache(self.k.repeat(1, n, 1, 1, 1), self.v.repeat(1, n, 1, 1, 1), self.length)
-
-    def positions(self, s: int) -> torch.Tensor:
-        """Positions of the next `s` entries, on the device: [s]."""
-        return self.pos + torch.arange(s, device=self.pos.device)
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [rows, kv_heads, s, head_dim] at the next s positions."""
-        s = k.shape[2]
-        if s == 1:  # at the device position: no host value read
-            self.k[layer].index_copy_(2, self.pos, k)
-            self.v[layer].index_copy_(2, self.pos, v)
-        else:
-            self.k[layer, :, :, self.length:self.length + s] = k
-            self.v[layer, :, :, self.length:self.length + s] = v
-
-    def attended(self, layer: int, s: int):
-        """(keys, values, mask, is_causal) for `s` new positions after `length` filled ones."""
-        if s == 1 and self.bucket is not None:  # before `length` is read: a compiled step must not guard on it
-            n = self.bucket
-            mask = (torch.arange(n, device=self.pos.device) <= self.pos)[None, None, None]  # [1, 1, 1, n]
-            return self.k[layer, :, :, :n], self.v[layer, :, :, :n], mask, False
-        start, end = self.length, self.length + s
-        mask = None
-        if start > 0 and s > 1:  # a chunk after cached positions: causal within, all before
-            dev = self.k.device
-            mask = torch.arange(end, device=dev)[None] <= torch.arange(start, end, device=dev)[:, None]
-        # From an empty cache the causal flag is the mask; one new position sees everything.
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], mask, start == 0 and s > 1
-
-    def span(self) -> int:
-        """The keys a one-position step's attention launch covers: the bucket where one is set (a
-        static shape), else the filled positions and the one being written."""
-        return self.length + 1 if self.bucket is None else self.bucket
-
-    def advance(self, s: int):
-        self.pos += s
-        if self.host_counting:
-            self.length += s
-
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
 
 
 class AttentionTap:
@@ -232,12 +157,13 @@ class Qwen3Attention(nn.Module):
         native = self.fast_numerics
         if native and s == 1 and not self.taps:  # a decode step: one back-end call, or two
             out = steps.attention_step(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
-                                       cache.k[layer], cache.v[layer], cache.pos, cache.span(), self.head_dim ** -0.5)
+                                       cache.k[layer], cache.v[layer], cache.pos, cache.span(), self.head_dim ** -0.5,
+                                       cache.scales(layer))
             if out is not None:
                 return self.o_proj(out.view(b, 1, -1))
             at = cache.length if cache.bucket is None else None  # the host position, where the step may read it
             rotated = steps.prepare_attention(q, k, v, self.q_norm(dt, dev), self.k_norm(dt, dev), self.eps, cos, sin,
-                                              cache.k[layer], cache.v[layer], at, cache.pos)
+                                              cache.k[layer], cache.v[layer], at, cache.pos, cache.scales(layer))
             if rotated is not None:
                 return self.o_proj(self._attend(rotated, cache, layer).transpose(1, 2).reshape(b, 1, -1))
         q = rms_norm(q.view(b, s, self.heads, self.head_dim), self.q_norm(dt, dev), self.eps, native).transpose(1, 2)
@@ -261,7 +187,8 @@ class Qwen3Attention(nn.Module):
         """A decode step's attention of q [B, heads, 1, D] over the cache (its position written): a
         back end's call over the filled keys where one serves, else torch's."""
         scale = self.head_dim ** -0.5
-        out = steps.decode_attention(q, cache.k[layer], cache.v[layer], cache.pos, cache.span(), scale)
+        out = steps.decode_attention(q, cache.k[layer], cache.v[layer], cache.pos, cache.span(), scale,
+                                     cache.scales(layer))
         if out is not None:
             return out
         keys, values, mask, _ = cache.attended(layer, 1)
@@ -423,11 +350,14 @@ class Qwen3LM(nn.Module):
         self.tied = False
 
     def new_cache(self, rows: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        """A cache of `rows` sequences of up to `max_len` positions, in 8 bits where the back end
+        asks for it on `device` (`mm3.backends.steps.kv_cache_bits`), else in `dtype`."""
         if max_len > self.max_positions:
             raise ValueError(f"KV cache of {max_len} positions exceeds the LM context {self.max_positions}")
         c = self.cfg
+        bits = steps.kv_cache_bits(device, self.head_dim) if self.fast_numerics else 16
         return KVCache.empty(c["num_hidden_layers"], rows, c["num_key_value_heads"], max_len, self.head_dim, dtype,
-                             device)
+                             device, bits)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
         return self.model.embed_tokens.lookup(ids, dtype, device)

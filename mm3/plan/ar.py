@@ -493,7 +493,8 @@ def activation_bytes(lm_hp: dict, prompt_tokens: int, frames: int, songs: int, l
     """Bytes the AR stage needs beyond the weights (what a memory manager must keep free): the
     LM's activations for the rows its songs take (`rows_per_song`)."""
     rows = songs * rows_per_song(numerics, lm_cfg, device)
-    return lm_activation_bytes(lm_hp, prompt_tokens, frames, rows, elem)
+    bits = steps.kv_cache_bits(device, lm_hp["head_dim"]) if numerics == "fast" else 16
+    return lm_activation_bytes(lm_hp, prompt_tokens, frames, rows, elem, bits)
 
 
 def rows_per_song(numerics: str, lm_cfg: float, device: torch.device) -> int:

@@ -4,6 +4,9 @@ tables of the step's position (`rope_table_kernel`), the preparation of one posi
 of that position over the filled part of the cache (`attention_decode_kernel`, split over the keys,
 the last split of each key head combining them), both in one launch from the fused q/k/v row
 (`attention_step_kernel`), and the depth decoder's short attention (`attention_short_kernel`).
+The LM's kernels also take an 8-bit cache (QUANT: int8 codes and a float32 scale a group of GROUP
+values, `mm3.models.kv_cache`): the new position rounded as `kv_codes` rounds it, bit for bit, and
+each key and value read back as its code times its scale in float32.
 
 The preparation computes what `mm3.models.lm.Qwen3Attention` computes with torch, in the same
 roundings (the norm as `norm_kernels`; `q * cos + rotate_half(q) * sin` with each product and the
@@ -22,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .layout_kernels import counters
-from .norm_kernels import cast, warps
+from .norm_kernels import cast, largest, warps
 
 SPLIT = 256  # keys per program of the decode attention
 BLOCK_N = 16  # keys per iteration of a program
@@ -65,21 +68,44 @@ def _rotated(src, heads, valid, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _write_position(k_src, v_src, kh, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, at, eps, D: tl.constexpr):
-    """Key head kh of a row's keys (at k_src + kh * D) normalized, rotated and written with its
-    value head (v_src + kh * D) into the caches at element offset `at`."""
+def _store_head(c_ptr, s_ptr, slot, x, D: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
+    """One head's values x [1, D] into a cache at position `slot` (of all its rows' positions): as
+    they are, or with QUANT as `mm3.models.kv_cache.kv_codes` rounds them (each group's largest
+    magnitude / 127 its scale, into s_ptr; round(x / scale), half to even, its codes; a group of
+    zeros, or one whose scale is not finite, codes 0)."""
     cols = tl.arange(0, D)[None, :]
-    one = tl.full((1,), 0, tl.int32) + kh
-    tl.store(ck_ptr + at + cols, _rotated(k_src, one, one >= 0, kw_ptr, cos_ptr, sin_ptr, eps, D))
-    tl.store(cv_ptr + at + cols, tl.load(v_src + one.to(tl.int64)[:, None] * D + cols))
+    if QUANT:
+        g = tl.reshape(x.to(tl.float32), (D // GROUP, GROUP))
+        scales = tl.div_rn(tl.reduce(tl.abs(g), 1, largest), 127.0)
+        y = tl.div_rn(g, scales[:, None])
+        code = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # round to even: 1.5 * 2^23 added
+        code = tl.where((scales[:, None] > 0) & (y == y), tl.minimum(tl.maximum(code, -127), 127), 0)
+        tl.store(c_ptr + slot * D + cols, tl.reshape(code.to(tl.int8), (1, D)))
+        tl.store(s_ptr + slot * (D // GROUP) + tl.arange(0, D // GROUP), scales)
+    else:
+        tl.store(c_ptr + slot * D + cols, x)
 
 
 @triton.jit
-def attn_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, pos_ptr, out_ptr,
-                     sq, sk, sv, cap, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr):
+def _write_position(k_src, v_src, kh, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, ks_ptr, vs_ptr, slot, eps,
+                    D: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
+    """Key head kh of a row's keys (at k_src + kh * D) normalized, rotated and written with its
+    value head (v_src + kh * D) into the caches at position `slot` (`_store_head`)."""
+    cols = tl.arange(0, D)[None, :]
+    one = tl.full((1,), 0, tl.int32) + kh
+    _store_head(ck_ptr, ks_ptr, slot, _rotated(k_src, one, one >= 0, kw_ptr, cos_ptr, sin_ptr, eps, D), D, QUANT,
+                GROUP)
+    _store_head(cv_ptr, vs_ptr, slot, tl.load(v_src + one.to(tl.int64)[:, None] * D + cols), D, QUANT, GROUP)
+
+
+@triton.jit
+def attn_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, ks_ptr, vs_ptr, pos_ptr,
+                     out_ptr, sq, sk, sv, cap, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                     QUANT: tl.constexpr = False, GROUP: tl.constexpr = 32):
     """Program (row b, head h): a query head (h < HEADS) normalized and rotated into out [B, HEADS,
     1, D]; else key head h - HEADS normalized, rotated and written with its value head into the
-    cache [B, KV_HEADS, cap, D] at the position `pos_ptr` holds."""
+    cache [B, KV_HEADS, cap, D] at the position `pos_ptr` holds (with QUANT in 8 bits, the scales
+    into ks, vs [B, KV_HEADS, cap, D / GROUP])."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, D)[None, :]
@@ -89,27 +115,39 @@ def attn_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, ck_p
         tl.store(out_ptr + (b * HEADS + h) * D + cols, y)
     else:
         kh = h - HEADS
-        at = ((b * KV_HEADS + kh) * cap + tl.load(pos_ptr)) * D
-        _write_position(k_ptr + b * sk, v_ptr + b * sv, kh, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, at, eps, D)
+        slot = (b * KV_HEADS + kh) * cap + tl.load(pos_ptr)
+        _write_position(k_ptr + b * sk, v_ptr + b * sv, kh, kw_ptr, cos_ptr, sin_ptr, ck_ptr, cv_ptr, ks_ptr, vs_ptr,
+                        slot, eps, D, QUANT, GROUP)
 
 
 @triton.jit
-def _partials(q, k_ptr, v_ptr, bh, start, end, cap, scale, GP: tl.constexpr, D: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+def _read_heads(c_ptr, s_ptr, slots, valid, D: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
+    """A cache's heads at positions `slots` [N] (of all its rows' positions; `valid` [N]: the others
+    read as zeros) in float32 [N, D]: with QUANT each code times its group's scale."""
+    cols = tl.arange(0, D)[None, :]
+    x = tl.load(c_ptr + slots[:, None] * D + cols, mask=valid[:, None], other=0).to(tl.float32)
+    if QUANT:  # each group's scale read once, not once a value
+        groups = tl.arange(0, D // GROUP)[None, :]
+        scales = tl.load(s_ptr + slots[:, None] * (D // GROUP) + groups, mask=valid[:, None], other=0.0)
+        x = tl.reshape(tl.reshape(x, (x.shape[0], D // GROUP, GROUP)) * scales[:, :, None], (x.shape[0], D))
+    return x
+
+
+@triton.jit
+def _partials(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bh, start, end, cap, scale, GP: tl.constexpr, D: tl.constexpr,
+              BLOCK_N: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
     """The running maximum, softmax sum and weighted values (float32) of the queries q [GP, D]
     (float32) of key head bh over the cache's keys [start, end)."""
-    cols = tl.arange(0, D)
     keys = tl.arange(0, BLOCK_N)
-    base = bh * cap * D
     m = tl.full((GP,), float("-inf"), tl.float32)
     den = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
     for first in range(start, end, BLOCK_N):
         n = first + keys
         valid = n < end
-        at = base + n.to(tl.int64)[:, None] * D + cols[None, :]
-        k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+        slots = bh * cap + n.to(tl.int64)
+        k = _read_heads(k_ptr, ks_ptr, slots, valid, D, QUANT, GROUP)
+        v = _read_heads(v_ptr, vs_ptr, slots, valid, D, QUANT, GROUP)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -161,9 +199,10 @@ def _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n
 
 
 @triton.jit
-def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, cap, scale,
-                            n_splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                            BLOCK_N: tl.constexpr, COMBINE: tl.constexpr):
+def attention_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr,
+                            cap, scale, n_splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, COMBINE: tl.constexpr,
+                            QUANT: tl.constexpr = False, GROUP: tl.constexpr = 32):
     """Program (row and key head bh, split): the G query heads of key head bh over keys
     [split * SPLIT, (split + 1) * SPLIT) of the filled ones (pos + 1) (`_partials`); a split past
     the filled keys returns at once; the partials stored, and with COMBINE combined by the last
@@ -177,17 +216,18 @@ def attention_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
     g = tl.arange(0, GP)
     cols = tl.arange(0, D)
     q = tl.load(q_ptr + (bh * G + g)[:, None] * D + cols[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
-    m, den, acc = _partials(q, k_ptr, v_ptr, bh, start, tl.minimum(start + SPLIT, filled), cap, scale, GP, D,
-                            BLOCK_N)
+    m, den, acc = _partials(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bh, start, tl.minimum(start + SPLIT, filled), cap, scale,
+                            GP, D, BLOCK_N, QUANT, GROUP)
     _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n_splits, filled, G, GP, D, SPLIT,
             COMBINE)
 
 
 @triton.jit
-def attention_step_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
-                          count_ptr, out_ptr, sq, cap, eps, scale, n_splits, HEADS: tl.constexpr,
+def attention_step_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, m_ptr,
+                          l_ptr, acc_ptr, count_ptr, out_ptr, sq, cap, eps, scale, n_splits, HEADS: tl.constexpr,
                           KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                          SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+                          SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr = False,
+                          GROUP: tl.constexpr = 32):
     """An LM decode step's attention from its fused q/k/v row (qkv [B, (HEADS + 2 KV_HEADS) D], row
     stride sq) in one launch: as `attn_prep_kernel` then `attention_decode_kernel`. Each program
     normalizes and rotates its G query heads itself (`_rotated`); the program whose split holds
@@ -205,11 +245,11 @@ def attention_step_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_pt
     g = tl.arange(0, GP)
     if pos < start + SPLIT:  # this split holds the new position: write it, then read it with the rest
         _write_position(row + HEADS * D, row + (HEADS + KV_HEADS) * D, kh, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr,
-                        (bh * cap + pos) * D, eps, D)
+                        ks_ptr, vs_ptr, bh * cap + pos, eps, D, QUANT, GROUP)
         tl.debug_barrier()
     q = _rotated(row, kh * G + g, g < G, qw_ptr, cos_ptr, sin_ptr, eps, D).to(tl.float32)
-    m, den, acc = _partials(q, k_ptr, v_ptr, bh, start, tl.minimum(start + SPLIT, pos + 1), cap, scale, GP, D,
-                            BLOCK_N)
+    m, den, acc = _partials(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bh, start, tl.minimum(start + SPLIT, pos + 1), cap,
+                            scale, GP, D, BLOCK_N, QUANT, GROUP)
     _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n_splits, pos + 1, G, GP, D, SPLIT,
             True)
 
@@ -278,14 +318,25 @@ def rope_table(pos, inv_freq, dtype):
     return cos, sin
 
 
-def prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, heads: int, kv_heads: int, d: int):
-    """`attn_prep_kernel` over rows [B] -> the rotated queries [B, heads, 1, D]."""
+def _scales(cache_k, cache_v, scales) -> tuple:
+    """(key scales, value scales, QUANT, GROUP) a launch passes: an 8-bit cache's `scales` (ks, vs
+    [B, kv_heads, cap, D / GROUP]), or the caches themselves (read by nothing) for a 16-bit one."""
+    if scales is None:
+        return cache_k, cache_v, False, 32
+    return scales[0], scales[1], True, cache_k.shape[-1] // scales[0].shape[-1]
+
+
+def prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, heads: int, kv_heads: int, d: int,
+            scales=None):
+    """`attn_prep_kernel` over rows [B] -> the rotated queries [B, heads, 1, D]; `scales`: an 8-bit
+    cache's (key, value) scales."""
     b = q.shape[0]
     out = torch.empty(b, heads, 1, d, dtype=q.dtype, device=q.device)
-    attn_prep_kernel[(b, heads + kv_heads)](q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v, pos, out,
+    ks, vs, quant, group = _scales(cache_k, cache_v, scales)
+    attn_prep_kernel[(b, heads + kv_heads)](q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v, ks, vs, pos, out,
                                             q.stride(0), k.stride(0), v.stride(0), cache_k.shape[2], eps,
-                                            HEADS=heads, KV_HEADS=kv_heads, D=d, num_warps=warps(d),
-                                            enable_fp_fusion=False)
+                                            HEADS=heads, KV_HEADS=kv_heads, D=d, QUANT=quant, GROUP=group,
+                                            num_warps=warps(d), enable_fp_fusion=False)
     return out
 
 
@@ -300,37 +351,41 @@ def _splits(b: int, heads: int, kv_heads: int, d: int, span: int, device) -> tup
     return g, gp, n_splits, (m, torch.empty_like(m), acc)
 
 
-def decode(q, cache_k, cache_v, pos, span: int, scale: float, two_launches: bool = False):
+def decode(q, cache_k, cache_v, pos, span: int, scale: float, two_launches: bool = False, scales=None):
     """The attention of q [B, heads, 1, D] over the first pos + 1 keys of cache_k, cache_v [B,
-    kv_heads, cap, D] (span: the keys a launch covers, >= pos + 1) -> [B, heads, 1, D], in one
-    launch (the last split of each key head combines them), or with `two_launches` the splits
-    combined by `attention_combine_kernel` (the same bits)."""
+    kv_heads, cap, D] (span: the keys a launch covers, >= pos + 1; `scales`: an 8-bit cache's) ->
+    [B, heads, 1, D], in one launch (the last split of each key head combines them), or with
+    `two_launches` the splits combined by `attention_combine_kernel` (the same bits)."""
     b, heads, _, d = q.shape
     kv_heads, cap = cache_k.shape[1], cache_k.shape[2]
     g, gp, n_splits, (m, den, acc) = _splits(b, heads, kv_heads, d, span, q.device)
     out = torch.empty_like(q)
     combine = not two_launches
     counts = counters(q.device, b * kv_heads) if combine else m
-    attention_decode_kernel[(b * kv_heads, n_splits)](q, cache_k, cache_v, pos, m, den, acc, counts, out, cap, scale,
-                                                      n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
-                                                      COMBINE=combine, num_warps=4)
+    ks, vs, quant, group = _scales(cache_k, cache_v, scales)
+    attention_decode_kernel[(b * kv_heads, n_splits)](q, cache_k, cache_v, ks, vs, pos, m, den, acc, counts, out, cap,
+                                                      scale, n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
+                                                      COMBINE=combine, QUANT=quant, GROUP=group, num_warps=4)
     if not combine:
         attention_combine_kernel[(b * heads,)](m, den, acc, pos, out, n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT,
                                                num_warps=warps(d))
     return out
 
 
-def step(qkv, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span: int, scale: float, heads: int):
+def step(qkv, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span: int, scale: float, heads: int,
+         scales=None):
     """`attention_step_kernel`: the attention of an LM decode step from its fused q/k/v rows qkv
     [B, 1, (heads + 2 kv_heads) D], the new key and value written into cache_k, cache_v [B,
-    kv_heads, cap, D] at `pos` (span: the keys a launch covers, >= pos + 1) -> [B, heads, 1, D]."""
+    kv_heads, cap, D] at `pos` (span: the keys a launch covers, >= pos + 1; `scales`: an 8-bit
+    cache's) -> [B, heads, 1, D]."""
     b, kv_heads, cap, d = cache_k.shape
     g, gp, n_splits, (m, den, acc) = _splits(b, heads, kv_heads, d, span, qkv.device)
     out = torch.empty(b, heads, 1, d, dtype=qkv.dtype, device=qkv.device)
+    ks, vs, quant, group = _scales(cache_k, cache_v, scales)
     attention_step_kernel[(b * kv_heads, n_splits)](
-        qkv, q_norm, k_norm, cos, sin, cache_k, cache_v, pos, m, den, acc, counters(qkv.device, b * kv_heads), out,
-        qkv.stride(0), cap, eps, scale, n_splits, HEADS=heads, KV_HEADS=kv_heads, G=g, GP=gp, D=d, SPLIT=SPLIT,
-        BLOCK_N=BLOCK_N, num_warps=4)
+        qkv, q_norm, k_norm, cos, sin, cache_k, cache_v, ks, vs, pos, m, den, acc, counters(qkv.device, b * kv_heads),
+        out, qkv.stride(0), cap, eps, scale, n_splits, HEADS=heads, KV_HEADS=kv_heads, G=g, GP=gp, D=d, SPLIT=SPLIT,
+        BLOCK_N=BLOCK_N, QUANT=quant, GROUP=group, num_warps=4)
     return out
 
 

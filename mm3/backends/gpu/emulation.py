@@ -47,15 +47,20 @@ def on_gpu_path(device):
     return emulated() if torch.device(device).type == "cpu" else contextlib.nullcontext()
 
 
-def gpu_path(t: torch.Tensor) -> bool:
-    """Whether `t` takes the GPU back end's whole steps: a tensor on a device Triton runs, or a CPU
-    tensor while emulating."""
-    kind = t.device.type
+def gpu_device(device) -> bool:
+    """Whether tensors on `device` take the GPU back end's whole steps: a device Triton runs, or the
+    CPU while emulating."""
+    kind = torch.device(device).type
     if kind == "cpu" and not _ON[0]:
         return False
     from . import kernels
 
     return kernels.available(kind)
+
+
+def gpu_path(t: torch.Tensor) -> bool:
+    """Whether `t` takes the GPU back end's whole steps (`gpu_device` of its device)."""
+    return gpu_device(t.device)
 
 
 def cpu_path(t: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .layout_fields import factors, high_words, lanes, rotr, signed_byte, tile
 from .layout_inputs import inverse_rms, norm_weight, rstds, x_slice
+from .norm_kernels import largest
 
 
 @triton.jit
@@ -70,12 +71,6 @@ def _packed(x0, x1, x2, x3, inv, NATIVE: tl.constexpr):
     lo = prmt(_code(x0, inv, NATIVE), _code(x1, inv, NATIVE), 0x0040, NATIVE)
     hi = prmt(_code(x2, inv, NATIVE), _code(x3, inv, NATIVE), 0x0040, NATIVE)
     return prmt(lo, hi, 0x5410, NATIVE)
-
-
-@triton.jit
-def _largest(a, b):
-    """The larger of a and b, NaN where either is (a NaN input must not vanish into a code)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -210,10 +205,10 @@ def _row_sums(x_ptr, m, M, x_stride, cs, K, nw_ptr, add_ptr, add_rows, add_strid
                      NATIVE, QTYPE)
     x7, sq = _stream(x_ptr, m, M, x_stride, cs, K, 7, nw_ptr, add_ptr, add_rows, add_stride, sq, NORM, ADD, SQUARES,
                      NATIVE, QTYPE)
-    top = _largest(_largest(_largest(tl.abs(x0), tl.abs(x1)), _largest(tl.abs(x2), tl.abs(x3))),
-                   _largest(_largest(tl.abs(x4), tl.abs(x5)), _largest(tl.abs(x6), tl.abs(x7))))
+    top = largest(largest(largest(tl.abs(x0), tl.abs(x1)), largest(tl.abs(x2), tl.abs(x3))),
+                  largest(largest(tl.abs(x4), tl.abs(x5)), largest(tl.abs(x6), tl.abs(x7))))
     t0, t1, t2, t3 = _quarters(top, 1, C)
-    top = _largest(_largest(_largest(t0, t1), _largest(t2, t3)), 1e-30)  # each block's largest magnitude, [1, C, 8]
+    top = largest(largest(largest(t0, t1), largest(t2, t3)), 1e-30)  # each block's largest magnitude, [1, C, 8]
     dx = top * (1.0 / 127.0)  # a NaN input makes its block's sums NaN, as the float loop's
     inv = lanes(tl.div_rn(127.0, top), 1, C)
     if QTYPE == 1 or QTYPE == 8:

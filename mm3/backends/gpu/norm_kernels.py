@@ -32,6 +32,12 @@ def cast(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def largest(a, b):
+    """The larger of a and b, NaN where either is (where a NaN must not vanish: a rounding's scale)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _normalize(v, n, eps):
     """The rows of v [ROWS, BLOCK] float32 (zeros beyond n) divided by their root mean square
     (+ eps), in float32."""

@@ -192,88 +192,108 @@ def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     return attention_kernels.rope_table(pos, inv_freq, dtype)
 
 
-def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos):
+def _caches(cache_k, cache_v, scales, dtype: torch.dtype) -> bool:
+    """Whether the attention kernels take these caches ([B, kv_heads, cap, D], contiguous, one shape):
+    in `dtype`, or with `scales` (key, value) 8-bit (`mm3.models.kv_cache`): int8 codes and float32
+    scales [B, kv_heads, cap, D / group] of a power-of-two group, on the caches' device."""
+    if cache_k.dim() != 4 or cache_v.shape != cache_k.shape or cache_v.device != cache_k.device or \
+            not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+        return False
+    if scales is None:
+        return cache_k.dtype == cache_v.dtype == dtype
+    groups = scales[0].shape[-1]
+    return cache_k.dtype == cache_v.dtype == torch.int8 and len(scales) == 2 and groups > 0 and \
+        cache_k.shape[3] % groups == 0 and _pow2(cache_k.shape[3] // groups) and \
+        all(t.dtype == torch.float32 and t.shape == (*cache_k.shape[:3], groups) and t.is_contiguous() and
+            t.device == cache_k.device for t in scales)
+
+
+def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, scales=None):
     """An LM decode step's q/k norms, rotation and cache write at the device position `pos` ([1]
     int64) in one kernel (`attention_kernels.attn_prep_kernel`) -> the rotated queries [B, heads,
-    1, D], or None."""
-    if not _serves(q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v) or q.dim() != 3 or cache_k.dim() != 4:
+    1, D], or None. `scales`: an 8-bit cache's (key, value) scales."""
+    if not _serves(q, k, v, q_norm, k_norm, cos, sin) or q.dim() != 3 or \
+            not _caches(cache_k, cache_v, scales, q.dtype) or cache_k.device != q.device:
         return None
     b, s, width = q.shape
     rows, kv_heads, _, d = cache_k.shape
-    if s != 1 or rows != b or k.shape != (b, 1, kv_heads * d) or v.shape != k.shape or cache_v.shape != cache_k.shape \
-            or not (cache_k.is_contiguous() and cache_v.is_contiguous()) or width % d or not _pow2(d) \
+    if s != 1 or rows != b or k.shape != (b, 1, kv_heads * d) or v.shape != k.shape or width % d or not _pow2(d) \
             or not all(_vector(t, d) for t in (q_norm, k_norm, cos, sin)) \
             or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
         return None
     from . import attention_kernels
 
     return attention_kernels.prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, width // d,
-                                     kv_heads, d)
+                                     kv_heads, d, scales)
 
 
-def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float):
+def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float, scales=None):
     """One query position's attention over the first pos + 1 keys of the cache (a launch sized for
-    `span` keys) in two kernels (`attention_kernels.decode`) -> [B, heads, 1, D], or None."""
-    if not _serves(q, cache_k, cache_v) or q.dim() != 4 or cache_k.dim() != 4 or not q.is_contiguous():
+    `span` keys; `scales`: an 8-bit cache's) in two kernels (`attention_kernels.decode`) -> [B,
+    heads, 1, D], or None."""
+    if not _serves(q) or q.dim() != 4 or not q.is_contiguous() or not _caches(cache_k, cache_v, scales, q.dtype) \
+            or cache_k.device != q.device:
         return None
     b, heads, s, d = q.shape
     rows, kv_heads, cap, dk = cache_k.shape
-    if s != 1 or rows != b or dk != d or not _pow2(d) or heads % kv_heads or cache_v.shape != cache_k.shape \
-            or not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not 0 < span <= cap \
+    if s != 1 or rows != b or dk != d or not _pow2(d) or heads % kv_heads or not 0 < span <= cap \
             or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
         return None
     from . import attention_kernels
 
-    return attention_kernels.decode(q, cache_k, cache_v, pos, span, scale)
+    return attention_kernels.decode(q, cache_k, cache_v, pos, span, scale, scales=scales)
 
 
-def _attends(b: int, heads: int, cache_k, cache_v, vectors, span: int, pos) -> bool:
-    """Whether the one-launch attention step takes b rows of `heads` query heads over these caches
-    ([B, kv_heads, cap, D], contiguous), the head vectors (q/k norms, cos, sin) of D values, a
-    launch of `span` keys and the device position `pos`."""
-    if cache_k.dim() != 4 or cache_v.shape != cache_k.shape or not (cache_k.is_contiguous() and cache_v.is_contiguous()):
+def _attends(b: int, heads: int, cache_k, cache_v, scales, dtype, vectors, span: int, pos) -> bool:
+    """Whether the one-launch attention step takes b rows of `heads` query heads of `dtype` over these
+    caches (`_caches`), the head vectors (q/k norms, cos, sin) of D values, a launch of `span` keys
+    and the device position `pos`."""
+    if not _caches(cache_k, cache_v, scales, dtype):
         return False
     rows, kv_heads, cap, d = cache_k.shape
     return rows == b and _pow2(d) and heads % kv_heads == 0 and all(_vector(t, d) for t in vectors) and \
         0 < span <= cap and pos.dtype == torch.int64 and pos.numel() == 1 and pos.device == cache_k.device
 
 
-def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, span: int, scale: float):
+def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, span: int, scale: float,
+                   scales=None):
     """An LM decode step's q/k norms, rotation, cache write at the device position `pos` and its
-    attention over the filled keys (a launch sized for `span` keys) in one kernel
-    (`attention_kernels.step`) -> [B, heads, 1, D], or None (nothing written). q, k, v [B, 1, .]:
-    adjacent pieces of each row of one q/k/v product's output, as its split gives them."""
-    if not _serves(q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v) or q.dim() != 3 or cache_k.dim() != 4:
+    attention over the filled keys (a launch sized for `span` keys; `scales`: an 8-bit cache's) in
+    one kernel (`attention_kernels.step`) -> [B, heads, 1, D], or None (nothing written). q, k, v
+    [B, 1, .]: adjacent pieces of each row of one q/k/v product's output, as its split gives them."""
+    if not _serves(q, k, v, q_norm, k_norm, cos, sin) or q.dim() != 3 or cache_k.dim() != 4 or \
+            cache_k.device != q.device:
         return None
     b, s, width = q.shape
     kv_width, size = cache_k.shape[1] * cache_k.shape[3], q.element_size()
     if s != 1 or width % cache_k.shape[3] or k.shape != (b, 1, kv_width) or v.shape != k.shape or \
-            not _attends(b, width // cache_k.shape[3], cache_k, cache_v, (q_norm, k_norm, cos, sin), span, pos) or \
+            not _attends(b, width // cache_k.shape[3], cache_k, cache_v, scales, q.dtype, (q_norm, k_norm, cos, sin),
+                         span, pos) or \
             k.data_ptr() != q.data_ptr() + width * size or v.data_ptr() != k.data_ptr() + kv_width * size or \
             not q.stride(0) == k.stride(0) == v.stride(0) >= width + 2 * kv_width:
         return None
     from . import attention_kernels
 
     return attention_kernels.step(q[:, 0], q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span, scale,
-                                  width // cache_k.shape[3])
+                                  width // cache_k.shape[3], scales)
 
 
 def lm_layer(parts: tuple, x, norms: tuple, eps: float, head_norms: tuple, head_eps: float, cos, sin, cache_k,
-             cache_v, pos, span: int, heads: int, scale: float):
+             cache_v, pos, span: int, heads: int, scale: float, scales=None):
     """An LM layer's whole decode step in five launches, x [B, 1, dim] -> the layer's output:
     q/k/v with the input norm inside, the attention with the q/k norms, rotation and cache write
     inside (`attention_kernels.step`), out with the residual add, gate/up with the second norm and
     SwiGLU, down with the residual add. `parts`: `mm3.backends.products.layout_block`'s; `norms`:
-    the layer's two norm weights, `head_norms` the q and k norms'. None (nothing written) where the
-    kernels do not take these shapes."""
+    the layer's two norm weights, `head_norms` the q and k norms'; `scales`: an 8-bit cache's. None
+    (nothing written) where the kernels do not take these shapes."""
     from .layout_kernels import GEMV_MAX_ROWS
 
-    if torch.compiler.is_compiling() or not _serves(x, *norms, *head_norms, cos, sin, cache_k, cache_v) or \
-            x.dim() != 3 or not x.is_contiguous():
+    if torch.compiler.is_compiling() or not _serves(x, *norms, *head_norms, cos, sin) or x.dim() != 3 or \
+            not x.is_contiguous() or cache_k.device != x.device:
         return None
     b, s, dim = x.shape
     if s != 1 or b > GEMV_MAX_ROWS or not all(_vector(w, dim) for w in norms) or \
-            not _attends(b, heads, cache_k, cache_v, (*head_norms, cos, sin), span, pos):
+            not _attends(b, heads, cache_k, cache_v, scales, x.dtype, (*head_norms, cos, sin), span, pos):
         return None
     kv_heads, d = cache_k.shape[1], cache_k.shape[3]
     from . import attention_kernels
@@ -284,7 +304,7 @@ def lm_layer(parts: tuple, x, norms: tuple, eps: float, head_norms: tuple, head_
         raise ValueError(f"a q/k/v product of {qkv.shape[-1]} outputs for {heads} query and {kv_heads} key heads "
                          f"of {d}")
     attended = attention_kernels.step(qkv.view(b, -1), *head_norms, head_eps, cos, sin, cache_k, cache_v, pos, span,
-                                      scale, heads)
+                                      scale, heads, scales)
     x = out.fused(attended.view(b, 1, heads * d), residual=x)
     return down.fused(swiglu.fused(x, norm=(norms[1], eps)), residual=x)
 

@@ -193,9 +193,13 @@ def test_graphs_are_the_cuda_default(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the capture itself)")
-def test_cuda_graphs_give_the_eager_codes(tiny):
-    """On a GPU: the frame step captured per bucket, checked, replayed; the codes of an eager run."""
+@pytest.mark.parametrize("int8_cache", [False, True], ids=["16-bit cache", "8-bit cache"])
+def test_cuda_graphs_give_the_eager_codes(tiny, int8_cache, monkeypatch):
+    """On a GPU: the frame step captured per bucket, checked, replayed; the codes of an eager run,
+    over either KV cache (`MM3_GPU_INT8_KV_CACHE`)."""
     from mm3.models import build_model
+
+    monkeypatch.setenv("MM3_GPU_INT8_KV_CACHE", "on" if int8_cache else "off")
 
     lm_c, d_c = open_component(tiny.file("mm3-lm"), expect="lm"), open_component(tiny.file("mm3-depth"), expect="depth")
     try:

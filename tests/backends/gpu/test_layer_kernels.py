@@ -235,27 +235,35 @@ def _released():
     norm = {"x_ptr": bf, "w_ptr": bf, "y_ptr": bf, "eps": "fp32"}
     add_norm = {"x_ptr": bf, "d_ptr": bf, "w_ptr": bf, "s_ptr": bf, "y_ptr": bf, "eps": "fp32"}
     rope = {"pos_ptr": i64, "inv_ptr": f32, "cos_ptr": bf, "sin_ptr": bf}
-    prep = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "cos_ptr": bf, "sin_ptr": bf,
-            "ck_ptr": bf, "cv_ptr": bf, "pos_ptr": i64, "out_ptr": bf, "eps": "fp32"}
-    decode = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "pos_ptr": i64, "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32,
-              "count_ptr": "*i32", "out_ptr": bf, "scale": "fp32"}
+    def cached(cache: str) -> dict:  # an LM kernel's cache pointers: 16-bit, or 8-bit codes with their scales
+        return {"ck_ptr": cache, "cv_ptr": cache, "k_ptr": cache, "v_ptr": cache, "ks_ptr": f32, "vs_ptr": f32}
+
+    prep = {"qw_ptr": bf, "kw_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "pos_ptr": i64, "out_ptr": bf, "eps": "fp32"}
+    prep_rows = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf}  # its k and v are the new rows, not the cache
+    decode = {"q_ptr": bf, "pos_ptr": i64, "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "count_ptr": "*i32",
+              "out_ptr": bf, "scale": "fp32"}
     combine = {"m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "pos_ptr": i64, "out_ptr": bf}
-    step = {"qkv_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "k_ptr": bf, "v_ptr": bf,
-            "pos_ptr": i64, "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "count_ptr": "*i32", "out_ptr": bf,
-            "eps": "fp32", "scale": "fp32"}
+    step = {"qkv_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "pos_ptr": i64, "m_ptr": f32,
+            "l_ptr": f32, "acc_ptr": f32, "count_ptr": "*i32", "out_ptr": bf, "eps": "fp32", "scale": "fp32"}
     short = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "ck_ptr": bf, "cv_ptr": bf, "out_ptr": bf, "scale": "fp32"}
     split = {"SPLIT": attention_kernels.SPLIT}
+    lm_kernels = []
+    for cache, quant in ((bf, {"QUANT": False, "GROUP": 32}), ("*i8", {"QUANT": True, "GROUP": 32})):
+        lm_kernels += [
+            (attention_kernels.attn_prep_kernel, {**prep, **cached(cache), **prep_rows},
+             {"HEADS": 32, "KV_HEADS": 8, "D": 128, **quant}, nk.warps(128)),
+            (attention_kernels.attention_decode_kernel, {**decode, **cached(cache)},
+             {"G": 4, "GP": 4, "D": 128, "BLOCK_N": attention_kernels.BLOCK_N, "COMBINE": True, **split, **quant}, 4),
+            (attention_kernels.attention_step_kernel, {**step, **cached(cache)},
+             {"HEADS": 32, "KV_HEADS": 8, "G": 4, "GP": 4, "D": 128, "BLOCK_N": attention_kernels.BLOCK_N, **split,
+              **quant}, 4)]
     return [
         (nk.norm_rms_kernel, norm, {"ROWS": 1, "BLOCK": 4096}, nk.warps(4096)),
         (nk.norm_rms_kernel, norm, {"ROWS": per, "BLOCK": block}, nk.warps(per * block)),
         (nk.norm_add_rms_kernel, add_norm, {"ROWS": 1, "BLOCK": 4096}, nk.warps(4096)),
         (attention_kernels.rope_table_kernel, rope, {"D": 128}, nk.warps(128)),
-        (attention_kernels.attn_prep_kernel, prep, {"HEADS": 32, "KV_HEADS": 8, "D": 128}, nk.warps(128)),
-        (attention_kernels.attention_decode_kernel, decode,
-         {"G": 4, "GP": 4, "D": 128, "BLOCK_N": attention_kernels.BLOCK_N, "COMBINE": True, **split}, 4),
+        *lm_kernels,
         (attention_kernels.attention_combine_kernel, combine, {"G": 4, "GP": 4, "D": 128, **split}, nk.warps(128)),
-        (attention_kernels.attention_step_kernel, step, {"HEADS": 32, "KV_HEADS": 8, "G": 4, "GP": 4, "D": 128,
-                                                          "BLOCK_N": attention_kernels.BLOCK_N, **split}, 4),
         (attention_kernels.attention_short_kernel, short, {"HEADS": 16, "D": 256, "SP": 2, "CP": 16}, 4),
     ]
 

@@ -49,13 +49,14 @@ def small_models(tmp_path_factory):
     return folder
 
 
-def _steps(folder, whole: bool, monkeypatch):
+def _steps(folder, whole: bool, monkeypatch, int8_cache: bool = False):
     """An LM decode step at a device position (the captured form: bucket set, the host count not
     read) and two depth passes (2 positions, then 1): (outputs, caches, Triton launches, torch's
-    operations)."""
+    operations). `int8_cache`: the LM's KV cache in 8 bits (`MM3_GPU_INT8_KV_CACHE`)."""
     from mm3.bench.frame_kernels import _load
 
     monkeypatch.setenv("MM3_GPU_LAYERS", "whole" if whole else "chained")
+    monkeypatch.setenv("MM3_GPU_INT8_KV_CACHE", "on" if int8_cache else "off")
     g = torch.Generator().manual_seed(0)
 
     def rows(*shape):
@@ -78,7 +79,8 @@ def _steps(folder, whole: bool, monkeypatch):
     monkeypatch.undo()
     launches = Counter(launch.name for launch in counter.launches if launch.source == "triton")
     torch_ops = Counter(launch.name for launch in counter.launches if launch.source == "aten")
-    return out, [cache.k, cache.v, depth_cache.k, depth_cache.v], launches, torch_ops
+    lm_caches = [cache.k, cache.v] + ([cache.k_scales, cache.v_scales] if cache.quantized else [])
+    return out, lm_caches + [depth_cache.k, depth_cache.v], launches, torch_ops
 
 
 def test_whole_steps_are_the_chained_path(small_models, monkeypatch):
@@ -100,6 +102,25 @@ def test_whole_steps_are_the_chained_path(small_models, monkeypatch):
     # chained: the norms with their residual adds apart (the attention in one launch either way)
     assert chained_launches["attention_step_kernel"] == 1
     assert sum(chained_launches.values()) == sum(launches.values()) + 2 + 2 * 2
+
+
+def test_whole_steps_over_the_8_bit_cache(small_models, monkeypatch):
+    """With `MM3_GPU_INT8_KV_CACHE`: the LM's cache holds int8 codes and float32 scales; whole steps are
+    the chained path's (codes and scales included) in as many launches as over the 16-bit cache;
+    the step's output stays within 2 % of the 16-bit cache's (its keys and values to 1/254 of each
+    group's largest)."""
+    whole, whole_caches, launches, _ = _steps(small_models, True, monkeypatch, int8_cache=True)
+    chained, chained_caches, _, _ = _steps(small_models, False, monkeypatch, int8_cache=True)
+    full, _, full_launches, _ = _steps(small_models, True, monkeypatch)
+    assert whole_caches[0].dtype == torch.int8 and whole_caches[2].dtype == torch.float32
+    assert launches == full_launches
+    for got, want in zip(whole + whole_caches, chained + chained_caches):
+        if NATIVE and got.is_floating_point():
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        elif not NATIVE:
+            assert torch.equal(got, want)
+    error = (whole[0].float() - full[0].float()).norm() / full[0].float().norm()
+    assert 0 < error < 0.02, error  # 0.4 % measured under the interpreter
 
 
 @pytest.mark.skipif(NATIVE, reason="the emulated CPU path's products")
