@@ -12,13 +12,17 @@ The preparation computes what `mm3.models.lm.Qwen3Attention` computes with torch
 roundings (the norm as `norm_kernels`; `q * cos + rotate_half(q) * sin` with each product and the
 sum rounded to the compute dtype; the tables' cos and sin are Triton's, which on a GPU are the
 CUDA math library's as torch's are, and elsewhere may differ from torch's in the last float32
-bit). The attention accumulates its softmax in float32 in another order than torch's: its result
-is torch's up to float32 rounding before the final cast. Positions are read from the device (the
+bit). The attention takes a block of keys in two products (`tl.dot`: the tensor cores, where the
+compute dtype is 16-bit): the scores summed in float32, the softmax in float32, its weights rounded
+to the compute dtype for the product with the values, as flash attention (torch's on a GPU) rounds
+them; float32 caches multiply in exact float32 products. Positions are read from the device (the
 cache's `pos`), so a captured step replays at any position; the key splits past the filled length
 return at once, so a step costs what the filled keys cost.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -27,8 +31,11 @@ import triton.language as tl
 from .layout_kernels import counters
 from .norm_kernels import cast, largest, warps
 
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # Triton's interpreter runs the kernels
 SPLIT = 256  # keys per program of the decode attention
-BLOCK_N = 16  # keys per iteration of a program
+BLOCK_N = 64  # keys per iteration of a program (one product of each kind)
+BLOCK_N_8BIT = 32  # over an 8-bit cache: its widened tiles take 116-125 registers at 32 keys, 167 at 64
+DOT_ROWS = 16  # the fewest rows a product takes: a key head's queries padded to it
 
 
 @triton.jit
@@ -121,23 +128,51 @@ def attn_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, ck_p
 
 
 @triton.jit
-def _read_heads(c_ptr, s_ptr, slots, valid, D: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
+def _read_heads(c_ptr, s_ptr, slots, valid, dtype: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr,
+                GROUP: tl.constexpr):
     """A cache's heads at positions `slots` [N] (of all its rows' positions; `valid` [N]: the others
-    read as zeros) in float32 [N, D]: with QUANT each code times its group's scale."""
+    read as zeros) in `dtype` [N, D]: as stored, or with QUANT each code times its group's scale in
+    float32, rounded to `dtype`."""
     cols = tl.arange(0, D)[None, :]
-    x = tl.load(c_ptr + slots[:, None] * D + cols, mask=valid[:, None], other=0).to(tl.float32)
+    x = tl.load(c_ptr + slots[:, None] * D + cols, mask=valid[:, None], other=0)
     if QUANT:  # each group's scale read once, not once a value
         groups = tl.arange(0, D // GROUP)[None, :]
         scales = tl.load(s_ptr + slots[:, None] * (D // GROUP) + groups, mask=valid[:, None], other=0.0)
-        x = tl.reshape(tl.reshape(x, (x.shape[0], D // GROUP, GROUP)) * scales[:, :, None], (x.shape[0], D))
+        x = tl.reshape(tl.reshape(x.to(tl.float32), (x.shape[0], D // GROUP, GROUP)) * scales[:, :, None],
+                       (x.shape[0], D))
+        x = _rounded(x, dtype)
     return x
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """x (float32) rounded to `dtype`, ties to even: the GPU's own conversion (one instruction), or
+    under the interpreter, which would truncate, `cast`'s."""
+    if INTERPRETED:
+        return cast(x, dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _dot(a, b):
+    """a @ b summed in float32: on the tensor cores for 16-bit operands, in exact float32 products
+    for float32 ones (as torch's float32 attention). Triton's interpreter, whose 16-bit products are
+    wrong, takes the 16-bit operands widened: the same exact products, summed in float32."""
+    if a.dtype == tl.float32 or INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit
 def _partials(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bh, start, end, cap, scale, GP: tl.constexpr, D: tl.constexpr,
               BLOCK_N: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
-    """The running maximum, softmax sum and weighted values (float32) of the queries q [GP, D]
-    (float32) of key head bh over the cache's keys [start, end)."""
+    """The running maximum, softmax sum and weighted values (float32) of the queries q [GP, D] (the
+    compute dtype; GP >= 16, the rows past a key head's queries zeros) of key head bh over the
+    cache's keys [start, end): scores and weighted values as two products a block of BLOCK_N keys
+    (`tl.dot`), the softmax's weights rounded to the compute dtype for the second, as flash
+    attention rounds them."""
     keys = tl.arange(0, BLOCK_N)
     m = tl.full((GP,), float("-inf"), tl.float32)
     den = tl.zeros((GP,), tl.float32)
@@ -146,15 +181,15 @@ def _partials(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bh, start, end, cap, scale, GP: t
         n = first + keys
         valid = n < end
         slots = bh * cap + n.to(tl.int64)
-        k = _read_heads(k_ptr, ks_ptr, slots, valid, D, QUANT, GROUP)
-        v = _read_heads(v_ptr, vs_ptr, slots, valid, D, QUANT, GROUP)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, BLOCK_N]
+        k = _read_heads(k_ptr, ks_ptr, slots, valid, q.dtype, D, QUANT, GROUP)
+        v = _read_heads(v_ptr, vs_ptr, slots, valid, q.dtype, D, QUANT, GROUP)
+        s = _dot(q, tl.trans(k)) * scale  # [GP, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         den = den * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + _dot(_rounded(p, q.dtype), v)
         m = m_new
     return m, den, acc
 
@@ -169,9 +204,10 @@ def _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n
     g = tl.arange(0, GP)
     cols = tl.arange(0, D)
     row = (bh * n_splits + split) * GP + g
-    tl.store(m_ptr + row, m)
-    tl.store(l_ptr + row, den)
-    tl.store(acc_ptr + row[:, None] * D + cols[None, :], acc)
+    mine = g < G  # the key head's query heads (the rows past them pad the products)
+    tl.store(m_ptr + row, m, mask=mine)
+    tl.store(l_ptr + row, den, mask=mine)
+    tl.store(acc_ptr + row[:, None] * D + cols[None, :], acc, mask=mine[:, None])
     if COMBINE:
         tl.debug_barrier()  # every thread's partials are written before the count says so
         used = (filled + SPLIT - 1) // SPLIT  # the splits holding a filled key
@@ -179,22 +215,22 @@ def _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n
         if done == used - 1:  # the last of them: the splits in their order, the same bits whatever the timing
             tl.debug_barrier()
             row = bh * n_splits * GP + g
-            m = tl.load(m_ptr + row, volatile=True)
-            den = tl.load(l_ptr + row, volatile=True)
-            acc = tl.load(acc_ptr + row[:, None] * D + cols[None, :], volatile=True)
+            m = tl.load(m_ptr + row, mask=mine, other=0.0, volatile=True)
+            den = tl.load(l_ptr + row, mask=mine, other=1.0, volatile=True)
+            acc = tl.load(acc_ptr + row[:, None] * D + cols[None, :], mask=mine[:, None], other=0.0, volatile=True)
             for other in range(1, used):
                 row = (bh * n_splits + other) * GP + g
-                ms = tl.load(m_ptr + row, volatile=True)
+                ms = tl.load(m_ptr + row, mask=mine, other=0.0, volatile=True)
                 m_new = tl.maximum(m, ms)
                 alpha = tl.exp(m - m_new)
                 beta = tl.exp(ms - m_new)
-                den = den * alpha + tl.load(l_ptr + row, volatile=True) * beta
-                acc = acc * alpha[:, None] + tl.load(acc_ptr + row[:, None] * D + cols[None, :], volatile=True) * \
-                    beta[:, None]
+                den = den * alpha + tl.load(l_ptr + row, mask=mine, other=1.0, volatile=True) * beta
+                acc = acc * alpha[:, None] + tl.load(acc_ptr + row[:, None] * D + cols[None, :], mask=mine[:, None],
+                                                     other=0.0, volatile=True) * beta[:, None]
                 m = m_new
             heads = bh * G + g
             tl.store(out_ptr + heads[:, None] * D + cols[None, :], cast(acc / den[:, None], out_ptr.dtype.element_ty),
-                     mask=(g < G)[:, None])
+                     mask=mine[:, None])
             tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed", scope="gpu")
 
 
@@ -215,7 +251,7 @@ def attention_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, m_ptr,
         return
     g = tl.arange(0, GP)
     cols = tl.arange(0, D)
-    q = tl.load(q_ptr + (bh * G + g)[:, None] * D + cols[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + (bh * G + g)[:, None] * D + cols[None, :], mask=(g < G)[:, None], other=0.0)
     m, den, acc = _partials(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bh, start, tl.minimum(start + SPLIT, filled), cap, scale,
                             GP, D, BLOCK_N, QUANT, GROUP)
     _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n_splits, filled, G, GP, D, SPLIT,
@@ -247,7 +283,7 @@ def attention_step_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_pt
         _write_position(row + HEADS * D, row + (HEADS + KV_HEADS) * D, kh, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr,
                         ks_ptr, vs_ptr, bh * cap + pos, eps, D, QUANT, GROUP)
         tl.debug_barrier()
-    q = _rotated(row, kh * G + g, g < G, qw_ptr, cos_ptr, sin_ptr, eps, D).to(tl.float32)
+    q = _rotated(row, kh * G + g, g < G, qw_ptr, cos_ptr, sin_ptr, eps, D)
     m, den, acc = _partials(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bh, start, tl.minimum(start + SPLIT, pos + 1), cap,
                             scale, GP, D, BLOCK_N, QUANT, GROUP)
     _finish(m, den, acc, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, bh, split, n_splits, pos + 1, G, GP, D, SPLIT,
@@ -319,11 +355,12 @@ def rope_table(pos, inv_freq, dtype):
 
 
 def _scales(cache_k, cache_v, scales) -> tuple:
-    """(key scales, value scales, QUANT, GROUP) a launch passes: an 8-bit cache's `scales` (ks, vs
-    [B, kv_heads, cap, D / GROUP]), or the caches themselves (read by nothing) for a 16-bit one."""
+    """(key scales, value scales, QUANT, GROUP, BLOCK_N) a launch passes: an 8-bit cache's `scales`
+    (ks, vs [B, kv_heads, cap, D / GROUP]), or the caches themselves (read by nothing) for a 16-bit
+    one."""
     if scales is None:
-        return cache_k, cache_v, False, 32
-    return scales[0], scales[1], True, cache_k.shape[-1] // scales[0].shape[-1]
+        return cache_k, cache_v, False, 32, BLOCK_N
+    return scales[0], scales[1], True, cache_k.shape[-1] // scales[0].shape[-1], BLOCK_N_8BIT
 
 
 def prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, heads: int, kv_heads: int, d: int,
@@ -332,7 +369,7 @@ def prepare(q, k, v, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, heads
     cache's (key, value) scales."""
     b = q.shape[0]
     out = torch.empty(b, heads, 1, d, dtype=q.dtype, device=q.device)
-    ks, vs, quant, group = _scales(cache_k, cache_v, scales)
+    ks, vs, quant, group, _ = _scales(cache_k, cache_v, scales)
     attn_prep_kernel[(b, heads + kv_heads)](q, k, v, q_norm, k_norm, cos, sin, cache_k, cache_v, ks, vs, pos, out,
                                             q.stride(0), k.stride(0), v.stride(0), cache_k.shape[2], eps,
                                             HEADS=heads, KV_HEADS=kv_heads, D=d, QUANT=quant, GROUP=group,
@@ -344,7 +381,7 @@ def _splits(b: int, heads: int, kv_heads: int, d: int, span: int, device) -> tup
     """(query heads a key head, that padded to a power of two, key splits of a launch over `span`
     keys, the splits' partials m, l [B kv_heads, splits, GP] and acc [.., D] in float32)."""
     g = heads // kv_heads
-    gp = triton.next_power_of_2(g)
+    gp = max(DOT_ROWS, triton.next_power_of_2(g))
     n_splits = triton.cdiv(span, SPLIT)
     m = torch.empty(b * kv_heads, n_splits, gp, dtype=torch.float32, device=device)
     acc = torch.empty(b * kv_heads, n_splits, gp, d, dtype=torch.float32, device=device)
@@ -362,9 +399,9 @@ def decode(q, cache_k, cache_v, pos, span: int, scale: float, two_launches: bool
     out = torch.empty_like(q)
     combine = not two_launches
     counts = counters(q.device, b * kv_heads) if combine else m
-    ks, vs, quant, group = _scales(cache_k, cache_v, scales)
+    ks, vs, quant, group, block = _scales(cache_k, cache_v, scales)
     attention_decode_kernel[(b * kv_heads, n_splits)](q, cache_k, cache_v, ks, vs, pos, m, den, acc, counts, out, cap,
-                                                      scale, n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
+                                                      scale, n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT, BLOCK_N=block,
                                                       COMBINE=combine, QUANT=quant, GROUP=group, num_warps=4)
     if not combine:
         attention_combine_kernel[(b * heads,)](m, den, acc, pos, out, n_splits, G=g, GP=gp, D=d, SPLIT=SPLIT,
@@ -381,11 +418,11 @@ def step(qkv, q_norm, k_norm, eps, cos, sin, cache_k, cache_v, pos, span: int, s
     b, kv_heads, cap, d = cache_k.shape
     g, gp, n_splits, (m, den, acc) = _splits(b, heads, kv_heads, d, span, qkv.device)
     out = torch.empty(b, heads, 1, d, dtype=qkv.dtype, device=qkv.device)
-    ks, vs, quant, group = _scales(cache_k, cache_v, scales)
+    ks, vs, quant, group, block = _scales(cache_k, cache_v, scales)
     attention_step_kernel[(b * kv_heads, n_splits)](
         qkv, q_norm, k_norm, cos, sin, cache_k, cache_v, ks, vs, pos, m, den, acc, counters(qkv.device, b * kv_heads),
         out, qkv.stride(0), cap, eps, scale, n_splits, HEADS=heads, KV_HEADS=kv_heads, G=g, GP=gp, D=d, SPLIT=SPLIT,
-        BLOCK_N=BLOCK_N, QUANT=quant, GROUP=group, num_warps=4)
+        BLOCK_N=block, QUANT=quant, GROUP=group, num_warps=4)
     return out
 
 

@@ -1,8 +1,10 @@
-"""The AR frame's draw and embedding kernels (`draw_kernels`, `lookup_kernels`) as
-`mm3.backends.gpu.kernel_report` compiles them: with the arguments `mm3.backends.gpu.steps` passes
-at the released sizes (bfloat16 logits and rows, the CFG pair of one song), specialised as
-Triton's JIT does (pointers 16-byte aligned, integers that are multiples of 16), without fused
-multiply-adds as they are launched."""
+"""The AR frame's draw, embedding and LM attention kernels (`draw_kernels`, `lookup_kernels`,
+`attention_kernels`) as `mm3.backends.gpu.kernel_report` compiles them: with the arguments
+`mm3.backends.gpu.steps` passes at the released sizes (bfloat16 logits and rows, the CFG pair of one
+song, 32 query heads on 8 key heads of 128), specialised as Triton's JIT does (pointers 16-byte
+aligned, integers that are multiples of 16), without fused multiply-adds where they are launched
+so. An attention kernel's "weights" are the cache's keys: its SASS figure is a key's instructions
+in each thread."""
 
 from __future__ import annotations
 
@@ -28,10 +30,47 @@ def _table_type(qtype: QT) -> str:
     return "*bf16" if qtype == QT.BF16 else "*u8"
 
 
+def attention_specs(late: int = 9000) -> list:
+    """The LM's decode attention, alone and as the whole step (`attention_decode_kernel`,
+    `attention_step_kernel`), over a 16-bit cache ("BF16") and an 8-bit one ("I8"), at `late`
+    filled positions (a program a split of keys, for each row and key head)."""
+    from . import attention_kernels as ak
+    from .kernel_report import KernelSpec, Launch
+
+    heads, kv_heads, d = 32, 8, 128
+    g = heads // kv_heads
+    gp = max(ak.DOT_ROWS, g)
+    common = {"pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32",
+              "out_ptr": "*bf16"}
+    kernels = {"decode": (ak.attention_decode_kernel, {"q_ptr": "*bf16"}, {"COMBINE": True}),
+               "step": (ak.attention_step_kernel, {"qkv_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+                                                    "cos_ptr": "*bf16", "sin_ptr": "*bf16"},
+                        {"HEADS": heads, "KV_HEADS": kv_heads})}
+    specs = []
+    for name, (fn, pointers, extra) in kernels.items():
+        for cache, quant in (("BF16", False), ("I8", True)):
+            block = ak.BLOCK_N_8BIT if quant else ak.BLOCK_N
+            caches = {"k_ptr": "*i8" if quant else "*bf16", "v_ptr": "*i8" if quant else "*bf16",
+                      "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+            constexprs = {"G": g, "GP": gp, "D": d, "SPLIT": ak.SPLIT, "BLOCK_N": block, "QUANT": quant, "GROUP": 32,
+                          **extra}
+            all_pointers = {**common, **pointers, **caches}
+            ints = {"cap": 16384, "sq": (heads + 2 * kv_heads) * d, "n_splits": 36}
+            signature = {a: all_pointers.get(a) or ("constexpr" if a in constexprs else "i32" if a in ints else "fp32")
+                         for a in fn.arg_names}
+            aligned = tuple(all_pointers) + tuple(a for a, v in ints.items() if v % 16 == 0 and a in fn.arg_names)
+            specs.append(KernelSpec(
+                name=f"attention/{name}/{cache}", family="steps", weight_type=cache, shape="decode", fn=fn,
+                signature=signature, constexprs=constexprs, aligned=aligned, weight_args=("k_ptr", "v_ptr"),
+                programs=lambda launch, sms: ROWS * kv_heads * -(-launch.k // ak.SPLIT), num_warps=4,
+                launches=[Launch(f"LM attention after {late} keys", d, late, ROWS)], loop_weights=block))
+    return specs
+
+
 def report_specs(decode: list) -> list:
     """One spec per kernel: the LM's gated draw over its head rows and a depth head's draw (one
     program per song), a row lookup per table type and the frame's feedback per published pair
-    of table types (16 programs a row)."""
+    of table types (16 programs a row), and the LM's decode attention (`attention_specs`)."""
     from . import draw_kernels as dk
     from . import lookup_kernels as lk
     from .kernel_report import KernelSpec, Launch
@@ -82,4 +121,4 @@ def report_specs(decode: list) -> list:
         spec(f"lookup/feedback/{lm_type.name}+{audio_type.name}", lm_type.name, lk.lookup_feedback_kernel, pointers,
              ints, constexprs, ("lm_ptr", "audio_ptr"), [Launch("frame feedback", 200000, hidden, ROWS)],
              lookup_programs, 4)
-    return specs
+    return specs + attention_specs()

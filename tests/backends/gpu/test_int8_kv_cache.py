@@ -12,7 +12,8 @@ from mm3.backends import steps
 from mm3.backends.gpu import attention_kernels
 from mm3.backends.gpu.emulation import emulated, on_gpu_path
 from mm3.models.kv_cache import KVCache, kv_codes, kv_values, value_bytes
-from mm3.models.lm import activation_bytes, one_query_attention
+from mm3.models.lm import activation_bytes
+from tests.backends.gpu.test_layer_kernels import within_weight_rounding
 
 pytest.importorskip("triton", reason="this torch installation has no Triton")
 NATIVE = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -35,6 +36,14 @@ def _rope(position: int, d: int, dtype):
     inv = 1.0 / (1000000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     angle = torch.cat([inv, inv]) * position
     return angle.cos().to(DEVICE, dtype)[None, None, None], angle.sin().to(DEVICE, dtype)[None, None, None]
+
+
+def _step_rows(g, position: int, b: int = 2, heads: int = 8, kv_heads: int = 2, d: int = 128):
+    """A decode step's fused q/k/v rows [B, 1, .] (and q, k, v, their pieces), the q and k norms'
+    weights and the rotation's tables at `position`, bfloat16."""
+    fused = _rand(g, b, 1, (heads + 2 * kv_heads) * d)
+    q, k, v = fused.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    return fused, (q, k, v), (_rand(g, d, low=0.5), _rand(g, d, low=0.5)), _rope(position, d, torch.bfloat16)
 
 
 def _quantized(k: torch.Tensor, v: torch.Tensor):
@@ -138,10 +147,7 @@ def test_the_preparation_writes_the_codes_torch_rounds(position):
     scales `kv_codes` makes of what it writes into a 16-bit cache, bit for bit; nothing else moves."""
     g = torch.Generator().manual_seed(2)
     b, heads, kv_heads, d, cap = 2, 8, 2, 128, 24
-    fused = _rand(g, b, 1, (heads + 2 * kv_heads) * d)
-    q, k, v = fused.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    qn, kn = _rand(g, d, low=0.5), _rand(g, d, low=0.5)
-    cos, sin = _rope(position, d, torch.bfloat16)
+    _, (q, k, v), (qn, kn), (cos, sin) = _step_rows(g, position)
     k16, v16 = torch.zeros(b, kv_heads, cap, d, dtype=torch.bfloat16, device=DEVICE), \
         torch.zeros(b, kv_heads, cap, d, dtype=torch.bfloat16, device=DEVICE)
     k8, v8, scales = _quantized(_rand(g, b, kv_heads, cap, d), _rand(g, b, kv_heads, cap, d))
@@ -163,8 +169,9 @@ def test_the_preparation_writes_the_codes_torch_rounds(position):
 @kernels_run
 @pytest.mark.parametrize("split", [attention_kernels.SPLIT, 16])
 def test_the_decode_attention_reads_each_code_times_its_scale(split, monkeypatch):
-    """Over an 8-bit cache: the attention over the values it stands for (float32, `kv_values`) to
-    float32 rounding, rounded once to bfloat16; the scales past the filled keys are NaN (never read)."""
+    """Over an 8-bit cache: the attention over the values it stands for (`kv_values`, each rounded to
+    the compute dtype for the products) within the kernels' roundings; the scales past the filled
+    keys are NaN (never read)."""
     monkeypatch.setattr(attention_kernels, "SPLIT", split)
     g = torch.Generator().manual_seed(3)
     b, heads, kv_heads, d, bucket = 2, 8, 2, 128, 48
@@ -176,13 +183,9 @@ def test_the_decode_attention_reads_each_code_times_its_scale(split, monkeypatch
         vs[:, :, position + 1:] = float("nan")
         with on_gpu_path(DEVICE):
             got = steps.decode_attention(q, k8, v8, _at(position), bucket, d ** -0.5, (ks, vs))
-        keys = kv_values(k8[:, :, :position + 1], sk[:, :, :position + 1], torch.float64)
-        values = kv_values(v8[:, :, :position + 1], sv[:, :, :position + 1], torch.float64)
-        want = one_query_attention(q.double(), keys.repeat_interleave(heads // kv_heads, 1),
-                                   values.repeat_interleave(heads // kv_heads, 1), None, d ** -0.5)
-        assert got.dtype == torch.bfloat16 and got.shape == q.shape
-        # one rounding to bfloat16 of a float32 result: within one bfloat16 step of the exact
-        assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all(), position
+        keys = kv_values(k8[:, :, :position + 1], sk[:, :, :position + 1], torch.bfloat16)
+        values = kv_values(v8[:, :, :position + 1], sv[:, :, :position + 1], torch.bfloat16)
+        within_weight_rounding(got, q, keys, values, d ** -0.5)
 
 
 @kernels_run
@@ -193,10 +196,7 @@ def test_the_attention_step_is_the_preparation_then_the_decode(position, monkeyp
     monkeypatch.setattr(attention_kernels, "SPLIT", 16)
     g = torch.Generator().manual_seed(4)
     b, heads, kv_heads, d, cap = 2, 8, 2, 128, 48
-    fused = _rand(g, b, 1, (heads + 2 * kv_heads) * d)
-    q, k, v = fused.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    qn, kn = _rand(g, d, low=0.5), _rand(g, d, low=0.5)
-    cos, sin = _rope(position, d, torch.bfloat16)
+    fused, (q, k, v), (qn, kn), (cos, sin) = _step_rows(g, position)
     k8, v8, (sk, sv) = _quantized(_rand(g, b, kv_heads, cap, d), _rand(g, b, kv_heads, cap, d))
     one = [t.clone() for t in (k8, v8, sk, sv)]
     two = [t.clone() for t in (k8, v8, sk, sv)]
