@@ -4,7 +4,9 @@ The 8-bit cache (`MM3_GPU_INT8_KV_CACHE`, where the GPU back end serves the devi
 group of GROUP values of a key or value head as int8 codes and one float32 scale: about 0.56 of
 the 16-bit cache's bytes, which is what a late decode step's attention reads and what a long song
 keeps in memory. `kv_codes` defines the rounding; the GPU kernels round and read it the same way
-(`mm3.backends.gpu.attention_kernels`), and torch's path writes and reads it here.
+(`mm3.backends.gpu.attention_kernels`), and torch's path writes and reads it here: the prompt, a
+continuation's known frames, replays and the compiled step, each read widening the layer's filled
+keys and values (`attended`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def kv_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     group's scale non-finite, so the group reads back as NaN (`kv_values`)."""
     d = x.shape[-1]
     blocks = x.float().unflatten(-1, (d // group_size(d), group_size(d)))
-    scales = blocks.abs().amax(-1) / 127  # amax propagates NaN
+    # amax propagates NaN; a tensor divisor: torch divides by a host number as a multiply on CUDA
+    scales = blocks.abs().amax(-1) / torch.full((), 127.0, device=x.device)
     codes = torch.round(blocks / scales[..., None]).nan_to_num_(0.0, 0.0, 0.0)
     codes = torch.where(scales[..., None] > 0, codes, 0.0).clamp_(-127, 127)
     return codes.to(torch.int8).flatten(-2), scales
@@ -73,7 +76,8 @@ class KVCache:
         if bits != 8:
             raise ValueError(f"a KV cache holds 16 or 8 bits a value, not {bits}")
         k = torch.zeros(layers, rows, kv_heads, max_len, head_dim, dtype=torch.int8, device=device)
-        scales = torch.zeros(layers, rows, kv_heads, max_len, head_dim // group_size(head_dim), device=device)
+        scales = torch.zeros(layers, rows, kv_heads, max_len, head_dim // group_size(head_dim), dtype=torch.float32,
+                             device=device)
         return cls(k, torch.zeros_like(k), scales=(scales, torch.zeros_like(scales)), dtype=dtype)
 
     @property

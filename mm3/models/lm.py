@@ -78,12 +78,14 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
 def activation_bytes(cfg: dict, prompt_tokens: int, frames: int, rows: int, elem: int, kv_bits: int = 16) -> int:
     """Bytes beyond the weights for `rows` sequences (`mm3.plan.ar.rows_per_song` per song) of a prompt
     and `frames` more positions, `elem` bytes a value: the KV cache (of `kv_bits`, `KVCache.empty`)
-    plus the prefill's widest activation (float32, a few temporaries deep)."""
+    plus the prefill's widest activation (float32, a few temporaries deep); an 8-bit cache also one
+    layer's keys and values widened where torch's path reads them (`KVCache.attended`)."""
     length = prompt_tokens + frames + 1
-    kv = 2 * cfg["num_hidden_layers"] * rows * cfg["num_key_value_heads"] * length * cfg["head_dim"] * \
-        value_bytes(kv_bits, cfg["head_dim"], elem)
+    values = rows * cfg["num_key_value_heads"] * length * cfg["head_dim"]  # a layer's keys (or values)
+    kv = 2 * cfg["num_hidden_layers"] * values * value_bytes(kv_bits, cfg["head_dim"], elem)
     prefill = 3 * rows * prompt_tokens * max(cfg["intermediate_size"], cfg["hidden_size"]) * 4
-    return int(kv + prefill)
+    read_back = 0 if kv_bits == 16 else 2 * values * (4 + elem)  # float32 products, then the compute dtype
+    return int(kv + prefill + read_back)
 
 
 class AttentionTap:

@@ -34,8 +34,8 @@ from .norm_kernels import cast, largest, warps
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # Triton's interpreter runs the kernels
 SPLIT = 256  # keys per program of the decode attention
 BLOCK_N = 64  # keys per iteration of a program (one product of each kind)
-BLOCK_N_8BIT = 32  # over an 8-bit cache: its widened tiles take 116-125 registers at 32 keys, 167 at 64
-DOT_ROWS = 16  # the fewest rows a product takes: a key head's queries padded to it
+BLOCK_N_8BIT = 32  # over an 8-bit cache: its widened tiles take 116-128 registers at 32 keys, 167 at 64
+DOT_ROWS = 16  # a key head's queries padded to a tensor-core product's rows (mma's m: 16)
 
 
 @triton.jit

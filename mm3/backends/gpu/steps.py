@@ -15,6 +15,7 @@ from .kernels import CODES, FLOAT_DTYPES
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the kernels read and write
 _INTEGERS = (torch.int64, torch.int32)
+_DOT_K = 16  # the fewest values a head the decode attention's tensor-core products take
 
 
 def _interpreted() -> bool:
@@ -236,7 +237,7 @@ def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float, scales=N
         return None
     b, heads, s, d = q.shape
     rows, kv_heads, cap, dk = cache_k.shape
-    if s != 1 or rows != b or dk != d or not _pow2(d) or heads % kv_heads or not 0 < span <= cap \
+    if s != 1 or rows != b or dk != d or not _pow2(d) or d < _DOT_K or heads % kv_heads or not 0 < span <= cap \
             or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
         return None
     from . import attention_kernels
@@ -251,8 +252,9 @@ def _attends(b: int, heads: int, cache_k, cache_v, scales, dtype, vectors, span:
     if not _caches(cache_k, cache_v, scales, dtype):
         return False
     rows, kv_heads, cap, d = cache_k.shape
-    return rows == b and _pow2(d) and heads % kv_heads == 0 and all(_vector(t, d) for t in vectors) and \
-        0 < span <= cap and pos.dtype == torch.int64 and pos.numel() == 1 and pos.device == cache_k.device
+    return rows == b and _pow2(d) and d >= _DOT_K and heads % kv_heads == 0 and \
+        all(_vector(t, d) for t in vectors) and 0 < span <= cap and pos.dtype == torch.int64 and \
+        pos.numel() == 1 and pos.device == cache_k.device
 
 
 def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, span: int, scale: float,

@@ -115,10 +115,12 @@ def test_whole_steps_over_the_8_bit_cache(small_models, monkeypatch):
     assert whole_caches[0].dtype == torch.int8 and whole_caches[2].dtype == torch.float32
     assert launches == full_launches
     for got, want in zip(whole + whole_caches, chained + chained_caches):
-        if NATIVE and got.is_floating_point():
-            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-        elif not NATIVE:
+        if not NATIVE:
             assert torch.equal(got, want)
+        elif got.is_floating_point():
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        else:  # the codes of keys the two paths' norms may round a bfloat16 step apart
+            assert int((got.int() - want.int()).abs().max()) <= 1
     error = (whole[0].float() - full[0].float()).norm() / full[0].float().norm()
     assert 0 < error < 0.02, error  # 0.4 % measured under the interpreter
 
