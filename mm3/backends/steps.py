@@ -97,10 +97,9 @@ def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
 
 def kv_cache_bits(device, head_dim: int) -> int:
     """Bits a value of an LM's KV cache on `device` takes: 8 where `MM3_GPU_INT8_KV_CACHE` is on and
-    the GPU back end serves the device (its attention kernels read 8-bit caches) and `head_dim` is a
-    power of two of at least 16 (what they take), else 16 (the compute dtype)."""
-    if not switches.on("MM3_GPU_INT8_KV_CACHE") or not gpu_device(device) or head_dim < 16 or \
-            head_dim & (head_dim - 1):
+    the GPU back end serves the device and its attention kernels take heads of `head_dim` (they read
+    8-bit caches; `gpu.steps.attends_heads_of`), else 16 (the compute dtype)."""
+    if not switches.on("MM3_GPU_INT8_KV_CACHE") or not gpu_device(device) or not gpu_steps.attends_heads_of(head_dim):
         return 16
     return 8
 

@@ -50,7 +50,7 @@ def on_gpu_path(device):
 def gpu_device(device) -> bool:
     """Whether tensors on `device` take the GPU back end's whole steps: a device Triton runs, or the
     CPU while emulating."""
-    kind = torch.device(device).type
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     if kind == "cpu" and not _ON[0]:
         return False
     from . import kernels

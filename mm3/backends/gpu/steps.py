@@ -39,6 +39,12 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def attends_heads_of(d: int) -> bool:
+    """Whether the LM's decode attention kernels take heads of d values: a power of two, at least
+    the tensor-core products' 16."""
+    return _pow2(d) and d >= _DOT_K
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of x's rows by `weight` in one kernel (`norm_kernels.rms_norm`), or None."""
     if not _serves(x, weight) or not _vector(weight, x.shape[-1]):
@@ -237,7 +243,7 @@ def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float, scales=N
         return None
     b, heads, s, d = q.shape
     rows, kv_heads, cap, dk = cache_k.shape
-    if s != 1 or rows != b or dk != d or not _pow2(d) or d < _DOT_K or heads % kv_heads or not 0 < span <= cap \
+    if s != 1 or rows != b or dk != d or not attends_heads_of(d) or heads % kv_heads or not 0 < span <= cap \
             or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
         return None
     from . import attention_kernels
@@ -252,7 +258,7 @@ def _attends(b: int, heads: int, cache_k, cache_v, scales, dtype, vectors, span:
     if not _caches(cache_k, cache_v, scales, dtype):
         return False
     rows, kv_heads, cap, d = cache_k.shape
-    return rows == b and _pow2(d) and d >= _DOT_K and heads % kv_heads == 0 and \
+    return rows == b and attends_heads_of(d) and heads % kv_heads == 0 and \
         all(_vector(t, d) for t in vectors) and 0 < span <= cap and pos.dtype == torch.int64 and \
         pos.numel() == 1 and pos.device == cache_k.device
 
