@@ -19,9 +19,12 @@ library's draw.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from .emulation import interpreted
 
 FP_FUSION = False  # launch option: `u + (c - u) * cfg` rounded twice, as torch computes it
 NAN_FILL = tl.constexpr(1e9)  # `mm3.plan.sampling.NAN_FILL`: nan_to_num's bounds
@@ -204,3 +207,25 @@ def draw_top_k_kernel(logits_ptr, q_ptr, excl_ptr, out_ptr, end_ptr, N, row_stri
         tl.store(end_ptr + song, token == end_id)
     else:
         tl.store(out_ptr + song, index.to(tl.int64))
+
+
+def draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int, q: torch.Tensor,
+         excluded: torch.Tensor | None, gate: bool, coded: tuple | None):
+    """`draw_top_k_kernel` over logits [songs * rows_per_song, N] and q [songs, N] (float32) -> the
+    indices [songs] int64, or with `coded` (start, code offset, END id) (codes [songs] int64, END
+    flags [songs] bool)."""
+    precise = logits.device.type == "cuda" and not interpreted()  # libdevice's expf (CUDA, ROCm)
+    rows, n = logits.shape
+    songs = rows // rows_per_song
+    out = torch.empty(songs, dtype=torch.int64, device=logits.device)
+    end = torch.empty(songs, dtype=torch.bool, device=logits.device) if coded else out
+    start, offset, end_id = coded or (0, 0, 0)
+    block = min(4096, 1 << (n - 1).bit_length())
+    if songs:
+        draw_top_k_kernel[(songs,)](
+            logits, q, logits if excluded is None else excluded, out, end, n, logits.stride(0), q.stride(0),
+            float(cfg), min(int(top_k), n), int(start), int(offset), int(end_id),
+            R=int(rows_per_song), HAS_EXCL=excluded is not None, GATE=bool(gate), CODED=bool(coded),
+            PRECISE_EXP=precise, COND_LEVELS=2 if logits.dtype == torch.bfloat16 else 4, BLOCK=block,
+            WHOLE=n <= block, num_warps=max(4, min(16, block // 256)), enable_fp_fusion=FP_FUSION)
+    return (out, end) if coded else out

@@ -18,6 +18,12 @@ import torch
 _ON = [False]
 
 
+def interpreted() -> bool:
+    """Whether Triton's kernels run under its interpreter (`TRITON_INTERPRET=1`): on the CPU, with
+    numpy's arithmetic where a GPU has its own conversions and functions."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def active() -> bool:
     """Whether the GPU code path is being emulated over CPU tensors."""
     return _ON[0]
@@ -27,7 +33,7 @@ def active() -> bool:
 def emulated(kernel_mode: str = "layout"):
     """Run the GPU code path over CPU tensors until the block ends (products by `kernel_mode`'s
     kernels, interpreted). Layers choose their products when loaded or moved: load them inside."""
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not interpreted():
         raise RuntimeError("emulating the GPU code path needs TRITON_INTERPRET=1 set before Triton is imported")
     from . import kernels
 

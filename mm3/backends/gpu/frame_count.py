@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import step_checks
+
 KINDS = ("products", "norms", "rotation/cache", "attention", "draws", "embeddings", "other")
 PARTS = ("lm_layer", "lm_step_fixed", "depth_pass", "sampling", "embeddings_feedback", "frame_glue")
 
@@ -190,7 +192,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         c = self.counter
-        if c.recording and not c.paused_depth:
+        if c.recording and not c.paused_depth and not step_checks.running():
             n = aten_kernels(func, args, kwargs, out)
             name = func._overloadpacket.__name__
             if name in SYNCS:
@@ -288,7 +290,7 @@ class KernelCounter:
         while hasattr(base, "fn"):
             base = base.fn
         name, module = getattr(base, "__name__", "kernel"), getattr(base, "__module__", "")
-        if not self.recording or self.paused_depth:
+        if not self.recording or self.paused_depth or step_checks.running():  # a step's check is not the work
             return
         kind = triton_kind(name, module)
         where_kind, part, layer = self.where()
@@ -298,7 +300,7 @@ class KernelCounter:
         counter = self
 
         def scaled_dot_product_attention(query, key, value, attn_mask=None, *args, **kwargs):
-            if counter.recording and not counter.paused_depth:
+            if counter.recording and not counter.paused_depth and not step_checks.running():
                 what = "no mask" if attn_mask is None else \
                     "bool mask" if attn_mask.dtype == torch.bool else "float mask"
                 _, part, layer = counter.where()
@@ -329,20 +331,20 @@ class KernelCounter:
         return w
 
     def _substitute(self, module, original, compute):
-        """`original` with its launches recorded but not run (its module's `_interpreted` answering
+        """`original` with its launches recorded but not run (its module's `interpreted` answering
         False: the CUDA tiles and grids), returning `compute`'s result, which is not recorded."""
         counter = self
 
         def substituted(*args, **kwargs):
             counter.dry += 1
-            interpreted = getattr(module, "_interpreted", None)
+            interpreted = getattr(module, "interpreted", None)
             if interpreted is not None:
-                module._interpreted = lambda: False
+                module.interpreted = lambda: False
             try:
                 original(*args, **kwargs)
             finally:
                 if interpreted is not None:
-                    module._interpreted = interpreted
+                    module.interpreted = interpreted
                 counter.dry -= 1
             with counter.paused():
                 return compute(counter, *args, **kwargs)

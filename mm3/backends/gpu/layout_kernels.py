@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from gguf import GGMLQuantizationType as QT
 
 from . import device_layout as dl
 from ... import switches
+from .emulation import interpreted
 from .kernels import CODES, FLOAT_DTYPES as FLOATS  # the kernels' type codes, shared
 from ...weights.binding import indexed_device
 
@@ -59,10 +59,6 @@ PREFILL_F32 = Config(block_n=32, block_c=1, num_warps=4, block_m=32)  # float32 
 INTERPRETED = (Config(block_n=64, block_c=8, num_warps=2), Config(block_n=64, block_c=1, num_warps=4, block_m=64))
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @functools.cache  # asked at every product: the switches are read once a process (`cache_clear` reads them again)
 def decode_config() -> Config:
     """The decode tile in force on a GPU: DECODE, or DECODE_WIDE under `MM3_GPU_DECODE_ROWS=8`; with
@@ -74,7 +70,7 @@ def decode_config() -> Config:
 def default_decode_config() -> Config:
     """The decode tile of a launch that names none: `decode_config()`, or under the interpreter its
     wide tile (`INTERPRETED`) with the inputs `decode_config()` asks for."""
-    if _interpreted():
+    if interpreted():
         return dataclasses.replace(INTERPRETED[0], int8_inputs=decode_config().int8_inputs)
     return decode_config()
 
@@ -82,7 +78,7 @@ def default_decode_config() -> Config:
 def int8_inputs(config: Config, device: torch.device) -> bool:
     """Whether a decode launch on `device` reads its inputs as int8 (`layout_int8`): where `config`
     asks and the kernel's PTX runs (CUDA, not ROCm), or under the interpreter (its emulation)."""
-    return config.int8_inputs and (_interpreted() or (device.type == "cuda" and torch.version.hip is None))
+    return config.int8_inputs and (interpreted() or (device.type == "cuda" and torch.version.hip is None))
 
 
 def chunks_of(k: int) -> int:
@@ -268,7 +264,7 @@ def linear_segments(x: torch.Tensor, segments: list, k: int, bias: torch.Tensor 
                 _decode(x2, [p], [size], k, b, y[:, at:at + size], config, fused.column_slice(at, size))
         return y.view(*x.shape[:-1], n)
     x2 = torch_rms_norm(x2 if norm is None else plus_rows(x2, fused.add), norm)
-    config = config or (INTERPRETED[1] if _interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
+    config = config or (INTERPRETED[1] if interpreted() else PREFILL_F32 if x.dtype == torch.float32 else PREFILL)
     for ((q, qh, s, s2), code), b, at in _bounds(parts, sizes, bias):
         size = q.shape[0]
         out = y[:, at:at + size]
@@ -306,7 +302,7 @@ def _decode(x2: torch.Tensor, parts: list, sizes: list[int], k: int, bias: torch
     counts = counters(x2.device, groups * tiles) if splits > 1 else y
     b = bias if bias is not None else y
     consts = dict(HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                  BLOCK_C=block_c, num_warps=config.num_warps, PRECISE=not _interpreted(),
+                  BLOCK_C=block_c, num_warps=config.num_warps, PRECISE=not interpreted(),
                   INT8=int8_inputs(config, x2.device), **fused.flags())
     extra = fused.args(y)
     (q, qh, s, s2), code = parts[0]
@@ -368,7 +364,7 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, qtype: QT, k: int, config: Con
     gemv_kernel[(-(-m // block_m), -(-n // (config.block_n // 2)), 1)](
         x2, q, qh, s, s2, y, y, y, y, m, n, k, x2.stride(0), y.stride(0), q.stride(0), qh.stride(0), s.stride(0),
         s2.stride(0), chunks, chunks, *fused.args(y), QTYPE=CODES[qtype], HAS_BIAS=False, PARTIAL=False,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_C=block_c, SWIGLU=True, PRECISE=not _interpreted(),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_C=block_c, SWIGLU=True, PRECISE=not interpreted(),
         INT8=int8_inputs(config, x2.device), num_warps=config.num_warps, **fused.flags())
     return y.view(*x.shape[:-1], n)
 

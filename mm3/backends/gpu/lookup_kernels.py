@@ -16,6 +16,7 @@ roundings in torch's order.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -78,3 +79,40 @@ def lookup_feedback_kernel(lm_ptr, audio_ptr, frame_ptr, out_ptr, K, lm_rows, au
         acc += _round(_row(audio_ptr, code, audio_rows, at, audio_stride, AUDIO_QTYPE), dt).to(tl.float32)
     y = _round(emb.to(tl.float32) + _round(acc, dt).to(tl.float32), dt).to(tl.float32) * scale
     tl.store(out_ptr + i.to(tl.int64) * out_stride + cols, _round(y, dt), mask=ok)
+
+
+def _block_k(k: int) -> int:
+    """Columns a lookup program expands: 256 (a row of the released 4096 over 16 programs)."""
+    return min(256, 1 << (k - 1).bit_length())
+
+
+def rows(table: torch.Tensor, kind: tuple[int, int], codes: torch.Tensor, k: int, dtype: torch.dtype,
+         repeat: int = 1, add: int = 0) -> torch.Tensor:
+    """`lookup_rows_kernel`: rows `codes[i // repeat] + add` of `table` (kind: its type code and row
+    stride) -> [codes.numel() * repeat, k] `dtype`."""
+    n = codes.numel() * repeat
+    out = torch.empty(n, k, dtype=dtype, device=codes.device)
+    if n:
+        block = _block_k(k)
+        lookup_rows_kernel[(n, triton.cdiv(k, block))](
+            table, codes, out, k, table.shape[0], kind[1], codes.stride(0), out.stride(0), int(add),
+            QTYPE=kind[0], REPEAT=int(repeat), BLOCK_K=block, num_warps=4, enable_fp_fusion=FP_FUSION)
+    return out
+
+
+def feedback(lm_table: torch.Tensor, lm_kind: tuple[int, int], audio_table: torch.Tensor,
+             audio_kind: tuple[int, int], frame: torch.Tensor, code_offset: int, audio_vocab: int, k: int,
+             dtype: torch.dtype, repeat: int = 1) -> torch.Tensor:
+    """`lookup_feedback_kernel`: a frame's LM input from `frame` [songs, ncb] (each song's row
+    `repeat` times) -> [songs * repeat, 1, k] `dtype`; the kinds: each table's type code and row stride."""
+    ncb = frame.shape[1]
+    n = frame.shape[0] * repeat
+    out = torch.empty(n, 1, k, dtype=dtype, device=frame.device)
+    if n:
+        block = _block_k(k)
+        lookup_feedback_kernel[(n, triton.cdiv(k, block))](
+            lm_table, audio_table, frame, out, k, lm_table.shape[0], audio_table.shape[0], lm_kind[1], audio_kind[1],
+            frame.stride(0), out.stride(0), int(code_offset), int(audio_vocab), ncb ** -0.5,
+            LM_QTYPE=lm_kind[0], AUDIO_QTYPE=audio_kind[0], NCB=ncb, REPEAT=int(repeat), BLOCK_K=block,
+            num_warps=4, enable_fp_fusion=FP_FUSION)
+    return out

@@ -1,26 +1,22 @@
 """The GPU back end's whole decode steps: the answers `mm3.backends.steps` gets for tensors on the
 GPU code path (`emulation.gpu_path`). Each returns its result, or None with nothing written where
-it does not serve (a dtype, layout or shape its kernels do not take), and the model's torch
-operations run instead. Every step reads positions from the device (the cache's `pos`), never
-from the host, so a frame of them can be captured as one CUDA graph.
+it does not serve (a dtype, layout or shape its kernels do not take, or a kernel that failed its
+first-use check on the device: `step_checks`), and the model's torch operations run instead. Every
+step reads positions from the device (the cache's `pos`), never from the host, so a frame of them
+can be captured as one CUDA graph.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from . import step_checks
 from .kernels import CODES, FLOAT_DTYPES
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the kernels read and write
 _INTEGERS = (torch.int64, torch.int32)
 _DOT_K = 16  # the fewest values a head the decode attention's tensor-core products take
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 
 def _serves(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -47,7 +43,8 @@ def attends_heads_of(d: int) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of x's rows by `weight` in one kernel (`norm_kernels.rms_norm`), or None."""
-    if not _serves(x, weight) or not _vector(weight, x.shape[-1]):
+    if not _serves(x, weight) or not _vector(weight, x.shape[-1]) or \
+            not step_checks.serves("norms", x.device, x.dtype, x.shape[-1]):
         return None
     from . import norm_kernels
 
@@ -56,7 +53,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     """(x + delta, its RMSNorm by `weight`) in one kernel (`norm_kernels.add_rms_norm`), or None."""
-    if not _serves(x, delta, weight) or x.shape != delta.shape or not _vector(weight, x.shape[-1]):
+    if not _serves(x, delta, weight) or x.shape != delta.shape or not _vector(weight, x.shape[-1]) or \
+            not step_checks.serves("norms", x.device, x.dtype, x.shape[-1]):
         return None
     from . import norm_kernels
 
@@ -79,15 +77,6 @@ def _table(table: torch.Tensor, qtype, k: int, device: torch.device):
     return code, table.stride(0)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _block_k(k: int) -> int:
-    """Columns a lookup program expands: 256 (a row of the released 4096 over 16 programs)."""
-    return min(256, 1 << (k - 1).bit_length())
-
-
 def code_rows(table: torch.Tensor, qtype, codes: torch.Tensor, k: int, dtype: torch.dtype, repeat: int = 1,
               add: int = 0) -> torch.Tensor | None:
     """Rows `codes[i // repeat] + add` of a table (GGUF block rows or floats) gathered and dequantized
@@ -98,16 +87,11 @@ def code_rows(table: torch.Tensor, qtype, codes: torch.Tensor, k: int, dtype: to
     kind = _table(table, qtype, k, codes.device)
     if kind is None:
         return None
-    from . import lookup_kernels as lk
+    if not step_checks.serves("lookup", codes.device, dtype, qtype.name, k):
+        return None
+    from . import lookup_kernels
 
-    n = codes.numel() * repeat
-    out = torch.empty(n, k, dtype=dtype, device=codes.device)
-    if n:
-        block = _block_k(k)
-        lk.lookup_rows_kernel[(n, _cdiv(k, block))](
-            table, codes, out, k, table.shape[0], kind[1], codes.stride(0), out.stride(0), int(add),
-            QTYPE=kind[0], REPEAT=int(repeat), BLOCK_K=block, num_warps=4, enable_fp_fusion=lk.FP_FUSION)
-    return out
+    return lookup_kernels.rows(table, kind, codes, k, dtype, repeat, add)
 
 
 def lookup(table: torch.Tensor, qtype, ids: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -127,19 +111,11 @@ def frame_feedback(lm_table: torch.Tensor, lm_qtype, audio_table: torch.Tensor, 
     lm, audio = _table(lm_table, lm_qtype, k, device), _table(audio_table, audio_qtype, k, device)
     if lm is None or audio is None:
         return None
-    from . import lookup_kernels as lk
+    if not step_checks.serves("feedback", device, dtype, lm_qtype.name, audio_qtype.name, k, frame.shape[1]):
+        return None
+    from . import lookup_kernels
 
-    ncb = frame.shape[1]
-    n = frame.shape[0] * repeat
-    out = torch.empty(n, 1, k, dtype=dtype, device=device)
-    if n:
-        block = _block_k(k)
-        lk.lookup_feedback_kernel[(n, _cdiv(k, block))](
-            lm_table, audio_table, frame, out, k, lm_table.shape[0], audio_table.shape[0], lm[1], audio[1],
-            frame.stride(0), out.stride(0), int(code_offset), int(audio_vocab), ncb ** -0.5,
-            LM_QTYPE=lm[0], AUDIO_QTYPE=audio[0], NCB=ncb, REPEAT=int(repeat), BLOCK_K=block, num_warps=4,
-            enable_fp_fusion=lk.FP_FUSION)
-    return out
+    return lookup_kernels.feedback(lm_table, lm, audio_table, audio, frame, code_offset, audio_vocab, k, dtype, repeat)
 
 
 def _draw(logits, rows_per_song, cfg, top_k, q, excluded, gate, coded):
@@ -157,21 +133,12 @@ def _draw(logits, rows_per_song, cfg, top_k, q, excluded, gate, coded):
     if excluded is not None and (excluded.device != device or excluded.dtype != torch.bool or
                                  excluded.shape != (n,) or not excluded.is_contiguous()):
         return None
-    from . import draw_kernels as dk
+    if not step_checks.serves("draw", device, logits.dtype, n, rows_per_song, bool(gate), bool(coded),
+                              excluded is not None):
+        return None
+    from . import draw_kernels
 
-    out = torch.empty(songs, dtype=torch.int64, device=device)
-    end = torch.empty(songs, dtype=torch.bool, device=device) if coded else out
-    start, offset, end_id = coded or (0, 0, 0)
-    block = min(4096, 1 << (n - 1).bit_length())
-    precise = device.type == "cuda" and not _interpreted()  # libdevice's expf (CUDA, ROCm)
-    if songs:
-        dk.draw_top_k_kernel[(songs,)](
-            logits, q, logits if excluded is None else excluded, out, end, n, logits.stride(0), q.stride(0),
-            float(cfg), min(int(top_k), n), int(start), int(offset), int(end_id),
-            R=int(rows_per_song), HAS_EXCL=excluded is not None, GATE=bool(gate), CODED=bool(coded),
-            PRECISE_EXP=precise, COND_LEVELS=2 if logits.dtype == torch.bfloat16 else 4, BLOCK=block,
-            WHOLE=n <= block, num_warps=max(4, min(16, block // 256)), enable_fp_fusion=dk.FP_FUSION)
-    return (out, end) if coded else out
+    return draw_kernels.draw(logits, rows_per_song, cfg, top_k, q, excluded, gate, coded)
 
 
 def top_k_draw(logits, rows_per_song: int, cfg: float, top_k: int, q, excluded=None, gate: bool = False):
@@ -192,7 +159,7 @@ def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     in one kernel (`attention_kernels.rope_table_kernel`), or None."""
     if torch.compiler.is_compiling() or dtype not in _DTYPES or pos.dtype != torch.int64 or pos.numel() != 1 or \
             inv_freq.dtype != torch.float32 or inv_freq.device != pos.device or not inv_freq.is_contiguous() or \
-            not _pow2(inv_freq.numel()):
+            not _pow2(inv_freq.numel()) or not step_checks.serves("rope", pos.device, dtype, 2 * inv_freq.numel()):
         return None
     from . import attention_kernels
 
@@ -215,6 +182,13 @@ def _caches(cache_k, cache_v, scales, dtype: torch.dtype) -> bool:
             t.device == cache_k.device for t in scales)
 
 
+def _attention_checked(dtype: torch.dtype, heads: int, cache_k: torch.Tensor, scales) -> bool:
+    """Whether the LM attention kernels passed their check (`step_checks`) for these heads and cache."""
+    kv_heads, d = cache_k.shape[1], cache_k.shape[3]
+    group = 0 if scales is None else d // scales[0].shape[-1]
+    return step_checks.serves("attention", cache_k.device, dtype, heads, kv_heads, d, group)
+
+
 def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, scales=None):
     """An LM decode step's q/k norms, rotation and cache write at the device position `pos` ([1]
     int64) in one kernel (`attention_kernels.attn_prep_kernel`) -> the rotated queries [B, heads,
@@ -226,7 +200,8 @@ def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, ca
     rows, kv_heads, _, d = cache_k.shape
     if s != 1 or rows != b or k.shape != (b, 1, kv_heads * d) or v.shape != k.shape or width % d or not _pow2(d) \
             or not all(_vector(t, d) for t in (q_norm, k_norm, cos, sin)) \
-            or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
+            or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device or \
+            not _attention_checked(q.dtype, width // d, cache_k, scales):
         return None
     from . import attention_kernels
 
@@ -244,7 +219,8 @@ def decode_attention(q, cache_k, cache_v, pos, span: int, scale: float, scales=N
     b, heads, s, d = q.shape
     rows, kv_heads, cap, dk = cache_k.shape
     if s != 1 or rows != b or dk != d or not attends_heads_of(d) or heads % kv_heads or not 0 < span <= cap \
-            or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
+            or pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device or \
+            not _attention_checked(q.dtype, heads, cache_k, scales):
         return None
     from . import attention_kernels
 
@@ -260,7 +236,7 @@ def _attends(b: int, heads: int, cache_k, cache_v, scales, dtype, vectors, span:
     rows, kv_heads, cap, d = cache_k.shape
     return rows == b and attends_heads_of(d) and heads % kv_heads == 0 and \
         all(_vector(t, d) for t in vectors) and 0 < span <= cap and pos.dtype == torch.int64 and \
-        pos.numel() == 1 and pos.device == cache_k.device
+        pos.numel() == 1 and pos.device == cache_k.device and _attention_checked(dtype, heads, cache_k, scales)
 
 
 def attention_step(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, span: int, scale: float,
@@ -336,7 +312,7 @@ def depth_blocks(parts: list, x, positions, norms: list, eps: float, cache_k, ca
     if rows != b or b * s > GEMV_MAX_ROWS or s > 16 or dim != heads * d or cache_v.shape != cache_k.shape or \
             not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not _pow2(d) or not 0 <= at <= cap - s or \
             not all(_vector(w, dim) for pair in norms for w in pair) or positions.shape != (1, s, dim) or \
-            not positions.is_contiguous():
+            not positions.is_contiguous() or not step_checks.serves("short", x.device, x.dtype, heads, d, s, cap):
         return None
     from . import attention_kernels
 
@@ -359,7 +335,7 @@ def short_attention(q, k, v, cache_k, cache_v, at: int, scale: float):
     rows, heads, cap, d = cache_k.shape
     if rows != b or width != heads * d or k.shape != q.shape or v.shape != q.shape or cache_v.shape != cache_k.shape \
             or not (cache_k.is_contiguous() and cache_v.is_contiguous()) or not _pow2(d) or not 0 <= at <= cap - s \
-            or s > 16:
+            or s > 16 or not step_checks.serves("short", q.device, q.dtype, heads, d, s, cap):
         return None
     from . import attention_kernels
 

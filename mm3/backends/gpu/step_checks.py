@@ -1,0 +1,354 @@
+"""The GPU steps' kernels checked once a process on each device before they serve.
+
+A step's kernel (a norm, the rotation table, the LM's attention, the depth decoder's short
+attention, an embedding lookup, a frame's feedback, a guided draw) is first run on small random
+inputs of the shapes and dtype the step asks for, compiling the variant the step will use, and
+compared with torch's arithmetic on the CPU (the operations the models run where no kernel serves).
+A kernel that cannot run there, or computes wrongly, is reported once in a warning naming the
+device, and its step declines (returns None) from then on, so the model's torch operations serve:
+slower, never a wrong song. The products have their own check (`layout_kernels.works`).
+
+Each check's bound is loose beside the kernel's own rounding (a few units in the last place, a
+draw's index within float32's rounding of the best) and tight beside what a miscompiled or
+misread kernel makes. While a CUDA graph is being captured nothing is run (a check must read its
+results); a step asked first then serves, and the graph's own check compares it with the eager frame.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+from ...weights.binding import indexed_device
+
+_CHECKED: dict[tuple, bool] = {}
+_RUNNING = [0]  # checks in progress (the kernel counter does not count their launches)
+_ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def running() -> bool:
+    """Whether a check is running (its launches are not a frame's)."""
+    return _RUNNING[0] > 0
+
+
+@contextmanager
+def _quietly():
+    _RUNNING[0] += 1
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        _RUNNING[0] -= 1
+
+
+def serves(step: str, device: torch.device, *key) -> bool:
+    """Whether `step`'s kernel (a name of `CHECKS`) computes right on `device` for `key` (its dtype
+    and the sizes that choose its compiled variant): checked the first time it is asked in a process,
+    the answer kept."""
+    asked = (step, device, *key)
+    known = _CHECKED.get(asked)  # asked at every step of an eager frame: one lookup
+    if known is not None:
+        return known
+    device = indexed_device(device)
+    full = (step, device, *key)
+    known = _CHECKED.get(full)
+    if known is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return True  # nothing can be read back inside a capture: the graph's own check compares it
+        _CHECKED[full] = known = _run(step, device, key)
+    _CHECKED[asked] = known
+    return known
+
+
+def _run(step: str, device: torch.device, key: tuple) -> bool:
+    label = f"GPU {step} kernel"
+    try:
+        with _quietly():
+            worst, what = CHECKS[step](device, *key)
+    except Exception as e:  # a compiler or driver that cannot build or run it
+        warnings.warn(f"the {label} cannot run on {device} for ({_named(key)}) ({type(e).__name__}: {e}); "
+                      "torch's operations serve it instead", stacklevel=4)
+        return False
+    if not worst <= 1.0:  # NaN too
+        warnings.warn(f"the {label} computes wrongly on {device} for ({_named(key)}) ({what}: {worst:.3g} times "
+                      "its bound); torch's operations serve it instead", stacklevel=4)
+        return False
+    return True
+
+
+def _named(key: tuple) -> str:
+    return ", ".join(str(k).removeprefix("torch.") for k in key)
+
+
+def _near(dtype: torch.dtype) -> float:
+    """A relative bound for values computed as torch computes them but for the order of a sum or a
+    fused multiply-add: 4 units in the last place of a 16-bit dtype, 2^-17 for float32."""
+    return 4 * _ULP[dtype] if dtype != torch.float32 else 2.0 ** -17
+
+
+def _off(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> float:
+    """The largest |got - want| / (atol + rtol |want|), in float64 on the CPU (NaN where got has one
+    that want has not)."""
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    if got.shape != want.shape:
+        raise ValueError(f"a result of shape {tuple(got.shape)} where {tuple(want.shape)} was expected")
+    if not got.numel():
+        return 0.0
+    same = (got == want) | (got.isnan() & want.isnan())
+    off = ((got - want).abs() / (atol + rtol * want.abs())).masked_fill(same, 0.0)
+    return float(off.max()) if not off.isnan().any() else float("nan")
+
+
+def _random(g: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def _normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's rows (the CPU, x's dtype) in the models' torch arithmetic."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+# -- the checks: each (device, *key) -> (the worst error over its bound, what it was) --------------------
+def _norms(device, dtype, n):
+    from . import norm_kernels
+
+    g = torch.Generator().manual_seed(1)
+    x, delta = _random(g, 3, n, dtype=dtype), _random(g, 3, n, dtype=dtype)
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype)
+    eps, ulp, near = 1e-6, _ULP[dtype], _near(dtype)
+    got = norm_kernels.rms_norm(x.to(device), w.to(device), eps)
+    summed, normed = norm_kernels.add_rms_norm(x.to(device), delta.to(device), w.to(device), eps)
+    want_sum = x + delta
+    return max((_off(got, _normed(x, w, eps), near, 1e-6), "rms_norm"),
+               (_off(summed, want_sum, ulp, 1e-6), "the residual sum"),
+               (_off(normed, _normed(want_sum, w, eps), near, 1e-6), "the norm after the residual"))
+
+
+def _rope(device, dtype, d):
+    from . import attention_kernels
+
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    position = 1234
+    cos, sin = attention_kernels.rope_table(torch.tensor([position], device=device), inv_freq.to(device), dtype)
+    angles = torch.tensor([float(position)]) * inv_freq
+    angles = torch.cat((angles, angles))
+    tol = max(_ULP[dtype], 2.0 ** -20)  # float32's cos of an angle near 1e3: a few units of 2^-23 apart
+    return max((_off(cos.flatten(), angles.cos().to(dtype), 0.0, tol), "cos"),
+               (_off(sin.flatten(), angles.sin().to(dtype), 0.0, tol), "sin"))
+
+
+def _attention(device, dtype, heads, kv_heads, d, group):
+    """The LM's decode attention two ways (the whole step; the preparation, then the decode over
+    the filled keys), over a cache of 16-bit values or (`group` > 0) int8 codes with a float32
+    scale a group, filled over three splits of keys, against the float64 attention of the same
+    values (the new key and value those the kernel wrote, once checked against torch's)."""
+    from . import attention_kernels
+
+    g = torch.Generator().manual_seed(2)
+    # three splits of the keys, the last partly filled: the split combine runs as in a long song
+    b, cap, eps, scale = 2, 2 * attention_kernels.SPLIT + 64, 1e-6, d ** -0.5
+    pos = cap - 43
+    ulp = _ULP[dtype]
+    qkv = _random(g, b, 1, (heads + 2 * kv_heads) * d, dtype=dtype)
+    q_norm, k_norm = ((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2))
+    angles = torch.arange(d // 2, dtype=torch.float32) * 0.37 + 0.1
+    angles = torch.cat((angles, angles))
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    if group:
+        codes = [torch.randint(-127, 128, (b, kv_heads, cap, d), generator=g, dtype=torch.int8) for _ in range(2)]
+        scales = [torch.rand(b, kv_heads, cap, d // group, generator=g) * 0.02 + 0.001 for _ in range(2)]
+        caches, values = codes, [(c.float().unflatten(-1, (d // group, group)) * s[..., None]).flatten(-2)
+                                 for c, s in zip(codes, scales)]
+    else:
+        caches = [_random(g, b, kv_heads, cap, d, dtype=dtype) for _ in range(2)]
+        scales, values = None, [c.float() for c in caches]
+    q, k, v = qkv[:, 0].split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
+    want_q = _rotated(_normed(q.reshape(b, heads, d), q_norm, eps), cos, sin)
+    want_k = _rotated(_normed(k.reshape(b, kv_heads, d), k_norm, eps), cos, sin)
+    want_v = v.reshape(b, kv_heads, d)
+
+    def on_device():
+        return ([c.clone().to(device) for c in caches],
+                None if scales is None else tuple(s.clone().to(device) for s in scales))
+
+    pos_d = torch.tensor([pos], device=device)
+    args = (q_norm.to(device), k_norm.to(device), eps, cos.to(device), sin.to(device))
+    (ck, cv), sc = on_device()
+    qkv_d = qkv.to(device)
+    whole = attention_kernels.step(qkv_d.view(b, -1), *args, ck, cv, pos_d, cap, scale, heads, sc)
+    written = [_read_back(c, s, pos, group) for c, s in zip((ck, cv), sc or (None, None))]
+    (ck2, cv2), sc2 = on_device()
+    rotated = attention_kernels.prepare(qkv_d[:, 0, :heads * d], qkv_d[:, 0, heads * d:(heads + kv_heads) * d],
+                                        qkv_d[:, 0, (heads + kv_heads) * d:], *args, ck2, cv2, pos_d, heads,
+                                        kv_heads, d, sc2)
+    chained = attention_kernels.decode(rotated, ck2, cv2, pos_d, cap, scale, scales=sc2)
+    results = []
+    for name, new_k, new_v, out in (("the whole step", *written, whole),
+                                    ("the preparation and decode",
+                                     *(_read_back(c, s, pos, group) for c, s in zip((ck2, cv2), sc2 or (None, None))),
+                                     chained)):
+        results.append((_written_off(new_k, want_k, group, dtype), f"{name}'s key written"))
+        results.append((_written_off(new_v, want_v, group, dtype), f"{name}'s value written"))
+        keys = torch.cat((values[0][:, :, :pos], new_k.cpu().double()[:, :, None]), dim=2)
+        vals = torch.cat((values[1][:, :, :pos], new_v.cpu().double()[:, :, None]), dim=2)
+        want = _attend(want_q.double(), keys.double(), vals.double(), scale)
+        # the softmax weights rounded to the compute dtype for the values, the output's own rounding
+        # (float32: the exponentials' and the sums' order, 2^-16 of the values)
+        lo = max(ulp, 2.0 ** -16)
+        results.append((_off(out.reshape(b, heads, d), want, lo, float(2 * lo * vals.abs().mean())),
+                        f"{name}'s attention"))
+    return max(results)
+
+
+def _read_back(cache: torch.Tensor, scales: torch.Tensor | None, pos: int, group: int) -> torch.Tensor:
+    """Position pos of every row and head of a cache [B, H, cap, D], as values (codes times scales)."""
+    at = cache[:, :, pos].cpu()
+    if scales is None:
+        return at
+    return (at.float().unflatten(-1, (-1, group)) * scales[:, :, pos].cpu()[..., None]).flatten(-2)
+
+
+def _written_off(got: torch.Tensor, want: torch.Tensor, group: int, dtype: torch.dtype) -> float:
+    """A written head against the torch arithmetic's (`_near`), or for an 8-bit cache within half a
+    step of its group's scale (largest magnitude / 127) more."""
+    near = _near(dtype)
+    if not group:
+        return _off(got, want, near, 1e-6)
+    step = want.double().unflatten(-1, (-1, group)).abs().amax(-1, keepdim=True) / 127
+    step = step.expand(*step.shape[:-1], group).flatten(-2)
+    diff = (got.double() - want.double()).abs()
+    return float((diff / (0.5 * step * (1 + 2 * near) + near * want.double().abs() + 1e-12)).max())
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, heads, D] over keys, values [B, kv_heads, L, D] (query head h reads key head h // (heads
+    / kv_heads)), in q's dtype."""
+    b, heads, d = q.shape
+    kv = keys.shape[1]
+    scores = (q.reshape(b, kv, heads // kv, d) @ keys.transpose(-1, -2)) * scale
+    return (scores.softmax(-1) @ values).reshape(b, heads, d)
+
+
+def _short(device, dtype, heads, d, s, cap):
+    """The depth decoder's attention of s new rows over a cache of `cap` positions written up to its
+    end, causal among the new rows."""
+    from . import attention_kernels
+
+    g = torch.Generator().manual_seed(3)
+    b, at, scale = 2, cap - s, d ** -0.5
+    q, k, v = (_random(g, b, s, heads * d, dtype=dtype) for _ in range(3))
+    ck, cv = (_random(g, b, heads, cap, d, dtype=dtype) for _ in range(2))
+    ck_d, cv_d = ck.to(device), cv.to(device)
+    out = attention_kernels.short(q.to(device), k.to(device), v.to(device), ck_d, cv_d, at, scale)
+    keys, vals = ck.clone(), cv.clone()
+    keys[:, :, at:] = k.view(b, s, heads, d).transpose(1, 2)
+    vals[:, :, at:] = v.view(b, s, heads, d).transpose(1, 2)
+    qd = q.view(b, s, heads, d).transpose(1, 2).double()
+    scores = (qd @ keys.double().transpose(-1, -2)) * scale
+    causal = torch.arange(cap)[None, :] <= (at + torch.arange(s))[:, None]
+    want = (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ vals.double()).transpose(1, 2).reshape(b, s, -1)
+    lo = max(_ULP[dtype], 2.0 ** -16)  # as `_attention`'s
+    return max((_off(ck_d, keys, 0.0, 0.0), "the keys written"), (_off(cv_d, vals, 0.0, 0.0), "the values written"),
+               (_off(out, want, lo, float(2 * lo * vals.abs().double().mean())), "the attention"))
+
+
+def _table(qtype_name: str, rows: int, k: int, g: torch.Generator, device) -> tuple:
+    """A random table of `qtype` [rows, k] as a step reads it (GGUF block rows, or floats) on
+    `device`, its kind (type code, row stride) and its values."""
+    from gguf import GGMLQuantizationType as QT
+
+    from ...formats.gguf.quants import dequantize, random_blocks
+    from .kernels import CODES, FLOAT_DTYPES
+
+    qtype = QT[qtype_name]
+    if qtype in FLOAT_DTYPES:
+        table = _random(g, rows, k, dtype=FLOAT_DTYPES[qtype])
+        values = table.float()
+    else:
+        table = random_blocks(qtype, rows, k, generator=g)
+        values = dequantize(table, qtype, (rows, k))
+    return table.to(device), (CODES[qtype], table.stride(0)), values
+
+
+def _lookup(device, dtype, qtype_name, k):
+    from . import lookup_kernels
+
+    g = torch.Generator().manual_seed(4)
+    table, kind, values = _table(qtype_name, 8, k, g, device)
+    codes = torch.tensor([5, 1, 7, 3])
+    got = lookup_kernels.rows(table, kind, codes.to(device), k, dtype, repeat=2, add=-1)
+    want = values[codes - 1].repeat_interleave(2, dim=0).to(dtype)
+    return _off(got, want, _ULP[dtype], 0.0), "the rows"
+
+
+def _feedback(device, dtype, lm_name, audio_name, k, ncb):
+    from . import lookup_kernels
+
+    g = torch.Generator().manual_seed(5)
+    offset, vocab, songs, repeat = 3, 6, 2, 2
+    lm, lm_kind, lm_values = _table(lm_name, offset + 8, k, g, device)
+    audio, audio_kind, audio_values = _table(audio_name, (ncb - 1) * vocab, k, g, device)
+    frame = torch.stack([torch.randint(0, 8, (songs,), generator=g)] +
+                        [torch.randint(0, vocab, (songs,), generator=g) for _ in range(ncb - 1)], dim=1)
+    got = lookup_kernels.feedback(lm, lm_kind, audio, audio_kind, frame.to(device), offset, vocab, k, dtype, repeat)
+    rows = []
+    for codes in frame:  # torch's arithmetic in dtype: the LM row, the acoustic rows summed in float32
+        acc = sum(audio_values[int(c) + (j - 1) * vocab].to(dtype).float() for j, c in enumerate(codes[1:], 1))
+        rows.append((lm_values[int(codes[0]) + offset].to(dtype) + acc.to(dtype)) * ncb ** -0.5)
+    want = torch.stack(rows).repeat_interleave(repeat, dim=0)[:, None]
+    return _off(got, want, _ULP[dtype], 0.0), "the frame's input"
+
+
+def _draw(device, dtype, n, rows_per_song, gate, coded, excluded):
+    """A guided top-k draw over n logits (two songs) against the float64 chain: the index drawn
+    must have a ratio p / q within float32's rounding of the best (1e-5 relative); with `coded`, its
+    code and END flag as `semantic_draw` makes them."""
+    from . import draw_kernels
+
+    g = torch.Generator().manual_seed(6)
+    songs, cfg, top_k = 2, 1.7, max(1, min(50, n // 2))
+    logits = (torch.randn(songs * rows_per_song, n, generator=g) * 0.5).to(dtype)  # flat: every draw counts
+    q = torch.empty(songs, n).exponential_(1.0, generator=g)
+    mask = torch.zeros(n, dtype=torch.bool)
+    if excluded:
+        mask[torch.randperm(n, generator=g)[:max(1, n // 8)]] = True
+    start, offset = (2, 1) if coded else (0, 0)  # codes are the index + 1; END is the index 7
+    drawn = draw_kernels.draw(logits.to(device), rows_per_song, cfg, top_k, q.to(device),
+                              mask.to(device) if excluded else None, gate,
+                              (start, offset, start + 7) if coded else None)
+    index = drawn[0] if coded else drawn
+    rows = logits.float().view(songs, rows_per_song, n)
+    c = rows[:, 0].masked_fill(mask, float("-inf"))
+    guided = rows[:, 1] + (c - rows[:, 1]) * cfg if rows_per_song == 2 else c
+    if gate:
+        kth_c = c.topk(top_k, dim=-1).values[:, -1:]
+        guided = guided.masked_fill(c < kth_c, float("-inf"))
+    fill = float(draw_kernels.NAN_FILL.value)  # the reference's nan_to_num bounds
+    guided = guided.masked_fill(mask, float("-inf")).nan_to_num(-fill, fill, -fill)
+    kth = guided.topk(top_k, dim=-1).values[:, -1:]
+    p = guided.double().masked_fill(guided < kth, float("-inf")).softmax(-1)
+    ratio = p / q.double()
+    if coded:
+        codes, end = (t.cpu() for t in drawn)
+        got = codes + offset - start
+        if not bool(((codes >= 1) & (end == (got == 7))).all()):  # every code is the index + 1 here
+            return float("inf"), "the codes and END flags"
+    else:
+        got = index.cpu()
+    best = ratio.max(-1).values
+    at = ratio.gather(1, got.clamp(0, n - 1)[:, None])[:, 0]
+    return float(((best - at) / (1e-5 * best)).max()) if bool(((got >= 0) & (got < n)).all()) else float("inf"), \
+        "the index drawn"
+
+
+CHECKS: dict[str, Callable] = {"norms": _norms, "rope": _rope, "attention": _attention, "short": _short,
+                               "lookup": _lookup, "feedback": _feedback, "draw": _draw}
