@@ -22,16 +22,15 @@ return at once, so a step costs what the filled keys cost.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .emulation import interpreted
 from .layout_kernels import counters
 from .norm_kernels import cast, largest, warps
 
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # Triton's interpreter runs the kernels
+INTERPRETED = tl.constexpr(interpreted())  # Triton's interpreter runs the kernels
 SPLIT = 256  # keys per program of the decode attention
 BLOCK_N = 64  # keys per iteration of a program (one product of each kind)
 BLOCK_N_8BIT = 32  # over an 8-bit cache: its widened tiles take 116-128 registers at 32 keys, 167 at 64

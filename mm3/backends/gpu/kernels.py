@@ -18,7 +18,6 @@ interpreter) or "layout" (`mm3.backends.gpu.layout_kernels`; also CPU tensors wi
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -27,6 +26,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ... import switches
 from ...weights.binding import indexed_device
+from .emulation import interpreted
 
 # Kernel type codes (constexpr in the kernel) for the types it reads.
 CODES = {QT.F32: 0, QT.F16: 0, QT.BF16: 0, QT.Q8_0: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q5_0: 4, QT.Q5_1: 5,
@@ -66,7 +66,7 @@ def available(device: torch.device | str) -> bool:
     kind = device if isinstance(device, str) else device.type
     answer = _AVAILABLE.get(kind)
     if answer is None:
-        answer = _AVAILABLE[kind] = _runs_on(kind, _SETTING[0], os.environ.get("TRITON_INTERPRET", "0") == "1")
+        answer = _AVAILABLE[kind] = _runs_on(kind, _SETTING[0], interpreted())
     return answer
 
 

@@ -399,8 +399,9 @@ def works(qtype: QT, dtype: torch.dtype, device: torch.device) -> bool:
 def fused_works(form: str, qtype: QT, dtype: torch.dtype, device: torch.device, second: QT | None = None) -> bool:
     """`works` for a fused decode form: "swiglu" (`swiglu` over `qtype`), "segments"
     (`linear_segments` over `qtype` then `second`) or "norm" (`linear` with the inputs' RMSNorm
-    inside and a residual added: the prologue and epilogue every decode form shares), checked once
-    per process against torch."""
+    inside and a residual added: the prologue and epilogue every decode form shares; and each with
+    rows added to the stream it reads, the depth decoder's positions), checked once per process
+    against torch."""
     device = indexed_device(device)
     key = (form, qtype, second, dtype, device)
     if key not in _WORKS:
@@ -441,16 +442,36 @@ def _check(qtype: QT, dtype: torch.dtype, device: torch.device, form: str = "lin
                 want = want + residual.double()
             else:
                 got = linear(xd, weight, qtype, k)
-            error = float((got.double().cpu() - want).norm() / want.norm())
-            if not error < tolerance:
-                warnings.warn(f"the layout {name} {form} kernel computes wrongly on {device} for {dtype} inputs "
-                              f"({rows} rows: relative error {error:.1e}); using another product", stacklevel=3)
-                return False
+            pairs = [(got, want, f"{rows} rows")]
+            if form == "norm":  # the depth decoder's first block: its position rows added where the stream is read
+                pairs += _added_rows(xd, weight, qtype, k, values, norm, residual, dtype, device, g)
+            for got, want, what in pairs:
+                error = float((got.double().cpu() - want).norm() / want.norm())
+                if not error < tolerance:
+                    warnings.warn(f"the layout {name} {form} kernel computes wrongly on {device} for {dtype} inputs "
+                                  f"({what}: relative error {error:.1e}); using another product", stacklevel=3)
+                    return False
     except Exception as e:  # a compiler or driver that cannot build it
         warnings.warn(f"the layout {name} {form} kernel cannot run on {device} ({type(e).__name__}: {e}); "
                       "using another product", stacklevel=3)
         return False
     return True
+
+
+def _added_rows(xd, weight, qtype, k, values, norm, residual, dtype, device, g) -> list:
+    """(got, want, what) of the two forms that add rows to the stream as they read it: the norm's
+    inputs plus rows (`add` with `norm`) and the residual plus rows (`add` with `residual`), each
+    row taking the added rows' row i % 2, rounded as torch adds them."""
+    rows, n = xd.shape[0], weight.shape[0]
+    positions, to_residual = torch.randn(2, k, generator=g).to(dtype), torch.randn(2, n, generator=g).to(dtype)
+    x = xd.cpu()
+    repeat = [i % 2 for i in range(rows)]
+    normed = torch_rms_norm(x + positions[repeat], (norm, 1e-6))
+    product = x.double() @ values.to(dtype).double().T
+    return [(linear(xd, weight, qtype, k, norm=(norm.to(device), 1e-6), add=positions.to(device)),
+             normed.double() @ values.to(dtype).double().T, "the norm's inputs plus rows"),
+            (linear(xd, weight, qtype, k, residual=residual.to(device), add=to_residual.to(device)),
+             (residual + to_residual[repeat]).double() + product, "the residual plus rows")]
 
 
 def _sample(qtype: QT, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,16 +58,26 @@ def serves(step: str, device: torch.device, *key) -> bool:
     if known is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return True  # nothing can be read back inside a capture: the graph's own check compares it
-        _CHECKED[full] = known = _run(step, device, key)
+        known = _run(step, device, key)
+        if known is None:  # out of memory for now: torch serves this time, the check is asked again
+            return False
+        _CHECKED[full] = known
     _CHECKED[asked] = known
     return known
 
 
-def _run(step: str, device: torch.device, key: tuple) -> bool:
+def _run(step: str, device: torch.device, key: tuple) -> bool | None:
     label = f"GPU {step} kernel"
     try:
         with _quietly():
-            worst, what = CHECKS[step](device, *key)
+            try:
+                worst, what = CHECKS[step](device, *key)
+            finally:  # a kernel that failed may leave the counters the products share (`counters`) set
+                from .layout_kernels import counters
+
+                counters(device, 1).zero_()
+    except torch.cuda.OutOfMemoryError:
+        return None
     except Exception as e:  # a compiler or driver that cannot build or run it
         warnings.warn(f"the {label} cannot run on {device} for ({_named(key)}) ({type(e).__name__}: {e}); "
                       "torch's operations serve it instead", stacklevel=4)
@@ -122,7 +132,7 @@ def _norms(device, dtype, n):
     from . import norm_kernels
 
     g = torch.Generator().manual_seed(1)
-    x, delta = _random(g, 3, n, dtype=dtype), _random(g, 3, n, dtype=dtype)
+    x, delta = _random(g, 2, 3, n, dtype=dtype), _random(g, 2, 3, n, dtype=dtype)  # rows as a batch of heads
     w = (torch.rand(n, generator=g) + 0.5).to(dtype)
     eps, ulp, near = 1e-6, _ULP[dtype], _near(dtype)
     got = norm_kernels.rms_norm(x.to(device), w.to(device), eps)
@@ -146,20 +156,25 @@ def _rope(device, dtype, d):
                (_off(sin.flatten(), angles.sin().to(dtype), 0.0, tol), "sin"))
 
 
-def _attention(device, dtype, heads, kv_heads, d, group):
-    """The LM's decode attention two ways (the whole step; the preparation, then the decode over
-    the filled keys), over a cache of 16-bit values or (`group` > 0) int8 codes with a float32
-    scale a group, filled over three splits of keys, against the float64 attention of the same
-    values (the new key and value those the kernel wrote, once checked against torch's)."""
+def _attention(device, dtype, heads, kv_heads, d, group, whole):
+    """The LM's decode preparation (the q/k norms, the rotation, the cache write) and, with
+    `whole`, its attention two ways (the whole step; the preparation, then the decode over the filled
+    keys), over a cache of 16-bit values or (`group` > 0) int8 codes with a float32 scale a group,
+    filled over three splits of keys, against torch's arithmetic: the rotated queries and the written
+    key and value, then the float64 attention of the same values (the new key and value those the
+    kernel wrote). Each key head's new key is its first query head's, so that position weighs."""
     from . import attention_kernels
 
     g = torch.Generator().manual_seed(2)
     # three splits of the keys, the last partly filled: the split combine runs as in a long song
     b, cap, eps, scale = 2, 2 * attention_kernels.SPLIT + 64, 1e-6, d ** -0.5
     pos = cap - 43
-    ulp = _ULP[dtype]
-    qkv = _random(g, b, 1, (heads + 2 * kv_heads) * d, dtype=dtype)
-    q_norm, k_norm = ((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2))
+    group_of = heads // kv_heads if heads % kv_heads == 0 else 1
+    q = _random(g, b, heads, d, dtype=dtype)
+    k = q[:, ::group_of][:, :kv_heads].clone() if kv_heads <= heads else _random(g, b, kv_heads, d, dtype=dtype)
+    v = _random(g, b, kv_heads, d, dtype=dtype)
+    qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)[:, None]
+    norm = (torch.rand(d, generator=g) + 0.5).to(dtype)
     angles = torch.arange(d // 2, dtype=torch.float32) * 0.37 + 0.1
     angles = torch.cat((angles, angles))
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -171,41 +186,40 @@ def _attention(device, dtype, heads, kv_heads, d, group):
     else:
         caches = [_random(g, b, kv_heads, cap, d, dtype=dtype) for _ in range(2)]
         scales, values = None, [c.float() for c in caches]
-    q, k, v = qkv[:, 0].split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
-    want_q = _rotated(_normed(q.reshape(b, heads, d), q_norm, eps), cos, sin)
-    want_k = _rotated(_normed(k.reshape(b, kv_heads, d), k_norm, eps), cos, sin)
-    want_v = v.reshape(b, kv_heads, d)
+    want_q, want_k = (_rotated(_normed(t, norm, eps), cos, sin) for t in (q, k))
 
     def on_device():
         return ([c.clone().to(device) for c in caches],
-                None if scales is None else tuple(s.clone().to(device) for s in scales))
+                None if scales is None else tuple(t.clone().to(device) for t in scales))
 
-    pos_d = torch.tensor([pos], device=device)
-    args = (q_norm.to(device), k_norm.to(device), eps, cos.to(device), sin.to(device))
+    pos_d, qkv_d = torch.tensor([pos], device=device), qkv.to(device)
+    args = (norm.to(device), norm.to(device), eps, cos.to(device), sin.to(device))
+    ulp, near = _ULP[dtype], _near(dtype)
     (ck, cv), sc = on_device()
-    qkv_d = qkv.to(device)
-    whole = attention_kernels.step(qkv_d.view(b, -1), *args, ck, cv, pos_d, cap, scale, heads, sc)
-    written = [_read_back(c, s, pos, group) for c, s in zip((ck, cv), sc or (None, None))]
-    (ck2, cv2), sc2 = on_device()
     rotated = attention_kernels.prepare(qkv_d[:, 0, :heads * d], qkv_d[:, 0, heads * d:(heads + kv_heads) * d],
-                                        qkv_d[:, 0, (heads + kv_heads) * d:], *args, ck2, cv2, pos_d, heads,
-                                        kv_heads, d, sc2)
-    chained = attention_kernels.decode(rotated, ck2, cv2, pos_d, cap, scale, scales=sc2)
-    results = []
-    for name, new_k, new_v, out in (("the whole step", *written, whole),
-                                    ("the preparation and decode",
-                                     *(_read_back(c, s, pos, group) for c, s in zip((ck2, cv2), sc2 or (None, None))),
-                                     chained)):
+                                        qkv_d[:, 0, (heads + kv_heads) * d:], *args, ck, cv, pos_d, heads,
+                                        kv_heads, d, sc)
+    results = [(_off(rotated.reshape(b, heads, d), want_q, near, 1e-6), "the preparation's queries")]
+    runs = [("the preparation", ck, cv, sc, None)]
+    if whole:
+        runs.append(("the preparation and decode", ck, cv, sc,
+                     attention_kernels.decode(rotated, ck, cv, pos_d, cap, scale, scales=sc)))
+        (ck2, cv2), sc2 = on_device()
+        runs.append(("the whole step", ck2, cv2, sc2,
+                     attention_kernels.step(qkv_d.view(b, -1), *args, ck2, cv2, pos_d, cap, scale, heads, sc2)))
+    for name, ck_, cv_, sc_, out in runs:
+        new_k, new_v = (_read_back(c, t, pos, group) for c, t in zip((ck_, cv_), sc_ or (None, None)))
         results.append((_written_off(new_k, want_k, group, dtype), f"{name}'s key written"))
-        results.append((_written_off(new_v, want_v, group, dtype), f"{name}'s value written"))
-        keys = torch.cat((values[0][:, :, :pos], new_k.cpu().double()[:, :, None]), dim=2)
-        vals = torch.cat((values[1][:, :, :pos], new_v.cpu().double()[:, :, None]), dim=2)
+        results.append((_written_off(new_v, v, group, dtype), f"{name}'s value written"))
+        if out is None:
+            continue
+        keys = torch.cat((values[0][:, :, :pos], new_k.double()[:, :, None]), dim=2)
+        vals = torch.cat((values[1][:, :, :pos], new_v.double()[:, :, None]), dim=2)
         want = _attend(want_q.double(), keys.double(), vals.double(), scale)
-        # the softmax weights rounded to the compute dtype for the values, the output's own rounding
-        # (float32: the exponentials' and the sums' order, 2^-16 of the values)
-        lo = max(ulp, 2.0 ** -16)
-        results.append((_off(out.reshape(b, heads, d), want, lo, float(2 * lo * vals.abs().mean())),
-                        f"{name}'s attention"))
+        # the output's own rounding (relative), the softmax weights rounded to the compute dtype for the
+        # values (absolute: a quarter unit of the weights); float32: the exponentials and the sums' order
+        results.append((_off(out.reshape(b, heads, d), want, max(ulp, 2.0 ** -16),
+                             float(max(ulp / 4, 2.0 ** -16) * vals.abs().mean())), f"{name}'s attention"))
     return max(results)
 
 
@@ -279,27 +293,28 @@ def _table(qtype_name: str, rows: int, k: int, g: torch.Generator, device) -> tu
     return table.to(device), (CODES[qtype], table.stride(0)), values
 
 
-def _lookup(device, dtype, qtype_name, k):
+def _lookup(device, dtype, qtype_name, k, repeat, index_dtype):
     from . import lookup_kernels
 
     g = torch.Generator().manual_seed(4)
     table, kind, values = _table(qtype_name, 8, k, g, device)
     codes = torch.tensor([5, 1, 7, 3])
-    got = lookup_kernels.rows(table, kind, codes.to(device), k, dtype, repeat=2, add=-1)
-    want = values[codes - 1].repeat_interleave(2, dim=0).to(dtype)
+    got = lookup_kernels.rows(table, kind, codes.to(device, index_dtype), k, dtype, repeat=repeat, add=-1)
+    want = values[codes - 1].repeat_interleave(repeat, dim=0).to(dtype)
     return _off(got, want, _ULP[dtype], 0.0), "the rows"
 
 
-def _feedback(device, dtype, lm_name, audio_name, k, ncb):
+def _feedback(device, dtype, lm_name, audio_name, k, ncb, repeat, index_dtype):
     from . import lookup_kernels
 
     g = torch.Generator().manual_seed(5)
-    offset, vocab, songs, repeat = 3, 6, 2, 2
+    offset, vocab, songs = 3, 6, 2
     lm, lm_kind, lm_values = _table(lm_name, offset + 8, k, g, device)
     audio, audio_kind, audio_values = _table(audio_name, (ncb - 1) * vocab, k, g, device)
     frame = torch.stack([torch.randint(0, 8, (songs,), generator=g)] +
                         [torch.randint(0, vocab, (songs,), generator=g) for _ in range(ncb - 1)], dim=1)
-    got = lookup_kernels.feedback(lm, lm_kind, audio, audio_kind, frame.to(device), offset, vocab, k, dtype, repeat)
+    got = lookup_kernels.feedback(lm, lm_kind, audio, audio_kind, frame.to(device, index_dtype), offset, vocab, k,
+                                  dtype, repeat)
     rows = []
     for codes in frame:  # torch's arithmetic in dtype: the LM row, the acoustic rows summed in float32
         acc = sum(audio_values[int(c) + (j - 1) * vocab].to(dtype).float() for j, c in enumerate(codes[1:], 1))
@@ -309,33 +324,44 @@ def _feedback(device, dtype, lm_name, audio_name, k, ncb):
 
 
 def _draw(device, dtype, n, rows_per_song, gate, coded, excluded):
-    """A guided top-k draw over n logits (two songs) against the float64 chain: the index drawn
-    must have a ratio p / q within float32's rounding of the best (1e-5 relative); with `coded`, its
-    code and END flag as `semantic_draw` makes them."""
+    """Guided top-k draws over n logits against the float64 chain, 64 songs: the index drawn must
+    have a ratio p / q within float32's rounding of the best (1e-5 relative); with `coded`, its code
+    and END flag as `semantic_draw` makes them. Most songs' exponentials are tiny at one column a
+    wrong kernel would draw, or a right one must: an excluded column, the one ranked top_k + 1, one
+    gated out, the one ranked top_k."""
     from . import draw_kernels
 
     g = torch.Generator().manual_seed(6)
-    songs, cfg, top_k = 2, 1.7, max(1, min(50, n // 2))
+    songs, cfg, top_k = 64, 1.7, max(1, min(50, n // 2))
     logits = (torch.randn(songs * rows_per_song, n, generator=g) * 0.5).to(dtype)  # flat: every draw counts
-    q = torch.empty(songs, n).exponential_(1.0, generator=g)
     mask = torch.zeros(n, dtype=torch.bool)
     if excluded:
         mask[torch.randperm(n, generator=g)[:max(1, n // 8)]] = True
+    rows = logits.float().view(songs, rows_per_song, n)
+    c = rows[:, 0].masked_fill(mask, float("-inf"))
+    guided = rows[:, 1] + (c - rows[:, 1]) * cfg if rows_per_song == 2 else c
+    gated_out = c < c.topk(top_k, dim=-1).values[:, -1:] if gate else torch.zeros_like(c, dtype=torch.bool)
+    guided = guided.masked_fill(gated_out, float("-inf"))
+    fill = float(draw_kernels.NAN_FILL.value)  # the reference's nan_to_num bounds
+    guided = guided.masked_fill(mask, float("-inf")).nan_to_num(-fill, fill, -fill)
+    p = guided.double().masked_fill(guided < guided.topk(top_k, dim=-1).values[:, -1:], float("-inf")).softmax(-1)
+    q = torch.empty(songs, n).exponential_(1.0, generator=g)
+    order = guided.argsort(dim=-1, descending=True, stable=True)
+    for song in range(songs):
+        traps = [order[song, top_k - 1]]  # ranked top_k: drawn (a kernel keeping top_k - 1 would not)
+        if n > top_k:
+            traps.append(order[song, top_k])  # ranked top_k + 1: kept only where it ties the k-th
+        if excluded:
+            traps.append(mask.nonzero()[song % int(mask.sum()), 0])
+        if gate and gated_out[song].any():
+            unguided = rows[song, 1] + (rows[song, 0] - rows[song, 1]) * cfg if rows_per_song == 2 else rows[song, 0]
+            traps.append(unguided.masked_fill(~gated_out[song] | mask, float("-inf")).argmax())
+        if song % 5:  # one song in five keeps its plain exponentials
+            q[song, traps[song % len(traps)]] = 1e-6
     start, offset = (2, 1) if coded else (0, 0)  # codes are the index + 1; END is the index 7
     drawn = draw_kernels.draw(logits.to(device), rows_per_song, cfg, top_k, q.to(device),
                               mask.to(device) if excluded else None, gate,
                               (start, offset, start + 7) if coded else None)
-    index = drawn[0] if coded else drawn
-    rows = logits.float().view(songs, rows_per_song, n)
-    c = rows[:, 0].masked_fill(mask, float("-inf"))
-    guided = rows[:, 1] + (c - rows[:, 1]) * cfg if rows_per_song == 2 else c
-    if gate:
-        kth_c = c.topk(top_k, dim=-1).values[:, -1:]
-        guided = guided.masked_fill(c < kth_c, float("-inf"))
-    fill = float(draw_kernels.NAN_FILL.value)  # the reference's nan_to_num bounds
-    guided = guided.masked_fill(mask, float("-inf")).nan_to_num(-fill, fill, -fill)
-    kth = guided.topk(top_k, dim=-1).values[:, -1:]
-    p = guided.double().masked_fill(guided < kth, float("-inf")).softmax(-1)
     ratio = p / q.double()
     if coded:
         codes, end = (t.cpu() for t in drawn)
@@ -343,11 +369,12 @@ def _draw(device, dtype, n, rows_per_song, gate, coded, excluded):
         if not bool(((codes >= 1) & (end == (got == 7))).all()):  # every code is the index + 1 here
             return float("inf"), "the codes and END flags"
     else:
-        got = index.cpu()
+        got = drawn.cpu()
+    if not bool(((got >= 0) & (got < n)).all()):
+        return float("inf"), "the index drawn"
     best = ratio.max(-1).values
-    at = ratio.gather(1, got.clamp(0, n - 1)[:, None])[:, 0]
-    return float(((best - at) / (1e-5 * best)).max()) if bool(((got >= 0) & (got < n)).all()) else float("inf"), \
-        "the index drawn"
+    at = ratio.gather(1, got[:, None])[:, 0]
+    return float(((best - at) / (1e-5 * best)).max()), "the index drawn"
 
 
 CHECKS: dict[str, Callable] = {"norms": _norms, "rope": _rope, "attention": _attention, "short": _short,

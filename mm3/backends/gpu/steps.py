@@ -8,7 +8,6 @@ can be captured as one CUDA graph.
 
 from __future__ import annotations
 
-
 import torch
 
 from . import step_checks
@@ -87,7 +86,7 @@ def code_rows(table: torch.Tensor, qtype, codes: torch.Tensor, k: int, dtype: to
     kind = _table(table, qtype, k, codes.device)
     if kind is None:
         return None
-    if not step_checks.serves("lookup", codes.device, dtype, qtype.name, k):
+    if not step_checks.serves("lookup", codes.device, dtype, qtype.name, k, int(repeat), codes.dtype):
         return None
     from . import lookup_kernels
 
@@ -111,7 +110,8 @@ def frame_feedback(lm_table: torch.Tensor, lm_qtype, audio_table: torch.Tensor, 
     lm, audio = _table(lm_table, lm_qtype, k, device), _table(audio_table, audio_qtype, k, device)
     if lm is None or audio is None:
         return None
-    if not step_checks.serves("feedback", device, dtype, lm_qtype.name, audio_qtype.name, k, frame.shape[1]):
+    if not step_checks.serves("feedback", device, dtype, lm_qtype.name, audio_qtype.name, k, frame.shape[1],
+                              int(repeat), frame.dtype):
         return None
     from . import lookup_kernels
 
@@ -183,10 +183,12 @@ def _caches(cache_k, cache_v, scales, dtype: torch.dtype) -> bool:
 
 
 def _attention_checked(dtype: torch.dtype, heads: int, cache_k: torch.Tensor, scales) -> bool:
-    """Whether the LM attention kernels passed their check (`step_checks`) for these heads and cache."""
+    """Whether the LM attention kernels passed their check (`step_checks`) for these heads and cache:
+    the preparation's, and where the attention kernels take the heads theirs too."""
     kv_heads, d = cache_k.shape[1], cache_k.shape[3]
     group = 0 if scales is None else d // scales[0].shape[-1]
-    return step_checks.serves("attention", cache_k.device, dtype, heads, kv_heads, d, group)
+    attends = attends_heads_of(d) and heads % kv_heads == 0
+    return step_checks.serves("attention", cache_k.device, dtype, heads, kv_heads, d, group, attends)
 
 
 def prepare_attention(q, k, v, q_norm, k_norm, eps: float, cos, sin, cache_k, cache_v, pos, scales=None):

@@ -317,3 +317,19 @@ def test_rows_added_to_the_stream_inside_the_launch(dtype, monkeypatch):
         lk.linear(x, w, Q.Q4_K, k, add=pos[0])
     with pytest.raises(ValueError, match="a count dividing 3"):
         lk.linear(x, w, Q.Q4_K, k, residual=res, add=torch.zeros(4, 8, dtype=dtype, device=DEVICE))
+
+
+def test_the_norm_forms_check_reads_the_rows_added_to_the_stream(monkeypatch):
+    """`fused_works("norm")`, asked before a whole layer serves, also runs the forms that add rows to
+    the stream (the depth decoder's first block): a launch that misreads them is refused, with a
+    warning naming the form."""
+    monkeypatch.setattr(lk, "_WORKS", {})
+    assert lk.fused_works("norm", Q.Q4_K, torch.float16, DEVICE)
+    real = lk.linear
+
+    def misread(*args, add=None, **kwargs):
+        return real(*args, add=None if add is None else add.flip(0), **kwargs)
+    monkeypatch.setattr(lk, "linear", misread)
+    monkeypatch.setattr(lk, "_WORKS", {})
+    with pytest.warns(UserWarning, match="Q4_K norm kernel computes wrongly .*the norm's inputs plus rows"):
+        assert not lk.fused_works("norm", Q.Q4_K, torch.float16, DEVICE)

@@ -31,15 +31,20 @@ def fresh(monkeypatch):
     monkeypatch.setattr(step_checks, "_CHECKED", {})
 
 
+I64, I32 = torch.int64, torch.int32
 CASES = [("norms", (B16, 256)), ("norms", (torch.float32, 64)), ("norms", (torch.float16, 128)),
          ("rope", (B16, 64)), ("rope", (torch.float32, 128)),
-         ("attention", (B16, 4, 2, 32, 0)), ("attention", (torch.float32, 4, 2, 32, 0)),
-         ("attention", (B16, 4, 2, 32, 32)), ("attention", (torch.float16, 8, 2, 16, 16)),
+         ("attention", (B16, 4, 2, 32, 0, True)), ("attention", (torch.float32, 4, 2, 32, 0, True)),
+         ("attention", (B16, 4, 2, 32, 32, True)), ("attention", (torch.float16, 8, 2, 16, 16, True)),
+         ("attention", (B16, 4, 2, 8, 0, False)),
          ("short", (B16, 2, 32, 1, 9)), ("short", (torch.float32, 2, 16, 3, 9)),
-         ("lookup", (B16, "Q4_K", 256)), ("lookup", (torch.float32, "Q8_0", 64)), ("lookup", (B16, "BF16", 64)),
-         ("feedback", (B16, "Q8_0", "Q4_K", 256, 4)), ("feedback", (torch.float32, "F16", "Q8_0", 64, 3)),
+         ("lookup", (B16, "Q4_K", 256, 2, I64)), ("lookup", (torch.float32, "Q8_0", 64, 1, I32)),
+         ("lookup", (B16, "BF16", 64, 1, I64)),
+         ("feedback", (B16, "Q8_0", "Q4_K", 256, 4, 2, I64)),
+         ("feedback", (torch.float32, "F16", "Q8_0", 64, 3, 1, I32)),
          ("draw", (torch.float32, 1024, 2, False, False, False)), ("draw", (B16, 300, 2, True, True, True)),
          ("draw", (torch.float32, 5000, 2, True, True, True)), ("draw", (torch.float16, 77, 1, False, False, True))]
+ATTENTION = (B16, 4, 2, 32, 0, True)
 
 
 @pytest.mark.parametrize("step,key", CASES, ids=[f"{s}-{i}" for i, (s, _) in enumerate(CASES)])
@@ -70,11 +75,79 @@ def test_a_wrong_attention_kernel_is_declined(bits, monkeypatch):
     monkeypatch.setattr(attention_kernels, "decode", _scaled(attention_kernels.decode, 1.5))
     told = rf"GPU attention kernel computes wrongly on {DEVICE} .*torch's operations serve"
     with pytest.warns(UserWarning, match=told):
-        assert not step_checks.serves("attention", DEVICE, B16, 4, 2, 32, bits)
+        assert not step_checks.serves("attention", DEVICE, B16, 4, 2, 32, bits, True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # told once
-        assert not step_checks.serves("attention", DEVICE, B16, 4, 2, 32, bits)
-    assert step_checks.serves("attention", DEVICE, B16, 4, 2, 16, bits and 16) is False  # every variant: one decode
+        assert not step_checks.serves("attention", DEVICE, B16, 4, 2, 32, bits, True)
+    with pytest.warns(UserWarning, match=told):  # every variant has the one decode
+        assert not step_checks.serves("attention", DEVICE, B16, 4, 2, 16, bits and 16, True)
+
+
+def _missing_the_new_position(real):
+    """A decode that reads the filled keys but the one just written (the count one short)."""
+    def decode(q, cache_k, cache_v, pos, *args, **kwargs):
+        return real(q, cache_k, cache_v, pos - 1, *args, **kwargs)
+    return decode
+
+
+def _with_args(real, **changed):
+    """`real` with some of its arguments (by name) changed: `value` or a function of the value."""
+    names = real.__code__.co_varnames[:real.__code__.co_argcount]
+
+    def wrong(*args, **kwargs):
+        bound = dict(zip(names, args), **kwargs)
+        for name, change in changed.items():
+            bound[name] = change(bound.get(name)) if callable(change) else change
+        return real(**bound)
+    return wrong
+
+
+def _wrong_kernels():
+    from mm3.backends.gpu import draw_kernels, lookup_kernels
+
+    draw = ("draw", (torch.float32, 1024, 2, True, True, True))
+    return [
+        ("a decode missing the new position", ("attention", ATTENTION), attention_kernels, "decode",
+         _missing_the_new_position),
+        ("a preparation writing scales 10 % large", ("attention", (B16, 4, 2, 32, 32, True)), attention_kernels,
+         "prepare", _scales_off),
+        ("a rotation table one position on", ("rope", (B16, 64)), attention_kernels, "rope_table",
+         lambda real: _with_args(real, pos=lambda p: p + 1)),
+        ("a short attention off its scale", ("short", (B16, 2, 32, 1, 9)), attention_kernels, "short",
+         lambda real: _with_args(real, scale=lambda v: v * 1.1)),
+        ("a feedback over the wrong LM rows", ("feedback", (B16, "Q8_0", "Q4_K", 256, 4, 2, I64)), lookup_kernels,
+         "feedback", lambda real: _with_args(real, code_offset=lambda v: v + 1)),
+        ("a draw keeping top_k - 1", draw, draw_kernels, "draw", lambda real: _with_args(real, top_k=lambda k: k - 1)),
+        ("a draw keeping top_k + 1", draw, draw_kernels, "draw", lambda real: _with_args(real, top_k=lambda k: k + 1)),
+        ("a draw ignoring the exclusions", draw, draw_kernels, "draw", lambda real: _with_args(real, excluded=None)),
+        ("a draw ignoring the gate", draw, draw_kernels, "draw", lambda real: _with_args(real, gate=False)),
+        ("a draw ignoring the guidance", draw, draw_kernels, "draw", lambda real: _with_args(real, cfg=1.0)),
+    ]
+
+
+def _scales_off(real, factor=1.1):
+    """A preparation whose written 8-bit scales come out `factor` times too large."""
+    names = real.__code__.co_varnames[:real.__code__.co_argcount]
+
+    def prepare(*args, **kwargs):
+        out = real(*args, **kwargs)
+        bound = dict(zip(names, args), **kwargs)
+        for scales in bound["scales"]:
+            scales[:, :, int(bound["pos"])] *= factor
+        return out
+    return prepare
+
+
+@pytest.mark.parametrize("case", range(10), ids=lambda i: _wrong_kernels()[i][0].replace(" ", "-"))
+def test_each_check_catches_a_subtly_wrong_kernel(case, monkeypatch):
+    """Each check's bound is tight enough for the faults a kernel plausibly has: a key count one
+    short, an 8-bit scale written 10 % off, the rotation of the next position, the attention's scale 10 %
+    off, the wrong table rows, a draw keeping one candidate too few or too many, or ignoring its
+    exclusions, its gate or its guidance."""
+    name, (step, key), module, function, wrong = _wrong_kernels()[case]
+    monkeypatch.setattr(module, function, wrong(getattr(module, function)))
+    with pytest.warns(UserWarning, match=f"GPU {step} kernel computes wrongly"):
+        assert not step_checks.serves(step, DEVICE, *key), name
 
 
 def test_draw_and_lookup_checks_catch_a_wrong_answer(monkeypatch):
@@ -89,7 +162,7 @@ def test_draw_and_lookup_checks_catch_a_wrong_answer(monkeypatch):
     with pytest.warns(UserWarning, match="draw kernel computes wrongly"):
         assert not step_checks.serves("draw", DEVICE, torch.float32, 1024, 2, False, False, False)
     with pytest.warns(UserWarning, match="lookup kernel computes wrongly"):
-        assert not step_checks.serves("lookup", DEVICE, B16, "Q8_0", 64)
+        assert not step_checks.serves("lookup", DEVICE, B16, "Q8_0", 64, 2, I64)
 
 
 def test_a_kernel_that_cannot_run_is_declined_and_its_step_gives_none(monkeypatch):
@@ -101,6 +174,40 @@ def test_a_kernel_that_cannot_run_is_declined_and_its_step_gives_none(monkeypatc
         assert gpu_steps.rms_norm(x, w, 1e-6) is None
         assert gpu_steps.add_rms_norm(x, x, w, 1e-6) is None  # the same check's answer
     assert step_checks.serves("norms", DEVICE, torch.float32, 64) is False  # (so is every dtype's, here)
+
+
+def test_heads_the_attention_kernels_do_not_take_check_the_preparation_alone(monkeypatch):
+    """Heads of 8 values (under the tensor cores' 16) or a query count that is not a multiple of the
+    key heads: only the preparation serves them, so only it is checked; it serves."""
+    def refused(*args, **kwargs):
+        raise RuntimeError("a 16-bit dot of K < 16")
+    for name in ("step", "decode"):
+        monkeypatch.setattr(attention_kernels, name, refused)
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, d, cap = 2, 4, 2, 8, 16
+    q, k, v = (torch.randn(b, 1, n * d, generator=g).to(DEVICE, B16) for n in (heads, kv_heads, kv_heads))
+    ones = torch.ones(d, dtype=B16, device=DEVICE)
+    caches = [torch.zeros(b, kv_heads, cap, d, dtype=B16, device=DEVICE) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rotated = gpu_steps.prepare_attention(q, k, v, ones, ones, 1e-6, ones, ones * 0, *caches,
+                                              torch.tensor([3], device=DEVICE))
+    assert rotated is not None and list(step_checks._CHECKED) == [("attention", DEVICE, B16, 4, 2, 8, 0, False)]
+    assert torch.equal(caches[1][:, :, 3], v.view(b, kv_heads, d))
+
+
+def test_a_failed_check_leaves_the_products_counters_zero(monkeypatch):
+    """A kernel that fails its check after leaving the split counters set (a combine that never ran)
+    does not hand them to the next product: they are zero again."""
+    from mm3.backends.gpu.layout_kernels import counters
+
+    def leaves_counts(*args, **kwargs):
+        counters(DEVICE, 8)[:8] = 1
+        raise RuntimeError("an illegal memory access was encountered")
+    monkeypatch.setattr(attention_kernels, "prepare", leaves_counts)
+    with pytest.warns(UserWarning, match="attention kernel cannot run"):
+        assert not step_checks.serves("attention", DEVICE, *ATTENTION)
+    assert not counters(DEVICE, 8).any()
 
 
 def test_a_check_runs_once_a_process_and_its_launches_are_not_counted(monkeypatch):
