@@ -16,6 +16,7 @@ results); a step asked first then serves, and the graph's own check compares it 
 
 from __future__ import annotations
 
+import time
 import warnings
 from contextlib import contextmanager
 from typing import Callable
@@ -25,6 +26,8 @@ import torch
 from ...weights.binding import indexed_device
 
 _CHECKED: dict[tuple, bool] = {}
+_RETRY: dict[tuple, float] = {}  # keys whose check ran out of memory -> when to ask again (time.monotonic)
+RETRY_S = 30.0
 _RUNNING = [0]  # checks in progress (the kernel counter does not count their launches)
 _ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
@@ -58,8 +61,11 @@ def serves(step: str, device: torch.device, *key) -> bool:
     if known is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return True  # nothing can be read back inside a capture: the graph's own check compares it
+        if time.monotonic() < _RETRY.get(full, 0.0):
+            return False
         known = _run(step, device, key)
-        if known is None:  # out of memory for now: torch serves this time, the check is asked again
+        if known is None:  # out of memory for now: torch serves, and the check is asked again later
+            _RETRY[full] = time.monotonic() + RETRY_S
             return False
         _CHECKED[full] = known
     _CHECKED[asked] = known
@@ -68,25 +74,53 @@ def serves(step: str, device: torch.device, *key) -> bool:
 
 def _run(step: str, device: torch.device, key: tuple) -> bool | None:
     label = f"GPU {step} kernel"
-    try:
-        with _quietly():
-            try:
-                worst, what = CHECKS[step](device, *key)
-            finally:  # a kernel that failed may leave the counters the products share (`counters`) set
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # an earlier launch's fault is not this kernel's (it raises here)
+    failure = None
+    with _quietly():
+        try:
+            worst, what = CHECKS[step](device, *key)
+        except torch.cuda.OutOfMemoryError:
+            if not any(k[:2] == (step, device) for k in _RETRY):
+                warnings.warn(f"no memory on {device} to check the {label} ({_named(key)}): torch's operations "
+                              f"serve it until the check runs (asked again after {RETRY_S:.0f} s)", stacklevel=4)
+            return None
+        except Exception as e:  # a compiler or driver that cannot build or run it
+            failure = e
+        finally:
+            try:  # a kernel that failed may leave the split counters the products share (`counters`) set
                 from .layout_kernels import counters
 
                 counters(device, 1).zero_()
-    except torch.cuda.OutOfMemoryError:
-        return None
-    except Exception as e:  # a compiler or driver that cannot build or run it
-        warnings.warn(f"the {label} cannot run on {device} for ({_named(key)}) ({type(e).__name__}: {e}); "
-                      "torch's operations serve it instead", stacklevel=4)
+            except Exception:  # a faulted device: its own error is the one to report
+                if failure is None:
+                    raise
+    if failure is not None:
+        if _faulted(device):
+            warnings.warn(f"the {label} faulted on {device} for ({_named(key)}) ({type(failure).__name__}: "
+                          f"{failure}); the device may run nothing more in this process: restart with "
+                          "MM3_KERNELS=off to leave the pack's GPU kernels out", stacklevel=4)
+        else:
+            warnings.warn(f"the {label} cannot run on {device} for ({_named(key)}) ({type(failure).__name__}: "
+                          f"{failure}); torch's operations serve it instead", stacklevel=4)
         return False
     if not worst <= 1.0:  # NaN too
         warnings.warn(f"the {label} computes wrongly on {device} for ({_named(key)}) ({what}: {worst:.3g} times "
                       "its bound); torch's operations serve it instead", stacklevel=4)
         return False
     return True
+
+
+def _faulted(device: torch.device) -> bool:
+    """Whether a CUDA device is left unusable (a kernel's illegal access poisons its context: every
+    later call fails), as against a kernel that merely could not be built or launched."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        return True
+    return False
 
 
 def _named(key: tuple) -> str:
@@ -136,9 +170,16 @@ def _norms(device, dtype, n):
     w = (torch.rand(n, generator=g) + 0.5).to(dtype)
     eps, ulp, near = 1e-6, _ULP[dtype], _near(dtype)
     got = norm_kernels.rms_norm(x.to(device), w.to(device), eps)
+    # heads of a fused q/k/v output's rows: three levels of strides (rows, positions, heads)
+    wide = _random(g, 2, 5, 4 * n, dtype=dtype)
+
+    def view(t):
+        return t[:, :3, :2 * n].unflatten(-1, (2, n))
+    strided = norm_kernels.rms_norm(view(wide.to(device)), w.to(device), eps)
     summed, normed = norm_kernels.add_rms_norm(x.to(device), delta.to(device), w.to(device), eps)
     want_sum = x + delta
     return max((_off(got, _normed(x, w, eps), near, 1e-6), "rms_norm"),
+               (_off(strided, _normed(view(wide), w, eps), near, 1e-6), "rms_norm of strided rows"),
                (_off(summed, want_sum, ulp, 1e-6), "the residual sum"),
                (_off(normed, _normed(want_sum, w, eps), near, 1e-6), "the norm after the residual"))
 
@@ -162,7 +203,7 @@ def _attention(device, dtype, heads, kv_heads, d, group, whole):
     keys), over a cache of 16-bit values or (`group` > 0) int8 codes with a float32 scale a group,
     filled over three splits of keys, against torch's arithmetic: the rotated queries and the written
     key and value, then the float64 attention of the same values (the new key and value those the
-    kernel wrote). Each key head's new key is its first query head's, so that position weighs."""
+    kernel wrote)."""
     from . import attention_kernels
 
     g = torch.Generator().manual_seed(2)
@@ -171,10 +212,14 @@ def _attention(device, dtype, heads, kv_heads, d, group, whole):
     pos = cap - 43
     group_of = heads // kv_heads if heads % kv_heads == 0 else 1
     q = _random(g, b, heads, d, dtype=dtype)
-    k = q[:, ::group_of][:, :kv_heads].clone() if kv_heads <= heads else _random(g, b, kv_heads, d, dtype=dtype)
+    # each key head's new key partly its first query head's (3 / sqrt(d) of it): a weight of a few
+    # percent among the cached keys, so neither it nor they go unnoticed
+    a = min(1.0, 3 * d ** -0.5)
+    first = q.float()[:, ::group_of][:, :kv_heads] if kv_heads <= heads else torch.randn(b, kv_heads, d, generator=g)
+    k = (a * first + (1 - a * a) ** 0.5 * torch.randn(b, kv_heads, d, generator=g)).to(dtype)
     v = _random(g, b, kv_heads, d, dtype=dtype)
     qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)[:, None]
-    norm = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    q_norm, k_norm = ((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2))
     angles = torch.arange(d // 2, dtype=torch.float32) * 0.37 + 0.1
     angles = torch.cat((angles, angles))
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -186,14 +231,14 @@ def _attention(device, dtype, heads, kv_heads, d, group, whole):
     else:
         caches = [_random(g, b, kv_heads, cap, d, dtype=dtype) for _ in range(2)]
         scales, values = None, [c.float() for c in caches]
-    want_q, want_k = (_rotated(_normed(t, norm, eps), cos, sin) for t in (q, k))
+    want_q, want_k = (_rotated(_normed(t, w, eps), cos, sin) for t, w in ((q, q_norm), (k, k_norm)))
 
     def on_device():
         return ([c.clone().to(device) for c in caches],
                 None if scales is None else tuple(t.clone().to(device) for t in scales))
 
     pos_d, qkv_d = torch.tensor([pos], device=device), qkv.to(device)
-    args = (norm.to(device), norm.to(device), eps, cos.to(device), sin.to(device))
+    args = (q_norm.to(device), k_norm.to(device), eps, cos.to(device), sin.to(device))
     ulp, near = _ULP[dtype], _near(dtype)
     (ck, cv), sc = on_device()
     rotated = attention_kernels.prepare(qkv_d[:, 0, :heads * d], qkv_d[:, 0, heads * d:(heads + kv_heads) * d],
@@ -217,9 +262,11 @@ def _attention(device, dtype, heads, kv_heads, d, group, whole):
         vals = torch.cat((values[1][:, :, :pos], new_v.double()[:, :, None]), dim=2)
         want = _attend(want_q.double(), keys.double(), vals.double(), scale)
         # the output's own rounding (relative), the softmax weights rounded to the compute dtype for the
-        # values (absolute: a quarter unit of the weights); float32: the exponentials and the sums' order
+        # values (absolute: a quarter unit of the weights) and from an 8-bit cache the keys and values
+        # too (half a unit); float32: the exponentials and the sums' order
+        rounding = max(ulp / 4 + (ulp / 2 if group else 0.0), 2.0 ** -16)
         results.append((_off(out.reshape(b, heads, d), want, max(ulp, 2.0 ** -16),
-                             float(max(ulp / 4, 2.0 ** -16) * vals.abs().mean())), f"{name}'s attention"))
+                             float(rounding * vals.abs().mean())), f"{name}'s attention"))
     return max(results)
 
 
@@ -324,20 +371,24 @@ def _feedback(device, dtype, lm_name, audio_name, k, ncb, repeat, index_dtype):
 
 
 def _draw(device, dtype, n, rows_per_song, gate, coded, excluded):
-    """Guided top-k draws over n logits against the float64 chain, 64 songs: the index drawn must
-    have a ratio p / q within float32's rounding of the best (1e-5 relative); with `coded`, its code
-    and END flag as `semantic_draw` makes them. Most songs' exponentials are tiny at one column a
-    wrong kernel would draw, or a right one must: an excluded column, the one ranked top_k + 1, one
-    gated out, the one ranked top_k."""
+    """Guided top-k draws over n logits against the float64 chain, 64 songs (logits and exponentials
+    read from rows wider than n, as the frame's are): the index drawn must have a ratio p / q within
+    float32's rounding of the best (1e-5 relative); with `coded`, its code (clamped at 0) and END flag
+    as `semantic_draw` makes them from such an index. Most songs' exponentials are tiny at one column
+    a wrong kernel would draw, or a right one must: the excluded column a kernel ignoring exclusions
+    would rank first, the one ranked top_k + 1, the best gated out, the one ranked top_k, the last
+    conditional logit the gate keeps and the first it does not."""
     from . import draw_kernels
 
     g = torch.Generator().manual_seed(6)
     songs, cfg, top_k = 64, 1.7, max(1, min(50, n // 2))
-    logits = (torch.randn(songs * rows_per_song, n, generator=g) * 0.5).to(dtype)  # flat: every draw counts
+    wide = (torch.randn(songs * rows_per_song, n + 3, generator=g) * 0.5).to(dtype)  # flat: every draw counts
+    logits = wide[:, :n]
     mask = torch.zeros(n, dtype=torch.bool)
     if excluded:
         mask[torch.randperm(n, generator=g)[:max(1, n // 8)]] = True
     rows = logits.float().view(songs, rows_per_song, n)
+    unguided = rows[:, 1] + (rows[:, 0] - rows[:, 1]) * cfg if rows_per_song == 2 else rows[:, 0]
     c = rows[:, 0].masked_fill(mask, float("-inf"))
     guided = rows[:, 1] + (c - rows[:, 1]) * cfg if rows_per_song == 2 else c
     gated_out = c < c.topk(top_k, dim=-1).values[:, -1:] if gate else torch.zeros_like(c, dtype=torch.bool)
@@ -345,34 +396,36 @@ def _draw(device, dtype, n, rows_per_song, gate, coded, excluded):
     fill = float(draw_kernels.NAN_FILL.value)  # the reference's nan_to_num bounds
     guided = guided.masked_fill(mask, float("-inf")).nan_to_num(-fill, fill, -fill)
     p = guided.double().masked_fill(guided < guided.topk(top_k, dim=-1).values[:, -1:], float("-inf")).softmax(-1)
-    q = torch.empty(songs, n).exponential_(1.0, generator=g)
+    q_wide = torch.empty(songs, n + 5).exponential_(1.0, generator=g)
+    q = q_wide[:, :n]
     order = guided.argsort(dim=-1, descending=True, stable=True)
     for song in range(songs):
         traps = [order[song, top_k - 1]]  # ranked top_k: drawn (a kernel keeping top_k - 1 would not)
         if n > top_k:
             traps.append(order[song, top_k])  # ranked top_k + 1: kept only where it ties the k-th
         if excluded:
-            traps.append(mask.nonzero()[song % int(mask.sum()), 0])
+            traps.append(unguided[song].masked_fill(~mask, float("-inf")).argmax())
         if gate and gated_out[song].any():
-            unguided = rows[song, 1] + (rows[song, 0] - rows[song, 1]) * cfg if rows_per_song == 2 else rows[song, 0]
-            traps.append(unguided.masked_fill(~gated_out[song] | mask, float("-inf")).argmax())
+            traps.append(unguided[song].masked_fill(~gated_out[song] | mask, float("-inf")).argmax())
+            by_c = c[song].argsort(descending=True, stable=True)
+            traps += [by_c[top_k - 1], by_c[top_k]]  # the last conditional logit the gate keeps, the first it does not
         if song % 5:  # one song in five keeps its plain exponentials
             q[song, traps[song % len(traps)]] = 1e-6
-    start, offset = (2, 1) if coded else (0, 0)  # codes are the index + 1; END is the index 7
-    drawn = draw_kernels.draw(logits.to(device), rows_per_song, cfg, top_k, q.to(device),
-                              mask.to(device) if excluded else None, gate,
-                              (start, offset, start + 7) if coded else None)
+    start, offset, end_id = 2, 5, 9  # codes: the index - 3, at least 0; END: the index 7
+    drawn = draw_kernels.draw(wide.to(device)[:, :n], rows_per_song, cfg, top_k, q_wide.to(device)[:, :n],
+                              mask.to(device) if excluded else None, gate, (start, offset, end_id) if coded else None)
     ratio = p / q.double()
+    best = ratio.max(-1).values
+    fair = ratio >= best[:, None] * (1 - 1e-5)  # the indices a right kernel may draw: the best, to rounding
     if coded:
         codes, end = (t.cpu() for t in drawn)
-        got = codes + offset - start
-        if not bool(((codes >= 1) & (end == (got == 7))).all()):  # every code is the index + 1 here
-            return float("inf"), "the codes and END flags"
-    else:
-        got = drawn.cpu()
+        index = torch.arange(n)
+        made = ((index + start - offset).clamp_min(0)[None, :] == codes[:, None]) & \
+            ((index + start == end_id)[None, :] == end[:, None])
+        return (0.0 if bool((made & fair).any(-1).all()) else float("inf")), "the codes and END flags drawn"
+    got = drawn.cpu()
     if not bool(((got >= 0) & (got < n)).all()):
         return float("inf"), "the index drawn"
-    best = ratio.max(-1).values
     at = ratio.gather(1, got[:, None])[:, 0]
     return float(((best - at) / (1e-5 * best)).max()), "the index drawn"
 

@@ -36,7 +36,7 @@ CASES = [("norms", (B16, 256)), ("norms", (torch.float32, 64)), ("norms", (torch
          ("rope", (B16, 64)), ("rope", (torch.float32, 128)),
          ("attention", (B16, 4, 2, 32, 0, True)), ("attention", (torch.float32, 4, 2, 32, 0, True)),
          ("attention", (B16, 4, 2, 32, 32, True)), ("attention", (torch.float16, 8, 2, 16, 16, True)),
-         ("attention", (B16, 4, 2, 8, 0, False)),
+         ("attention", (B16, 8, 8, 128, 0, True)), ("attention", (B16, 4, 2, 8, 0, False)),
          ("short", (B16, 2, 32, 1, 9)), ("short", (torch.float32, 2, 16, 3, 9)),
          ("lookup", (B16, "Q4_K", 256, 2, I64)), ("lookup", (torch.float32, "Q8_0", 64, 1, I32)),
          ("lookup", (B16, "BF16", 64, 1, I64)),
@@ -109,6 +109,11 @@ def _wrong_kernels():
     return [
         ("a decode missing the new position", ("attention", ATTENTION), attention_kernels, "decode",
          _missing_the_new_position),
+        ("a decode of one query a key head missing the new position", ("attention", (B16, 8, 8, 128, 0, True)),
+         attention_kernels, "decode", _missing_the_new_position),
+        ("a preparation with the q and k norms swapped", ("attention", (B16, 8, 8, 128, 0, True)), attention_kernels,
+         "prepare", _norms_swapped),
+        ("a norm reading strided rows as dense", ("norms", (B16, 128)), norm_kernels, "rms_norm", _dense),
         ("a preparation writing scales 10 % large", ("attention", (B16, 4, 2, 32, 32, True)), attention_kernels,
          "prepare", _scales_off),
         ("a rotation table one position on", ("rope", (B16, 64)), attention_kernels, "rope_table",
@@ -125,6 +130,24 @@ def _wrong_kernels():
     ]
 
 
+def _norms_swapped(real):
+    names = real.__code__.co_varnames[:real.__code__.co_argcount]
+
+    def swapped(*args, **kwargs):
+        bound = dict(zip(names, args), **kwargs)
+        bound["q_norm"], bound["k_norm"] = bound["k_norm"], bound["q_norm"]
+        return real(**bound)
+    return swapped
+
+
+def _dense(real):
+    """A norm that reads its rows as if they were dense, whatever their strides."""
+    def dense(x, *args, **kwargs):
+        strides = torch.empty(x.shape).stride()
+        return real(torch.as_strided(x, x.shape, strides, x.storage_offset()), *args, **kwargs)
+    return dense
+
+
 def _scales_off(real, factor=1.1):
     """A preparation whose written 8-bit scales come out `factor` times too large."""
     names = real.__code__.co_varnames[:real.__code__.co_argcount]
@@ -138,12 +161,13 @@ def _scales_off(real, factor=1.1):
     return prepare
 
 
-@pytest.mark.parametrize("case", range(10), ids=lambda i: _wrong_kernels()[i][0].replace(" ", "-"))
+@pytest.mark.parametrize("case", range(13), ids=lambda i: _wrong_kernels()[i][0].replace(" ", "-"))
 def test_each_check_catches_a_subtly_wrong_kernel(case, monkeypatch):
     """Each check's bound is tight enough for the faults a kernel plausibly has: a key count one
-    short, an 8-bit scale written 10 % off, the rotation of the next position, the attention's scale 10 %
-    off, the wrong table rows, a draw keeping one candidate too few or too many, or ignoring its
-    exclusions, its gate or its guidance."""
+    short (heads grouped, or one query a key head of 128 values), the q and k norms swapped, a
+    norm blind to its rows' strides, an 8-bit scale written 10 % off, the rotation of the next
+    position, the attention's scale 10 % off, the wrong table rows, a draw keeping one candidate
+    too few or too many, or ignoring its exclusions, its gate or its guidance."""
     name, (step, key), module, function, wrong = _wrong_kernels()[case]
     monkeypatch.setattr(module, function, wrong(getattr(module, function)))
     with pytest.warns(UserWarning, match=f"GPU {step} kernel computes wrongly"):
@@ -208,6 +232,36 @@ def test_a_failed_check_leaves_the_products_counters_zero(monkeypatch):
     with pytest.warns(UserWarning, match="attention kernel cannot run"):
         assert not step_checks.serves("attention", DEVICE, *ATTENTION)
     assert not counters(DEVICE, 8).any()
+
+
+def test_a_fault_that_leaves_the_device_unusable_says_how_to_run_without_the_kernels(monkeypatch):
+    """An illegal access poisons a CUDA context: torch cannot serve either, so the warning says to
+    restart with the pack's GPU kernels off (here the fault is simulated: the device answers as
+    a poisoned one would)."""
+    def faulting(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(norm_kernels, "rms_norm", faulting)
+    monkeypatch.setattr(step_checks, "_faulted", lambda device: True)
+    with pytest.warns(UserWarning, match=r"norms kernel faulted on .*illegal memory access.*MM3_KERNELS=off"):
+        assert not step_checks.serves("norms", DEVICE, B16, 64)
+
+
+def test_a_check_out_of_memory_lets_torch_serve_and_is_asked_again_later(monkeypatch):
+    real, calls = step_checks.CHECKS["norms"], []
+
+    def short_of_memory(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(*args)
+    monkeypatch.setitem(step_checks.CHECKS, "norms", short_of_memory)
+    monkeypatch.setattr(step_checks, "_RETRY", {})
+    with pytest.warns(UserWarning, match="no memory on .* to check the GPU norms kernel"):
+        assert not step_checks.serves("norms", DEVICE, B16, 64)
+    assert not step_checks.serves("norms", DEVICE, B16, 64) and len(calls) == 1  # not asked again at once
+    monkeypatch.setattr(step_checks, "RETRY_S", 0.0)
+    monkeypatch.setattr(step_checks, "_RETRY", {})
+    assert step_checks.serves("norms", DEVICE, B16, 64) and len(calls) == 2
 
 
 def test_a_check_runs_once_a_process_and_its_launches_are_not_counted(monkeypatch):
