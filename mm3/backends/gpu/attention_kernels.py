@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .emulation import interpreted
+from .interpreter import interpreted
 from .layout_kernels import counters
 from .norm_kernels import cast, largest, warps
 

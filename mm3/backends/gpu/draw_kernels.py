@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .emulation import interpreted
+from .interpreter import interpreted
 
 FP_FUSION = False  # launch option: `u + (c - u) * cfg` rounded twice, as torch computes it
 NAN_FILL = tl.constexpr(1e9)  # `mm3.plan.sampling.NAN_FILL`: nan_to_num's bounds

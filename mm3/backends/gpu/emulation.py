@@ -10,18 +10,13 @@ layout's kernels. It needs `TRITON_INTERPRET=1` in the environment before Triton
 from __future__ import annotations
 
 import contextlib
-import os
 from contextlib import contextmanager
 
 import torch
 
+from .interpreter import interpreted
+
 _ON = [False]
-
-
-def interpreted() -> bool:
-    """Whether Triton's kernels run under its interpreter (`TRITON_INTERPRET=1`): on the CPU, with
-    numpy's arithmetic where a GPU has its own conversions and functions."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def active() -> bool:

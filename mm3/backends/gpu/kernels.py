@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ... import switches
 from ...weights.binding import indexed_device
-from .emulation import interpreted
+from .interpreter import interpreted
 
 # Kernel type codes (constexpr in the kernel) for the types it reads.
 CODES = {QT.F32: 0, QT.F16: 0, QT.BF16: 0, QT.Q8_0: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q5_0: 4, QT.Q5_1: 5,

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as QT
 
 from . import device_layout as dl
 from ... import switches
-from .emulation import interpreted
+from .interpreter import interpreted
 from .kernels import CODES, FLOAT_DTYPES as FLOATS  # the kernels' type codes, shared
 from ...weights.binding import indexed_device
 
