@@ -190,6 +190,9 @@ class MM3Request:
             v = getattr(self, name)
             if not math.isfinite(v):  # NaN / Infinity (JSON 1e400)
                 raise RequestError(f"{name} must be a finite number, got {v}")
+        if self.min_duration < 0:  # before the plan's settings, which hold it as frames
+            raise RequestError(f"min_duration must be between 0 and the duration {self.duration:g} s, "
+                               f"got {self.min_duration:g}")
         # The seeds may still be -1 (random): the synthesis is checked with a resolved one.
         self._settings(SynthSettings, **self._synth_fields(seed=max(self.seed, 0)))
         # A replay plans nothing: its duration was checked above, the rest of its plan here.
@@ -273,9 +276,6 @@ class MM3Request:
     def _check_extensions(self, plan: PlanSettings):
         """The fields beyond the reference that join other fields (`plan`: the plan's settings)."""
         self.takes_setting()
-        if self.min_duration < 0:
-            raise RequestError(f"min_duration must be between 0 and the duration {self.duration:g} s, "
-                               f"got {self.min_duration:g}")
         if not self.audio_codes and not self.continue_codes:
             self._check(check_plan_start, plan)
         self.lyric_heads()

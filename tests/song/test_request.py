@@ -59,6 +59,7 @@ def test_corpus_requests_parse_and_validate(corpus):
     ('{"caption": "x", "lyrics": "y", "lm_top_k": 0}', "lm_top_k must be at least 1, got 0"),
     ('{"caption": "x", "lyrics": "y", "mp3_bitrate": 100}', "mp3_bitrate must be one of 32, 40"),
     ('{"caption": "x", "lyrics": "y", "seed": -2}', "seed must be -1 (random) or 0..4294967295, got -2"),
+    ('{"caption": "x", "lyrics": "y", "min_duration": -1}', "min_duration must be between 0 and the duration"),
 ])
 def test_validation_errors(text, message):
     with pytest.raises(RequestError) as e:
