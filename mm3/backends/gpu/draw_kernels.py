@@ -28,6 +28,7 @@ from .interpreter import interpreted
 
 FP_FUSION = False  # launch option: `u + (c - u) * cfg` rounded twice, as torch computes it
 NAN_FILL = tl.constexpr(1e9)  # `mm3.plan.sampling.NAN_FILL`: nan_to_num's bounds
+MAX_BLOCK = 4096  # logits a program holds in registers at once: a longer row (the LM's) is read block by block
 
 
 @triton.jit
@@ -220,7 +221,7 @@ def draw(logits: torch.Tensor, rows_per_song: int, cfg: float, top_k: int, q: to
     out = torch.empty(songs, dtype=torch.int64, device=logits.device)
     end = torch.empty(songs, dtype=torch.bool, device=logits.device) if coded else out
     start, offset, end_id = coded or (0, 0, 0)
-    block = min(4096, 1 << (n - 1).bit_length())
+    block = min(MAX_BLOCK, 1 << (n - 1).bit_length())
     if songs:
         draw_top_k_kernel[(songs,)](
             logits, q, logits if excluded is None else excluded, out, end, n, logits.stride(0), q.stride(0),

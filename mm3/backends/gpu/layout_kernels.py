@@ -467,11 +467,11 @@ def _added_rows(xd, weight, qtype, k, values, norm, residual, dtype, device, g) 
     x = xd.cpu()
     repeat = [i % 2 for i in range(rows)]
     normed = torch_rms_norm(x + positions[repeat], (norm, 1e-6))
-    product = x.double() @ values.to(dtype).double().T
+    w = values.to(dtype).double().T
     return [(linear(xd, weight, qtype, k, norm=(norm.to(device), 1e-6), add=positions.to(device)),
-             normed.double() @ values.to(dtype).double().T, "the norm's inputs plus rows"),
+             normed.double() @ w, "the norm's inputs plus rows"),
             (linear(xd, weight, qtype, k, residual=residual.to(device), add=to_residual.to(device)),
-             (residual + to_residual[repeat]).double() + product, "the residual plus rows")]
+             (residual + to_residual[repeat]).double() + x.double() @ w, "the residual plus rows")]
 
 
 def _sample(qtype: QT, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

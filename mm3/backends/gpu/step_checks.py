@@ -152,8 +152,9 @@ def _random(g: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
 
 def _normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x's rows (the CPU, x's dtype) in the models' torch arithmetic."""
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    from .layout_kernels import torch_rms_norm
+
+    return torch_rms_norm(x, (w, eps))
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
